@@ -1,0 +1,214 @@
+"""Turn a Hugging Face causal LM into the engine's list of layers.
+
+One generic adapter serves every supported family: the families share the same skeleton
+(``model.embed_tokens``, ``model.layers``, ``model.norm``, ``model.rotary_emb``, ``lm_head``)
+and differ only in their config (sliding windows, per-layer attention types), which is read
+here. A ``peft`` wrapper (LoRA) is unwrapped to that skeleton; the LoRA modules stay inside the
+decoder blocks and are ordinary parameters of those layers.
+
+Layer 0 is the input layer (token embeddings), layers 1..B are the decoder blocks and layer
+B+1 is the output layer (final norm + LM head; the loss is computed next to it). The per
+micro-batch context every block needs — rotary tables, causal/padding masks, position ids — is
+rebuilt by each stage from the micro-batch's attention mask, so only hidden states travel
+between stages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
+
+
+class InputLayer(nn.Module):
+    """Token embeddings: ``input_ids [b, s] -> hidden [b, s, d]``."""
+
+    def __init__(self, embed_tokens: nn.Module) -> None:
+        super().__init__()
+        self.embed_tokens = embed_tokens
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)  # type: ignore[no-any-return]
+
+
+class OutputLayer(nn.Module):
+    """Final norm and LM head: ``hidden [b, s, d] -> logits [b, s, vocab]``."""
+
+    def __init__(self, norm: nn.Module, lm_head: nn.Module) -> None:
+        super().__init__()
+        self.norm = norm
+        self.lm_head = lm_head
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(hidden))  # type: ignore[no-any-return]
+
+
+@dataclass
+class Layer:
+    """One layer of the adapted model.
+
+    ``tensors`` maps the layer-local name of every parameter and buffer to the tensor of the
+    original model (the same object when a parameter is tied between two layers).
+    """
+
+    index: int
+    kind: str  # "input" | "block" | "output"
+    module: nn.Module
+    attention_type: str = "full_attention"
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class Context:
+    """What every decoder block of one micro-batch needs besides its hidden input."""
+
+    masks: dict[str, Any]
+    position_ids: torch.Tensor
+    position_embeddings: tuple[torch.Tensor, torch.Tensor]
+
+
+def _unwrap(hf_model: nn.Module) -> nn.Module:
+    """Return the ``*ForCausalLM`` inside a peft wrapper (or the model itself)."""
+    model = hf_model
+    for _ in range(3):
+        name = type(model).__name__
+        if name in SUPPORTED_ARCHITECTURES:
+            return model
+        inner = getattr(model, "base_model", None)
+        if name.startswith("Peft") and inner is not None:
+            model = inner
+            continue
+        inner = getattr(model, "model", None)
+        if name.endswith("Model") and "Lora" in name and inner is not None:
+            model = inner
+            continue
+        break
+    raise ValueError(
+        f"unsupported architecture {type(model).__name__}: the engine supports "
+        f"{', '.join(SUPPORTED_ARCHITECTURES)} (optionally wrapped by peft)"
+    )
+
+
+def _attention_type(config: Any, block_index: int) -> str:
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return str(layer_types[block_index])
+    if getattr(config, "sliding_window", None) is not None:
+        return "sliding_attention"
+    return "full_attention"
+
+
+class AdaptedModel:
+    """A causal LM seen as a list of layers plus the context builder blocks need.
+
+    Args:
+        hf_model: a supported ``*ForCausalLM``, possibly wrapped by ``peft.get_peft_model``.
+
+    Raises:
+        ValueError: the architecture is not supported.
+    """
+
+    def __init__(self, hf_model: nn.Module) -> None:
+        causal_lm = _unwrap(hf_model)
+        self.hf_model = hf_model
+        self.architecture = type(causal_lm).__name__
+        base = causal_lm.model
+        self.config = causal_lm.config
+        self.rotary = base.rotary_emb
+        blocks = list(base.layers[: self.config.num_hidden_layers])
+        self.layers: list[Layer] = [Layer(0, "input", InputLayer(base.embed_tokens))]
+        for i, block in enumerate(blocks):
+            self.layers.append(Layer(i + 1, "block", block, _attention_type(self.config, i)))
+        self.layers.append(Layer(len(blocks) + 1, "output", OutputLayer(base.norm, causal_lm.lm_head)))
+        for layer in self.layers:
+            for name, p in layer.module.named_parameters(remove_duplicate=False):
+                layer.tensors[name] = p
+            for name, b in layer.module.named_buffers(remove_duplicate=False):
+                layer.tensors[name] = b
+        self.attention_types = sorted({layer.attention_type for layer in self.layers[1:-1]})
+        self.vocab_size = int(self.config.vocab_size)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def full_names(self) -> dict[int, list[str]]:
+        """Map ``id(tensor)`` to every name it has in ``hf_model.state_dict()`` order."""
+        names: dict[int, list[str]] = {}
+        for name, p in self.hf_model.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), []).append(name)
+        for name, b in self.hf_model.named_buffers(remove_duplicate=False):
+            names.setdefault(id(b), []).append(name)
+        return names
+
+    def build_context(
+        self, rotary: nn.Module, hidden: torch.Tensor, attention_mask: torch.Tensor | None
+    ) -> Context:
+        """Masks, position ids and rotary tables for one micro-batch, on ``hidden``'s device.
+
+        Uses the same mask functions as the model's own forward, so the engine attends exactly
+        like the unsplit model.
+        """
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+        seq = hidden.shape[1]
+        position_ids = torch.arange(seq, device=hidden.device).unsqueeze(0)
+        kwargs = {
+            "config": self.config,
+            "inputs_embeds": hidden,
+            "attention_mask": attention_mask,
+            "cache": None,
+            "position_ids": position_ids,
+        }
+        masks: dict[str, Any] = {}
+        for kind in self.attention_types:
+            fn = create_sliding_window_causal_mask if kind == "sliding_attention" else create_causal_mask
+            masks[kind] = fn(**kwargs)
+        position_embeddings = rotary(hidden, position_ids)
+        return Context(masks, position_ids, position_embeddings)
+
+
+def run_layer(layer: Layer, call: Callable[..., Any], x: torch.Tensor, ctx: Context | None) -> torch.Tensor:
+    """Run one layer on ``x``; ``call(*args, **kwargs)`` invokes (a copy of) ``layer.module``."""
+    if layer.kind != "block":
+        return call(x)  # type: ignore[no-any-return]
+    if ctx is None:
+        raise RuntimeError(f"layer {layer.index}: a decoder block needs its context")
+    out = call(
+        x,
+        attention_mask=ctx.masks[layer.attention_type],
+        position_embeddings=ctx.position_embeddings,
+        position_ids=ctx.position_ids,
+        cache=None,
+        use_cache=False,
+    )
+    return out[0] if isinstance(out, tuple) else out
+
+
+def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum of the next-token cross entropy over label tokens != -100 (fp32).
+
+    ``logits [b, s, vocab]`` predict ``labels`` shifted by one, as the model's own loss does.
+    """
+    shift_logits = logits[:, :-1, :].float().reshape(-1, logits.shape[-1])
+    shift_labels = labels[:, 1:].reshape(-1).to(shift_logits.device)
+    return nn.functional.cross_entropy(shift_logits, shift_labels, ignore_index=-100, reduction="sum")
+
+
+def count_label_tokens(labels: torch.Tensor) -> int:
+    """Number of tokens the loss is taken over (shifted labels != -100)."""
+    return int((labels[:, 1:] != -100).sum().item())
+
+
+def uses_dropout(model: nn.Module, config: Any) -> bool:
+    """Whether a forward of ``model`` in its current mode consumes random numbers."""
+    if not model.training:
+        return False
+    if any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules()):
+        return True
+    return bool(getattr(config, "attention_dropout", 0.0))

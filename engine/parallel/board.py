@@ -1,0 +1,123 @@
+"""The shared blackboard of one engine: what the worker and optimizer threads wait on.
+
+Everything here is guarded by one condition variable; every change wakes every waiter, and
+every wait re-raises the engine's failure or its iteration's cancellation, so no thread can be
+left blocked on an error elsewhere.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.parallel.partition import Plan
+from engine.parallel.schedule import SlotRun
+
+
+class EngineError(RuntimeError):
+    """A worker or the optimizer failed; the message names the stage and the worker."""
+
+
+class Cancelled(RuntimeError):
+    """The cancel flag was set; the iteration stopped between micro-batches."""
+
+
+@dataclass
+class MicroBatch:
+    input_ids: Any
+    labels: Any
+    attention_mask: Any
+
+
+@dataclass
+class Iteration:
+    """One ``forward_backward`` call: its schedule, inputs and in-flight tensors."""
+
+    serial: int
+    version: int
+    plan: Plan
+    runs: list[SlotRun]
+    microbatches: list[MicroBatch]
+    total_tokens: int
+    rounds: list[tuple[int, ...]]
+    seed: int
+    checkpoints: frozenset[int]
+    profile: bool = False
+    acts: dict[tuple[int, int], tuple[Any, Any]] = field(default_factory=dict)
+    act_uses: dict[tuple[int, int], int] = field(default_factory=dict)
+    grads: dict[tuple[int, int], tuple[Any, Any]] = field(default_factory=dict)
+    loss_sums: dict[int, float] = field(default_factory=dict)
+    remaining: int = 0
+    aborted: BaseException | None = None
+    busy_s: dict[int, float] = field(default_factory=dict)
+    stage_s: dict[str, float] = field(default_factory=dict)
+    layer_fwd_s: dict[int, float] = field(default_factory=dict)
+    layer_bwd_s: dict[int, float] = field(default_factory=dict)
+    started: float = 0.0
+    finished: float = 0.0
+
+
+class Board:
+    """Condition variable plus the state threads coordinate through."""
+
+    def __init__(self, num_owners: int) -> None:
+        self.cv = threading.Condition()
+        self.error: BaseException | None = None
+        # latest weights version published per optimizer unit, and uploads still to read each one
+        self.version = [0] * num_owners
+        self.outstanding: dict[tuple[int, int], int] = {}
+        # gradient contributions: (iteration serial, round, layer) -> {tensor key: (grad, event)}
+        self.deposits: dict[tuple[int, int, int], dict[int, tuple[Any, Any]]] = {}
+
+    def fail(self, exc: BaseException) -> None:
+        with self.cv:
+            if self.error is None:
+                self.error = exc
+            self.cv.notify_all()
+
+    def check(self, it: Iteration | None = None) -> None:
+        """Raise the engine's failure, or the iteration's cancellation (caller holds cv)."""
+        if self.error is not None:
+            raise self.error
+        if it is not None and it.aborted is not None:
+            raise it.aborted
+
+    def wait_for(self, ready: Callable[[], bool], it: Iteration | None = None) -> None:
+        """Block until ``ready()`` (evaluated under the lock), failure or cancellation."""
+        with self.cv:
+            while True:
+                self.check(it)
+                if ready():
+                    return
+                self.cv.wait(timeout=1.0)
+
+    def notify(self) -> None:
+        with self.cv:
+            self.cv.notify_all()
+
+    # -- versions of the compute copy ------------------------------------------------------
+    def register_uploads(self, owners: set[int], version: int) -> None:
+        with self.cv:
+            for o in owners:
+                self.outstanding[(o, version)] = self.outstanding.get((o, version), 0) + 1
+
+    def release_uploads(self, owners: set[int], version: int) -> None:
+        with self.cv:
+            for o in owners:
+                n = self.outstanding[(o, version)] - 1
+                if n:
+                    self.outstanding[(o, version)] = n
+                else:
+                    del self.outstanding[(o, version)]
+            self.cv.notify_all()
+
+    def versions_ready(self, owners: set[int], version: int) -> bool:
+        with self.cv:
+            return all(self.version[o] >= version for o in owners)
+
+    def set_version(self, owner: int, version: int) -> None:
+        with self.cv:
+            self.version[owner] = version
+            self.cv.notify_all()

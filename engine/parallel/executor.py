@@ -1,0 +1,384 @@
+"""Stage workers: one thread per device, running the slots the schedule hands it, in order.
+
+A worker is stateless between stages: it uploads a stage's weights from the host compute copy,
+runs every micro-batch of the round through it, sends activations, input gradients and weight
+gradients back to host memory, and forgets the stage. While it computes one stage it prefetches
+the next stage queued on it, its parameters cut into micro-batch windows (``plan_windows``),
+each window's copy queued behind that micro-batch's activation copy.
+
+Forward stages run without autograd and keep the hidden states at every boundary where a
+backward stage starts (its recompute input). The fused stage runs its layers, the loss and the
+backward together. A backward stage recomputes its layers from the kept input — with the same
+dropout seeds as the forward — and back-propagates the gradient arriving from the stage above.
+Backward runs layer by layer, so per-layer times can be measured for the partitioner.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import itertools
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.func import functional_call
+
+from engine.model.adapter import Layer, causal_lm_loss_sum, run_layer
+from engine.parallel.board import Cancelled, EngineError, Iteration
+from engine.parallel.partition import Stage
+from engine.parallel.schedule import SlotRun
+from engine.parallel.transfer import DeviceLink, plan_windows
+
+if TYPE_CHECKING:
+    from engine.roundpipe import RoundPipe
+
+# The CPU generator is shared by every CPU worker thread: seeding and drawing from it must not
+# interleave between threads, so a layer that uses dropout runs under this lock on the CPU.
+_CPU_RNG_LOCK = threading.Lock()
+
+Params = dict[int, dict[str, torch.Tensor]]  # layer -> local name -> device tensor
+
+
+def _meta_copy(module: torch.nn.Module) -> torch.nn.Module:
+    """A structural copy of ``module`` whose tensors take no memory (filled per stage)."""
+    memo: dict[int, Any] = {}
+    for t in itertools.chain(module.parameters(), module.buffers()):
+        stand_in = torch.empty_like(t, device="meta")
+        memo[id(t)] = (
+            torch.nn.Parameter(stand_in, t.requires_grad) if isinstance(t, torch.nn.Parameter) else stand_in
+        )
+    return copy.deepcopy(module, memo)
+
+
+class Worker:
+    """One device of the pool and the thread that drives it."""
+
+    def __init__(self, index: int, device: torch.device, engine: RoundPipe) -> None:
+        self.index = index
+        self.device = device
+        self.engine = engine
+        self.board = engine.board
+        self.link = DeviceLink(device)
+        self.modules = [_meta_copy(layer.module) for layer in engine.adapted.layers]
+        self.rotary = copy.deepcopy(engine.adapted.rotary).to(device)
+        self.queue: deque[tuple[Iteration, SlotRun]] = deque()
+        self.prefetched: dict[int, tuple[Params, Any]] = {}
+        self.stopping = False
+        self.thread = threading.Thread(target=self._loop, name=f"roundpipe-worker-{index}", daemon=True)
+        self.thread.start()
+
+    def __repr__(self) -> str:
+        return f"worker {self.index} ({self.device})"
+
+    # -- queue -----------------------------------------------------------------------------
+    def enqueue(self, it: Iteration, run: SlotRun) -> None:
+        with self.board.cv:
+            self.queue.append((it, run))
+            self.board.cv.notify_all()
+
+    def stop(self) -> None:
+        with self.board.cv:
+            self.stopping = True
+            self.board.cv.notify_all()
+        self.thread.join()
+        self.prefetched.clear()
+
+    def _next(self) -> tuple[Iteration, SlotRun] | None:
+        with self.board.cv:
+            while not self.queue:
+                if self.stopping:
+                    return None
+                self.board.cv.wait(timeout=1.0)
+            return self.queue.popleft()
+
+    def _loop(self) -> None:
+        while (task := self._next()) is not None:
+            it, run = task
+            stage = it.plan.slots[run.slot]
+            owners = self._owners(stage)
+            released = [False]
+            try:
+                with self.board.cv:
+                    self.board.check(it)
+                self._run(it, run, stage, owners, released)
+            except Cancelled as exc:
+                with self.board.cv:
+                    it.aborted = it.aborted or exc
+            except BaseException as exc:
+                what = f"stage {stage.name} (layers {stage.start}-{stage.stop - 1}) on {self}"
+                self.board.fail(EngineError(f"{what}, iteration {it.serial}: {type(exc).__name__}: {exc}"))
+            finally:
+                if it.aborted is not None or self.board.error is not None:
+                    self.prefetched.clear()
+                if not released[0]:
+                    self.board.release_uploads(owners, it.version)
+                with self.board.cv:
+                    it.remaining -= 1
+                    if it.remaining == 0:
+                        it.finished = time.perf_counter()
+                    self.board.cv.notify_all()
+
+    def _owners(self, stage: Stage) -> set[int]:
+        host = self.engine.host
+        return set().union(*(host.layer_owners[i] for i in stage.layers))
+
+    # -- weights -----------------------------------------------------------------------------
+    def _allocate(self, stage: Stage) -> tuple[Params, list[tuple[Any, int]]]:
+        host = self.engine.host
+        params: Params = {}
+        sizes: list[tuple[Any, int]] = []
+        for i in stage.layers:
+            params[i] = {}
+            for local, k in host.layer_keys[i].items():
+                params[i][local] = self.link.empty_like(host.tensors[k].compute)
+                sizes.append(((i, local), host.tensors[k].compute.numel()))
+        return params, sizes
+
+    def _pieces(
+        self, params: Params, window: list[Any], version: int
+    ) -> list[tuple[torch.Tensor, torch.Tensor, int, int]]:
+        host = self.engine.host
+        out = []
+        for piece in window:
+            i, local = piece.key
+            src = host.tensors[host.layer_keys[i][local]].source(version)
+            out.append((src, params[i][local], piece.start, piece.stop))
+        return out
+
+    def _start_prefetch(self, num_windows: int) -> tuple[Any, Params, list[list[Any]], int] | None:
+        """Plan the next queued stage's upload if its weights are ready (never blocks)."""
+        with self.board.cv:
+            if not self.queue:
+                return None
+            it, run = self.queue[0]
+        if it.aborted is not None or id(run) in self.prefetched:
+            return None
+        stage = it.plan.slots[run.slot]
+        if not self.board.versions_ready(self._owners(stage), it.version):
+            return None
+        params, sizes = self._allocate(stage)
+        return run, params, plan_windows(sizes, num_windows), it.version
+
+    def _weights(
+        self, it: Iteration, run: SlotRun, stage: Stage, owners: set[int], released: list[bool]
+    ) -> Params:
+        """The stage's device weights: prefetched, or uploaded now once their version is ready."""
+        board = self.board
+        if id(run) in self.prefetched:
+            params, event = self.prefetched.pop(id(run))
+        else:
+            board.wait_for(lambda: all(board.version[o] >= it.version for o in owners), it)
+            params, sizes = self._allocate(stage)
+            event = self.link.copy_pieces(self._pieces(params, plan_windows(sizes, 1)[0], it.version), None)
+        self.link.wait(self.link.compute, event)
+        DeviceLink.host_wait(event)
+        board.release_uploads(owners, it.version)
+        released[0] = True
+        if stage.kind != "forward":
+            host = self.engine.host
+            for i in stage.layers:
+                for local, k in host.layer_keys[i].items():
+                    if host.tensors[k].trainable:
+                        params[i][local].requires_grad_(True)
+        return params
+
+    # -- one slot run --------------------------------------------------------------------------
+    def _run(self, it: Iteration, run: SlotRun, stage: Stage, owners: set[int], released: list[bool]) -> None:
+        params = self._weights(it, run, stage, owners, released)
+        prefetch = self._start_prefetch(len(run.microbatches))
+        accum: dict[tuple[int, str], torch.Tensor] = {}
+        losses: list[torch.Tensor] = []
+        spans: list[tuple[Any, Any]] = []
+        with self.link.on(self.link.compute):
+            for w, mb in enumerate(run.microbatches):
+                if self.engine.cancel is not None and self.engine.cancel.is_set():
+                    raise Cancelled(f"cancelled before micro-batch {mb} of stage {stage.name}")
+                x, after = self._stage_input(it, stage, mb)
+                if prefetch is not None:
+                    self.link.copy_pieces(self._pieces(prefetch[1], prefetch[2][w], prefetch[3]), after)
+                t0 = self._mark()
+                if stage.kind == "forward":
+                    self._forward(it, stage, mb, params, x)
+                else:
+                    loss = self._backward(it, stage, mb, params, x, accum)
+                    if loss is not None:
+                        losses.append(loss)
+                spans.append((t0, self._mark()))
+            if prefetch is not None:
+                self.prefetched[id(prefetch[0])] = (prefetch[1], self.link.record(self.link.param_up))
+            if stage.kind != "forward":
+                self._deposit(it, run, stage, params, accum)
+        loss_values = [float(v) for v in losses]
+        busy = sum(self._span(a, b) for a, b in spans)
+        with self.board.cv:
+            for mb, v in zip(run.microbatches, loss_values, strict=False):
+                it.loss_sums[mb] = v
+            it.busy_s[self.index] = it.busy_s.get(self.index, 0.0) + busy
+            it.stage_s[stage.name] = it.stage_s.get(stage.name, 0.0) + busy
+            self.board.cv.notify_all()
+
+    def _mark(self) -> Any:
+        """A point in time on the compute stream (an event on CUDA, a clock reading on the CPU)."""
+        return self.link.record(self.link.compute, timing=True) if self.link.is_cuda else time.perf_counter()
+
+    @staticmethod
+    def _span(a: Any, b: Any) -> float:
+        if isinstance(a, float):
+            return float(b - a)
+        b.synchronize()
+        return float(a.elapsed_time(b)) / 1000.0
+
+    def _elapsed(self, t0: float) -> float:
+        """Seconds since ``t0`` after the queued compute finished (profiling only)."""
+        if self.link.is_cuda:
+            self.link.compute.synchronize()
+        return time.perf_counter() - t0
+
+    def _stage_input(self, it: Iteration, stage: Stage, mb: int) -> tuple[torch.Tensor, Any]:
+        if stage.start == 0:
+            ids = self.link.upload(it.microbatches[mb].input_ids)
+            return ids, self.link.record(self.link.act_up)
+        key = (mb, stage.start)
+        self.board.wait_for(lambda: key in it.acts, it)
+        with self.board.cv:
+            host, event = it.acts[key]
+            it.act_uses[key] -= 1
+            if it.act_uses[key] == 0:
+                del it.acts[key], it.act_uses[key]
+        self.link.wait(self.link.act_up, event)
+        return self.link.upload(host), self.link.record(self.link.act_up)
+
+    def _publish(self, table: dict[tuple[int, int], Any], key: tuple[int, int], tensor: torch.Tensor) -> None:
+        host, event = self.link.download(tensor)
+        with self.board.cv:
+            table[key] = (host, event)
+            self.board.cv.notify_all()
+
+    @contextlib.contextmanager
+    def _rng(self, it: Iteration, mb: int, layer: int) -> Iterator[None]:
+        """Seed dropout per (iteration, micro-batch, layer), so a recompute draws the same masks."""
+        if not self.engine.dropout:
+            yield
+            return
+        seed = (it.seed * 1_000_003 + it.serial) * 1_000_003 + mb * 1_009 + layer
+        seed &= (1 << 62) - 1
+        if self.link.is_cuda:
+            torch.cuda.default_generators[self.device.index or 0].manual_seed(seed)
+            yield
+            return
+        with _CPU_RNG_LOCK:
+            torch.default_generator.manual_seed(seed)
+            yield
+
+    def _call(
+        self, it: Iteration, mb: int, layer: Layer, params: Params, x: torch.Tensor, ctx: Any
+    ) -> torch.Tensor:
+        module, tensors = self.modules[layer.index], params[layer.index]
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return functional_call(module, tensors, args, kwargs, tie_weights=False, strict=False)
+
+        with self._rng(it, mb, layer.index):
+            return run_layer(layer, call, x, ctx)
+
+    def _context(self, it: Iteration, mb: int, hidden: torch.Tensor) -> Any:
+        am = it.microbatches[mb].attention_mask
+        am_dev = None if am is None else self.link.upload(am)
+        return self.engine.adapted.build_context(self.rotary, hidden, am_dev)
+
+    def _forward(self, it: Iteration, stage: Stage, mb: int, params: Params, x: torch.Tensor) -> None:
+        layers = self.engine.adapted.layers
+        ctx = None if stage.start == 0 else self._context(it, mb, x)
+        with torch.no_grad():
+            for i in stage.layers:
+                t0 = time.perf_counter() if it.profile else 0.0
+                x = self._call(it, mb, layers[i], params, x, ctx)
+                if it.profile:
+                    it.layer_fwd_s[i] = it.layer_fwd_s.get(i, 0.0) + self._elapsed(t0)
+                if ctx is None:
+                    ctx = self._context(it, mb, x)
+                if i + 1 in it.checkpoints:
+                    self._publish(it.acts, (mb, i + 1), x)
+
+    def _backward(
+        self,
+        it: Iteration,
+        stage: Stage,
+        mb: int,
+        params: Params,
+        x: torch.Tensor,
+        accum: dict[tuple[int, str], torch.Tensor],
+    ) -> torch.Tensor | None:
+        layers = self.engine.adapted.layers
+        ctx = None if stage.start == 0 else self._context(it, mb, x)
+        saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+        with torch.enable_grad():
+            for i in stage.layers:
+                t0 = time.perf_counter() if it.profile else 0.0
+                inp = x if i == 0 else x.detach().requires_grad_(True)
+                x = self._call(it, mb, layers[i], params, inp, ctx)
+                if it.profile:
+                    it.layer_fwd_s[i] = it.layer_fwd_s.get(i, 0.0) + self._elapsed(t0)
+                if ctx is None:
+                    ctx = self._context(it, mb, x)
+                saved.append((inp, x))
+            loss_sum = None
+            if stage.kind == "fused":
+                labels = self.link.upload(it.microbatches[mb].labels)
+                loss_sum = causal_lm_loss_sum(x, labels)
+                top: torch.Tensor | None = loss_sum / it.total_tokens
+                grad: torch.Tensor | None = None
+            else:
+                key = (mb, stage.stop)
+                self.board.wait_for(lambda: key in it.grads, it)
+                with self.board.cv:
+                    host, event = it.grads.pop(key)
+                self.link.wait(self.link.act_up, event)
+                top, grad = None, self.link.upload(host)
+            for i, (inp, out) in zip(reversed(stage.layers), reversed(saved), strict=True):
+                t0 = time.perf_counter() if it.profile else 0.0
+                torch.autograd.backward(top if top is not None else out, grad)
+                if it.profile:
+                    it.layer_bwd_s[i] = it.layer_bwd_s.get(i, 0.0) + self._elapsed(t0)
+                top, grad = None, inp.grad
+        if stage.start > 0:
+            assert grad is not None
+            self._publish(it.grads, (mb, stage.start), grad)
+        if self.engine.fp32_accumulate:
+            for i in stage.layers:
+                for local, t in params[i].items():
+                    if t.grad is not None:
+                        acc = accum.get((i, local))
+                        if acc is None:
+                            accum[(i, local)] = t.grad.float()
+                        else:
+                            acc.add_(t.grad)
+                        t.grad = None
+        return None if loss_sum is None else loss_sum.detach()
+
+    def _deposit(
+        self,
+        it: Iteration,
+        run: SlotRun,
+        stage: Stage,
+        params: Params,
+        accum: dict[tuple[int, str], torch.Tensor],
+    ) -> None:
+        host = self.engine.host
+        for i in stage.layers:
+            contribution: dict[int, tuple[Any, Any]] = {}
+            for local, k in host.layer_keys[i].items():
+                if not host.tensors[k].trainable:
+                    continue
+                g = accum.pop((i, local), None) if self.engine.fp32_accumulate else params[i][local].grad
+                if g is None:
+                    g = torch.zeros_like(params[i][local], dtype=torch.float32)
+                contribution[k] = self.link.download(g, self.link.grad_down)
+            if contribution:
+                with self.board.cv:
+                    self.board.deposits[(it.serial, run.round, i)] = contribution
+                    self.board.cv.notify_all()

@@ -1,0 +1,484 @@
+"""RoundPipe: pipeline training with all state in host memory and stateless device workers.
+
+``RoundPipe(hf_model, EngineConfig(...))`` adapts a causal LM into layers, keeps its weights,
+fp32 masters, moments and gradients in host memory, and trains it over a pool of workers
+(CUDA devices, or ``"cpu"`` threads for testing) that receive stages round-robin.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from engine.metrics import NullSink, Sink
+from engine.model.adapter import AdaptedModel, count_label_tokens, uses_dropout
+from engine.parallel.board import Board, Cancelled, EngineError, Iteration, MicroBatch
+from engine.parallel.executor import Worker
+from engine.parallel.host import DTYPES, HostState
+from engine.parallel.optimizer import OptimizerWorker, StepJob
+from engine.parallel.partition import Plan, auto_partition
+from engine.parallel.planning import measured_costs, memory_costs
+from engine.parallel.schedule import build_schedule
+
+__all__ = ["Cancelled", "EngineConfig", "EngineError", "RoundPipe"]
+
+
+@dataclass
+class EngineConfig:
+    """How the engine trains. Invalid values raise ``ValueError`` naming the field.
+
+    Attributes:
+        devices: worker devices; ``"cpu"`` may repeat (each is a thread with its own stage
+            copies), ``"cuda:i"`` names a GPU.
+        num_microbatches: micro-batches per ``forward_backward`` call (M).
+        round_size: micro-batches per round (M_R >= number of workers); None = all of them.
+        optimizer: ``"adamw"`` (decoupled weight decay) or ``"sgd"``.
+        max_grad_norm: clip the global gradient norm to this (None: no clipping).
+        async_optimizer: staleness-1 mode: the optimizer step overlaps the next iteration.
+        compute_dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"`` (weights sent to workers).
+        partition: a manual plan ``{"forward": [...], "fused": n, "backward": [...]}`` in layers
+            (input layer + blocks + output layer); None = automatic.
+        memory_budget_bytes: per-stage memory limit for the automatic partition (None: 45% of the
+            smallest GPU's memory, unlimited on CPU workers).
+        calibration_steps: iterations whose per-layer times are measured before the automatic
+            partition is recomputed from them (0: keep the parameter-bytes proxy plan).
+        seed: seeds the dropout masks (per iteration, micro-batch and layer).
+    """
+
+    devices: list[str] = field(default_factory=lambda: ["cpu"])
+    num_microbatches: int = 4
+    round_size: int | None = None
+    optimizer: str = "adamw"
+    lr: float = 1e-4
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    momentum: float = 0.0
+    max_grad_norm: float | None = None
+    async_optimizer: bool = False
+    compute_dtype: str = "float32"
+    partition: dict[str, Any] | None = None
+    memory_budget_bytes: int | None = None
+    calibration_steps: int = 2
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        def bad(name: str, value: Any, want: str) -> ValueError:
+            return ValueError(f"EngineConfig.{name}={value!r}: {want}")
+
+        if not self.devices:
+            raise bad("devices", self.devices, "name at least one device")
+        for d in self.devices:
+            if not (d == "cpu" or d == "cuda" or (d.startswith("cuda:") and d[5:].isdigit())):
+                raise bad("devices", d, 'each device must be "cpu" or "cuda:N"')
+        if self.num_microbatches < 1:
+            raise bad("num_microbatches", self.num_microbatches, "must be >= 1")
+        if self.round_size is not None and self.round_size < 1:
+            raise bad("round_size", self.round_size, "must be >= 1 or None")
+        if self.optimizer not in ("adamw", "sgd"):
+            raise bad("optimizer", self.optimizer, 'must be "adamw" or "sgd"')
+        for name in ("lr", "eps", "weight_decay", "momentum"):
+            v = getattr(self, name)
+            if not (isinstance(v, int | float) and math.isfinite(v) and v >= 0):
+                raise bad(name, v, "must be a finite number >= 0")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise bad("betas", self.betas, "must be two numbers in [0, 1)")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise bad("max_grad_norm", self.max_grad_norm, "must be > 0 or None")
+        if self.compute_dtype not in DTYPES:
+            raise bad("compute_dtype", self.compute_dtype, f"must be one of {sorted(DTYPES)}")
+        if self.calibration_steps < 0:
+            raise bad("calibration_steps", self.calibration_steps, "must be >= 0")
+
+
+class RoundPipe:
+    """Train a Hugging Face causal LM with the RoundPipe schedule.
+
+    Args:
+        hf_model: a Llama/Qwen2/Qwen3/Mistral ``*ForCausalLM``, optionally peft-wrapped. The
+            engine takes over its weights: the model's parameters hold the compute copy.
+        config: the engine configuration.
+        sink: receives per-step metrics and events (called from the optimizer thread).
+        cancel: when set, running iterations stop between micro-batches (``Cancelled``).
+
+    Raises:
+        ValueError: unsupported architecture, bad config, CUDA asked for but absent.
+    """
+
+    def __init__(
+        self,
+        hf_model: torch.nn.Module,
+        config: EngineConfig,
+        *,
+        sink: Sink | None = None,
+        cancel: threading.Event | None = None,
+    ) -> None:
+        self.config = config
+        self.sink: Sink = sink or NullSink()
+        self.cancel = cancel
+        self._sink_lock = threading.Lock()
+        self.adapted = AdaptedModel(hf_model)
+        self.devices = [self._device(d) for d in config.devices]
+        self.dtype = DTYPES[config.compute_dtype]
+        self.fp32_accumulate = self.dtype != torch.float32
+        self.dropout = uses_dropout(hf_model, self.adapted.config)
+        is_cuda = any(d.type == "cuda" for d in self.devices)
+        self.host = HostState(
+            self.adapted, compute_dtype=self.dtype, pin=is_cuda, double_buffer=config.async_optimizer
+        )
+        self.board = Board(self.host.num_layers)
+        self.plan: Plan | None = None
+        self._manual = config.partition is not None
+        if config.partition is not None:
+            self.plan = Plan.from_counts(self.host.num_layers, **config.partition)
+        self.steps = 0
+        self._serial = 0
+        self._rotation = 0
+        self._pending: list[Iteration] = []
+        self._inflight: list[Iteration] = []
+        self._steps_inflight: list[StepJob] = []
+        self._calibration: list[Iteration] = []
+        self._closed = False
+        self.last_grad_norm = float("nan")
+        self.workers: list[Worker] = []
+        self.optimizer = OptimizerWorker(self.host, self.board, config, self._on_step)
+        try:
+            self.workers = [Worker(i, d, self) for i, d in enumerate(self.devices)]
+        except BaseException:
+            self.close()
+            raise
+
+    @staticmethod
+    def _device(name: str) -> torch.device:
+        if name == "cpu":
+            return torch.device("cpu")
+        if not torch.cuda.is_available():
+            raise ValueError(f"EngineConfig.devices: {name!r} asked for, but CUDA is not available here")
+        dev = torch.device("cuda:0" if name == "cuda" else name)
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"EngineConfig.devices: {name!r} does not exist ({torch.cuda.device_count()} GPUs)"
+            )
+        return dev
+
+    # -- training --------------------------------------------------------------------------
+    def forward_backward(
+        self,
+        *,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+    ) -> float:
+        """Run forward and backward of one batch; gradients accumulate until ``step()``.
+
+        Args:
+            input_ids: ``[batch, seq]`` token ids.
+            labels: ``[batch, seq]``, -100 where no loss is taken (shifted inside).
+            attention_mask: ``[batch, seq]`` 1 for real tokens, 0 for padding.
+
+        Returns:
+            The mean loss over every label token of the whole batch.
+
+        Raises:
+            ValueError: bad shapes, fewer sequences than micro-batches, no label token.
+            EngineError: a worker failed (the message names stage and worker).
+            Cancelled: the cancel flag was set.
+        """
+        self._check_open()
+        mbs, total = self._split(input_ids, labels, attention_mask)
+        if self.plan is None or self._replan_due():
+            self.plan = self._make_plan(mbs)
+        plan = self.plan
+        n, m = len(self.workers), len(mbs)
+        runs, self._rotation = build_schedule(
+            num_slots=plan.num_slots,
+            num_workers=n,
+            num_microbatches=m,
+            round_size=self.config.round_size,
+            iteration=self._serial,
+            start_worker=self._rotation,
+        )
+        rounds = sorted({r.round for r in runs})
+        lag = 1 if self.config.async_optimizer else 0
+        it = Iteration(
+            serial=self._serial,
+            version=max(self.steps - lag, 0),
+            plan=plan,
+            runs=runs,
+            microbatches=mbs,
+            total_tokens=total,
+            rounds=[next(r.microbatches for r in runs if r.round == k) for k in rounds],
+            seed=self.config.seed,
+            checkpoints=frozenset(plan.checkpoint_boundaries()),
+            profile=not self._manual and self._serial < self.config.calibration_steps,
+        )
+        self._serial += 1
+        for mb in range(m):
+            for b in it.checkpoints:
+                it.act_uses[(mb, b)] = sum(1 for s in plan.slots if s.start == b)
+        it.remaining = len(runs)
+        it.started = time.perf_counter()
+        for run in runs:
+            stage = plan.slots[run.slot]
+            self.board.register_uploads(
+                set().union(*(self.host.layer_owners[i] for i in stage.layers)), it.version
+            )
+        self.optimizer.submit_fold(it)
+        for run in runs:
+            self.workers[run.worker].enqueue(it, run)
+        self._pending.append(it)
+        self._inflight.append(it)
+        if self.config.async_optimizer:
+            self.board.wait_for(lambda: len(it.loss_sums) == m, it)
+        else:
+            self.board.wait_for(lambda: it.remaining == 0, it)
+        return sum(it.loss_sums[i] for i in range(m)) / total
+
+    def step(self, *, lr: float | None = None) -> None:
+        """Apply the optimizer to the gradients accumulated since the last step.
+
+        Returns at once: the CPU optimizer thread applies it while the next iteration starts
+        (each layer's upload waits only for that layer's update).
+
+        Args:
+            lr: learning rate for this step (default: the config's, or the last one set).
+        """
+        self._check_open()
+        if not self._pending:
+            raise RuntimeError("step() without a forward_backward() since the last step")
+        if lr is not None:
+            if not (math.isfinite(lr) and lr >= 0):
+                raise ValueError(f"step(lr={lr!r}): must be a finite number >= 0")
+            self.config.lr = lr
+        self.steps += 1
+        job = StepJob(index=self.steps, lr=self.config.lr, iterations=self._pending)
+        self._pending = []
+        self._steps_inflight.append(job)
+        self.optimizer.submit_step(job)
+
+    def synchronize(self) -> None:
+        """Wait for every queued iteration and optimizer step; raise a failure if one occurred."""
+        self._check_open()
+        for it in self._inflight:
+            self.board.wait_for(lambda it=it: it.remaining == 0, it)
+        self._inflight = []
+        self.optimizer.drain()
+        with self.board.cv:
+            self.board.check()
+        self._steps_inflight = [j for j in self._steps_inflight if not j.done.is_set()]
+
+    # -- state ---------------------------------------------------------------------------------
+    def master_state_dict(self) -> dict[str, torch.Tensor]:
+        """fp32 weights keyed exactly like ``hf_model.state_dict()``.
+
+        Trainable parameters come from the fp32 masters; frozen ones and persistent buffers from
+        the compute copy, cast to fp32.
+        """
+        self.synchronize()
+        wanted = set(self.adapted.hf_model.state_dict().keys())
+        out: dict[str, torch.Tensor] = {}
+        for t in self.host.tensors:
+            value = t.master.detach().clone() if t.master is not None else t.compute.float()
+            for name in t.names:
+                if name in wanted:
+                    out[name] = value
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a bitwise-exact resume needs (after ``synchronize``)."""
+        self.synchronize()
+        if self._pending:
+            raise RuntimeError(
+                "state_dict() with gradients accumulated since the last step; call step() first"
+            )
+        masters = {t.names[0]: t.master.detach().clone() for t in self.host.trainable if t.master is not None}
+        previous = {}
+        if self.config.async_optimizer:
+            # the next iteration runs on the weights one step behind the masters
+            version = max(self.steps - 1, 0)
+            previous = {t.names[0]: t.source(version).clone() for t in self.host.trainable}
+        return {
+            "format": 1,
+            "steps": self.steps,
+            "serial": self._serial,
+            "rotation": self._rotation,
+            "lr": self.config.lr,
+            "async_optimizer": self.config.async_optimizer,
+            "masters": masters,
+            "previous": previous,
+            "optimizer": self.optimizer.state_dict(),
+            "plan": None if self.plan is None else self.plan.to_counts(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a ``state_dict()``: masters, moments, step count, rotation and RNG position.
+
+        Raises:
+            ValueError: the state belongs to a different model or optimizer mode.
+        """
+        self.synchronize()
+        if state.get("format") != 1:
+            raise ValueError(f"state format {state.get('format')!r} is not 1")
+        if bool(state["async_optimizer"]) != self.config.async_optimizer:
+            raise ValueError(
+                f"state was saved with async_optimizer={state['async_optimizer']}, "
+                f"the engine has {self.config.async_optimizer}"
+            )
+        masters = state["masters"]
+        names = {t.names[0] for t in self.host.trainable}
+        if set(masters) != names:
+            missing, extra = sorted(names - set(masters)), sorted(set(masters) - names)
+            raise ValueError(
+                f"state masters do not match the model: missing {missing[:5]}, unexpected {extra[:5]}"
+            )
+        steps = int(state["steps"])
+        with torch.no_grad():
+            for t in self.host.trainable:
+                src = masters[t.names[0]]
+                if t.master is None or src.shape != t.master.shape:
+                    raise ValueError(f"state master {t.names[0]} has shape {tuple(src.shape)}")
+                t.master.copy_(src)
+                t.source(steps).copy_(src)
+                if self.config.async_optimizer:
+                    t.source(max(steps - 1, 0)).copy_(state["previous"][t.names[0]])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.steps = steps
+        self._serial = int(state["serial"])
+        self._rotation = int(state["rotation"]) % len(self.workers)
+        self.config.lr = float(state["lr"])
+        if state.get("plan") is not None and self._manual is False:
+            self.plan = Plan.from_counts(self.host.num_layers, **state["plan"])
+        with self.board.cv:
+            self.board.version = [steps] * len(self.board.version)
+            self.board.cv.notify_all()
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the threads and free host and device memory. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        self.board.fail(EngineError("the engine was closed"))
+        for w in self.workers:
+            w.stop()
+        self.optimizer.stop()
+        self.workers = []
+        self._pending, self._inflight, self._calibration = [], [], []
+        self.host.release()
+        if any(d.type == "cuda" for d in self.devices):
+            torch.cuda.empty_cache()
+
+    def __enter__(self) -> RoundPipe:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the engine is closed")
+        with self.board.cv:
+            self.board.check()
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _split(
+        self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None
+    ) -> tuple[list[MicroBatch], int]:
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+        if labels.shape != input_ids.shape:
+            raise ValueError(
+                f"labels shape {tuple(labels.shape)} differs from input_ids {tuple(input_ids.shape)}"
+            )
+        if attention_mask is not None and attention_mask.shape != input_ids.shape:
+            raise ValueError(
+                f"attention_mask shape {tuple(attention_mask.shape)} "
+                f"differs from input_ids {tuple(input_ids.shape)}"
+            )
+        m = self.config.num_microbatches
+        if input_ids.shape[0] < m:
+            raise ValueError(f"batch of {input_ids.shape[0]} sequences cannot fill num_microbatches={m}")
+        total = count_label_tokens(labels)
+        if total == 0:
+            raise ValueError("labels: every label is -100, there is no token to train on")
+        ids = input_ids.detach().cpu().tensor_split(m)
+        lab = labels.detach().cpu().tensor_split(m)
+        am = attention_mask.detach().cpu().tensor_split(m) if attention_mask is not None else [None] * m
+        return [
+            MicroBatch(i.contiguous(), t.contiguous(), a) for i, t, a in zip(ids, lab, am, strict=True)
+        ], total
+
+    def _replan_due(self) -> bool:
+        steps = self.config.calibration_steps
+        return not self._manual and steps > 0 and len(self._calibration) == steps and self._serial == steps
+
+    def _make_plan(self, mbs: list[MicroBatch]) -> Plan:
+        mb_tokens = max(int(mb.input_ids.numel()) for mb in mbs)
+        memory = memory_costs(
+            self.host,
+            microbatch_tokens=mb_tokens,
+            hidden_size=int(self.adapted.config.hidden_size),
+            dtype_bytes=torch.finfo(self.dtype).bits // 8,
+        )
+        costs = memory
+        if self._replan_due():
+            self.synchronize()
+            costs = measured_costs(self._calibration, memory)
+        plan = auto_partition(
+            costs, num_workers=len(self.workers), num_microbatches=len(mbs), memory_budget=self._budget()
+        )
+        if self.plan is not None and plan != self.plan:
+            self._event(
+                "repartition", f"partition from measured layer times: {plan.describe()}", plan.to_counts()
+            )
+        elif self.plan is None:
+            self._event("partition", f"partition: {plan.describe()}", plan.to_counts())
+        self._calibration = [] if self._replan_due() else self._calibration
+        return plan
+
+    def _budget(self) -> float | None:
+        if self.config.memory_budget_bytes is not None:
+            return float(self.config.memory_budget_bytes)
+        cuda = [d for d in self.devices if d.type == "cuda"]
+        if not cuda:
+            return None
+        return 0.45 * min(torch.cuda.get_device_properties(d).total_memory for d in cuda)
+
+    def _event(self, kind: str, message: str, data: dict[str, Any]) -> None:
+        with self._sink_lock:
+            self.sink.event(kind, message, data)
+
+    def _on_step(self, job: StepJob) -> None:
+        """Per-step metrics, called on the optimizer thread when a step finished."""
+        its = job.iterations
+        self.last_grad_norm = job.grad_norm
+        if any(it.profile for it in its) and len(self._calibration) < self.config.calibration_steps:
+            self._calibration.extend(it for it in its if it.profile)
+        wall = max(time.perf_counter() - its[0].started, 1e-9)
+        span = max(max(it.finished for it in its) - its[0].started, 1e-9)
+        busy = sum(sum(it.busy_s.values()) for it in its)
+        tokens = sum(it.total_tokens for it in its)
+        loss = sum(sum(it.loss_sums.values()) for it in its) / tokens
+        metrics = {
+            "loss/train": loss,
+            "tokens/label": float(tokens),
+            "throughput/tokens_per_s": sum(
+                sum(int(mb.input_ids.numel()) for mb in it.microbatches) for it in its
+            )
+            / wall,
+            "optim/grad_norm": job.grad_norm,
+            "optim/lr": job.lr,
+            "time/step_s": wall,
+            "time/optimizer_s": job.seconds,
+            "pipeline/bubble_ratio": max(0.0, 1.0 - busy / (len(self.devices) * span)),
+        }
+        for it in its:
+            for name, s in it.stage_s.items():
+                metrics[f"time/stage/{name}_s"] = metrics.get(f"time/stage/{name}_s", 0.0) + s
+        with self._sink_lock:
+            self.sink.log(metrics, job.index)

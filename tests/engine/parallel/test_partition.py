@@ -1,0 +1,432 @@
+"""Tests for engine.parallel.partition: plans, validation, costs and the automatic partitioner."""
+
+import itertools
+import random
+from collections.abc import Iterator
+
+import pytest
+
+from engine.parallel.partition import (
+    LayerCost,
+    Plan,
+    Stage,
+    auto_partition,
+    objective,
+    proxy_costs,
+    stage_cost,
+    stage_memory,
+    validate_plan,
+)
+
+
+def uniform(num_layers: int, f: float = 1.0, b: float = 2.0, mem: float = 1.0) -> list[LayerCost]:
+    return [LayerCost(f, b, mem, mem) for _ in range(num_layers)]
+
+
+def compositions(total: int) -> Iterator[list[int]]:
+    """All ordered lists of positive integers summing to ``total`` (one empty list for 0)."""
+    if total == 0:
+        yield []
+        return
+    for cuts in itertools.product([False, True], repeat=total - 1):
+        parts, run = [], 1
+        for cut in cuts:
+            if cut:
+                parts.append(run)
+                run = 1
+            else:
+                run += 1
+        yield [*parts, run]
+
+
+def all_plans(num_layers: int) -> Iterator[Plan]:
+    for fused in range(1, num_layers + 1):
+        rest = num_layers - fused
+        for fwd in compositions(rest):
+            for bwd in compositions(rest):
+                yield Plan.from_counts(num_layers, forward=fwd, fused=fused, backward=bwd)
+
+
+def fits(plan: Plan, costs: list[LayerCost], budget: float | None) -> bool:
+    return budget is None or all(stage_memory(s, costs) <= budget for s in plan.slots)
+
+
+def key(plan: Plan, costs: list[LayerCost], n: int, m: int) -> tuple[float, int, float]:
+    t_max = max(stage_cost(s, costs) for s in plan.slots)
+    return objective(plan, costs, num_workers=n, num_microbatches=m), plan.num_slots, t_max
+
+
+# --- Plan ---
+
+
+def test_from_counts_builds_named_stages() -> None:
+    plan = Plan.from_counts(8, forward=[3, 2], fused=3, backward=[2, 3])
+    assert plan.forward == (Stage("forward", 0, 3, "F1"), Stage("forward", 3, 5, "F2"))
+    assert plan.fused == Stage("fused", 5, 8, "B1")
+    assert plan.backward == (Stage("backward", 3, 5, "B2"), Stage("backward", 0, 3, "B3"))
+    assert [s.name for s in plan.slots] == ["F1", "F2", "B1", "B2", "B3"]
+    assert plan.num_slots == 5
+    assert plan.fused.layers == range(5, 8)
+    assert plan.to_counts() == {"forward": [3, 2], "fused": 3, "backward": [2, 3]}
+    assert plan.describe() == "F1[0:3] F2[3:5] | B1[5:8] | B2[3:5] B3[0:3]"
+    assert plan.checkpoint_boundaries() == (3, 5)
+
+
+def test_checkpoint_boundaries_include_unaligned_backward_starts() -> None:
+    plan = Plan.from_counts(9, forward=[4, 3], fused=2, backward=[1, 2, 2, 2])
+    assert plan.describe() == "F1[0:4] F2[4:7] | B1[7:9] | B2[6:7] B3[4:6] B4[2:4] B5[0:2]"
+    assert plan.checkpoint_boundaries() == (2, 4, 6, 7)
+
+
+def test_fused_stage_may_hold_every_layer() -> None:
+    plan = Plan.from_counts(4, forward=[], fused=4, backward=[])
+    assert plan.slots == (Stage("fused", 0, 4, "B1"),)
+    assert plan.num_slots == 1
+    assert plan.describe() == "B1[0:4]"
+    assert plan.checkpoint_boundaries() == ()
+
+
+def test_from_counts_round_trips_to_counts() -> None:
+    for plan in all_plans(5):
+        counts = plan.to_counts()
+        assert isinstance(counts["forward"], list) and isinstance(counts["backward"], list)
+        assert isinstance(counts["fused"], int)
+        again = Plan.from_counts(
+            5, forward=counts["forward"], fused=counts["fused"], backward=counts["backward"]
+        )
+        assert again == plan
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            {"num_layers": 8, "forward": [3, 3], "fused": 3, "backward": [2, 3]},
+            "forward counts [3, 3] (sum 6) plus fused=3 make 9 layers, expected num_layers=8",
+        ),
+        (
+            {"num_layers": 8, "forward": [3, 2], "fused": 3, "backward": [4]},
+            "backward counts [4] (sum 4) plus fused=3 make 7 layers, expected num_layers=8",
+        ),
+        (
+            {"num_layers": 8, "forward": [5, 0], "fused": 3, "backward": [5]},
+            "forward[1]=0 must be an integer >= 1",
+        ),
+        ({"num_layers": 8, "forward": [8], "fused": 0, "backward": [8]}, "fused=0 must be an integer >= 1"),
+        (
+            {"num_layers": 1, "forward": [], "fused": 1, "backward": []},
+            "num_layers=1 must be an integer >= 2",
+        ),
+        (
+            {"num_layers": 4, "forward": [], "fused": 3, "backward": [1]},
+            "forward counts [] (sum 0) plus fused=3",
+        ),
+    ],
+)
+def test_from_counts_rejects_bad_counts(kwargs: dict, message: str) -> None:
+    num_layers = kwargs.pop("num_layers")
+    with pytest.raises(ValueError) as info:
+        Plan.from_counts(num_layers, **kwargs)
+    assert message in str(info.value)
+
+
+def test_validate_plan_accepts_from_counts_plans() -> None:
+    for plan in all_plans(6):
+        validate_plan(plan)
+
+
+@pytest.mark.parametrize(
+    ("plan", "message"),
+    [
+        (
+            Plan(
+                6,
+                (Stage("forward", 0, 2, "F1"), Stage("forward", 3, 4, "F2")),
+                Stage("fused", 4, 6, "B1"),
+                (Stage("backward", 0, 4, "B2"),),
+            ),
+            "gap in forward stages: F2 starts at layer 3, expected 2",
+        ),
+        (
+            Plan(
+                6,
+                (Stage("forward", 0, 3, "F1"), Stage("forward", 2, 4, "F2")),
+                Stage("fused", 4, 6, "B1"),
+                (Stage("backward", 0, 4, "B2"),),
+            ),
+            "overlap in forward stages: F2 starts at layer 2, expected 3",
+        ),
+        (
+            Plan(
+                6,
+                (Stage("forward", 0, 3, "F1"),),
+                Stage("fused", 4, 6, "B1"),
+                (Stage("backward", 0, 4, "B2"),),
+            ),
+            "gap: forward stages end at layer 3, the fused stage starts at 4",
+        ),
+        (
+            Plan(
+                6,
+                (Stage("forward", 0, 4, "F1"),),
+                Stage("fused", 4, 6, "B1"),
+                (Stage("backward", 2, 4, "B2"), Stage("backward", 0, 1, "B3")),
+            ),
+            "gap in backward stages: B3 ends at layer 1, expected 2",
+        ),
+        (
+            Plan(
+                6,
+                (Stage("forward", 0, 4, "F1"),),
+                Stage("fused", 4, 6, "B1"),
+                (Stage("backward", 1, 4, "B2"),),
+            ),
+            "backward stages end at layer 1, they must reach layer 0",
+        ),
+        (
+            Plan(
+                6,
+                (Stage("forward", 0, 4, "F1"),),
+                Stage("fused", 4, 5, "B1"),
+                (Stage("backward", 0, 4, "B2"),),
+            ),
+            "fused stage B1[4:5] must end at num_layers=6",
+        ),
+        (
+            Plan(
+                6,
+                (Stage("forward", 0, 4, "F1"), Stage("forward", 4, 4, "F2")),
+                Stage("fused", 4, 6, "B1"),
+                (Stage("backward", 0, 4, "B2"),),
+            ),
+            "stage F2[4:4] must hold at least one layer within [0, 6)",
+        ),
+        (
+            Plan(
+                6,
+                (Stage("forward", 0, 4, "F2"),),
+                Stage("fused", 4, 6, "B1"),
+                (Stage("backward", 0, 4, "B2"),),
+            ),
+            "stage F2[0:4] should be kind 'forward' named 'F1'",
+        ),
+        (
+            Plan(6, (), Stage("fused", 4, 6, "B1"), (Stage("backward", 0, 4, "B2"),)),
+            "forward stages must cover layers [0, 4) below the fused stage",
+        ),
+        (
+            Plan(3, (Stage("forward", 0, 1, "F1"),), Stage("fused", 0, 3, "B1"), ()),
+            "fused stage covers all 3 layers, so forward (1 stages) and backward (0 stages) must be empty",
+        ),
+    ],
+)
+def test_validate_plan_names_the_problem(plan: Plan, message: str) -> None:
+    with pytest.raises(ValueError) as info:
+        validate_plan(plan)
+    assert message in str(info.value)
+
+
+def test_stage_rejects_unknown_kind() -> None:
+    with pytest.raises(ValueError, match="kind='sideways'"):
+        Stage("sideways", 0, 1, "X1")
+
+
+# --- costs ---
+
+
+def test_stage_cost_memory_and_objective_by_hand() -> None:
+    costs = [LayerCost(1, 10, 100, 1000), LayerCost(2, 20, 200, 2000), LayerCost(3, 30, 300, 3000)]
+    plan = Plan.from_counts(3, forward=[2], fused=1, backward=[2])
+    f1, b1, b2 = plan.slots
+    assert stage_cost(f1, costs) == 3  # forward only
+    assert stage_cost(b1, costs) == 33  # forward + loss + backward
+    assert stage_cost(b2, costs) == 33  # recompute + backward
+    assert stage_memory(f1, costs) == 300
+    assert stage_memory(b1, costs) == 3000
+    assert stage_memory(b2, costs) == 3000
+    # (M·S + N(N−1))·t_max = (4·3 + 2·1)·33
+    assert objective(plan, costs, num_workers=2, num_microbatches=4) == 14 * 33
+    with pytest.raises(ValueError, match=r"len\(costs\)=2 does not match plan.num_layers=3"):
+        objective(plan, costs[:2], num_workers=2, num_microbatches=4)
+    with pytest.raises(ValueError, match="stage B1\\[2:3\\] is outside the 2 layers"):
+        stage_cost(b1, costs[:2])
+
+
+def test_proxy_costs() -> None:
+    costs = proxy_costs([10.0, 4.0, 6.0], activation_bytes=[1.0, 2.0, 3.0])
+    assert costs == [
+        LayerCost(forward=0.0, backward=0.0, memory_forward=11.0, memory_backward=21.0),
+        LayerCost(forward=4.0, backward=8.0, memory_forward=6.0, memory_backward=10.0),
+        LayerCost(forward=6.0, backward=12.0, memory_forward=9.0, memory_backward=15.0),
+    ]
+    assert proxy_costs([1.0, 2.0])[1] == LayerCost(2.0, 4.0, 2.0, 4.0)
+    with pytest.raises(ValueError, match=r"len\(activation_bytes\)=1 does not match len\(param_bytes\)=2"):
+        proxy_costs([1.0, 2.0], activation_bytes=[1.0])
+    with pytest.raises(ValueError, match=r"param_bytes\[1\]=-3.0 must be finite and >= 0"):
+        proxy_costs([1.0, -3.0])
+    with pytest.raises(ValueError, match="param_bytes has 1 layers, need at least 2"):
+        proxy_costs([1.0])
+
+
+# --- auto_partition ---
+
+
+def test_auto_partition_uniform_by_hand() -> None:
+    # 6 layers, f=1, b=2 (a fused/backward layer costs 3), N=2, M=4, so N(N-1)=2. Candidates:
+    #   t=3: fused 1 layer, 5 one-layer backward stages, forward [3, 2] -> S=8: (4*8+2)*3 = 102
+    #   t=4: forward [4, 1] instead -> (34)*4 = 136;  t=5: forward [5] -> S=7: (30)*5 = 150
+    #   t=6: fused 2, backward [2, 2], forward [4] -> S=4: (18)*6 = 108
+    #   t=9: S=3: 14*9 = 126;  t=18 (everything fused): S=1: 6*18 = 108
+    costs = uniform(6)
+    plan = auto_partition(costs, num_workers=2, num_microbatches=4)
+    assert plan.describe() == "F1[0:3] F2[3:5] | B1[5:6] | B2[4:5] B3[3:4] B4[2:3] B5[1:2] B6[0:1]"
+    assert objective(plan, costs, num_workers=2, num_microbatches=4) == 102
+
+
+def test_auto_partition_single_worker_fuses_everything() -> None:
+    # N=1, M=1: the objective is S·t_max, and one fused stage (1·18) beats every split (t=3 -> 8·3).
+    plan = auto_partition(uniform(6), num_workers=1, num_microbatches=1)
+    assert plan.to_counts() == {"forward": [], "fused": 6, "backward": []}
+
+
+def test_auto_partition_tie_prefers_fewer_stages() -> None:
+    # All costs zero: every plan scores 0, so the fewest stages (one fused stage) wins.
+    plan = auto_partition(uniform(5, f=0.0, b=0.0), num_workers=3, num_microbatches=4)
+    assert plan.num_slots == 1
+
+
+def test_auto_partition_matches_brute_force() -> None:
+    """Guarantee: the returned plan minimises (objective, num_slots, t_max) over all valid plans.
+
+    For a fixed t_max the greedy pass covers [0, fused.start) with the fewest stages and pushes
+    fused.start as low as it can, and the optimum's t_max is one of the candidates, so the search is
+    exact. Integer costs make ties (and the tie-break) common and compared without rounding.
+    """
+    rng = random.Random(1234)
+    for trial in range(120):
+        num_layers = rng.randint(2, 7)
+        costs = [
+            LayerCost(rng.randint(0, 3), rng.randint(0, 6), rng.randint(1, 5), rng.randint(1, 8))
+            for _ in range(num_layers)
+        ]
+        n, m = rng.randint(1, 4), rng.randint(1, 8)
+        budget = None if trial % 3 == 0 else float(rng.randint(6, 24))
+        feasible = [p for p in all_plans(num_layers) if fits(p, costs, budget)]
+        if not feasible:
+            with pytest.raises(ValueError, match="no partition fits"):
+                auto_partition(costs, num_workers=n, num_microbatches=m, memory_budget=budget)
+            continue
+        best = min(key(p, costs, n, m) for p in feasible)
+        plan = auto_partition(costs, num_workers=n, num_microbatches=m, memory_budget=budget)
+        assert fits(plan, costs, budget)
+        assert key(plan, costs, n, m) == best, (trial, costs, n, m, budget, plan.describe())
+
+
+def test_auto_partition_matches_brute_force_objective_with_float_costs() -> None:
+    rng = random.Random(99)
+    for _ in range(60):
+        num_layers = rng.randint(2, 7)
+        costs = [LayerCost(rng.random(), 2 * rng.random(), 1.0, 1.0) for _ in range(num_layers)]
+        n, m = rng.randint(1, 4), rng.randint(1, 8)
+        best = min(objective(p, costs, num_workers=n, num_microbatches=m) for p in all_plans(num_layers))
+        plan = auto_partition(costs, num_workers=n, num_microbatches=m)
+        assert objective(plan, costs, num_workers=n, num_microbatches=m) == pytest.approx(best, rel=1e-12)
+
+
+def test_auto_partition_covers_every_layer_twice_within_budget() -> None:
+    rng = random.Random(7)
+    for num_layers in range(2, 13):
+        for n in range(1, 5):
+            for m in range(1, 9):
+                costs = [
+                    LayerCost(rng.uniform(0, 2), rng.uniform(0, 4), rng.uniform(1, 3), rng.uniform(2, 6))
+                    for _ in range(num_layers)
+                ]
+                budget = rng.choice([None, 8.0, 12.0, 30.0])
+                plan = auto_partition(costs, num_workers=n, num_microbatches=m, memory_budget=budget)
+                validate_plan(plan)
+                down = [layer for s in (*plan.forward, plan.fused) for layer in s.layers]
+                up = [layer for s in (plan.fused, *plan.backward) for layer in s.layers]
+                assert sorted(down) == list(range(num_layers))
+                assert sorted(up) == list(range(num_layers))
+                assert plan.fused.stop == num_layers
+                if budget is not None:
+                    assert all(stage_memory(s, costs) <= budget for s in plan.slots)
+
+
+def test_auto_partition_respects_memory_budget() -> None:
+    # 6 layers, f=1, b=2, 1 byte each, N=1, M=1: the objective is S·t_max. Unlimited memory: one fused
+    # stage (1·18) wins. A budget of 2.5 bytes allows at most 2 layers per stage, leaving
+    #   t=3: fused 1, backward 5×1, forward [2, 2, 1] -> 9·3 = 27
+    #   t>=6: fused 2, backward [2, 2], forward [2, 2] -> 5·6 = 30
+    costs = uniform(6)
+    assert auto_partition(costs, num_workers=1, num_microbatches=1).num_slots == 1
+    plan = auto_partition(costs, num_workers=1, num_microbatches=1, memory_budget=2.5)
+    assert plan.to_counts() == {"forward": [2, 2, 1], "fused": 1, "backward": [1, 1, 1, 1, 1]}
+    assert all(stage_memory(s, costs) <= 2.5 for s in plan.slots)
+
+
+def test_auto_partition_infeasible_budget_names_layer_and_numbers() -> None:
+    costs = [
+        LayerCost(1, 2, 10, 20),
+        LayerCost(1, 2, 10, 20),
+        LayerCost(1, 2, 10, 500),
+        LayerCost(1, 2, 10, 20),
+    ]
+    with pytest.raises(ValueError) as info:
+        auto_partition(costs, num_workers=2, num_microbatches=4, memory_budget=400.0)
+    assert str(info.value) == (
+        "no partition fits memory_budget=400.0: layer 2 needs memory_backward=500 in a backward stage"
+    )
+
+
+def test_auto_partition_infeasible_output_layer() -> None:
+    costs = [LayerCost(0, 0, 1, 1), LayerCost(1, 2, 1, 1), LayerCost(4, 8, 90.0, 95.5)]
+    with pytest.raises(
+        ValueError, match=r"memory_budget=64.0: layer 2 needs memory_backward=95.5 in a fused stage"
+    ):
+        auto_partition(costs, num_workers=1, num_microbatches=1, memory_budget=64.0)
+
+
+def test_auto_partition_forward_memory_can_block() -> None:
+    # Layer 1 fits a backward stage (50) but not a forward one (100), and cannot join the fused stage.
+    costs = [LayerCost(1, 1, 1, 1), LayerCost(1, 1, 100, 40), LayerCost(1, 1, 1, 50)]
+    with pytest.raises(ValueError, match=r"layer 1 needs memory_forward=100 in a forward stage"):
+        auto_partition(costs, num_workers=2, num_microbatches=2, memory_budget=60)
+    # At 95 the fused stage can take layer 1 (40 + 50), which is then the only place it fits.
+    plan = auto_partition(costs, num_workers=2, num_microbatches=2, memory_budget=95)
+    assert plan.fused.start <= 1
+
+
+@pytest.mark.parametrize(
+    ("costs", "kwargs", "message"),
+    [
+        (uniform(3), {"num_workers": 0, "num_microbatches": 1}, "num_workers=0 must be an integer >= 1"),
+        (uniform(3), {"num_workers": 1, "num_microbatches": 0}, "num_microbatches=0 must be an integer >= 1"),
+        (uniform(1), {"num_workers": 1, "num_microbatches": 1}, "costs has 1 layers, need at least 2"),
+        (
+            [LayerCost(1, 1, 1, 1), LayerCost(1, -2.5, 1, 1)],
+            {"num_workers": 1, "num_microbatches": 1},
+            "costs[1].backward=-2.5 must be finite and >= 0",
+        ),
+        (
+            [LayerCost(float("nan"), 1, 1, 1), LayerCost(1, 1, 1, 1)],
+            {"num_workers": 1, "num_microbatches": 1},
+            "costs[0].forward=nan must be finite and >= 0",
+        ),
+        (
+            [LayerCost(1, 1, 1, 1), LayerCost(1, 1, float("inf"), 1)],
+            {"num_workers": 1, "num_microbatches": 1},
+            "costs[1].memory_forward=inf must be finite and >= 0",
+        ),
+        (
+            uniform(3),
+            {"num_workers": 1, "num_microbatches": 1, "memory_budget": 0.0},
+            "memory_budget=0.0 must be a positive number or None",
+        ),
+    ],
+)
+def test_auto_partition_rejects_bad_inputs(costs: list[LayerCost], kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError) as info:
+        auto_partition(costs, **kwargs)
+    assert message in str(info.value)
