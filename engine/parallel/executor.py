@@ -252,8 +252,10 @@ class Worker:
         self.link.wait(self.link.act_up, event)
         return self.link.upload(host), self.link.record(self.link.act_up)
 
-    def _publish(self, table: dict[tuple[int, int], Any], key: tuple[int, int], tensor: torch.Tensor) -> None:
-        host, event = self.link.download(tensor)
+    def _publish(
+        self, table: dict[tuple[int, int], Any], key: tuple[int, int], tensor: torch.Tensor | None
+    ) -> None:
+        host, event = (None, None) if tensor is None else self.link.download(tensor)
         with self.board.cv:
             table[key] = (host, event)
             self.board.cv.notify_all()
@@ -319,7 +321,7 @@ class Worker:
         with torch.enable_grad():
             for i in stage.layers:
                 t0 = time.perf_counter() if it.profile else 0.0
-                inp = x if i == 0 else x.detach().requires_grad_(True)
+                inp = x if i == 0 else x.detach().requires_grad_(self._needs_input_grad(i))
                 x = self._call(it, mb, layers[i], params, inp, ctx)
                 if it.profile:
                     it.layer_fwd_s[i] = it.layer_fwd_s.get(i, 0.0) + self._elapsed(t0)
@@ -338,15 +340,17 @@ class Worker:
                 with self.board.cv:
                     host, event = it.grads.pop(key)
                 self.link.wait(self.link.act_up, event)
-                top, grad = None, self.link.upload(host)
+                top, grad = None, None if host is None else self.link.upload(host)
             for i, (inp, out) in zip(reversed(stage.layers), reversed(saved), strict=True):
                 t0 = time.perf_counter() if it.profile else 0.0
-                torch.autograd.backward(top if top is not None else out, grad)
+                if top is not None:
+                    torch.autograd.backward(top)
+                elif out.requires_grad:
+                    torch.autograd.backward(out, grad)
                 if it.profile:
                     it.layer_bwd_s[i] = it.layer_bwd_s.get(i, 0.0) + self._elapsed(t0)
-                top, grad = None, inp.grad
-        if stage.start > 0:
-            assert grad is not None
+                top, grad = None, inp.grad if inp.requires_grad else None
+        if stage.start > 0:  # None when nothing below trains (a frozen input layer)
             self._publish(it.grads, (mb, stage.start), grad)
         if self.engine.fp32_accumulate:
             for i in stage.layers:
@@ -359,6 +363,11 @@ class Worker:
                             acc.add_(t.grad)
                         t.grad = None
         return None if loss_sum is None else loss_sum.detach()
+
+    def _needs_input_grad(self, layer: int) -> bool:
+        """Whether the gradient of a block's input is needed: always, except for the block right
+        above a frozen input layer (a LoRA base), where nothing below would use it."""
+        return layer > 1 or bool(self.engine.host.layer_owners[0])
 
     def _deposit(
         self,

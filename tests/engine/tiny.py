@@ -1,0 +1,128 @@
+"""Tiny models of every supported family and the plain single-device training loop."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import torch
+
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+VOCAB = 96
+
+
+def tiny_model(family: str, *, blocks: int = 3, tied: bool | None = None, seed: int = 0, **extra: object):
+    """A ~100k-parameter model of one family (dim 32, 4 heads, 2 KV heads)."""
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
+
+    common: dict[str, object] = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=blocks,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    # tie the embeddings of the Qwen families (as their small checkpoints do) unless told
+    common["tie_word_embeddings"] = tied if tied is not None else family in ("qwen2", "qwen3")
+    if family == "mistral":
+        common["sliding_window"] = 8  # shorter than the test sequences: exercises the sliding mask
+    if family == "qwen2":
+        # alternate attention types: the lowest block full, the others with a sliding window
+        common.update(use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    common.update(extra)
+    cls = {
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+        "mistral": (MistralConfig, MistralForCausalLM),
+    }[family]
+    torch.manual_seed(seed)
+    model = cls[1](cls[0](**common))
+    model.train()
+    return model
+
+
+def tiny_batch(batch: int = 7, seq: int = 12, seed: int = 1) -> dict[str, torch.Tensor]:
+    """Random tokens with right padding on two rows and -100 on the prompt and the padding."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (batch, seq), generator=g)
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    mask[0, -4:] = 0
+    mask[-1, -2:] = 0
+    labels = ids.clone()
+    labels[:, :3] = -100
+    labels[mask == 0] = -100
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+
+def plain_loop(
+    model: torch.nn.Module,
+    batches: list[dict[str, torch.Tensor]],
+    make_opt: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
+    *,
+    max_grad_norm: float | None = None,
+    microbatches: int | None = None,
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Train a copy of ``model`` the ordinary way: whole batch, one device, one optimizer.
+
+    With ``microbatches`` the batch is instead split like the engine splits it and the
+    gradients are accumulated, each micro-batch weighted by its share of the label tokens.
+    """
+    ref = copy.deepcopy(model)
+    params = [p for p in ref.parameters() if p.requires_grad]
+    opt = make_opt(params)
+    losses = []
+    for batch in batches:
+        if microbatches is None:
+            loss = ref(**batch).loss
+            loss.backward()
+        else:
+            total = int((batch["labels"][:, 1:] != -100).sum())
+            loss = torch.zeros(())
+            for rows in torch.arange(len(batch["input_ids"])).tensor_split(microbatches):
+                mb = {k: v[rows] for k, v in batch.items()}
+                share = int((mb["labels"][:, 1:] != -100).sum()) / total
+                part = ref(**mb).loss * share
+                part.backward()
+                loss = loss + part.detach()
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach().float().clone() for k, v in ref.state_dict().items()}
+
+
+def engine_loop(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]], config, **kwargs):
+    """Train a copy of ``model`` with RoundPipe; returns losses, master weights and the engine's plan."""
+    from engine import RoundPipe
+
+    rp = RoundPipe(copy.deepcopy(model), config, **kwargs)
+    try:
+        losses = []
+        for batch in batches:
+            losses.append(rp.forward_backward(**batch))
+            rp.step()
+        return losses, rp.master_state_dict(), rp.plan
+    finally:
+        rp.close()
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert set(a) == set(b), (sorted(set(a) ^ set(b)))[:5]
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
