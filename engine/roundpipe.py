@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -233,10 +234,15 @@ class RoundPipe:
             self.workers[run.worker].enqueue(it, run)
         self._pending.append(it)
         self._inflight.append(it)
-        if self.config.async_optimizer:
-            self.board.wait_for(lambda: len(it.loss_sums) == m, it)
-        else:
-            self.board.wait_for(lambda: it.remaining == 0, it)
+        try:
+            if self.config.async_optimizer:
+                self.board.wait_for(lambda: len(it.loss_sums) == m, it)
+            else:
+                self.board.wait_for(lambda: it.remaining == 0, it)
+        except Cancelled:
+            # the optimizer discards every gradient accumulated since the last step
+            self._pending = []
+            raise
         return sum(it.loss_sums[i] for i in range(m)) / total
 
     def step(self, *, lr: float | None = None) -> None:
@@ -265,7 +271,7 @@ class RoundPipe:
         """Wait for every queued iteration and optimizer step; raise a failure if one occurred."""
         self._check_open()
         for it in self._inflight:
-            self.board.wait_for(lambda it=it: it.remaining == 0, it)
+            self.board.wait_for(_finished(it))
         self._inflight = []
         self.optimizer.drain()
         with self.board.cv:
@@ -482,3 +488,7 @@ class RoundPipe:
                 metrics[f"time/stage/{name}_s"] = metrics.get(f"time/stage/{name}_s", 0.0) + s
         with self._sink_lock:
             self.sink.log(metrics, job.index)
+
+
+def _finished(it: Iteration) -> Callable[[], bool]:
+    return lambda: it.remaining == 0

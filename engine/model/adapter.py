@@ -114,12 +114,12 @@ class AdaptedModel:
     """
 
     def __init__(self, hf_model: nn.Module) -> None:
-        causal_lm = _unwrap(hf_model)
+        causal_lm: Any = _unwrap(hf_model)
         self.hf_model = hf_model
         self.architecture = type(causal_lm).__name__
-        base = causal_lm.model
-        self.config = causal_lm.config
-        self.rotary = base.rotary_emb
+        base: Any = causal_lm.model
+        self.config: Any = causal_lm.config
+        self.rotary: nn.Module = base.rotary_emb
         blocks = list(base.layers[: self.config.num_hidden_layers])
         self.layers: list[Layer] = [Layer(0, "input", InputLayer(base.embed_tokens))]
         for i, block in enumerate(blocks):

@@ -120,7 +120,7 @@ class OptimizerWorker:
             for r in range(len(it.rounds)):
                 for layer in layers:
                     key = (it.serial, r, layer)
-                    self.board.wait_for(lambda key=key: key in self.board.deposits, it)
+                    self.board.wait_for(self._arrived(key), it)
                     with self.board.cv:
                         contribution = self.board.deposits.pop(key)
                     for k, (grad, event) in contribution.items():
@@ -136,6 +136,9 @@ class OptimizerWorker:
                 for key in [k for k in self.board.deposits if k[0] == it.serial]:
                     del self.board.deposits[key]
             self.host.zero_grads()
+
+    def _arrived(self, key: tuple[int, int, int]) -> Callable[[], bool]:
+        return lambda: key in self.board.deposits
 
     def _step(self, job: StepJob) -> None:
         t0 = time.perf_counter()

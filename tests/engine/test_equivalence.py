@@ -8,7 +8,15 @@ import pytest
 import torch
 
 from engine import EngineConfig, RoundPipe
-from tests.engine.tiny import FAMILIES, bitwise_equal, engine_loop, max_diff, plain_loop, tiny_batch, tiny_model
+from tests.engine.tiny import (
+    FAMILIES,
+    bitwise_equal,
+    engine_loop,
+    max_diff,
+    plain_loop,
+    tiny_batch,
+    tiny_model,
+)
 
 SGD_TOL = 1e-5
 # AdamW divides by sqrt(v): entries whose gradient is near zero turn float rounding into
@@ -39,7 +47,11 @@ def test_sync_sgd_equals_plain_loop(family: str, workers: int, batches) -> None:
     for m in (workers, workers + 1, 2 * workers + 1):
         config = EngineConfig(devices=["cpu"] * workers, num_microbatches=m, optimizer="sgd", lr=0.1)
         losses, state, _ = engine_loop(model, batches, config)
-        assert max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)) < SGD_TOL, (m, losses, ref_losses)
+        assert max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)) < SGD_TOL, (
+            m,
+            losses,
+            ref_losses,
+        )
         assert max_diff(state, ref_state) < SGD_TOL, m
 
 
@@ -65,9 +77,11 @@ def test_bitwise_identical_for_any_worker_count_and_partition(family: str, batch
 def test_tied_embedding_gradient_is_the_sum_of_both_uses(batches) -> None:
     model = tiny_model("llama", tied=True)
     assert model.lm_head.weight is model.model.embed_tokens.weight
-    ref_losses, ref_state = plain_loop(model, batches, sgd)
-    config = EngineConfig(devices=["cpu", "cpu"], num_microbatches=3, optimizer="sgd", lr=0.1, partition=SPLIT_PLAN)
-    losses, state, _ = engine_loop(model, batches, config)
+    _, ref_state = plain_loop(model, batches, sgd)
+    config = EngineConfig(
+        devices=["cpu", "cpu"], num_microbatches=3, optimizer="sgd", lr=0.1, partition=SPLIT_PLAN
+    )
+    _, state, _ = engine_loop(model, batches, config)
     assert max_diff(state, ref_state) < SGD_TOL
     # one parameter: both names carry the same trained value, and it moved
     assert torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"])
@@ -84,8 +98,14 @@ def test_adamw_with_clipping_matches_torch_adamw(family: str, batches) -> None:
     ref_losses, ref_state = plain_loop(model, batches, adamw, max_grad_norm=0.5)
     _, split_state = plain_loop(model, batches, adamw, max_grad_norm=0.5, microbatches=4)
     config = EngineConfig(
-        devices=["cpu", "cpu", "cpu"], num_microbatches=4, optimizer="adamw", lr=1e-2, betas=(0.9, 0.95),
-        weight_decay=0.1, max_grad_norm=0.5, partition=SPLIT_PLAN,
+        devices=["cpu", "cpu", "cpu"],
+        num_microbatches=4,
+        optimizer="adamw",
+        lr=1e-2,
+        betas=(0.9, 0.95),
+        weight_decay=0.1,
+        max_grad_norm=0.5,
+        partition=SPLIT_PLAN,
     )
     losses, state, _ = engine_loop(model, batches, config)
     assert max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)) < ADAMW_LOSS_TOL
@@ -103,7 +123,9 @@ def test_sgd_momentum_weight_decay_and_lr_per_step(batches) -> None:
         ref(**batch).loss.backward()
         opt.step()
         opt.zero_grad()
-    config = EngineConfig(devices=["cpu", "cpu"], num_microbatches=3, optimizer="sgd", momentum=0.9, weight_decay=0.01)
+    config = EngineConfig(
+        devices=["cpu", "cpu"], num_microbatches=3, optimizer="sgd", momentum=0.9, weight_decay=0.01
+    )
     with RoundPipe(copy.deepcopy(model), config) as rp:
         for lr, batch in zip(lrs, batches, strict=True):
             rp.forward_backward(**batch)
@@ -119,10 +141,8 @@ def test_gradient_accumulation_over_calls_equals_one_big_batch() -> None:
     _, ref_state = plain_loop(model, [whole], sgd)
     config = EngineConfig(devices=["cpu", "cpu"], num_microbatches=2, optimizer="sgd", lr=0.1)
     with RoundPipe(copy.deepcopy(model), config) as rp:
-        # each call's loss is its own batch mean: weight the halves by their token counts
         counts = [int((h["labels"][:, 1:] != -100).sum()) for h in halves]
-        for h, c in zip(halves, counts, strict=True):
-            h = dict(h)
+        for h in halves:
             rp.forward_backward(**h)
         rp.step()
         state = rp.master_state_dict()
@@ -160,7 +180,11 @@ def test_async_equals_staleness_one_reference() -> None:
     ref_state = {k: v.float() for k, v in current.state_dict().items()}
     for workers in (1, 3):
         config = EngineConfig(
-            devices=["cpu"] * workers, num_microbatches=4, optimizer="sgd", lr=lr, async_optimizer=True,
+            devices=["cpu"] * workers,
+            num_microbatches=4,
+            optimizer="sgd",
+            lr=lr,
+            async_optimizer=True,
             partition=SPLIT_PLAN,
         )
         losses, state, _ = engine_loop(model, batches, config)
@@ -176,7 +200,8 @@ def test_lora_trains_only_the_adapter_like_the_plain_loop(batches) -> None:
 
     base = tiny_model("llama", tied=False)
     lora = get_peft_model(
-        base, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"])
+        base,
+        LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"]),
     )
     # peft initialises B to zero: start from a non-zero adapter so both factors get gradients
     with torch.no_grad():
@@ -187,7 +212,9 @@ def test_lora_trains_only_the_adapter_like_the_plain_loop(batches) -> None:
     ref_losses, ref_state = plain_loop(lora, batches, sgd)
     # the second plan has a backward stage starting right above the frozen input layer
     for plan in (SPLIT_PLAN, {"forward": [1, 2], "fused": 2, "backward": [2, 1]}):
-        config = EngineConfig(devices=["cpu", "cpu", "cpu"], num_microbatches=3, optimizer="sgd", lr=0.1, partition=plan)
+        config = EngineConfig(
+            devices=["cpu", "cpu", "cpu"], num_microbatches=3, optimizer="sgd", lr=0.1, partition=plan
+        )
         with RoundPipe(copy.deepcopy(lora), config) as rp:
             trainable = {t.names[0] for t in rp.host.trainable}
             assert trainable and all("lora_" in n for n in trainable)
@@ -208,7 +235,9 @@ def test_lora_trains_only_the_adapter_like_the_plain_loop(batches) -> None:
 def test_bf16_compute_stays_close_to_fp32(batches) -> None:
     model = tiny_model("qwen3")
     fp32 = EngineConfig(devices=["cpu", "cpu"], num_microbatches=3, optimizer="sgd", lr=0.1)
-    bf16 = EngineConfig(devices=["cpu", "cpu"], num_microbatches=3, optimizer="sgd", lr=0.1, compute_dtype="bfloat16")
+    bf16 = EngineConfig(
+        devices=["cpu", "cpu"], num_microbatches=3, optimizer="sgd", lr=0.1, compute_dtype="bfloat16"
+    )
     l32, s32, _ = engine_loop(model, batches, fp32)
     l16, s16, _ = engine_loop(model, batches, bf16)
     # bf16 keeps 8 bits of mantissa: losses agree to ~1e-2 relative, the fp32 masters to ~1e-2
@@ -221,7 +250,9 @@ def test_dropout_masks_match_between_forward_and_recompute(batches) -> None:
     model = tiny_model("llama", attention_dropout=0.2)
     results = []
     for workers, plan in ((1, {"forward": [], "fused": 5, "backward": []}), (2, SPLIT_PLAN), (3, SPLIT_PLAN)):
-        config = EngineConfig(devices=["cpu"] * workers, num_microbatches=3, optimizer="sgd", lr=0.1, partition=plan)
+        config = EngineConfig(
+            devices=["cpu"] * workers, num_microbatches=3, optimizer="sgd", lr=0.1, partition=plan
+        )
         results.append(engine_loop(model, batches, config))
     # the fused-only plan never recomputes; the split plan recomputes every backward stage.
     # Equal weights mean every recompute drew the same dropout mask as its forward.
@@ -229,5 +260,7 @@ def test_dropout_masks_match_between_forward_and_recompute(batches) -> None:
         assert losses == results[0][0]
         assert bitwise_equal(state, results[0][1])
     # and dropout was really active: the weights differ from the no-dropout run
-    no_dropout = engine_loop(tiny_model("llama"), batches, EngineConfig(num_microbatches=3, optimizer="sgd", lr=0.1))
+    no_dropout = engine_loop(
+        tiny_model("llama"), batches, EngineConfig(num_microbatches=3, optimizer="sgd", lr=0.1)
+    )
     assert max_diff(no_dropout[1], results[0][1]) > 1e-6
