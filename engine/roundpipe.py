@@ -219,6 +219,8 @@ class RoundPipe:
             profile=not self._manual and self._serial < self.config.calibration_steps,
         )
         self._serial += 1
+        if it.profile:
+            self._calibration.append(it)
         for mb in range(m):
             for b in it.checkpoints:
                 it.act_uses[(mb, b)] = sum(1 for s in plan.slots if s.start == b)
@@ -421,7 +423,7 @@ class RoundPipe:
 
     def _replan_due(self) -> bool:
         steps = self.config.calibration_steps
-        return not self._manual and steps > 0 and len(self._calibration) == steps and self._serial == steps
+        return not self._manual and steps > 0 and self._serial == steps
 
     def _make_plan(self, mbs: list[MicroBatch]) -> Plan:
         mb_tokens = max(int(mb.input_ids.numel()) for mb in mbs)
@@ -433,18 +435,18 @@ class RoundPipe:
         )
         costs = memory
         if self._replan_due():
-            self.synchronize()
+            self.synchronize()  # the measured iterations have finished
             costs = measured_costs(self._calibration, memory)
         plan = auto_partition(
             costs, num_workers=len(self.workers), num_microbatches=len(mbs), memory_budget=self._budget()
         )
-        if self.plan is not None and plan != self.plan:
-            self._event(
-                "repartition", f"partition from measured layer times: {plan.describe()}", plan.to_counts()
-            )
-        elif self.plan is None:
-            self._event("partition", f"partition: {plan.describe()}", plan.to_counts())
-        self._calibration = [] if self._replan_due() else self._calibration
+        if self._replan_due():
+            same = " (unchanged)" if plan == self.plan else ""
+            message = f"partition from measured layer times: {plan.describe()}{same}"
+            self._event("repartition", message, plan.to_counts())
+            self._calibration = []
+        else:
+            self._event("partition", f"partition from parameter bytes: {plan.describe()}", plan.to_counts())
         return plan
 
     def _budget(self) -> float | None:
@@ -463,8 +465,6 @@ class RoundPipe:
         """Per-step metrics, called on the optimizer thread when a step finished."""
         its = job.iterations
         self.last_grad_norm = job.grad_norm
-        if any(it.profile for it in its) and len(self._calibration) < self.config.calibration_steps:
-            self._calibration.extend(it for it in its if it.profile)
         wall = max(time.perf_counter() - its[0].started, 1e-9)
         span = max(max(it.finished for it in its) - its[0].started, 1e-9)
         busy = sum(sum(it.busy_s.values()) for it in its)

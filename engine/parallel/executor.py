@@ -131,11 +131,14 @@ class Worker:
         host = self.engine.host
         params: Params = {}
         sizes: list[tuple[Any, int]] = []
-        for i in stage.layers:
-            params[i] = {}
-            for local, k in host.layer_keys[i].items():
-                params[i][local] = self.link.empty_like(host.tensors[k].compute)
-                sizes.append(((i, local), host.tensors[k].compute.numel()))
+        # allocated on the stream that writes them; the compute stream is recorded as a user
+        # before it reads them, so the allocator never hands the memory out while it is in use
+        with self.link.on(self.link.param_up):
+            for i in stage.layers:
+                params[i] = {}
+                for local, k in host.layer_keys[i].items():
+                    params[i][local] = self.link.empty_like(host.tensors[k].compute)
+                    sizes.append(((i, local), host.tensors[k].compute.numel()))
         return params, sizes
 
     def _pieces(
@@ -178,22 +181,23 @@ class Worker:
         DeviceLink.host_wait(event)
         board.release_uploads(owners, it.version)
         released[0] = True
-        if stage.kind != "forward":
-            host = self.engine.host
-            for i in stage.layers:
-                for local, k in host.layer_keys[i].items():
-                    if host.tensors[k].trainable:
-                        params[i][local].requires_grad_(True)
+        host = self.engine.host
+        for i in stage.layers:
+            for local, k in host.layer_keys[i].items():
+                if self.link.is_cuda:
+                    params[i][local].record_stream(self.link.compute)
+                if stage.kind != "forward" and host.tensors[k].trainable:
+                    params[i][local].requires_grad_(True)
         return params
 
     # -- one slot run --------------------------------------------------------------------------
     def _run(self, it: Iteration, run: SlotRun, stage: Stage, owners: set[int], released: list[bool]) -> None:
-        params = self._weights(it, run, stage, owners, released)
-        prefetch = self._start_prefetch(len(run.microbatches))
         accum: dict[tuple[int, str], torch.Tensor] = {}
         losses: list[torch.Tensor] = []
         spans: list[tuple[Any, Any]] = []
         with self.link.on(self.link.compute):
+            params = self._weights(it, run, stage, owners, released)
+            prefetch = self._start_prefetch(len(run.microbatches))
             for w, mb in enumerate(run.microbatches):
                 if self.engine.cancel is not None and self.engine.cancel.is_set():
                     raise Cancelled(f"cancelled before micro-batch {mb} of stage {stage.name}")
@@ -231,6 +235,10 @@ class Worker:
             return float(b - a)
         b.synchronize()
         return float(a.elapsed_time(b)) / 1000.0
+
+    def _record(self, table: dict[int, float], layer: int, seconds: float) -> None:
+        with self.board.cv:
+            table[layer] = table.get(layer, 0.0) + seconds
 
     def _elapsed(self, t0: float) -> float:
         """Seconds since ``t0`` after the queued compute finished (profiling only)."""
@@ -300,7 +308,7 @@ class Worker:
                 t0 = time.perf_counter() if it.profile else 0.0
                 x = self._call(it, mb, layers[i], params, x, ctx)
                 if it.profile:
-                    it.layer_fwd_s[i] = it.layer_fwd_s.get(i, 0.0) + self._elapsed(t0)
+                    self._record(it.layer_fwd_s, i, self._elapsed(t0))
                 if ctx is None:
                     ctx = self._context(it, mb, x)
                 if i + 1 in it.checkpoints:
@@ -324,7 +332,7 @@ class Worker:
                 inp = x if i == 0 else x.detach().requires_grad_(self._needs_input_grad(i))
                 x = self._call(it, mb, layers[i], params, inp, ctx)
                 if it.profile:
-                    it.layer_fwd_s[i] = it.layer_fwd_s.get(i, 0.0) + self._elapsed(t0)
+                    self._record(it.layer_fwd_s, i, self._elapsed(t0))
                 if ctx is None:
                     ctx = self._context(it, mb, x)
                 saved.append((inp, x))
@@ -348,7 +356,7 @@ class Worker:
                 elif out.requires_grad:
                     torch.autograd.backward(out, grad)
                 if it.profile:
-                    it.layer_bwd_s[i] = it.layer_bwd_s.get(i, 0.0) + self._elapsed(t0)
+                    self._record(it.layer_bwd_s, i, self._elapsed(t0))
                 top, grad = None, inp.grad if inp.requires_grad else None
         if stage.start > 0:  # None when nothing below trains (a frozen input layer)
             self._publish(it.grads, (mb, stage.start), grad)

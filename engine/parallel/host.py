@@ -100,6 +100,9 @@ class HostState:
             master = torch.nn.Parameter(t.detach().to("cpu", torch.float32, copy=True).contiguous())
             master.grad = torch.zeros_like(master)
             ht.master = master
+        if isinstance(t, torch.nn.Parameter) and data.data_ptr() != t.data_ptr():
+            # the model's parameter becomes the compute copy: host memory holds one copy, not two
+            t.data = data
         return ht
 
     @property

@@ -257,3 +257,18 @@ def test_bitwise_identical_with_rounds_smaller_than_the_iteration() -> None:
             states.append(rp.master_state_dict())
     assert bitwise_equal(states[0], states[1])
     assert torch.isfinite(next(iter(states[0].values()))).all()
+
+
+def test_partition_is_recomputed_from_measured_layer_times() -> None:
+    sink = ListSink()
+    config = EngineConfig(devices=["cpu", "cpu", "cpu"], num_microbatches=3, calibration_steps=2)
+    with RoundPipe(tiny_model("llama", blocks=4), config, sink=sink) as rp:
+        for s in range(4):
+            rp.forward_backward(**tiny_batch(seed=s))
+            rp.step()
+        rp.synchronize()
+    kinds = [kind for kind, _, _ in sink.events]
+    assert kinds == ["partition", "repartition"]
+    counts = sink.events[1][2]
+    assert sum(counts["forward"]) + counts["fused"] == 6
+    assert sum(counts["backward"]) + counts["fused"] == 6

@@ -1,0 +1,45 @@
+"""Per-layer costs: the proxy before measuring, and averages of measured times."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.parallel.board import Iteration, MicroBatch
+from engine.parallel.partition import LayerCost, Plan
+from engine.parallel.planning import measured_costs
+
+
+def iteration(plan: Plan, fwd: dict[int, float], bwd: dict[int, float], m: int) -> Iteration:
+    mbs = [MicroBatch(None, None, None) for _ in range(m)]
+    it = Iteration(
+        serial=0,
+        version=0,
+        plan=plan,
+        runs=[],
+        microbatches=mbs,
+        total_tokens=1,
+        rounds=[],
+        seed=0,
+        checkpoints=frozenset(),
+    )
+    it.layer_fwd_s, it.layer_bwd_s = dict(fwd), dict(bwd)
+    return it
+
+
+def test_measured_costs_average_per_microbatch_and_count_the_recompute() -> None:
+    plan = Plan.from_counts(4, forward=[2], fused=2, backward=[2])
+    memory = [LayerCost(0, 0, 10.0 * i, 20.0 * i) for i in range(4)]
+    # layers 0-1 ran forward twice per micro-batch (forward stage + recompute), layers 2-3 once
+    a = iteration(plan, {0: 0.8, 1: 1.6, 2: 2.0, 3: 4.0}, {0: 0.4, 1: 4.0, 2: 4.0, 3: 8.0}, m=2)
+    b = iteration(plan, {0: 0.4, 1: 0.8, 2: 1.0, 3: 2.0}, {0: 0.2, 1: 2.0, 2: 2.0, 3: 4.0}, m=2)
+    costs = measured_costs([a, b], memory)
+    assert [c.forward for c in costs] == pytest.approx([0.15, 0.3, 0.75, 1.5])
+    assert [c.backward for c in costs] == pytest.approx([0.15, 1.5, 1.5, 3.0])
+    assert [c.memory_backward for c in costs] == [0.0, 20.0, 40.0, 60.0]
+
+
+def test_a_layer_without_measurement_is_an_error() -> None:
+    plan = Plan.from_counts(2, forward=[], fused=2, backward=[])
+    it = iteration(plan, {0: 1.0}, {0: 1.0, 1: 1.0}, m=1)
+    with pytest.raises(ValueError, match="no time measured for layer 1"):
+        measured_costs([it], [LayerCost(0, 0, 0, 0)] * 2)
