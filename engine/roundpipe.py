@@ -139,6 +139,7 @@ class RoundPipe:
             self.plan = Plan.from_counts(self.host.num_layers, **config.partition)
         self.steps = 0
         self._serial = 0
+        self._evaluations = 0
         self._rotation = 0
         self._pending: list[Iteration] = []
         self._inflight: list[Iteration] = []
@@ -192,50 +193,8 @@ class RoundPipe:
         """
         self._check_open()
         mbs, total = self._split(input_ids, labels, attention_mask)
-        if self.plan is None or self._replan_due():
-            self.plan = self._make_plan(mbs)
-        plan = self.plan
-        n, m = len(self.workers), len(mbs)
-        runs, self._rotation = build_schedule(
-            num_slots=plan.num_slots,
-            num_workers=n,
-            num_microbatches=m,
-            round_size=self.config.round_size,
-            iteration=self._serial,
-            start_worker=self._rotation,
-        )
-        rounds = sorted({r.round for r in runs})
-        lag = 1 if self.config.async_optimizer else 0
-        it = Iteration(
-            serial=self._serial,
-            version=max(self.steps - lag, 0),
-            plan=plan,
-            runs=runs,
-            microbatches=mbs,
-            total_tokens=total,
-            rounds=[next(r.microbatches for r in runs if r.round == k) for k in rounds],
-            seed=self.config.seed,
-            checkpoints=frozenset(plan.checkpoint_boundaries()),
-            profile=not self._manual and self._serial < self.config.calibration_steps,
-        )
-        self._serial += 1
-        if it.profile:
-            self._calibration.append(it)
-        for mb in range(m):
-            for b in it.checkpoints:
-                it.act_uses[(mb, b)] = sum(1 for s in plan.slots if s.start == b)
-        it.remaining = len(runs)
-        it.started = time.perf_counter()
-        for run in runs:
-            stage = plan.slots[run.slot]
-            self.board.register_uploads(
-                set().union(*(self.host.layer_owners[i] for i in stage.layers)), it.version
-            )
-        self.optimizer.submit_fold(it)
-        for run in runs:
-            self.workers[run.worker].enqueue(it, run)
-        self._pending.append(it)
-        self._inflight.append(it)
+        it = self._launch(mbs, total, train=True)
+        m = len(mbs)
         try:
             if self.config.async_optimizer:
                 self.board.wait_for(lambda: len(it.loss_sums) == m, it)
@@ -246,6 +205,80 @@ class RoundPipe:
             self._pending = []
             raise
         return sum(it.loss_sums[i] for i in range(m)) / total
+
+    def evaluate(
+        self,
+        *,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+    ) -> float:
+        """Mean loss of a batch without training: forward stages and the fused stage's forward.
+
+        Runs on the weights the next ``forward_backward`` would use, with dropout off.
+
+        Returns:
+            The mean loss over every label token of the batch.
+        """
+        self._check_open()
+        mbs, total = self._split(input_ids, labels, attention_mask)
+        it = self._launch(mbs, total, train=False)
+        self.board.wait_for(lambda: it.remaining == 0, it)
+        return sum(it.loss_sums[i] for i in range(len(mbs))) / total
+
+    def _launch(self, mbs: list[MicroBatch], total: int, *, train: bool) -> Iteration:
+        """Schedule one iteration on the workers (and its gradient fold, when training)."""
+        if self.plan is None or (train and self._replan_due()):
+            self.plan = self._make_plan(mbs)
+        plan = self.plan
+        slots = plan.slots if train else (*plan.forward, plan.fused)
+        runs, self._rotation = build_schedule(
+            num_slots=len(slots),
+            num_workers=len(self.workers),
+            num_microbatches=len(mbs),
+            round_size=self.config.round_size,
+            iteration=self._serial,
+            start_worker=self._rotation,
+        )
+        rounds = sorted({r.round for r in runs})
+        lag = 1 if self.config.async_optimizer else 0
+        serial = self._serial if train else -1 - self._evaluations
+        it = Iteration(
+            serial=serial,
+            version=max(self.steps - lag, 0),
+            plan=plan,
+            runs=runs,
+            microbatches=mbs,
+            total_tokens=total,
+            rounds=[next(r.microbatches for r in runs if r.round == k) for k in rounds],
+            seed=self.config.seed,
+            checkpoints=frozenset(s.start for s in slots if s.start > 0),
+            profile=train and not self._manual and self._serial < self.config.calibration_steps,
+            train=train,
+        )
+        if train:
+            self._serial += 1
+        else:
+            self._evaluations += 1
+        if it.profile:
+            self._calibration.append(it)
+        for mb in range(len(mbs)):
+            for b in it.checkpoints:
+                it.act_uses[(mb, b)] = sum(1 for s in slots if s.start == b)
+        it.remaining = len(runs)
+        it.started = time.perf_counter()
+        for run in runs:
+            stage = plan.slots[run.slot]
+            self.board.register_uploads(
+                set().union(*(self.host.layer_owners[i] for i in stage.layers)), it.version
+            )
+        if train:
+            self.optimizer.submit_fold(it)
+            self._pending.append(it)
+        for run in runs:
+            self.workers[run.worker].enqueue(it, run)
+        self._inflight.append(it)
+        return it
 
     def step(self, *, lr: float | None = None) -> None:
         """Apply the optimizer to the gradients accumulated since the last step.

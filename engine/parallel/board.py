@@ -45,6 +45,7 @@ class Iteration:
     seed: int
     checkpoints: frozenset[int]
     profile: bool = False
+    train: bool = True
     acts: dict[tuple[int, int], tuple[Any, Any]] = field(default_factory=dict)
     act_uses: dict[tuple[int, int], int] = field(default_factory=dict)
     grads: dict[tuple[int, int], tuple[Any, Any]] = field(default_factory=dict)

@@ -186,12 +186,27 @@ class Worker:
             for local, k in host.layer_keys[i].items():
                 if self.link.is_cuda:
                     params[i][local].record_stream(self.link.compute)
-                if stage.kind != "forward" and host.tensors[k].trainable:
+                if stage.kind != "forward" and it.train and host.tensors[k].trainable:
                     params[i][local].requires_grad_(True)
         return params
 
     # -- one slot run --------------------------------------------------------------------------
     def _run(self, it: Iteration, run: SlotRun, stage: Stage, owners: set[int], released: list[bool]) -> None:
+        if it.train:
+            self._run_stage(it, run, stage, owners, released)
+            return
+        modes = [self.modules[i].training for i in stage.layers]
+        for i in stage.layers:
+            self.modules[i].eval()  # evaluation: dropout off
+        try:
+            self._run_stage(it, run, stage, owners, released)
+        finally:
+            for i, mode in zip(stage.layers, modes, strict=True):
+                self.modules[i].train(mode)
+
+    def _run_stage(
+        self, it: Iteration, run: SlotRun, stage: Stage, owners: set[int], released: list[bool]
+    ) -> None:
         accum: dict[tuple[int, str], torch.Tensor] = {}
         losses: list[torch.Tensor] = []
         spans: list[tuple[Any, Any]] = []
@@ -207,6 +222,8 @@ class Worker:
                 t0 = self._mark()
                 if stage.kind == "forward":
                     self._forward(it, stage, mb, params, x)
+                elif not it.train:
+                    losses.append(self._evaluate(it, stage, mb, params, x))
                 else:
                     loss = self._backward(it, stage, mb, params, x, accum)
                     if loss is not None:
@@ -214,7 +231,7 @@ class Worker:
                 spans.append((t0, self._mark()))
             if prefetch is not None:
                 self.prefetched[id(prefetch[0])] = (prefetch[1], self.link.record(self.link.param_up))
-            if stage.kind != "forward":
+            if stage.kind != "forward" and it.train:
                 self._deposit(it, run, stage, params, accum)
         loss_values = [float(v) for v in losses]
         busy = sum(self._span(a, b) for a, b in spans)
@@ -271,7 +288,7 @@ class Worker:
     @contextlib.contextmanager
     def _rng(self, it: Iteration, mb: int, layer: int) -> Iterator[None]:
         """Seed dropout per (iteration, micro-batch, layer), so a recompute draws the same masks."""
-        if not self.engine.dropout:
+        if not (self.engine.dropout and it.train):
             yield
             return
         seed = (it.seed * 1_000_003 + it.serial) * 1_000_003 + mb * 1_009 + layer
@@ -313,6 +330,19 @@ class Worker:
                     ctx = self._context(it, mb, x)
                 if i + 1 in it.checkpoints:
                     self._publish(it.acts, (mb, i + 1), x)
+
+    def _evaluate(
+        self, it: Iteration, stage: Stage, mb: int, params: Params, x: torch.Tensor
+    ) -> torch.Tensor:
+        """The fused stage of an evaluation: its layers and the loss, no backward."""
+        layers = self.engine.adapted.layers
+        ctx = None if stage.start == 0 else self._context(it, mb, x)
+        with torch.no_grad():
+            for i in stage.layers:
+                x = self._call(it, mb, layers[i], params, x, ctx)
+                if ctx is None:
+                    ctx = self._context(it, mb, x)
+            return causal_lm_loss_sum(x, self.link.upload(it.microbatches[mb].labels))
 
     def _backward(
         self,

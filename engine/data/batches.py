@@ -1,0 +1,93 @@
+"""Packing and batching: deterministic shuffles by seed, a resumable position."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.data.encode import Encoded
+
+
+def pack(examples: list[Encoded], max_length: int) -> list[Encoded]:
+    """Concatenate examples, in order, into sequences of at most ``max_length`` tokens.
+
+    Packed examples attend to each other (no block-diagonal mask); labels stay per example.
+    """
+    out: list[Encoded] = []
+    ids: list[int] = []
+    labels: list[int] = []
+    first = examples[0].line if examples else 0
+    for ex in examples:
+        if ids and len(ids) + len(ex.input_ids) > max_length:
+            out.append(Encoded(first, ids, labels, len(ids), False))
+            ids, labels, first = [], [], ex.line
+        ids = ids + ex.input_ids
+        labels = labels + ex.labels
+    if ids:
+        out.append(Encoded(first, ids[:max_length], labels[:max_length], len(ids), len(ids) > max_length))
+    return out
+
+
+@dataclass
+class Batcher:
+    """Batches of ``batch_size`` examples; each epoch a permutation drawn from ``seed``.
+
+    The last incomplete batch of an epoch is dropped. ``state_dict()`` records the position,
+    so a resumed run sees exactly the batches it would have seen.
+    """
+
+    examples: list[Encoded]
+    batch_size: int
+    seed: int
+    pad_id: int
+    epoch: int = 0
+    position: int = 0
+
+    def __post_init__(self) -> None:
+        if len(self.examples) < self.batch_size:
+            raise ValueError(
+                f"hyper.batch_size={self.batch_size} is larger than "
+                f"the {len(self.examples)} training examples"
+            )
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return len(self.examples) // self.batch_size
+
+    def _order(self, epoch: int) -> list[int]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(len(self.examples), generator=g).tolist()
+
+    def next(self) -> dict[str, torch.Tensor]:
+        if self.position >= self.steps_per_epoch:
+            self.epoch += 1
+            self.position = 0
+        order = self._order(self.epoch)
+        rows = [
+            self.examples[i]
+            for i in order[self.position * self.batch_size : (self.position + 1) * self.batch_size]
+        ]
+        self.position += 1
+        return collate(rows, self.pad_id)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+
+
+def collate(rows: list[Encoded], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad rows to the longest: ``input_ids``, ``labels`` (-100 on padding), ``attention_mask``."""
+    width = max(len(r.input_ids) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(rows), width), -100, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        n = len(r.input_ids)
+        ids[i, :n] = torch.tensor(r.input_ids)
+        labels[i, :n] = torch.tensor(r.labels)
+        mask[i, :n] = 1
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask}

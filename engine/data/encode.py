@@ -1,0 +1,168 @@
+"""Tokenizing examples with the model's chat template and marking the trained tokens.
+
+Chat and instruction rows are rendered with ``tokenizer.apply_chat_template``; the loss covers
+exactly the assistant turns (their content and the template's end-of-turn marker), found by
+rendering each conversation prefix and mapping character spans to tokens. Prompt/completion rows
+are plain text (prompt + completion + EOS) with the loss on the completion; text rows train on
+every token.
+
+Fallback: a tokenizer without a chat template gets ``FALLBACK_CHAT_TEMPLATE`` (ChatML-style
+``<|im_start|>role ... <|im_end|>`` turns written as plain text, the end of each assistant turn
+followed by the EOS token), recorded with the exported tokenizer so inference renders the same.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.data.read import Example, RowError, read_examples
+
+FALLBACK_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@dataclass
+class Encoded:
+    """Token ids and labels (-100 where no loss is taken) of one example."""
+
+    line: int
+    input_ids: list[int]
+    labels: list[int]
+    length: int  # before truncation
+    truncated: bool
+
+    @property
+    def trained_tokens(self) -> int:
+        return sum(1 for t in self.labels[1:] if t != -100)
+
+
+def ensure_chat_template(tokenizer: Any) -> None:
+    """Give a tokenizer without a chat template the documented fallback."""
+    if not getattr(tokenizer, "chat_template", None):
+        tokenizer.chat_template = FALLBACK_CHAT_TEMPLATE
+
+
+def _render(tokenizer: Any, messages: list[dict[str, str]], *, generation: bool = False) -> str:
+    return str(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation))
+
+
+def assistant_spans(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation and the character spans of its assistant turns.
+
+    Raises:
+        ValueError: the template does not render a conversation's prefixes as prefixes.
+    """
+    full = _render(tokenizer, messages)
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        before = _render(tokenizer, messages[:i], generation=True)
+        upto = _render(tokenizer, messages[: i + 1])
+        if not (full.startswith(upto) and upto.startswith(before)):
+            raise ValueError("the chat template does not render conversation prefixes as prefixes")
+        spans.append((len(before), len(upto)))
+    return full, spans
+
+
+def encode(example: Example, tokenizer: Any, max_length: int) -> Encoded:
+    """Token ids and loss labels of one example, truncated to ``max_length``."""
+    if example.messages is not None:
+        text, spans = assistant_spans(tokenizer, example.messages)
+        special = False
+    elif example.prompt is not None and example.completion is not None:
+        text = example.prompt + example.completion + (tokenizer.eos_token or "")
+        spans = [(len(example.prompt), len(text))]
+        special = True
+    else:
+        text = (example.text or "") + (tokenizer.eos_token or "")
+        spans = [(0, len(text))]
+        special = True
+    enc = tokenizer(text, add_special_tokens=special, return_offsets_mapping=True)
+    ids: list[int] = list(enc["input_ids"])
+    labels = []
+    for tok, (a, b) in zip(ids, enc["offset_mapping"], strict=True):
+        trained = b > a and any(s <= a < e for s, e in spans)
+        labels.append(tok if trained else -100)
+    n = len(ids)
+    return Encoded(example.line, ids[:max_length], labels[:max_length], n, n > max_length)
+
+
+@dataclass
+class Report:
+    """What ``validate`` found in a dataset file."""
+
+    path: str
+    format: str | None
+    rows: int
+    errors: list[RowError] = field(default_factory=list)
+    tokens: dict[str, float] = field(default_factory=dict)
+    truncated_share: float = 0.0
+    max_length: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors and self.rows > 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "format": self.format,
+            "rows": self.rows,
+            "ok": self.ok,
+            "errors": [{"line": e.line, "unit": e.unit, "message": e.message} for e in self.errors],
+            "tokens": self.tokens,
+            "truncated_share": self.truncated_share,
+            "max_length": self.max_length,
+        }
+
+
+def validate(path: str, *, tokenizer: Any = None, fmt: str = "auto", max_length: int = 1024) -> Report:
+    """Read every row of a dataset file and report its format, errors and token lengths."""
+    chosen, rows, examples, errors = read_examples(path, fmt)
+    report = Report(path, chosen, rows, errors, max_length=max_length)
+    if rows == 0:
+        report.errors.append(RowError(1, "the file holds no rows"))
+    if tokenizer is None or not examples:
+        return report
+    ensure_chat_template(tokenizer)
+    encoded = []
+    for ex in examples:
+        try:
+            encoded.append(encode(ex, tokenizer, max_length))
+        except ValueError as exc:
+            report.errors.append(RowError(ex.line, str(exc)))
+    for e in encoded:
+        if e.trained_tokens == 0:
+            report.errors.append(
+                RowError(e.line, f"no token left to train on within max_length={max_length}")
+            )
+    report.errors.sort(key=lambda e: e.line)
+    lengths = sorted(e.length for e in encoded)
+    if lengths:
+        report.tokens = {
+            "min": float(lengths[0]),
+            "mean": statistics.fmean(lengths),
+            "p50": float(lengths[len(lengths) // 2]),
+            "p95": float(lengths[min(len(lengths) - 1, int(0.95 * len(lengths)))]),
+            "max": float(lengths[-1]),
+            "total": float(sum(lengths)),
+        }
+        report.truncated_share = sum(e.truncated for e in encoded) / len(encoded)
+    return report
+
+
+def load_encoded(path: str, tokenizer: Any, *, fmt: str = "auto", max_length: int = 1024) -> list[Encoded]:
+    """Every example of a file, encoded. Raises ``ValueError`` listing the errors by line."""
+    report = validate(path, tokenizer=tokenizer, fmt=fmt, max_length=max_length)
+    if not report.ok:
+        shown = "; ".join(str(e) for e in report.errors[:20])
+        more = f" (and {len(report.errors) - 20} more)" if len(report.errors) > 20 else ""
+        raise ValueError(f"{path}: {len(report.errors)} invalid rows: {shown}{more}")
+    _, _, examples, _ = read_examples(path, fmt)
+    return [encode(ex, tokenizer, max_length) for ex in examples]

@@ -1,0 +1,250 @@
+"""Reading dataset files (JSONL, CSV, Parquet) and checking every row's shape.
+
+Row shapes:
+- chat: ``{"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}``
+  (OpenAI style; an optional system turn first, then user and assistant alternating, ending with
+  the assistant);
+- instruction (alpaca): ``{"instruction": str, "input": str (optional), "output": str}``;
+- prompt_completion: ``{"prompt": str, "completion": str}``;
+- text: ``{"text": str}``.
+
+Locations are 1-based: a JSONL or CSV *line* (the CSV header is line 1), a Parquet *row*.
+In CSV files a ``messages`` cell holds the JSON-encoded list.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+FORMATS = ("chat", "instruction", "prompt_completion", "text")
+ROLES = ("system", "user", "assistant")
+SUFFIXES = (".jsonl", ".csv", ".parquet")
+
+
+@dataclass(frozen=True)
+class RowError:
+    line: int
+    message: str
+    unit: str = "line"
+
+    def __str__(self) -> str:
+        return f"{self.unit} {self.line}: {self.message}"
+
+
+@dataclass
+class Example:
+    """One valid row, normalised: ``messages`` for chat and instruction rows."""
+
+    line: int
+    messages: list[dict[str, str]] | None = None
+    prompt: str | None = None
+    completion: str | None = None
+    text: str | None = None
+
+
+def file_kind(path: str | Path) -> str:
+    suffix = Path(path).suffix.lower()
+    if suffix not in SUFFIXES:
+        raise ValueError(f"{Path(path).name}: unsupported file type {suffix!r}; use {', '.join(SUFFIXES)}")
+    return suffix[1:]
+
+
+def read_records(path: str | Path) -> Iterator[tuple[int, dict[str, Any] | RowError]]:
+    """Yield ``(location, record or RowError)`` for every row of the file, in order."""
+    kind = file_kind(path)
+    if kind == "jsonl":
+        yield from _jsonl(Path(path))
+    elif kind == "csv":
+        yield from _csv(Path(path))
+    else:
+        yield from _parquet(Path(path))
+
+
+def _jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any] | RowError]]:
+    with path.open("rb") as f:
+        for n, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                yield (
+                    n,
+                    RowError(n, f"not valid UTF-8 (byte 0x{raw[exc.start]:02x} at column {exc.start + 1})"),
+                )
+                continue
+            try:
+                value = json.loads(text)
+            except json.JSONDecodeError as exc:
+                yield n, RowError(n, f"invalid JSON: {exc.msg} (column {exc.colno})")
+                continue
+            if not isinstance(value, dict):
+                yield n, RowError(n, f"expected a JSON object, got {type(value).__name__}")
+                continue
+            yield n, value
+
+
+def _csv(path: Path) -> Iterator[tuple[int, dict[str, Any] | RowError]]:
+    raw = path.read_bytes()
+    text = raw.decode("utf-8", errors="surrogateescape")
+    reader = csv.reader(io.StringIO(text, newline=""))
+    try:
+        header = next(reader)
+    except StopIteration:
+        return
+    except csv.Error as exc:
+        yield 1, RowError(1, f"invalid CSV: {exc}")
+        return
+    header = [h.strip().lstrip("\ufeff") for h in header]
+    while True:
+        start = reader.line_num + 1
+        try:
+            cells = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as exc:
+            yield start, RowError(start, f"invalid CSV: {exc}")
+            return
+        if not any(c.strip() for c in cells):
+            continue
+        if any(_has_surrogate(c) for c in cells):
+            yield start, RowError(start, "not valid UTF-8")
+            continue
+        if len(cells) != len(header):
+            yield start, RowError(start, f"{len(cells)} cells, the header has {len(header)} columns")
+            continue
+        record: dict[str, Any] = dict(zip(header, cells, strict=True))
+        if "messages" in record:
+            try:
+                record["messages"] = json.loads(record["messages"])
+            except json.JSONDecodeError as exc:
+                yield start, RowError(start, f"column 'messages' is not valid JSON: {exc.msg}")
+                continue
+        yield start, record
+
+
+def _has_surrogate(s: str) -> bool:
+    return any("\udc80" <= ch <= "\udcff" for ch in s)
+
+
+def _parquet(path: Path) -> Iterator[tuple[int, dict[str, Any] | RowError]]:
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except Exception as exc:  # pyarrow raises several types for a damaged file
+        yield 1, RowError(1, f"not a readable Parquet file: {exc}", unit="row")
+        return
+    yield from enumerate(table.to_pylist(), start=1)
+
+
+def detect_format(record: dict[str, Any]) -> str | None:
+    """The row shape a record's keys announce, or None."""
+    if "messages" in record:
+        return "chat"
+    if "instruction" in record and "output" in record:
+        return "instruction"
+    if "prompt" in record and "completion" in record:
+        return "prompt_completion"
+    if "text" in record:
+        return "text"
+    return None
+
+
+def _string(record: dict[str, Any], key: str, *, required: bool = True) -> str:
+    if key not in record or record[key] is None:
+        if required:
+            raise ValueError(f"missing field '{key}'")
+        return ""
+    value = record[key]
+    if not isinstance(value, str):
+        raise ValueError(f"field '{key}' must be a string, got {type(value).__name__}")
+    if required and not value.strip():
+        raise ValueError(f"field '{key}' is empty")
+    return value
+
+
+def _messages(record: dict[str, Any]) -> list[dict[str, str]]:
+    msgs = record.get("messages")
+    if not isinstance(msgs, list):
+        raise ValueError(f"field 'messages' must be a list, got {type(msgs).__name__}")
+    if not msgs:
+        raise ValueError("field 'messages' is empty")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise ValueError(f"messages[{i}] must be an object, got {type(m).__name__}")
+        role = m.get("role")
+        if role not in ROLES:
+            raise ValueError(f"messages[{i}]: unknown role {role!r} (use {', '.join(ROLES)})")
+        content = m.get("content")
+        if not isinstance(content, str):
+            raise ValueError(f"messages[{i}].content must be a string, got {type(content).__name__}")
+        if not content.strip():
+            raise ValueError(f"messages[{i}].content is empty")
+        out.append({"role": role, "content": content})
+    turns = out[1:] if out[0]["role"] == "system" else out
+    if not any(m["role"] == "assistant" for m in turns):
+        raise ValueError("no assistant turn")
+    for i, m in enumerate(turns):
+        want = "user" if i % 2 == 0 else "assistant"
+        if m["role"] != want:
+            where = i + (len(out) - len(turns))
+            raise ValueError(
+                f"messages[{where}]: expected role '{want}', got '{m['role']}' (turns must alternate)"
+            )
+    if turns[-1]["role"] != "assistant":
+        raise ValueError("the last turn must be the assistant's")
+    return out
+
+
+def to_example(line: int, record: dict[str, Any], fmt: str) -> Example:
+    """Check a record against a row shape. Raises ``ValueError`` saying what is wrong."""
+    if fmt == "chat":
+        return Example(line, messages=_messages(record))
+    if fmt == "instruction":
+        instruction = _string(record, "instruction")
+        extra = _string(record, "input", required=False)
+        output = _string(record, "output")
+        user = f"{instruction}\n\n{extra}" if extra.strip() else instruction
+        return Example(
+            line, messages=[{"role": "user", "content": user}, {"role": "assistant", "content": output}]
+        )
+    if fmt == "prompt_completion":
+        return Example(line, prompt=_string(record, "prompt"), completion=_string(record, "completion"))
+    if fmt == "text":
+        return Example(line, text=_string(record, "text"))
+    raise ValueError(f"unknown format {fmt!r}; use auto or one of {', '.join(FORMATS)}")
+
+
+def read_examples(
+    path: str | Path, fmt: str = "auto"
+) -> tuple[str | None, int, list[Example], list[RowError]]:
+    """Read and check every row. Returns (format, rows, valid examples, errors)."""
+    unit = "row" if file_kind(path) == "parquet" else "line"
+    examples: list[Example] = []
+    errors: list[RowError] = []
+    rows = 0
+    chosen = None if fmt == "auto" else fmt
+    for n, rec in read_records(path):
+        rows += 1
+        if isinstance(rec, RowError):
+            errors.append(rec)
+            continue
+        if chosen is None:
+            chosen = detect_format(rec)
+            if chosen is None:
+                keys = ", ".join(sorted(rec)) or "none"
+                errors.append(RowError(n, f"cannot tell the row format from its fields ({keys})", unit))
+                continue
+        try:
+            examples.append(to_example(n, rec, chosen))
+        except ValueError as exc:
+            errors.append(RowError(n, str(exc), unit))
+    return chosen, rows, examples, errors
