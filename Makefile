@@ -39,7 +39,7 @@ bench: install
 
 # what runs today: the engine on CPU workers, training a tiny model and printing its plan
 run: install
-	$(VENV)/bin/roundhouse demo
+	$(VENV)/bin/roundhouse demo --models-dir data/models
 
 plan: install
 	$(VENV)/bin/roundhouse plan

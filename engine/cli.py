@@ -1,19 +1,26 @@
 """``roundhouse``: the engine from the command line.
 
-    roundhouse plan  [--model DIR | --blocks B --hidden H --vocab V] --workers N --microbatches M
-    roundhouse demo  [--workers N] [--steps S] [--async]
+    roundhouse train CONFIG                       fine-tune (resumes from the latest checkpoint)
+    roundhouse validate-data FILE [--model M]     check every row; token statistics with a model
+    roundhouse export CHECKPOINT --out DIR [--merged]
+    roundhouse generate CHECKPOINT_OR_MODEL --prompt TEXT
+    roundhouse eval MODEL [--adapter CHECKPOINT] --data HELDOUT
+    roundhouse prepare-demo                       convert the packaged demo model once
+    roundhouse demo [--steps N]                   before/after accuracy of a short demo fine-tune
+    roundhouse plan ...                           the automatic partition and schedule grid
+    roundhouse synthetic ...                      train a random model on a synthetic task
 
-``plan`` prints the automatic partition of a model (built on the meta device: no memory, no
-weights needed) and one iteration's step x worker grid. ``demo`` trains a small randomly
-initialised Llama on a synthetic copy task over CPU workers and prints every step's metrics.
+Bad input ends with exit code 2 and one line naming the problem.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
-from typing import Any
+from pathlib import Path
+from typing import Any, TextIO
 
 
 def _meta_model(args: argparse.Namespace) -> Any:
@@ -71,7 +78,173 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+class ProgressSink:
+    """One status line per step: a live bar on a terminal, a plain line otherwise."""
+
+    def __init__(self, stream: TextIO | None = None) -> None:
+        self.stream = stream or sys.stdout
+        self.tty = self.stream.isatty()
+        self.latest: dict[str, float] = {}
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self.latest.update(metrics)
+        if "progress/step" not in metrics:
+            return
+        m = self.latest
+        done, total = int(m["progress/step"]), int(m["progress/total_steps"])
+        width = 24
+        bar = "#" * (width * done // max(total, 1))
+        eta = int(m.get("time/eta_s", 0))
+        line = (
+            f"[{bar:<{width}}] step {done}/{total} loss {m.get('loss/train', float('nan')):.4f} "
+            f"{m.get('throughput/tokens_per_s', 0):.0f} tok/s ETA {eta // 60}:{eta % 60:02d}"
+        )
+        if "loss/val" in m:
+            line += f" val {m['loss/val']:.4f}"
+        self.stream.write(("\r" + line) if self.tty else line + "\n")
+        self.stream.flush()
+
+    def event(self, kind: str, message: str, data: dict[str, Any] | None = None) -> None:
+        self.stream.write(("\n" if self.tty else "") + f"[{kind}] {message}\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.tty:
+            self.stream.write("\n")
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from engine.config import TrainConfig
+    from engine.run import train
+
+    config = TrainConfig.load(args.config)
+    result = train(config, ProgressSink(), models_dir=args.models_dir)
+    print(f"{result.status} at step {result.step}/{result.total_steps}; checkpoint: {result.checkpoint}")
+    return 0 if result.status == "succeeded" else 1
+
+
+def cmd_validate_data(args: argparse.Namespace) -> int:
+    from engine.data.encode import validate
+
+    tokenizer = None
+    if args.model:
+        from engine.model.loading import load_tokenizer, resolve_model_path
+
+        tokenizer = load_tokenizer(resolve_model_path(args.model, args.models_dir))
+    report = validate(args.file, tokenizer=tokenizer, fmt=args.format, max_length=args.max_length)
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        print(f"{args.file}: format {report.format}, {report.rows} rows, {len(report.errors)} errors")
+        for e in report.errors[:50]:
+            print(f"  {e}")
+        if report.tokens:
+            t = report.tokens
+            print(
+                f"tokens: min {t['min']:.0f} mean {t['mean']:.1f} p50 {t['p50']:.0f} p95 {t['p95']:.0f} "
+                f"max {t['max']:.0f}; truncated at {args.max_length}: {report.truncated_share:.1%}"
+            )
+    return 0 if report.ok else 2
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    import shutil
+
+    from engine.generate import base_of
+    from engine.model.export import is_adapter, merge_adapter
+
+    src = Path(args.checkpoint)
+    if not (src / "state").is_dir() and not is_adapter(src) and not (src / "config.json").is_file():
+        raise ValueError(f"{src} is not a checkpoint folder")
+    out = Path(args.out)
+    if args.merged:
+        if not is_adapter(src):
+            raise ValueError(f"{src} is a full model already; --merged applies to LoRA checkpoints")
+        base = Path(args.base) if args.base else base_of(src)
+        if base is None:
+            raise ValueError(f"{src}: no recorded base model, pass --base")
+        merge_adapter(src, base, out)
+    else:
+        shutil.copytree(src, out, ignore=shutil.ignore_patterns("state"), dirs_exist_ok=False)
+    print(f"exported {src} -> {out}")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from engine.generate import generate, load_for_inference
+    from engine.model.loading import resolve_model_path
+
+    model_path = resolve_model_path(args.model, args.models_dir) if args.model == "demo" else Path(args.model)
+    model, tokenizer = load_for_inference(model_path, adapter=args.adapter)
+    print(generate(model, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens))
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from engine.generate import exact_match, load_for_inference
+    from engine.model.loading import resolve_model_path
+
+    model_path = resolve_model_path(args.model, args.models_dir) if args.model == "demo" else Path(args.model)
+    model, tokenizer = load_for_inference(model_path, adapter=args.adapter)
+    result = exact_match(model, tokenizer, args.data, max_new_tokens=args.max_new_tokens)
+    for sample in result["samples"]:
+        print(f"  {sample['prompt']!r}: expected {sample['expected']!r}, got {sample['got']!r}")
+    print(f"exact match: {result['correct']}/{result['rows']} = {result['accuracy']:.1%}")
+    return 0
+
+
+def cmd_prepare_demo(args: argparse.Namespace) -> int:
+    from engine.model.loading import prepare_demo_model
+
+    print(f"demo model ready: {prepare_demo_model(args.models_dir)}")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
+    import time
+
+    from engine import demo
+    from engine.config import TrainConfig
+    from engine.generate import exact_match, load_for_inference
+    from engine.model.loading import prepare_demo_model
+    from engine.run import train
+
+    base = prepare_demo_model(args.models_dir)
+    model, tokenizer = load_for_inference(base)
+    before = exact_match(model, tokenizer, demo.HELDOUT, max_new_tokens=8)
+    print(f"before fine-tuning: exact match {before['correct']}/{before['rows']} = {before['accuracy']:.1%}")
+    config = TrainConfig.parse(demo_config(args))
+    started = time.perf_counter()
+    result = train(config, ProgressSink(), models_dir=args.models_dir)
+    seconds = time.perf_counter() - started
+    if result.checkpoint is None:
+        raise ValueError("the demo run wrote no checkpoint")
+    model, tokenizer = load_for_inference(base, adapter=result.checkpoint)
+    after = exact_match(model, tokenizer, demo.HELDOUT, max_new_tokens=8)
+    for sample in after["samples"]:
+        print(f"  {sample['prompt']!r}: expected {sample['expected']!r}, got {sample['got']!r}")
+    print(
+        f"after {result.step} steps ({seconds:.0f} s): exact match {after['correct']}/{after['rows']} = "
+        f"{after['accuracy']:.1%} (before: {before['accuracy']:.1%}); checkpoint: {result.checkpoint}"
+    )
+    return 0
+
+
+def demo_config(args: argparse.Namespace) -> dict[str, Any]:
+    from engine import demo
+
+    return {
+        "model": {"path": "demo"},
+        "data": {"train": str(demo.TRAIN), "validation_fraction": 0.05, "max_length": 96},
+        "method": {"kind": "lora", "lora_r": 16, "lora_alpha": 32},
+        "hyper": {"max_steps": args.steps, "batch_size": 8, "learning_rate": 2e-3, "warmup_steps": 5},
+        "engine": {"devices": ["cpu"] * args.workers, "num_microbatches": 2},
+        "checkpoint": {"every_steps": args.steps, "keep_last": 1},
+        "output_dir": str(Path(args.output_dir)),
+    }
+
+
+def cmd_synthetic(args: argparse.Namespace) -> int:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -127,11 +300,57 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--memory-budget-gb", type=float, default=None)
     p.set_defaults(func=cmd_plan)
-    d = sub.add_parser("demo", help="train a small model on a synthetic task over CPU workers")
+    d = sub.add_parser("synthetic", help="train a small random model on a synthetic task over CPU workers")
     d.add_argument("--workers", type=int, default=2)
     d.add_argument("--steps", type=int, default=30)
     d.add_argument("--async", dest="async_optimizer", action="store_true")
-    d.set_defaults(func=cmd_demo)
+    d.set_defaults(func=cmd_synthetic)
+
+    def with_models(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        p.add_argument("--models-dir", default="data/models", help="where the demo model is prepared")
+        return p
+
+    t = with_models(sub.add_parser("train", help="fine-tune from a JSON/YAML TrainConfig"))
+    t.add_argument("config")
+    t.set_defaults(func=cmd_train)
+    v = with_models(sub.add_parser("validate-data", help="check a dataset file row by row"))
+    v.add_argument("file")
+    v.add_argument("--model", help='a model folder or "demo" (for chat templates and token counts)')
+    v.add_argument(
+        "--format", default="auto", choices=["auto", "chat", "instruction", "prompt_completion", "text"]
+    )
+    v.add_argument("--max-length", type=int, default=1024)
+    v.add_argument("--json", action="store_true")
+    v.set_defaults(func=cmd_validate_data)
+    e = sub.add_parser("export", help="copy a checkpoint's export, or merge a LoRA adapter into its base")
+    e.add_argument("checkpoint")
+    e.add_argument("--out", required=True)
+    e.add_argument("--merged", action="store_true")
+    e.add_argument("--base", help="the base model folder (default: the one the run recorded)")
+    e.set_defaults(func=cmd_export)
+    g = with_models(sub.add_parser("generate", help="greedy completion of a prompt"))
+    g.add_argument("model", help='a checkpoint, a model folder, or "demo"')
+    g.add_argument("--adapter", help="a LoRA checkpoint to apply on the model")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.set_defaults(func=cmd_generate)
+    ev = with_models(sub.add_parser("eval", help="exact-match accuracy on a held-out file"))
+    ev.add_argument("model", help='a checkpoint, a model folder, or "demo"')
+    ev.add_argument("--adapter")
+    ev.add_argument("--data", required=True)
+    ev.add_argument("--max-new-tokens", type=int, default=16)
+    ev.set_defaults(func=cmd_eval)
+    pd = with_models(
+        sub.add_parser("prepare-demo", help="convert the packaged demo model into a model folder")
+    )
+    pd.set_defaults(func=cmd_prepare_demo)
+    dm = with_models(
+        sub.add_parser("demo", help="accuracy before and after a short LoRA fine-tune of the demo")
+    )
+    dm.add_argument("--steps", type=int, default=60)
+    dm.add_argument("--workers", type=int, default=1)
+    dm.add_argument("--output-dir", default="runs/demo")
+    dm.set_defaults(func=cmd_demo)
     return parser
 
 

@@ -90,6 +90,15 @@ class TrainConfig(_Strict):
     eval: EvalSpec = Field(default_factory=lambda: EvalSpec())
     output_dir: str = Field("runs/default", min_length=1)
 
+    @model_validator(mode="after")
+    def _consistent(self) -> TrainConfig:
+        if self.engine.num_microbatches > self.hyper.batch_size:
+            raise ValueError(
+                f"engine.num_microbatches={self.engine.num_microbatches} exceeds "
+                f"hyper.batch_size={self.hyper.batch_size}: each micro-batch needs a sequence"
+            )
+        return self
+
     @classmethod
     def load(cls, path: str | Path) -> TrainConfig:
         """Read a JSON or YAML file; relative data/model/output paths resolve against its folder.

@@ -221,7 +221,8 @@ class RoundPipe:
             The mean loss over every label token of the batch.
         """
         self._check_open()
-        mbs, total = self._split(input_ids, labels, attention_mask)
+        m = min(self.config.num_microbatches, int(input_ids.shape[0])) if input_ids.dim() == 2 else 1
+        mbs, total = self._split(input_ids, labels, attention_mask, m)
         it = self._launch(mbs, total, train=False)
         self.board.wait_for(lambda: it.remaining == 0, it)
         return sum(it.loss_sums[i] for i in range(len(mbs))) / total
@@ -314,16 +315,21 @@ class RoundPipe:
         self._steps_inflight = [j for j in self._steps_inflight if not j.done.is_set()]
 
     # -- state ---------------------------------------------------------------------------------
-    def master_state_dict(self) -> dict[str, torch.Tensor]:
+    def master_state_dict(self, *, trainable_only: bool = False) -> dict[str, torch.Tensor]:
         """fp32 weights keyed exactly like ``hf_model.state_dict()``.
 
-        Trainable parameters come from the fp32 masters; frozen ones and persistent buffers from
-        the compute copy, cast to fp32.
+        Trainable parameters come from the fp32 masters (copies); frozen ones and persistent
+        buffers from the compute copy, cast to fp32 (shared, not copied, when already fp32).
+
+        Args:
+            trainable_only: only the trained tensors (a LoRA adapter without its base).
         """
         self.synchronize()
         wanted = set(self.adapted.hf_model.state_dict().keys())
         out: dict[str, torch.Tensor] = {}
         for t in self.host.tensors:
+            if trainable_only and not t.trainable:
+                continue
             value = t.master.detach().clone() if t.master is not None else t.compute.float()
             for name in t.names:
                 if name in wanted:
@@ -428,7 +434,11 @@ class RoundPipe:
 
     # -- helpers -------------------------------------------------------------------------------
     def _split(
-        self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        microbatches: int | None = None,
     ) -> tuple[list[MicroBatch], int]:
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
@@ -441,7 +451,7 @@ class RoundPipe:
                 f"attention_mask shape {tuple(attention_mask.shape)} "
                 f"differs from input_ids {tuple(input_ids.shape)}"
             )
-        m = self.config.num_microbatches
+        m = microbatches or self.config.num_microbatches
         if input_ids.shape[0] < m:
             raise ValueError(f"batch of {input_ids.shape[0]} sequences cannot fill num_microbatches={m}")
         total = count_label_tokens(labels)
@@ -456,7 +466,8 @@ class RoundPipe:
 
     def _replan_due(self) -> bool:
         steps = self.config.calibration_steps
-        return not self._manual and steps > 0 and self._serial == steps
+        # after a resume the measured plan comes from the state, with nothing measured here
+        return not self._manual and bool(self._calibration) and self._serial == steps
 
     def _make_plan(self, mbs: list[MicroBatch]) -> Plan:
         mb_tokens = max(int(mb.input_ids.numel()) for mb in mbs)

@@ -72,7 +72,7 @@ def _jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any] | RowError]]:
             if not raw.strip():
                 continue
             try:
-                text = raw.decode("utf-8")
+                text = raw.decode("utf-8").rstrip("\r\n")
             except UnicodeDecodeError as exc:
                 yield (
                     n,

@@ -36,8 +36,8 @@ def test_plan_rejects_an_impossible_budget(capsys) -> None:
     assert err.startswith("roundhouse plan: ") and "memory_budget" in err
 
 
-def test_demo_trains_and_the_loss_falls(capsys) -> None:
-    assert main(["demo", "--workers", "2", "--steps", "12"]) == 0
+def test_synthetic_run_trains_and_the_loss_falls(capsys) -> None:
+    assert main(["synthetic", "--workers", "2", "--steps", "12"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
     losses = [float(line.split("loss/train=")[1].split()[0]) for line in lines]
     assert len(losses) == 12

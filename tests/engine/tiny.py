@@ -126,3 +126,50 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 def bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CORPUS = [
+    "the quick brown fox jumps over the lazy dog",
+    "what is two plus three? five. what is one plus one? two.",
+    "system user assistant hello world answer question reply",
+    "0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 + - = ?",
+]
+
+
+def tiny_tokenizer(with_template: bool = True):
+    """A byte-level BPE tokenizer trained on a few sentences, with ChatML special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(CORPUS * 5, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+    )
+    if with_template:
+        fast.chat_template = CHATML
+    return fast
+
+
+def tiny_model_folder(path, family: str = "llama", *, tied: bool | None = None):
+    """Save a tiny model and tokenizer as a Hugging Face folder; returns the path."""
+    tokenizer = tiny_tokenizer()
+    vocab = max(VOCAB, len(tokenizer))
+    model = tiny_model(family, tied=tied, vocab_size=vocab)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

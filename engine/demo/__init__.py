@@ -1,0 +1,54 @@
+"""The demo: a task the small base model gets wrong, and learns in a few minutes on a CPU.
+
+Each row lists a small inventory and asks for the count of one item; the answer is the bare
+number. The instruct base model answers in sentences (or miscounts), so its exact-match accuracy
+is low; a short LoRA fine-tune teaches it to find the item and answer with the number alone.
+The committed files under ``data/`` are the output of ``make_rows`` (a test checks that).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+DATA = Path(__file__).resolve().parent / "data"
+TRAIN = DATA / "inventory_train.jsonl"
+HELDOUT = DATA / "inventory_heldout.jsonl"
+ITEMS = ["apples", "pears", "plums", "lemons", "cherries", "melons", "grapes", "peaches", "figs", "limes"]
+
+
+def make_rows(n: int, seed: int) -> list[dict[str, object]]:
+    """``n`` chat rows: an inventory of 3–4 items with counts 1–9, a question about one of them."""
+    rng = random.Random(seed)
+    rows: list[dict[str, object]] = []
+    for _ in range(n):
+        items = rng.sample(ITEMS, rng.randint(3, 4))
+        counts = [rng.randint(1, 9) for _ in items]
+        asked = rng.randrange(len(items))
+        listing = ", ".join(f"{c} {item}" for item, c in zip(items, counts, strict=True))
+        question = f"Inventory: {listing}. How many {items[asked]}?"
+        rows.append(
+            {
+                "messages": [
+                    {"role": "user", "content": question},
+                    {"role": "assistant", "content": str(counts[asked])},
+                ]
+            }
+        )
+    return rows
+
+
+def write(path: Path, rows: list[dict[str, object]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+
+
+def regenerate() -> None:
+    """Write the committed demo files (train: 400 rows, held-out: 40 rows)."""
+    write(TRAIN, make_rows(400, seed=1))
+    write(HELDOUT, make_rows(40, seed=2))
+
+
+if __name__ == "__main__":
+    regenerate()

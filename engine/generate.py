@@ -1,0 +1,89 @@
+"""Quick checks of a checkpoint: greedy generation and exact-match accuracy on a held-out set."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.data.read import read_examples
+from engine.model.export import is_adapter, load_export
+from engine.model.loading import load_model, load_tokenizer
+
+
+def base_of(checkpoint: str | Path) -> Path | None:
+    """The base model folder a checkpoint's run recorded (``state/trainer.json``), if any."""
+    state = Path(checkpoint) / "state" / "trainer.json"
+    if state.is_file():
+        return Path(json.loads(state.read_text())["base_model"])
+    return None
+
+
+def load_for_inference(model: str | Path, *, adapter: str | Path | None = None) -> tuple[Any, Any]:
+    """(model, tokenizer) from a model folder, a checkpoint folder, or a base plus an adapter."""
+    model = Path(model)
+    if adapter is not None:
+        loaded = load_export(adapter, base=model)
+        tokenizer = load_tokenizer(adapter)
+    elif is_adapter(model):
+        base = base_of(model)
+        if base is None:
+            raise ValueError(f"{model} is a LoRA adapter without a recorded base model: pass --base")
+        loaded = load_export(model, base=base)
+        tokenizer = load_tokenizer(model)
+    else:
+        loaded = load_model(model)
+        tokenizer = load_tokenizer(model)
+    loaded.eval()
+    return loaded, tokenizer
+
+
+def generate(
+    model: Any, tokenizer: Any, messages: list[dict[str, str]] | str, *, max_new_tokens: int = 64
+) -> str:
+    """Greedy completion of a conversation (or a single user prompt), special tokens removed."""
+    if isinstance(messages, str):
+        messages = [{"role": "user", "content": messages}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    return str(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
+
+
+def exact_match(model: Any, tokenizer: Any, path: str | Path, *, max_new_tokens: int = 32) -> dict[str, Any]:
+    """Share of held-out rows whose generated answer equals the reference (whitespace-trimmed).
+
+    The prompt is every turn before the last assistant turn; the reference is that turn.
+    """
+    _, _, examples, errors = read_examples(path)
+    if errors:
+        raise ValueError(f"{path}: " + "; ".join(str(e) for e in errors[:10]))
+    correct = 0
+    samples: list[dict[str, Any]] = []
+    for ex in examples:
+        if ex.messages is not None:
+            prompt, reference = ex.messages[:-1], ex.messages[-1]["content"]
+        elif ex.prompt is not None and ex.completion is not None:
+            prompt, reference = [{"role": "user", "content": ex.prompt}], ex.completion
+        else:
+            raise ValueError(f"{path}: line {ex.line}: text rows have no reference answer")
+        answer = generate(model, tokenizer, prompt, max_new_tokens=max_new_tokens)
+        ok = answer.strip() == reference.strip()
+        correct += ok
+        if len(samples) < 5:
+            samples.append({"prompt": prompt[-1]["content"], "expected": reference, "got": answer, "ok": ok})
+    return {
+        "rows": len(examples),
+        "correct": correct,
+        "accuracy": correct / max(len(examples), 1),
+        "samples": samples,
+    }

@@ -1,0 +1,72 @@
+"""Exports that ``transformers`` and ``peft`` load unchanged.
+
+- LoRA: a PEFT adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``) whose
+  base model is recorded by name; optionally merged into the base as a full model folder.
+- Full fine-tune: a model folder (``config.json`` + ``model.safetensors``).
+Both carry the tokenizer and its chat template. The weights are the engine's fp32 masters.
+"""
+
+from __future__ import annotations
+
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def is_adapter(folder: str | Path) -> bool:
+    return (Path(folder) / "adapter_config.json").is_file()
+
+
+def save_export(
+    model: Any, weights: dict[str, torch.Tensor], tokenizer: Any, folder: str | Path, *, base_name: str
+) -> None:
+    """Write ``weights`` (keyed like ``model.state_dict()``) as an adapter or a model folder.
+
+    ``model`` is only used for its structure and config; its tensors are not modified.
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    if hasattr(model, "peft_config"):
+        for cfg in model.peft_config.values():
+            cfg.base_model_name_or_path = base_name
+        with warnings.catch_warnings():
+            # peft looks the base name up to see whether the vocabulary changed; it did not
+            warnings.filterwarnings("ignore", message="Could not find a config file")
+            model.save_pretrained(folder, state_dict=weights)
+    else:
+        model.config._name_or_path = base_name
+        model.save_pretrained(folder, state_dict=weights)
+    tokenizer.save_pretrained(folder)
+
+
+def load_export(folder: str | Path, *, base: str | Path | None = None) -> Any:
+    """Load an export for inference: a model folder, or an adapter on its ``base`` folder."""
+    from transformers import AutoModelForCausalLM
+
+    if not is_adapter(folder):
+        return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    if base is None:
+        raise ValueError(f"{folder} is a LoRA adapter: give the base model folder")
+    from peft import PeftModel
+
+    base_model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    return PeftModel.from_pretrained(base_model, folder)
+
+
+def merge_adapter(adapter: str | Path, base: str | Path, out: str | Path) -> Path:
+    """Merge a LoRA adapter into its base model and write a full model folder."""
+    from transformers import AutoTokenizer
+
+    model = load_export(adapter, base=base)
+    merged = model.merge_and_unload()
+    out = Path(out)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    merged.save_pretrained(tmp)
+    AutoTokenizer.from_pretrained(adapter).save_pretrained(tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out

@@ -1,0 +1,280 @@
+"""``train(config, sink, cancel)``: a whole fine-tuning run — the one module that knows them all.
+
+It builds the tokenizer, the model (+ LoRA), the data and the RoundPipe engine, then loops:
+one batch, one optimizer step at the scheduled learning rate, metrics to the sink, validation
+and checkpoints on their schedules. It always starts by resuming from the latest checkpoint of
+its output folder, so a stopped or redelivered run continues exactly where it was; on cancel it
+stops at a step boundary and writes a final checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.checkpoint import latest, list_checkpoints, load_state, save_state, write_checkpoint
+from engine.config import TrainConfig
+from engine.data.batches import Batcher, collate, pack
+from engine.data.encode import Encoded, load_encoded
+from engine.metrics import NullSink, Sink
+from engine.model.export import save_export
+from engine.model.loading import load_model, load_tokenizer, resolve_model_path
+from engine.roundpipe import Cancelled, EngineConfig, RoundPipe
+
+
+@dataclass
+class TrainResult:
+    status: str  # "succeeded" | "cancelled"
+    step: int
+    total_steps: int
+    checkpoint: Path | None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def learning_rate(step: int, *, total: int, peak: float, warmup: int, schedule: str) -> float:
+    """The learning rate of the step with 0-based index ``step``: linear warmup, then the schedule."""
+    if warmup and step < warmup:
+        return peak * (step + 1) / warmup
+    if schedule == "constant":
+        return peak
+    span = max(total - warmup, 1)
+    progress = min(max(step - warmup, 0) / span, 1.0)
+    if schedule == "linear":
+        return peak * (1.0 - progress)
+    return peak * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def devices_for(spec: str | list[str]) -> list[str]:
+    if spec != "auto":
+        return list(spec)
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return [f"cuda:{i}" for i in range(count)] or ["cpu"]
+
+
+def split_validation(
+    examples: list[Encoded], fraction: float, seed: int
+) -> tuple[list[Encoded], list[Encoded]]:
+    """Hold out ``fraction`` of the examples (at least one), chosen by ``seed``."""
+    if fraction <= 0:
+        return examples, []
+    g = torch.Generator().manual_seed(seed)
+    order = torch.randperm(len(examples), generator=g).tolist()
+    n_val = max(1, round(fraction * len(examples)))
+    held = set(order[:n_val])
+    return [e for i, e in enumerate(examples) if i not in held], [examples[i] for i in sorted(held)]
+
+
+def evaluate(engine: RoundPipe, examples: list[Encoded], batch_size: int, pad_id: int) -> float:
+    """Token-weighted mean validation loss."""
+    total, tokens = 0.0, 0
+    for i in range(0, len(examples), batch_size):
+        batch = collate(examples[i : i + batch_size], pad_id)
+        n = int((batch["labels"][:, 1:] != -100).sum())
+        if n:
+            total += engine.evaluate(**batch) * n
+            tokens += n
+    return total / max(tokens, 1)
+
+
+class Run:
+    """The objects of one run; ``train()`` drives it."""
+
+    def __init__(
+        self, config: TrainConfig, sink: Sink, cancel: threading.Event | None, models_dir: Path
+    ) -> None:
+        self.config = config
+        self.sink = sink
+        self.cancel = cancel
+        self.folder = resolve_model_path(config.model.path, models_dir)
+        self.base_name = config.model.name or self.folder.name
+        self.tokenizer = load_tokenizer(self.folder)
+        data = config.data
+        train = load_encoded(data.train, self.tokenizer, fmt=data.format, max_length=data.max_length)
+        if data.validation:
+            val = load_encoded(data.validation, self.tokenizer, fmt=data.format, max_length=data.max_length)
+        else:
+            train, val = split_validation(train, data.validation_fraction, config.hyper.seed)
+        if data.packing:
+            train = pack(train, data.max_length)
+        self.validation = val
+        torch.manual_seed(config.hyper.seed)  # LoRA initialisation
+        self.model = self._model()
+        devices = devices_for(config.engine.devices)
+        dtype = config.engine.compute_dtype
+        if dtype == "auto":
+            dtype = "bfloat16" if devices[0].startswith("cuda") else "float32"
+        h = config.hyper
+        self.engine = RoundPipe(
+            self.model,
+            EngineConfig(
+                devices=devices,
+                num_microbatches=config.engine.num_microbatches,
+                optimizer=h.optimizer,
+                lr=h.learning_rate,
+                weight_decay=h.weight_decay,
+                max_grad_norm=h.max_grad_norm,
+                async_optimizer=config.engine.async_optimizer,
+                compute_dtype=dtype,
+                partition=config.engine.partition,
+                seed=h.seed,
+            ),
+            sink=sink,
+            cancel=cancel,
+        )
+        self.pad_id = int(self.tokenizer.pad_token_id)
+        self.batcher = Batcher(train, h.batch_size, h.seed, self.pad_id)
+        if h.max_steps is not None:
+            self.total = h.max_steps
+        else:
+            self.total = max(1, math.ceil((h.epochs or 1.0) * self.batcher.steps_per_epoch))
+        self.checkpoints = Path(config.output_dir) / "checkpoints"
+        self.step = 0
+
+    def _model(self) -> Any:
+        model = load_model(self.folder)
+        m = self.config.method
+        if m.kind == "full":
+            return model
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(
+            r=m.lora_r,
+            lora_alpha=m.lora_alpha,  # type: ignore[arg-type]  # peft accepts floats
+            lora_dropout=m.lora_dropout,
+            target_modules=list(m.target_modules),
+            task_type="CAUSAL_LM",
+        )
+        try:
+            return get_peft_model(model, lora)
+        except ValueError as exc:
+            raise ValueError(f"method.target_modules={list(m.target_modules)}: {exc}") from exc
+
+    def resume(self) -> None:
+        found = latest(self.checkpoints)
+        if found is None:
+            return
+        engine_state, trainer_state = load_state(found[1])
+        self.engine.load_state_dict(engine_state)
+        self.batcher.load_state_dict(trainer_state["batcher"])
+        self.step = int(trainer_state["step"])
+        self.sink.event("resume", f"resumed from {found[1].name}", {"step": self.step})
+
+    def save(self) -> Path:
+        engine = self.engine
+        engine.synchronize()
+        lora = self.config.method.kind == "lora"
+
+        def fill(tmp: Path) -> None:
+            weights = engine.master_state_dict(trainable_only=lora)
+            save_export(self.model, weights, self.tokenizer, tmp, base_name=self.base_name)
+            trainer_state = {
+                "step": self.step,
+                "total_steps": self.total,
+                "batcher": self.batcher.state_dict(),
+                "base_model": str(self.folder),
+                "base_name": self.base_name,
+                "method": self.config.method.kind,
+                "config": self.config.model_dump(mode="json"),
+            }
+            save_state(tmp, engine.state_dict(), trainer_state)
+
+        path = write_checkpoint(self.checkpoints, self.step, fill, keep_last=self.config.checkpoint.keep_last)
+        self.sink.event("checkpoint", f"saved {path.name}", {"step": self.step, "path": str(path)})
+        return path
+
+    def validate(self) -> float | None:
+        if not self.validation:
+            return None
+        try:
+            loss = evaluate(self.engine, self.validation, self.config.hyper.batch_size, self.pad_id)
+        except Cancelled:
+            return None  # the loop stops at its next check
+        self.sink.log({"loss/val": loss}, self.step)
+        return loss
+
+    def loop(self) -> TrainResult:
+        h, every_eval = self.config.hyper, self.config.eval.every_steps
+        started, first = time.perf_counter(), self.step
+        status, last_saved, metrics = "succeeded", None, {}
+        while self.step < self.total:
+            if self.cancel is not None and self.cancel.is_set():
+                status = "cancelled"
+                break
+            position = self.batcher.state_dict()
+            batch = self.batcher.next()
+            lr = learning_rate(
+                self.step, total=self.total, peak=h.learning_rate, warmup=h.warmup_steps, schedule=h.schedule
+            )
+            try:
+                loss = self.engine.forward_backward(**batch)
+            except Cancelled:
+                self.batcher.load_state_dict(position)  # the batch was not trained on
+                status = "cancelled"
+                break
+            self.engine.step(lr=lr)
+            self.step += 1
+            rate = (time.perf_counter() - started) / (self.step - first)
+            # loss/train and optim/lr reach the sink from the engine with the same step
+            metrics = {
+                "progress/step": float(self.step),
+                "progress/total_steps": float(self.total),
+                "progress/epoch": self.batcher.epoch
+                + self.batcher.position / max(self.batcher.steps_per_epoch, 1),
+                "time/eta_s": rate * (self.total - self.step),
+                "tokens/batch": float(int(batch["attention_mask"].sum())),
+            }
+            self.sink.log(metrics, self.step)
+            metrics.update({"loss/train": loss, "optim/lr": lr})
+            if every_eval and self.step % every_eval == 0 and self.step < self.total:
+                self.validate()
+            if self.step % self.config.checkpoint.every_steps == 0 or self.step == self.total:
+                if self.step == self.total:
+                    val = self.validate()
+                    if val is not None:
+                        metrics["loss/val"] = val
+                last_saved = self.save()
+        found = latest(self.checkpoints)
+        if status == "cancelled" and (found is None or found[0] != self.step):
+            last_saved = self.save()
+        self.engine.synchronize()
+        return TrainResult(
+            status, self.step, self.total, last_saved or (found[1] if found else None), metrics
+        )
+
+
+def train(
+    config: TrainConfig,
+    sink: Sink | None = None,
+    cancel: threading.Event | None = None,
+    *,
+    models_dir: str | Path = "data/models",
+) -> TrainResult:
+    """Run (or resume) a fine-tune to the end, or until ``cancel`` is set.
+
+    Args:
+        config: the run's configuration (paths absolute or relative to the working folder).
+        sink: receives metrics and events (engine metrics and ``progress/*``, ``loss/val``).
+        cancel: set it to stop at the next step boundary (or between micro-batches).
+        models_dir: where the demo model is prepared.
+
+    Returns:
+        The final status, step and checkpoint.
+
+    Raises:
+        ValueError: bad data (every invalid row named by line), model folder or settings.
+    """
+    run = Run(config, sink or NullSink(), cancel, Path(models_dir))
+    try:
+        run.resume()
+        if run.step >= run.total:
+            found = list_checkpoints(run.checkpoints)
+            return TrainResult("succeeded", run.step, run.total, found[-1][1] if found else None)
+        return run.loop()
+    finally:
+        run.engine.close()

@@ -1,0 +1,195 @@
+"""Whole runs: resume identity, cancel, exports that transformers/peft load, the CLI."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.checkpoint import list_checkpoints, load_state
+from engine.cli import main
+from engine.config import TrainConfig
+from engine.metrics import ListSink
+from engine.run import learning_rate, train
+from tests.engine.tiny import tiny_model_folder
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("run")
+    tiny_model_folder(d / "model", "qwen3")
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": f"what is {a} plus {b}?"},
+                {"role": "assistant", "content": str(a + b)},
+            ]
+        }
+        for a in range(6)
+        for b in range(4)
+    ]
+    (d / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return d
+
+
+def config(d: Path, out: str, **over) -> TrainConfig:
+    raw = {
+        "model": {"path": str(d / "model"), "name": "tiny-qwen3"},
+        "data": {"train": str(d / "train.jsonl"), "validation_fraction": 0.2, "max_length": 64},
+        "method": {"kind": "lora", "lora_r": 4, "lora_alpha": 8, "lora_dropout": 0.1},
+        "hyper": {
+            "max_steps": 6,
+            "batch_size": 4,
+            "learning_rate": 5e-3,
+            "warmup_steps": 2,
+            "weight_decay": 0.01,
+        },
+        "engine": {"devices": ["cpu", "cpu"], "num_microbatches": 2},
+        "checkpoint": {"every_steps": 3, "keep_last": 5},
+        "eval": {"every_steps": 2},
+        "output_dir": str(d / out),
+    }
+    for key, value in over.items():
+        raw[key] = {**raw[key], **value} if isinstance(value, dict) else value
+    return TrainConfig.parse(raw)
+
+
+def masters(checkpoint: Path) -> dict[str, torch.Tensor]:
+    return load_state(checkpoint)[0]["masters"]
+
+
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_resume_is_bitwise_identical_to_an_uninterrupted_run(workspace: Path, method: str) -> None:
+    straight = train(config(workspace, f"straight-{method}", method={"kind": method}))
+    assert straight.status == "succeeded" and straight.step == 6
+    # stop after 3 steps (max_steps=3), then run the same config to 6: it resumes from step 3
+    first = train(config(workspace, f"resumed-{method}", method={"kind": method}, hyper={"max_steps": 3}))
+    assert first.step == 3
+    sink = ListSink()
+    resumed = train(config(workspace, f"resumed-{method}", method={"kind": method}), sink)
+    assert ("resume", "resumed from step_000003") in [e[:2] for e in sink.events]
+    a, b = masters(straight.checkpoint), masters(resumed.checkpoint)
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    sa, sb = load_state(straight.checkpoint)[1], load_state(resumed.checkpoint)[1]
+    assert sa["batcher"] == sb["batcher"]
+
+
+def test_lr_schedule() -> None:
+    lrs = [learning_rate(s, total=10, peak=1.0, warmup=2, schedule="cosine") for s in range(10)]
+    assert lrs[:2] == [0.5, 1.0] and lrs[2] == 1.0 and lrs[-1] < 0.05
+    assert all(x >= y for x, y in zip(lrs[1:], lrs[2:], strict=False))
+    assert learning_rate(5, total=10, peak=2.0, warmup=0, schedule="linear") == 1.0
+    assert learning_rate(7, total=10, peak=2.0, warmup=3, schedule="constant") == 2.0
+
+
+def test_cancel_stops_at_a_step_boundary_with_a_resumable_checkpoint(workspace: Path) -> None:
+    cancel = threading.Event()
+
+    class CancelAfter(ListSink):
+        def log(self, metrics, step):
+            super().log(metrics, step)
+            if metrics.get("progress/step") == 2:
+                cancel.set()
+
+    result = train(config(workspace, "cancelled", checkpoint={"every_steps": 100}), CancelAfter(), cancel)
+    assert result.status == "cancelled" and result.step == 2
+    assert [s for s, _ in list_checkpoints(workspace / "cancelled" / "checkpoints")] == [2]
+    # the same config continues from there and finishes like a run that never stopped
+    done = train(config(workspace, "cancelled", checkpoint={"every_steps": 100}))
+    assert done.status == "succeeded" and done.step == 6
+    straight = train(config(workspace, "never-cancelled", checkpoint={"every_steps": 100}))
+    a, b = masters(done.checkpoint), masters(straight.checkpoint)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def logits_of(model, ids: torch.Tensor) -> torch.Tensor:
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def test_exports_load_in_transformers_and_peft_with_the_engines_logits(workspace: Path) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.tensor([[3, 17, 42, 8, 99, 5]])
+    lora = train(config(workspace, "export-lora"))
+    adapter_cfg = json.loads((lora.checkpoint / "adapter_config.json").read_text())
+    assert adapter_cfg["base_model_name_or_path"] == "tiny-qwen3"  # a name, not a path
+    # reference: the base model with the engine's fp32 masters applied
+    base = AutoModelForCausalLM.from_pretrained(workspace / "model")
+    loaded = PeftModel.from_pretrained(base, lora.checkpoint)
+    reference = AutoModelForCausalLM.from_pretrained(workspace / "model")
+    from peft import LoraConfig, get_peft_model
+
+    ref = get_peft_model(
+        reference, LoraConfig(r=4, lora_alpha=8, target_modules=list(adapter_cfg["target_modules"]))
+    )
+    ref.load_state_dict(
+        masters(lora.checkpoint) | {k: v for k, v in ref.state_dict().items() if "lora_" not in k}
+    )
+    assert torch.equal(logits_of(loaded, ids), logits_of(ref, ids))
+    assert not torch.equal(
+        logits_of(loaded, ids), logits_of(AutoModelForCausalLM.from_pretrained(workspace / "model"), ids)
+    )
+    # merged into the base: a plain model folder with (up to float rounding) the same logits
+    out = workspace / "merged"
+    assert main(["export", str(lora.checkpoint), "--out", str(out), "--merged"]) == 0
+    merged = AutoModelForCausalLM.from_pretrained(out)
+    assert (logits_of(merged, ids) - logits_of(loaded, ids)).abs().max() < 1e-5
+    # full fine-tune: the folder itself is the model
+    full = train(config(workspace, "export-full", method={"kind": "full"}))
+    model = AutoModelForCausalLM.from_pretrained(full.checkpoint)
+    state = masters(full.checkpoint)
+    for name, value in model.state_dict().items():
+        if name in state:
+            assert torch.equal(value, state[name]), name
+    assert (full.checkpoint / "tokenizer.json").is_file() and (
+        full.checkpoint / "chat_template.jinja"
+    ).is_file()
+
+
+def test_cli_train_generate_and_bad_input(workspace: Path, tmp_path: Path, capsys) -> None:
+    cfg = config(workspace, "cli").model_dump(mode="json")
+    cfg["hyper"]["max_steps"] = 2
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(cfg))
+    assert main(["train", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "step 2/2" in out and "succeeded at step 2/2" in out
+    ckpt = workspace / "cli" / "checkpoints" / "step_000002"
+    assert main(["generate", str(ckpt), "--prompt", "what is 1 plus 2?", "--max-new-tokens", "4"]) == 0
+    # bad input: exit code 2, one line naming the field and the value
+    cfg["hyper"]["learning_rate"] = -1
+    path.write_text(json.dumps(cfg))
+    assert main(["train", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after the loading progress bars
+    assert err.startswith("roundhouse train: hyper.learning_rate: Input should be greater than 0 (got -1)")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n{oops\n')
+    assert main(["validate-data", str(bad)]) == 2
+    out = capsys.readouterr().out
+    assert "line 1: no assistant turn" in out and "line 2: invalid JSON" in out
+    assert main(["validate-data", str(workspace / "train.jsonl"), "--model", str(workspace / "model")]) == 0
+    assert "format chat, 24 rows, 0 errors" in capsys.readouterr().out
+
+
+def test_config_errors_name_the_field_and_value(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"engine.num_microbatches=8 exceeds hyper.batch_size=4"):
+        TrainConfig.parse(
+            {"data": {"train": "x.jsonl"}, "hyper": {"batch_size": 4}, "engine": {"num_microbatches": 8}}
+        )
+    with pytest.raises(ValueError, match=r"method.kind: Input should be 'lora' or 'full' \(got \"qlora\"\)"):
+        TrainConfig.parse({"data": {"train": "x.jsonl"}, "method": {"kind": "qlora"}})
+    with pytest.raises(ValueError, match=r"data: Field required"):
+        TrainConfig.parse({})
+    with pytest.raises(ValueError, match=r"hyper.lr: Extra inputs are not permitted"):
+        TrainConfig.parse({"data": {"train": "x.jsonl"}, "hyper": {"lr": 1}})
+    p = tmp_path / "c.yaml"
+    p.write_text("data:\n  train: d/train.jsonl\noutput_dir: out\n")
+    c = TrainConfig.load(p)
+    assert c.data.train == str(tmp_path / "d" / "train.jsonl") and c.output_dir == str(tmp_path / "out")
+    assert c.model.path == "demo"
