@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 from pathlib import Path
@@ -80,7 +81,7 @@ def test_resume_is_bitwise_identical_to_an_uninterrupted_run(workspace: Path, me
 def test_lr_schedule() -> None:
     lrs = [learning_rate(s, total=10, peak=1.0, warmup=2, schedule="cosine") for s in range(10)]
     assert lrs[:2] == [0.5, 1.0] and lrs[2] == 1.0 and lrs[-1] < 0.05
-    assert all(x >= y for x, y in zip(lrs[1:], lrs[2:], strict=False))
+    assert all(x >= y for x, y in itertools.pairwise(lrs[1:]))
     assert learning_rate(5, total=10, peak=2.0, warmup=0, schedule="linear") == 1.0
     assert learning_rate(7, total=10, peak=2.0, warmup=3, schedule="constant") == 2.0
 

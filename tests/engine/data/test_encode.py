@@ -142,7 +142,7 @@ def test_batcher_is_deterministic_by_seed_and_resumable() -> None:
     assert first + rest == straight
     other = Batcher(examples, 3, seed=8, pad_id=0)
     assert [other.next()["input_ids"].tolist() for _ in range(7)] != straight
-    with pytest.raises(ValueError, match="hyper.batch_size=11 is larger than the 10 training examples"):
+    with pytest.raises(ValueError, match=r"hyper.batch_size=11 is larger than the 10 training examples"):
         Batcher(examples, 11, seed=0, pad_id=0)
 
 
