@@ -14,8 +14,9 @@ $(PY):
 	$(PY) -m pip install --quiet --upgrade pip
 
 # reinstall only when the pins change
-$(STAMP): requirements.txt pyproject.toml | $(PY)
+$(STAMP): requirements.txt requirements-nodeps.txt pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet -r requirements.txt
+	$(PY) -m pip install --quiet --no-deps -r requirements-nodeps.txt
 	$(PY) -m pip install --quiet --no-deps -e .
 	touch $(STAMP)
 
@@ -37,7 +38,7 @@ test: lint types unit
 bench: install
 	$(PY) bench/engine_overhead.py
 
-# what runs today: the engine on CPU workers, training a tiny model and printing its plan
+# what runs today: the demo fine-tune (prepares the demo model once), accuracy before and after
 run: install
 	$(VENV)/bin/roundhouse demo --models-dir data/models
 
