@@ -24,7 +24,7 @@ from engine.parallel.host import DTYPES, HostState
 from engine.parallel.optimizer import OptimizerWorker, StepJob
 from engine.parallel.partition import Plan, auto_partition
 from engine.parallel.planning import measured_costs, memory_costs
-from engine.parallel.schedule import build_schedule
+from engine.parallel.schedule import build_schedule, render_grid
 
 __all__ = ["Cancelled", "EngineConfig", "EngineError", "RoundPipe"]
 
@@ -484,14 +484,31 @@ class RoundPipe:
         plan = auto_partition(
             costs, num_workers=len(self.workers), num_microbatches=len(mbs), memory_budget=self._budget()
         )
+        data: dict[str, Any] = {**plan.to_counts(), "grid": self._grid(plan, len(mbs))}
         if self._replan_due():
             same = " (unchanged)" if plan == self.plan else ""
-            message = f"partition from measured layer times: {plan.describe()}{same}"
-            self._event("repartition", message, plan.to_counts())
+            self._event("repartition", f"partition from measured layer times: {plan.describe()}{same}", data)
             self._calibration = []
         else:
-            self._event("partition", f"partition from parameter bytes: {plan.describe()}", plan.to_counts())
+            self._event("partition", f"partition from parameter bytes: {plan.describe()}", data)
         return plan
+
+    def _grid(self, plan: Plan, microbatches: int) -> str:
+        """One iteration of ``plan`` as a step x worker grid (unit time per micro-batch)."""
+        runs, _ = build_schedule(
+            num_slots=plan.num_slots,
+            num_workers=len(self.devices),
+            num_microbatches=microbatches,
+            round_size=self.config.round_size,
+            iteration=0,
+            start_worker=0,
+        )
+        return render_grid(
+            runs,
+            slot_names=[s.name for s in plan.slots],
+            kinds=[s.kind for s in plan.slots],
+            num_workers=len(self.devices),
+        )
 
     def _budget(self) -> float | None:
         if self.config.memory_budget_bytes is not None:

@@ -270,5 +270,6 @@ def test_partition_is_recomputed_from_measured_layer_times() -> None:
     kinds = [kind for kind, _, _ in sink.events]
     assert kinds == ["partition", "repartition"]
     counts = sink.events[1][2]
+    assert "step  w0     w1     w2" in counts["grid"]
     assert sum(counts["forward"]) + counts["fused"] == 6
     assert sum(counts["backward"]) + counts["fused"] == 6
