@@ -49,6 +49,8 @@ class EngineConfig:
         calibration_steps: iterations whose per-layer times are measured before the automatic
             partition is recomputed from them (0: keep the parameter-bytes proxy plan).
         seed: seeds the dropout masks (per iteration, micro-batch and layer).
+        initial_loss_scale: float16 compute only: the starting dynamic loss scale (halved on
+            an overflow, which skips that step; doubled after 1000 good steps).
     """
 
     devices: list[str] = field(default_factory=lambda: ["cpu"])
@@ -67,6 +69,7 @@ class EngineConfig:
     memory_budget_bytes: int | None = None
     calibration_steps: int = 2
     seed: int = 0
+    initial_loss_scale: float = 2.0**16
 
     def __post_init__(self) -> None:
         def bad(name: str, value: Any, want: str) -> ValueError:
@@ -196,10 +199,14 @@ class RoundPipe:
         it = self._launch(mbs, total, train=True)
         m = len(mbs)
         try:
-            if self.config.async_optimizer:
-                self.board.wait_for(lambda: len(it.loss_sums) == m, it)
-            else:
-                self.board.wait_for(lambda: it.remaining == 0, it)
+            async_mode = self.config.async_optimizer
+
+            def handed_over() -> bool:  # evaluated under the lock: no cancel can slip in after
+                done = len(it.loss_sums) == m if async_mode else it.remaining == 0
+                it.returned = done
+                return done
+
+            self.board.wait_for(handed_over, it)
         except Cancelled:
             # the optimizer discards every gradient accumulated since the last step
             self._pending = []
@@ -256,6 +263,7 @@ class RoundPipe:
             checkpoints=frozenset(s.start for s in slots if s.start > 0),
             profile=train and not self._manual and self._serial < self.config.calibration_steps,
             train=train,
+            loss_scale=self.optimizer.loss_scale if train else 1.0,
         )
         if train:
             self._serial += 1
@@ -278,6 +286,7 @@ class RoundPipe:
             self._pending.append(it)
         for run in runs:
             self.workers[run.worker].enqueue(it, run)
+        self._inflight = [i for i in self._inflight if i.remaining > 0]
         self._inflight.append(it)
         return it
 
@@ -300,6 +309,7 @@ class RoundPipe:
         self.steps += 1
         job = StepJob(index=self.steps, lr=self.config.lr, iterations=self._pending)
         self._pending = []
+        self._steps_inflight = [j for j in self._steps_inflight if not j.done.is_set()]
         self._steps_inflight.append(job)
         self.optimizer.submit_step(job)
 
@@ -480,7 +490,11 @@ class RoundPipe:
         costs = memory
         if self._replan_due():
             self.synchronize()  # the measured iterations have finished
-            costs = measured_costs(self._calibration, memory)
+            # a cancelled iteration measured only part of the layers
+            self._calibration = [it for it in self._calibration if it.aborted is None]
+            if not self._calibration and self.plan is not None:
+                return self.plan
+            costs = measured_costs(self._calibration, memory) if self._calibration else memory
         plan = auto_partition(
             costs, num_workers=len(self.workers), num_microbatches=len(mbs), memory_budget=self._budget()
         )
@@ -539,6 +553,8 @@ class RoundPipe:
             )
             / wall,
             "optim/grad_norm": job.grad_norm,
+            "optim/skipped": float(job.skipped),
+            "optim/loss_scale": self.optimizer.loss_scale,
             "optim/lr": job.lr,
             "time/step_s": wall,
             "time/optimizer_s": job.seconds,

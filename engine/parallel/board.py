@@ -46,6 +46,8 @@ class Iteration:
     checkpoints: frozenset[int]
     profile: bool = False
     train: bool = True
+    loss_scale: float = 1.0  # float16 compute: the loss is multiplied by it before backward
+    returned: bool = False  # forward_backward handed its loss to the caller
     acts: dict[tuple[int, int], tuple[Any, Any]] = field(default_factory=dict)
     act_uses: dict[tuple[int, int], int] = field(default_factory=dict)
     grads: dict[tuple[int, int], tuple[Any, Any]] = field(default_factory=dict)

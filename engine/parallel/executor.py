@@ -36,9 +36,17 @@ from engine.parallel.transfer import DeviceLink, plan_windows
 if TYPE_CHECKING:
     from engine.roundpipe import RoundPipe
 
-# The CPU generator is shared by every CPU worker thread: seeding and drawing from it must not
-# interleave between threads, so a layer that uses dropout runs under this lock on the CPU.
-_CPU_RNG_LOCK = threading.Lock()
+# A device's generator is shared by every worker thread on that device (all CPU workers, or
+# two workers listed on one GPU): seeding and drawing must not interleave between threads, so a
+# layer that uses dropout runs under its device's lock.
+_RNG_LOCKS: dict[str, threading.Lock] = {}
+_RNG_LOCKS_GUARD = threading.Lock()
+
+
+def _rng_lock(device: torch.device) -> threading.Lock:
+    with _RNG_LOCKS_GUARD:
+        return _RNG_LOCKS.setdefault(str(device), threading.Lock())
+
 
 Params = dict[int, dict[str, torch.Tensor]]  # layer -> local name -> device tensor
 
@@ -214,8 +222,7 @@ class Worker:
             params = self._weights(it, run, stage, owners, released)
             prefetch = self._start_prefetch(len(run.microbatches))
             for w, mb in enumerate(run.microbatches):
-                if self.engine.cancel is not None and self.engine.cancel.is_set():
-                    raise Cancelled(f"cancelled before micro-batch {mb} of stage {stage.name}")
+                self._check_cancel(it, stage, mb)
                 x, after = self._stage_input(it, stage, mb)
                 if prefetch is not None:
                     self.link.copy_pieces(self._pieces(prefetch[1], prefetch[2][w], prefetch[3]), after)
@@ -231,16 +238,26 @@ class Worker:
                 spans.append((t0, self._mark()))
             if prefetch is not None:
                 self.prefetched[id(prefetch[0])] = (prefetch[1], self.link.record(self.link.param_up))
+            loss_values = [float(v) for v in losses]  # read on the compute stream
+            busy = sum(self._span(a, b) for a, b in spans)
+            with self.board.cv:
+                for mb, v in zip(run.microbatches, loss_values, strict=False):
+                    it.loss_sums[mb] = v
+                it.busy_s[self.index] = it.busy_s.get(self.index, 0.0) + busy
+                it.stage_s[stage.name] = it.stage_s.get(stage.name, 0.0) + busy
+                self.board.cv.notify_all()
             if stage.kind != "forward" and it.train:
                 self._deposit(it, run, stage, params, accum)
-        loss_values = [float(v) for v in losses]
-        busy = sum(self._span(a, b) for a, b in spans)
+
+    def _check_cancel(self, it: Iteration, stage: Stage, mb: int) -> None:
+        """Honour the cancel flag, unless the caller already received this iteration's loss
+        (async mode): its gradients then belong to a step the caller may already have asked for."""
+        cancel = self.engine.cancel
+        if cancel is None or not cancel.is_set():
+            return
         with self.board.cv:
-            for mb, v in zip(run.microbatches, loss_values, strict=False):
-                it.loss_sums[mb] = v
-            it.busy_s[self.index] = it.busy_s.get(self.index, 0.0) + busy
-            it.stage_s[stage.name] = it.stage_s.get(stage.name, 0.0) + busy
-            self.board.cv.notify_all()
+            if not it.returned:
+                raise Cancelled(f"cancelled before micro-batch {mb} of stage {stage.name}")
 
     def _mark(self) -> Any:
         """A point in time on the compute stream (an event on CUDA, a clock reading on the CPU)."""
@@ -293,12 +310,11 @@ class Worker:
             return
         seed = (it.seed * 1_000_003 + it.serial) * 1_000_003 + mb * 1_009 + layer
         seed &= (1 << 62) - 1
-        if self.link.is_cuda:
-            torch.cuda.default_generators[self.device.index or 0].manual_seed(seed)
-            yield
-            return
-        with _CPU_RNG_LOCK:
-            torch.default_generator.manual_seed(seed)
+        with _rng_lock(self.device):
+            if self.link.is_cuda:
+                torch.cuda.default_generators[self.device.index or 0].manual_seed(seed)
+            else:
+                torch.default_generator.manual_seed(seed)
             yield
 
     def _call(
@@ -370,7 +386,7 @@ class Worker:
             if stage.kind == "fused":
                 labels = self.link.upload(it.microbatches[mb].labels)
                 loss_sum = causal_lm_loss_sum(x, labels)
-                top: torch.Tensor | None = loss_sum / it.total_tokens
+                top: torch.Tensor | None = loss_sum * (it.loss_scale / it.total_tokens)
                 grad: torch.Tensor | None = None
             else:
                 key = (mb, stage.stop)

@@ -15,6 +15,7 @@ being applied in the background.
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
 import time
@@ -28,6 +29,8 @@ from engine.parallel.board import Board, Cancelled, EngineError, Iteration
 from engine.parallel.host import HostState
 from engine.parallel.transfer import DeviceLink
 
+GROWTH_INTERVAL = 1000  # good float16 steps before the loss scale doubles
+
 
 @dataclass
 class StepJob:
@@ -37,6 +40,7 @@ class StepJob:
     done: threading.Event = field(default_factory=threading.Event)
     grad_norm: float = float("nan")
     seconds: float = 0.0
+    skipped: bool = False
 
 
 def _make_optimizer(params: list[torch.nn.Parameter], cfg: Any) -> torch.optim.Optimizer:
@@ -69,6 +73,11 @@ class OptimizerWorker:
             params = [p for k in keys if (p := host.tensors[k].master) is not None]
             if params:
                 self.optimizers[owner] = _make_optimizer(params, cfg)
+        # float16 compute: the loss is scaled so small gradients survive; a step whose
+        # gradients overflowed is skipped (the weights stay, the step still counts)
+        self.dynamic_scaling = cfg.compute_dtype == "float16"
+        self.loss_scale = float(cfg.initial_loss_scale) if self.dynamic_scaling else 1.0
+        self._good_steps = 0
         self.jobs: queue.Queue[Any] = queue.Queue()
         self.thread = threading.Thread(target=self._loop, name="roundpipe-optimizer", daemon=True)
         self.thread.start()
@@ -116,6 +125,7 @@ class OptimizerWorker:
             for i in reversed(range(self.host.num_layers))
             if any(self.host.tensors[k].trainable for k in self.host.layer_keys[i].values())
         ]
+        unscale = 1.0 / it.loss_scale
         try:
             for r in range(len(it.rounds)):
                 for layer in layers:
@@ -128,10 +138,16 @@ class OptimizerWorker:
                         master = self.host.tensors[k].master
                         if master is None or master.grad is None:
                             raise RuntimeError(f"gradient for frozen tensor {self.host.tensors[k].names}")
-                        master.grad.add_(grad)
+                        if unscale == 1.0:
+                            master.grad.add_(grad)
+                        else:
+                            master.grad.add_(grad, alpha=unscale)
         except Cancelled:
-            # discard the partial sums once every worker left the iteration
-            self.board.wait_for(lambda: it.remaining == 0)
+            pass
+        # every worker left the iteration: its bookkeeping is complete (metrics read it), and a
+        # stage that deposits nothing (a frozen input layer) can no longer cancel it
+        self.board.wait_for(lambda: it.remaining == 0)
+        if it.aborted is not None:
             with self.board.cv:
                 for key in [k for k in self.board.deposits if k[0] == it.serial]:
                     del self.board.deposits[key]
@@ -149,16 +165,32 @@ class OptimizerWorker:
         else:
             norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
         job.grad_norm = float(norm)
+        skip = self.dynamic_scaling and not math.isfinite(job.grad_norm)
+        if self.dynamic_scaling:
+            self._rescale(overflow=skip)
+        job.skipped = skip
         for owner, opt in self.optimizers.items():
             for group in opt.param_groups:
                 group["lr"] = job.lr
-            opt.step()
+            if not skip:
+                opt.step()
             for p in opt.param_groups[0]["params"]:
                 p.grad.zero_()
             self._publish(owner, job.index)
         job.seconds = time.perf_counter() - t0
         self.on_step(job)
         job.done.set()
+
+    def _rescale(self, *, overflow: bool) -> None:
+        """float16 dynamic loss scaling: halve on overflow, double after a run of good steps."""
+        if overflow:
+            self.loss_scale = max(self.loss_scale / 2.0, 1.0)
+            self._good_steps = 0
+            return
+        self._good_steps += 1
+        if self._good_steps >= GROWTH_INTERVAL:
+            self.loss_scale *= 2.0
+            self._good_steps = 0
 
     def _publish(self, owner: int, version: int) -> None:
         """Write unit ``owner``'s masters into the compute buffer of ``version``.

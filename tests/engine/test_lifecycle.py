@@ -273,3 +273,93 @@ def test_partition_is_recomputed_from_measured_layer_times() -> None:
     assert "step  w0     w1     w2" in counts["grid"]
     assert sum(counts["forward"]) + counts["fused"] == 6
     assert sum(counts["backward"]) + counts["fused"] == 6
+
+
+def test_async_cancel_after_the_loss_was_returned_does_not_empty_that_step() -> None:
+    cancel = threading.Event()
+    sink = ListSink()
+    config = EngineConfig(
+        devices=["cpu", "cpu"],
+        num_microbatches=4,
+        optimizer="sgd",
+        lr=0.1,
+        async_optimizer=True,
+        partition=SPLIT_PLAN,
+    )
+    with RoundPipe(tiny_model("llama"), config, sink=sink, cancel=cancel) as rp:
+        rp.forward_backward(**tiny_batch(seed=1))
+        cancel.set()  # the backward stages of that iteration may still be running
+        rp.step()
+        with pytest.raises(Cancelled):
+            rp.forward_backward(**tiny_batch(seed=2))
+        rp.synchronize()
+    assert sink.records[0][1]["optim/grad_norm"] > 0
+
+
+def test_cancel_with_a_frozen_input_layer_leaves_no_gradient_behind() -> None:
+    from peft import LoraConfig, get_peft_model
+
+    lora = get_peft_model(
+        tiny_model("llama"), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    )
+    cancel = threading.Event()
+    # the last backward stage holds only the frozen input layer: it deposits nothing
+    plan = {"forward": [1, 2], "fused": 2, "backward": [2, 1]}
+    config = EngineConfig(devices=["cpu", "cpu"], num_microbatches=4, optimizer="sgd", lr=0.1, partition=plan)
+    with RoundPipe(lora, config, cancel=cancel) as rp:
+        original = rp.workers[0].modules[0].forward
+        for w in rp.workers:
+
+            def cancelling(*args, _original=original, **kwargs):
+                if torch.is_grad_enabled():
+                    cancel.set()
+                return _original(*args, **kwargs)
+
+            w.modules[0].forward = cancelling  # type: ignore[method-assign]
+        with pytest.raises(Cancelled):
+            rp.forward_backward(**tiny_batch(batch=8))
+        rp.synchronize()
+        assert all(float(t.master.grad.abs().sum()) == 0 for t in rp.host.trainable)
+
+
+def test_cancel_during_calibration_keeps_the_engine_usable() -> None:
+    cancel = threading.Event()
+    config = EngineConfig(devices=["cpu", "cpu"], num_microbatches=3, calibration_steps=2)
+    with RoundPipe(tiny_model("qwen3"), config, cancel=cancel) as rp:
+        rp.forward_backward(**tiny_batch(seed=1))
+        rp.step()
+        cancel.set()
+        with pytest.raises(Cancelled):
+            rp.forward_backward(**tiny_batch(seed=2))
+        cancel.clear()
+        for s in range(3, 6):
+            assert rp.forward_backward(**tiny_batch(seed=s)) > 0
+            rp.step()
+        rp.synchronize()
+
+
+def test_float16_compute_with_dynamic_loss_scaling() -> None:
+    model = tiny_model("llama")
+    batches = [tiny_batch(seed=s) for s in range(1, 13)]
+    sink = ListSink()
+    # a scale far too large: the first steps overflow, are skipped, and the scale halves each time
+    config = EngineConfig(
+        devices=["cpu", "cpu"],
+        num_microbatches=3,
+        optimizer="sgd",
+        lr=0.1,
+        compute_dtype="float16",
+        initial_loss_scale=2.0**20,
+    )
+    with RoundPipe(copy.deepcopy(model), config, sink=sink) as rp:
+        for b in batches:
+            rp.forward_backward(**b)
+            rp.step()
+        state = rp.master_state_dict()
+    skipped = sink.series("optim/skipped")
+    scales = sink.series("optim/loss_scale")
+    assert skipped[0] == 1.0 and skipped[-1] == 0.0, skipped
+    assert scales[0] == 2.0**19 and scales[-1] < 2.0**19
+    assert all(torch.isfinite(v).all() for v in state.values())
+    # the steps that went through trained: the weights moved, close to an fp32 run of those steps
+    assert not torch.equal(state["lm_head.weight"], model.lm_head.weight.float())
