@@ -10,6 +10,7 @@ import torch
 from engine import EngineConfig, RoundPipe
 from tests.engine.tiny import (
     FAMILIES,
+    SPLIT_PLAN,
     bitwise_equal,
     engine_loop,
     max_diff,
@@ -29,10 +30,6 @@ SGD_TOL = 1e-5
 ADAMW_WHOLE_BATCH_TOL = 5e-4
 ADAMW_LOSS_TOL = 1e-5
 ADAMW_SAME_SPLIT_TOL = 1e-5
-
-# a hand-made plan for 3 blocks (5 layers): two forward stages, a fused stage of two layers
-# (top block + output layer) and two backward stages that recompute
-SPLIT_PLAN = {"forward": [2, 1], "fused": 2, "backward": [1, 2]}
 
 
 def sgd(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:

@@ -12,9 +12,7 @@ import torch
 
 from engine import Cancelled, EngineConfig, EngineError, RoundPipe
 from engine.metrics import ListSink
-from tests.engine.tiny import VOCAB, bitwise_equal, tiny_batch, tiny_model
-
-SPLIT_PLAN = {"forward": [2, 1], "fused": 2, "backward": [1, 2]}
+from tests.engine.tiny import SPLIT_PLAN, VOCAB, bitwise_equal, tiny_batch, tiny_model
 
 
 def test_worker_error_names_stage_and_worker_and_a_new_engine_works() -> None:

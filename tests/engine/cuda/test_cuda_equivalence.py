@@ -8,6 +8,7 @@ import torch
 from engine import EngineConfig
 from tests.engine.tiny import (
     FAMILIES,
+    SPLIT_PLAN,
     bitwise_equal,
     engine_loop,
     max_diff,
@@ -20,7 +21,6 @@ pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
-SPLIT_PLAN = {"forward": [2, 1], "fused": 2, "backward": [1, 2]}
 # GPU kernels (TF32 off by default for fp32 matmul in PyTorch, but different reduction orders)
 CUDA_SGD_TOL = 1e-4
 
