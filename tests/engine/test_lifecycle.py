@@ -356,8 +356,14 @@ def test_float16_compute_with_dynamic_loss_scaling() -> None:
         state = rp.master_state_dict()
     skipped = sink.series("optim/skipped")
     scales = sink.series("optim/loss_scale")
-    assert skipped[0] == 1.0 and skipped[-1] == 0.0, skipped
-    assert scales[0] == 2.0**19 and scales[-1] < 2.0**19
+    # the first step overflows; after that the scale halves exactly on each overflowing step and
+    # stays otherwise (growth needs 1000 good steps). Which later steps overflow depends on the
+    # CPU's float16 kernels, so the test checks the rule, not a fixed sequence.
+    assert skipped[0] == 1.0 and scales[0] == 2.0**19, (skipped, scales)
+    for i in range(1, len(skipped)):
+        expected = scales[i - 1] / 2 if skipped[i] else scales[i - 1]
+        assert scales[i] == expected, (i, skipped, scales)
+    assert sum(skipped) <= len(skipped) // 2, skipped
     assert all(torch.isfinite(v).all() for v in state.values())
     # the steps that went through trained: the weights moved, close to an fp32 run of those steps
     assert not torch.equal(state["lm_head.weight"], model.lm_head.weight.float())
