@@ -263,7 +263,6 @@ class RoundPipe:
             checkpoints=frozenset(s.start for s in slots if s.start > 0),
             profile=train and not self._manual and self._serial < self.config.calibration_steps,
             train=train,
-            loss_scale=self.optimizer.loss_scale if train else 1.0,
         )
         if train:
             self._serial += 1
@@ -365,6 +364,7 @@ class RoundPipe:
             "serial": self._serial,
             "rotation": self._rotation,
             "lr": self.config.lr,
+            "loss_scaling": self.optimizer.scaling_state(self.steps),
             "async_optimizer": self.config.async_optimizer,
             "masters": masters,
             "previous": previous,
@@ -404,6 +404,7 @@ class RoundPipe:
                 if self.config.async_optimizer:
                     t.source(max(steps - 1, 0)).copy_(state["previous"][t.names[0]])
         self.optimizer.load_state_dict(state["optimizer"])
+        self.optimizer.load_scaling_state(state.get("loss_scaling"), steps)
         self.steps = steps
         self._serial = int(state["serial"])
         self._rotation = int(state["rotation"]) % len(self.workers)

@@ -46,7 +46,6 @@ class Iteration:
     checkpoints: frozenset[int]
     profile: bool = False
     train: bool = True
-    loss_scale: float = 1.0  # float16 compute: the loss is multiplied by it before backward
     returned: bool = False  # forward_backward handed its loss to the caller
     acts: dict[tuple[int, int], tuple[Any, Any]] = field(default_factory=dict)
     act_uses: dict[tuple[int, int], int] = field(default_factory=dict)
@@ -71,6 +70,9 @@ class Board:
         # latest weights version published per optimizer unit, and uploads still to read each one
         self.version = [0] * num_owners
         self.outstanding: dict[tuple[int, int], int] = {}
+        # float16 loss scale that goes with each weights version (set by the step producing it):
+        # an iteration on version v scales by loss_scales[v], whatever the timing of its launch
+        self.loss_scales: dict[int, float] = {}
         # gradient contributions: (iteration serial, round, layer) -> {tensor key: (grad, event)}
         self.deposits: dict[tuple[int, int, int], dict[int, tuple[Any, Any]]] = {}
 
@@ -95,6 +97,14 @@ class Board:
                 if ready():
                     return
                 self.cv.wait(timeout=1.0)
+
+    def scale_for(self, it: Iteration) -> float:
+        """The loss scale of a training iteration: the one recorded with its weights version."""
+        if not it.train:
+            return 1.0
+        self.wait_for(lambda: it.version in self.loss_scales, it)
+        with self.cv:
+            return self.loss_scales[it.version]
 
     def notify(self) -> None:
         with self.cv:

@@ -386,7 +386,7 @@ class Worker:
             if stage.kind == "fused":
                 labels = self.link.upload(it.microbatches[mb].labels)
                 loss_sum = causal_lm_loss_sum(x, labels)
-                top: torch.Tensor | None = loss_sum * (it.loss_scale / it.total_tokens)
+                top: torch.Tensor | None = loss_sum * (self.board.scale_for(it) / it.total_tokens)
                 grad: torch.Tensor | None = None
             else:
                 key = (mb, stage.stop)

@@ -78,6 +78,7 @@ class OptimizerWorker:
         self.dynamic_scaling = cfg.compute_dtype == "float16"
         self.loss_scale = float(cfg.initial_loss_scale) if self.dynamic_scaling else 1.0
         self._good_steps = 0
+        board.loss_scales[0] = self.loss_scale
         self.jobs: queue.Queue[Any] = queue.Queue()
         self.thread = threading.Thread(target=self._loop, name="roundpipe-optimizer", daemon=True)
         self.thread.start()
@@ -125,8 +126,8 @@ class OptimizerWorker:
             for i in reversed(range(self.host.num_layers))
             if any(self.host.tensors[k].trainable for k in self.host.layer_keys[i].values())
         ]
-        unscale = 1.0 / it.loss_scale
         try:
+            unscale = 1.0 / self.board.scale_for(it)
             for r in range(len(it.rounds)):
                 for layer in layers:
                     key = (it.serial, r, layer)
@@ -169,6 +170,11 @@ class OptimizerWorker:
         if self.dynamic_scaling:
             self._rescale(overflow=skip)
         job.skipped = skip
+        with self.board.cv:
+            self.board.loss_scales[job.index] = self.loss_scale
+            for old in [v for v in self.board.loss_scales if v < job.index - 4]:
+                del self.board.loss_scales[old]
+            self.board.cv.notify_all()
         for owner, opt in self.optimizers.items():
             for group in opt.param_groups:
                 group["lr"] = job.lr
@@ -208,6 +214,23 @@ class OptimizerWorker:
     # -- state -------------------------------------------------------------------------------
     def state_dict(self) -> dict[int, Any]:
         return {owner: opt.state_dict() for owner, opt in self.optimizers.items()}
+
+    def scaling_state(self, steps: int) -> dict[str, Any]:
+        """The dynamic loss scale and the scales of the weights versions a resume may run on."""
+        with self.board.cv:
+            recent = {str(v): s for v, s in self.board.loss_scales.items() if v >= steps - 1}
+        return {"scale": self.loss_scale, "good_steps": self._good_steps, "versions": recent}
+
+    def load_scaling_state(self, state: dict[str, Any] | None, steps: int) -> None:
+        """After a resume: continue with the saved scale (the config's when there is none)."""
+        if state is not None:
+            self.loss_scale, self._good_steps = float(state["scale"]), int(state["good_steps"])
+        with self.board.cv:
+            self.board.loss_scales.clear()
+            for v in (steps - 1, steps):
+                self.board.loss_scales[max(v, 0)] = self.loss_scale
+            if state is not None:
+                self.board.loss_scales.update({int(v): float(s) for v, s in state["versions"].items()})
 
     def load_state_dict(self, state: dict[int, Any]) -> None:
         if set(state) != set(self.optimizers):

@@ -339,7 +339,6 @@ def test_cancel_during_calibration_keeps_the_engine_usable() -> None:
 def test_float16_compute_with_dynamic_loss_scaling() -> None:
     model = tiny_model("llama")
     batches = [tiny_batch(seed=s) for s in range(1, 13)]
-    sink = ListSink()
     # a scale far too large: the first steps overflow, are skipped, and the scale halves each time
     config = EngineConfig(
         devices=["cpu", "cpu"],
@@ -349,11 +348,19 @@ def test_float16_compute_with_dynamic_loss_scaling() -> None:
         compute_dtype="float16",
         initial_loss_scale=2.0**20,
     )
-    with RoundPipe(copy.deepcopy(model), config, sink=sink) as rp:
-        for b in batches:
-            rp.forward_backward(**b)
-            rp.step()
-        state = rp.master_state_dict()
+    runs = []
+    for _ in range(2):
+        sink = ListSink()
+        with RoundPipe(copy.deepcopy(model), config, sink=sink) as rp:
+            for b in batches:
+                rp.forward_backward(**b)
+                rp.step()
+            runs.append((rp.master_state_dict(), sink.series("optim/skipped")))
+    # the scale an iteration uses belongs to its weights version, not to the moment it launched:
+    # two runs skip the same steps and end bitwise equal
+    (state, skipped_a), (state_b, skipped_b) = runs
+    assert skipped_a == skipped_b
+    assert all(torch.equal(state[k], state_b[k]) for k in state)
     skipped = sink.series("optim/skipped")
     scales = sink.series("optim/loss_scale")
     # the first step overflows; after that the scale halves exactly on each overflowing step and
