@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install test lint types unit bench run plan clean
+.PHONY: install services test lint types unit bench run demo plan clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -29,7 +29,15 @@ lint: install
 types: install
 	$(VENV)/bin/mypy
 
-unit: install
+# the service tests use a real Redis (and PostgreSQL where one answers on 127.0.0.1:5432)
+services:
+	@if ! (exec 3<>/dev/tcp/127.0.0.1/6379) 2>/dev/null; then \
+		command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server); \
+		redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no; \
+		sleep 1; \
+	fi
+
+unit: install services
 	$(PY) -m pytest
 
 # the README's test command: lint, types, the whole suite
@@ -38,8 +46,13 @@ test: lint types unit
 bench: install
 	$(PY) bench/engine_overhead.py
 
-# what runs today: the demo fine-tune (prepares the demo model once), accuracy before and after
+# the service on this machine: API + worker on SQLite and the no-server broker, demo model and
+# datasets prepared once, a login URL printed
 run: install
+	$(VENV)/bin/roundhouse serve --with-worker --demo --new-login-key
+
+# the command-line demo: accuracy of the demo model before and after a short LoRA fine-tune
+demo: install
 	$(VENV)/bin/roundhouse demo --models-dir data/models
 
 plan: install

@@ -1,0 +1,31 @@
+"""``/api/gpus``: every worker host's devices, as a list and as an SSE stream."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import StreamingResponse
+
+from server.deps import SessionDep, SettingsDep, current_key
+from server.schemas import HostsPublic
+from server.services import gpus
+from server.streams import gpu_stream
+
+router = APIRouter(prefix="/api/gpus", tags=["gpus"], dependencies=[Depends(current_key)])
+
+
+@router.get("", response_model=HostsPublic)
+def list_gpus(session: SessionDep, settings: SettingsDep) -> Any:
+    """The latest telemetry sample of every worker host ("no GPU" on CPU-only hosts)."""
+    return {"data": gpus.hosts(session, stale_after=settings.telemetry_seconds * 5)}
+
+
+@router.get("/stream")
+def stream_gpus(request: Request, settings: SettingsDep) -> StreamingResponse:
+    """Server-sent events: a new snapshot of every host each time a worker samples."""
+    return StreamingResponse(
+        gpu_stream(request, interval=settings.telemetry_seconds),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )

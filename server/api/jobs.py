@@ -1,0 +1,143 @@
+"""``/api/jobs``: create, list, get, cancel, events (paged and as an SSE stream), metrics."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Header, Query, Request
+from fastapi.responses import StreamingResponse
+
+from server import queue
+from server.deps import SessionDep, SettingsDep, current_key
+from server.errors import ApiError
+from server.schemas import EventsPublic, JobCreate, JobPublic, JobsPublic, MetricsPublic
+from server.services import datasets, jobs, models
+from server.streams import job_stream
+
+router = APIRouter(prefix="/api/jobs", tags=["jobs"], dependencies=[Depends(current_key)])
+
+
+def found_job(session: SessionDep, job_id: str) -> Any:
+    job = session.get(jobs.Job, job_id)
+    if job is None:
+        raise ApiError(404, "not_found", f"no job {job_id!r}", param="job_id")
+    return job
+
+
+@router.post("", response_model=JobPublic, status_code=201)
+def create_job(session: SessionDep, settings: SettingsDep, body: JobCreate) -> Any:
+    """Start a fine-tune: a base model, a dataset, and the TrainConfig sections."""
+    model = models.find(body.base_model, settings.models_dir, settings.hf_cache_dir)
+    if model is None:
+        raise ApiError(
+            404, "not_found", f"no base model {body.base_model!r} (see GET /api/models)", param="base_model"
+        )
+    train = datasets.get_dataset(session, dataset_id=body.dataset_id)
+    if train is None:
+        raise ApiError(404, "not_found", f"no dataset {body.dataset_id!r}", param="dataset_id")
+    validation = None
+    if body.validation_dataset_id is not None:
+        validation = datasets.get_dataset(session, dataset_id=body.validation_dataset_id)
+        if validation is None:
+            raise ApiError(
+                404, "not_found", f"no dataset {body.validation_dataset_id!r}", param="validation_dataset_id"
+            )
+    ident = jobs.new_id()
+    try:
+        config = jobs.build_config(
+            request=body.model_dump(),
+            model_path=model.path if model.path is not None else body.base_model,
+            train_path=train.path,
+            validation_path=validation.path if validation else None,
+            output_dir=settings.runs_dir / ident,
+        )
+    except ValueError as exc:
+        param = str(exc).split(":", 1)[0] if ":" in str(exc) else None
+        raise ApiError(422, "invalid_config", str(exc), param=param) from exc
+    job = jobs.create_job(
+        session,
+        ident=ident,
+        name=body.name,
+        base_model=body.base_model,
+        dataset_id=train.id,
+        validation_dataset_id=validation.id if validation else None,
+        config=config,
+    )
+    queue.enqueue(settings, job.id)
+    return job
+
+
+@router.get("", response_model=JobsPublic)
+def list_jobs(
+    session: SessionDep,
+    status: Annotated[str | None, Query(description="only jobs in this state")] = None,
+    cursor: Annotated[str | None, Query(description="next_cursor of the previous page")] = None,
+    limit: Annotated[int, Query(ge=1, le=200)] = 50,
+) -> Any:
+    """Jobs, newest first, paged by cursor."""
+    if status is not None and status not in jobs.STATUSES:
+        raise ApiError(422, "invalid_request", f"status: unknown state {status!r}", param="status")
+    try:
+        page, next_cursor = jobs.list_jobs(session, status=status, cursor=cursor, limit=limit)
+    except ValueError as exc:
+        raise ApiError(422, "invalid_request", f"cursor: {exc}", param="cursor") from exc
+    return {"data": page, "next_cursor": next_cursor}
+
+
+@router.get("/{job_id}", response_model=JobPublic)
+def get_job(session: SessionDep, job_id: str) -> Any:
+    """One job."""
+    return found_job(session, job_id)
+
+
+@router.post("/{job_id}/cancel", response_model=JobPublic)
+def cancel_job(session: SessionDep, job_id: str) -> Any:
+    """Cancel: a queued job at once; a running one stops at its next step with a checkpoint."""
+    job = found_job(session, job_id)
+    try:
+        jobs.request_cancel(session, job=job)
+    except jobs.IllegalTransition as exc:
+        raise ApiError(409, "illegal_transition", str(exc), param="status") from exc
+    return job
+
+
+@router.get("/{job_id}/events", response_model=EventsPublic)
+def list_events(
+    session: SessionDep,
+    job_id: str,
+    after: Annotated[int, Query(ge=0, description="only events with a larger id")] = 0,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 200,
+) -> Any:
+    """The job's events (state changes, metrics, log lines, checkpoints) in id order."""
+    found_job(session, job_id)
+    page = jobs.events(session, job_id=job_id, after=after, limit=limit)
+    return {"data": page, "next_after": page[-1].id if len(page) == limit else None}
+
+
+@router.get("/{job_id}/stream")
+def stream_events(
+    request: Request,
+    session: SessionDep,
+    job_id: str,
+    last_event_id: Annotated[str | None, Header()] = None,
+    after: Annotated[int, Query(ge=0)] = 0,
+) -> StreamingResponse:
+    """Server-sent events of the job, replayed from ``Last-Event-ID`` (or ``after``), then live."""
+    found_job(session, job_id)
+    start = int(last_event_id) if last_event_id and last_event_id.isdigit() else after
+    return StreamingResponse(
+        job_stream(request, job_id=job_id, after=start),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+
+
+@router.get("/{job_id}/metrics", response_model=MetricsPublic)
+def get_metrics(
+    session: SessionDep,
+    job_id: str,
+    keys: Annotated[list[str] | None, Query(description="metric names, e.g. loss/train")] = None,
+) -> Any:
+    """Every logged value of each metric, in step order."""
+    found_job(session, job_id)
+    return {"data": jobs.metric_series(session, job_id=job_id, keys=keys)}

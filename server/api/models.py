@@ -1,0 +1,20 @@
+"""``/api/models``: the base models a job can start from."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Depends
+
+from server.deps import SettingsDep, current_key
+from server.schemas import ModelsPublic
+from server.services import models
+
+router = APIRouter(prefix="/api/models", tags=["models"], dependencies=[Depends(current_key)])
+
+
+@router.get("", response_model=ModelsPublic)
+def list_models(settings: SettingsDep) -> Any:
+    """Base models: the demo, the models folder, and the local Hugging Face cache."""
+    found = models.discover(settings.models_dir, settings.hf_cache_dir)
+    return {"data": [vars(m) for m in found]}

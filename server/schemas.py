@@ -1,0 +1,193 @@
+"""API shapes (request and response bodies). Tables live in ``server/tables.py``."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from engine.config import CheckpointSpec, EngineSpec, EvalSpec, HyperSpec, MethodSpec
+
+
+class ErrorDetail(BaseModel):
+    code: str
+    message: str
+    param: str | None = None
+    details: list[dict[str, Any]] | None = None
+
+
+class ErrorBody(BaseModel):
+    error: ErrorDetail
+
+
+class RowErrorPublic(BaseModel):
+    line: int
+    unit: str
+    message: str
+
+
+class DatasetPublic(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    id: str
+    name: str
+    filename: str
+    format: str
+    rows: int
+    size_bytes: int
+    sha256: str
+    created_at: datetime
+
+
+class DatasetsPublic(BaseModel):
+    data: list[DatasetPublic]
+
+
+class ModelPublic(BaseModel):
+    name: str
+    source: Literal["demo", "models", "hf-cache"]
+    architecture: str | None
+    parameters: int | None
+    size_bytes: int
+    ready: bool
+
+
+class ModelsPublic(BaseModel):
+    data: list[ModelPublic]
+
+
+class DataOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    format: Literal["auto", "chat", "instruction", "prompt_completion", "text"] = "auto"
+    max_length: int = 1024
+    packing: bool = False
+    validation_fraction: float = 0.0
+
+
+class JobCreate(BaseModel):
+    """A fine-tune: the base model and dataset by name/id, and the engine's TrainConfig sections."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str | None = Field(None, max_length=255)
+    base_model: str = Field(..., description='a name from GET /api/models, or "demo"')
+    dataset_id: str
+    validation_dataset_id: str | None = None
+    data: DataOptions = Field(default_factory=lambda: DataOptions())
+    method: dict[str, Any] = Field(default_factory=dict, description=MethodSpec.__doc__ or "LoRA or full")
+    hyper: dict[str, Any] = Field(default_factory=dict, description=HyperSpec.__doc__ or "hyperparameters")
+    engine: dict[str, Any] = Field(default_factory=dict, description=EngineSpec.__doc__ or "engine")
+    checkpoint: dict[str, Any] = Field(default_factory=dict, description=CheckpointSpec.__doc__ or "")
+    eval: dict[str, Any] = Field(default_factory=dict, description=EvalSpec.__doc__ or "")
+
+
+class JobPublic(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    id: str
+    name: str
+    status: str
+    base_model: str
+    dataset_id: str
+    validation_dataset_id: str | None
+    step: int
+    total_steps: int | None
+    error: str | None
+    attempts: int
+    config: dict[str, Any]
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+
+
+class JobsPublic(BaseModel):
+    data: list[JobPublic]
+    next_cursor: str | None
+
+
+class EventPublic(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    id: int
+    kind: str
+    step: int | None
+    message: str
+    data: dict[str, Any]
+    created_at: datetime
+
+
+class EventsPublic(BaseModel):
+    data: list[EventPublic]
+    next_after: int | None
+
+
+class MetricPoint(BaseModel):
+    step: int
+    value: float
+
+
+class MetricsPublic(BaseModel):
+    data: dict[str, list[MetricPoint]]
+
+
+class Health(BaseModel):
+    status: Literal["ok"]
+    version: str
+
+
+class PreviewToken(BaseModel):
+    text: str
+    trained: bool
+
+
+class PreviewRow(BaseModel):
+    line: int
+    truncated: bool
+    tokens: list[PreviewToken]
+
+
+class PreviewPublic(BaseModel):
+    dataset_id: str
+    model: str
+    rows: list[PreviewRow]
+
+
+class CheckpointPublic(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    step: int
+    kind: Literal["adapter", "full"]
+    metrics: dict[str, Any]
+    created_at: datetime
+
+
+class CheckpointsPublic(BaseModel):
+    data: list[CheckpointPublic]
+
+
+class DevicePublic(BaseModel):
+    index: int
+    name: str
+    utilization: float | None
+    memory_used: int | None
+    memory_total: int | None
+    temperature: float | None
+    power_w: float | None
+
+
+class HostPublic(BaseModel):
+    worker: str
+    hostname: str
+    gpu: bool
+    message: str
+    devices: list[DevicePublic]
+    cpu: dict[str, float]
+    sampled_at: datetime | None
+    heartbeat_at: datetime
+    online: bool
+
+
+class HostsPublic(BaseModel):
+    data: list[HostPublic]

@@ -1,0 +1,128 @@
+"""Datasets on disk and in the database; validated with the engine's validator before storing."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from engine.data.encode import Report, validate
+from engine.data.read import SUFFIXES
+from server.tables import Dataset, Job
+
+CHUNK = 1 << 20
+
+
+class TooLarge(Exception):
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"the upload exceeds the limit of {limit} bytes")
+        self.limit = limit
+
+
+def safe_name(filename: str) -> str:
+    """A file name that cannot leave its folder: the last path part, odd characters replaced."""
+    base = re.split(r"[\\/]", filename or "")[-1]
+    base = re.sub(r"[^A-Za-z0-9._-]", "_", base).lstrip(".")
+    return base[:120] or "dataset"
+
+
+def store_upload(
+    session: Session,
+    *,
+    source: BinaryIO,
+    filename: str,
+    name: str | None,
+    datasets_dir: Path,
+    max_bytes: int,
+) -> tuple[Dataset | None, Report]:
+    """Copy an upload to disk in chunks, validate every row, and keep it only if it is valid.
+
+    Returns the stored dataset (None when invalid) and the validation report.
+
+    Raises:
+        TooLarge: more than ``max_bytes`` arrived (nothing is kept).
+        ValueError: an unsupported file type.
+    """
+    clean = safe_name(filename)
+    suffix = Path(clean).suffix.lower()
+    if suffix not in SUFFIXES:
+        raise ValueError(f"unsupported file type {suffix or '(none)'!r}; use {', '.join(SUFFIXES)}")
+    ident = uuid.uuid4().hex
+    folder = datasets_dir / ident
+    incoming = datasets_dir / f".incoming-{ident}{suffix}"
+    datasets_dir.mkdir(parents=True, exist_ok=True)
+    digest, size = hashlib.sha256(), 0
+    try:
+        with incoming.open("wb") as out:
+            while chunk := source.read(CHUNK):
+                size += len(chunk)
+                if size > max_bytes:
+                    raise TooLarge(max_bytes)
+                digest.update(chunk)
+                out.write(chunk)
+        report = validate(str(incoming))
+        report.path = clean
+        if not report.ok:
+            return None, report
+        folder.mkdir()
+        final = folder / clean
+        incoming.rename(final)
+    finally:
+        incoming.unlink(missing_ok=True)
+    dataset = Dataset(
+        id=ident,
+        name=name or clean,
+        filename=clean,
+        path=str(final),
+        format=report.format or "unknown",
+        rows=report.rows,
+        size_bytes=size,
+        sha256=digest.hexdigest(),
+    )
+    session.add(dataset)
+    session.commit()
+    return dataset, report
+
+
+def list_datasets(session: Session) -> list[Dataset]:
+    return list(session.scalars(select(Dataset).order_by(Dataset.created_at.desc())))
+
+
+def get_dataset(session: Session, *, dataset_id: str) -> Dataset | None:
+    return session.get(Dataset, dataset_id)
+
+
+def in_use(session: Session, *, dataset_id: str) -> str | None:
+    """The id of a job that uses the dataset, or None."""
+    used = select(Job.id).where((Job.dataset_id == dataset_id) | (Job.validation_dataset_id == dataset_id))
+    return session.scalar(used.limit(1))
+
+
+def delete_dataset(session: Session, *, dataset: Dataset) -> None:
+    shutil.rmtree(Path(dataset.path).parent, ignore_errors=True)
+    session.delete(dataset)
+    session.commit()
+
+
+def preview(dataset: Dataset, *, tokenizer: Any, limit: int, max_length: int) -> list[dict[str, Any]]:
+    """The first rows rendered through the tokenizer's chat template, each token marked trained or not."""
+    from engine.data.encode import encode, ensure_chat_template
+    from engine.data.read import read_examples
+
+    ensure_chat_template(tokenizer)
+    _, _, examples, _ = read_examples(dataset.path)
+    rows = []
+    for ex in examples[:limit]:
+        enc = encode(ex, tokenizer, max_length)
+        tokens = [
+            {"text": tokenizer.decode([tid]), "trained": lab != -100}
+            for tid, lab in zip(enc.input_ids, enc.labels, strict=True)
+        ]
+        rows.append({"line": ex.line, "tokens": tokens, "truncated": enc.truncated})
+    return rows

@@ -1,0 +1,52 @@
+"""GPU telemetry: the latest sample of every worker host, written by the workers."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from server.tables import Worker, now
+
+
+def record(
+    session: Session,
+    *,
+    worker_id: str,
+    hostname: str,
+    devices: list[dict[str, Any]],
+    cpu: dict[str, float],
+    message: str,
+) -> None:
+    """Store a host's latest sample (one row per worker, replaced each time)."""
+    row = session.get(Worker, worker_id)
+    if row is None:
+        row = Worker(id=worker_id, hostname=hostname)
+        session.add(row)
+    stamp = now()
+    row.hostname, row.devices, row.cpu, row.message = hostname, devices, cpu, message
+    row.sampled_at = row.heartbeat_at = stamp
+    session.commit()
+
+
+def hosts(session: Session, *, stale_after: float) -> list[dict[str, Any]]:
+    """Every worker host with its devices; ``online`` is false once it stopped sampling."""
+    limit = now() - timedelta(seconds=stale_after)
+    out = []
+    for row in session.scalars(select(Worker).order_by(Worker.hostname, Worker.id)):
+        out.append(
+            {
+                "worker": row.id,
+                "hostname": row.hostname,
+                "gpu": bool(row.devices),
+                "message": row.message,
+                "devices": row.devices,
+                "cpu": row.cpu,
+                "sampled_at": row.sampled_at,
+                "heartbeat_at": row.heartbeat_at,
+                "online": row.heartbeat_at >= limit,
+            }
+        )
+    return out

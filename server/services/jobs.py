@@ -1,0 +1,282 @@
+"""Jobs: creation from a validated TrainConfig, the state machine, events, paging, metrics."""
+
+from __future__ import annotations
+
+import base64
+import uuid
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import func, select, update
+from sqlalchemy.orm import Session
+
+from engine.config import TrainConfig
+from server.tables import Job, JobEvent, now
+
+# validating -> queued -> running -> succeeded | failed | cancelled, plus cancelling and
+# interrupted (the worker vanished; the job is requeued and resumes from its last checkpoint)
+TRANSITIONS: dict[str, set[str]] = {
+    "validating": {"queued", "failed"},
+    "queued": {"running", "cancelled", "failed"},
+    "running": {"succeeded", "failed", "cancelling", "interrupted", "cancelled"},
+    "cancelling": {"cancelled", "failed", "succeeded", "interrupted"},
+    "interrupted": {"queued", "running", "cancelled", "failed"},
+    "succeeded": set(),
+    "failed": set(),
+    "cancelled": set(),
+}
+TERMINAL = {"succeeded", "failed", "cancelled"}
+STATUSES = tuple(TRANSITIONS)
+
+
+class IllegalTransition(Exception):
+    def __init__(self, job: Job, to: str) -> None:
+        super().__init__(f"job {job.id} is {job.status}: it cannot become {to}")
+        self.job, self.to = job, to
+
+
+def transition(session: Session, *, job: Job, to: str, message: str = "", commit: bool = True) -> None:
+    """Move a job to ``to`` and record the transition as an event row.
+
+    Raises:
+        IllegalTransition: ``to`` is not reachable from the job's status.
+    """
+    if to not in TRANSITIONS[job.status]:
+        raise IllegalTransition(job, to)
+    previous, job.status = job.status, to
+    if to == "running" and job.started_at is None:
+        job.started_at = now()
+    if to in TERMINAL:
+        job.finished_at = now()
+    add_event(
+        session,
+        job_id=job.id,
+        kind="state",
+        message=message or f"{previous} -> {to}",
+        data={"from": previous, "to": to},
+        commit=False,
+    )
+    if commit:
+        session.commit()
+
+
+def add_event(
+    session: Session,
+    *,
+    job_id: str,
+    kind: str,
+    message: str = "",
+    data: dict[str, Any] | None = None,
+    step: int | None = None,
+    commit: bool = True,
+) -> JobEvent:
+    event = JobEvent(job_id=job_id, kind=kind, message=message, data=data or {}, step=step)
+    session.add(event)
+    if commit:
+        session.commit()
+    return event
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+def build_config(
+    *,
+    request: dict[str, Any],
+    model_path: Path | str,
+    train_path: str,
+    validation_path: str | None,
+    output_dir: Path,
+) -> TrainConfig:
+    """The engine's TrainConfig for a job request. Raises ``ValueError`` naming the bad field."""
+    data = dict(request.get("data") or {})
+    data.update({"train": train_path, "validation": validation_path})
+    raw = {
+        "model": {"path": str(model_path), "name": request["base_model"]},
+        "data": data,
+        "output_dir": str(output_dir),
+        **{k: request[k] for k in ("method", "hyper", "engine", "checkpoint", "eval") if request.get(k)},
+    }
+    return TrainConfig.parse(raw)
+
+
+def create_job(
+    session: Session,
+    *,
+    ident: str,
+    name: str | None,
+    base_model: str,
+    dataset_id: str,
+    validation_dataset_id: str | None,
+    config: TrainConfig,
+) -> Job:
+    """Insert a job (validating), then queue it: both transitions recorded."""
+    job = Job(
+        id=ident,
+        name=name or f"{base_model} on {dataset_id[:8]}",
+        status="validating",
+        base_model=base_model,
+        dataset_id=dataset_id,
+        validation_dataset_id=validation_dataset_id,
+        config=config.model_dump(mode="json"),
+        output_dir=config.output_dir,
+    )
+    session.add(job)
+    session.flush()
+    add_event(session, job_id=ident, kind="state", message="created", data={"to": "validating"}, commit=False)
+    transition(session, job=job, to="queued", message="config and data valid", commit=False)
+    session.commit()
+    return job
+
+
+def _cursor(job: Job) -> str:
+    return base64.urlsafe_b64encode(f"{job.created_at.isoformat()}|{job.id}".encode()).decode()
+
+
+def _decode(cursor: str) -> tuple[datetime, str]:
+    try:
+        stamp, ident = base64.urlsafe_b64decode(cursor.encode()).decode().split("|", 1)
+        return datetime.fromisoformat(stamp), ident
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cursor {cursor!r} is not one this API returned") from exc
+
+
+def list_jobs(
+    session: Session, *, status: str | None, cursor: str | None, limit: int
+) -> tuple[list[Job], str | None]:
+    """Newest first; ``cursor`` continues after the last job of the previous page."""
+    q = select(Job).order_by(Job.created_at.desc(), Job.id.desc())
+    if status is not None:
+        q = q.where(Job.status == status)
+    if cursor is not None:
+        stamp, ident = _decode(cursor)
+        q = q.where((Job.created_at < stamp) | ((Job.created_at == stamp) & (Job.id < ident)))
+    jobs = list(session.scalars(q.limit(limit + 1)))
+    more = len(jobs) > limit
+    jobs = jobs[:limit]
+    return jobs, (_cursor(jobs[-1]) if more and jobs else None)
+
+
+def request_cancel(session: Session, *, job: Job) -> None:
+    """Queued or interrupted jobs are cancelled at once; running ones become cancelling."""
+    if job.status in ("queued", "interrupted", "validating"):
+        transition(session, job=job, to="cancelled", message="cancelled before it ran")
+    else:
+        transition(session, job=job, to="cancelling", message="cancel requested")
+
+
+def events(session: Session, *, job_id: str, after: int, limit: int) -> list[JobEvent]:
+    q = (
+        select(JobEvent)
+        .where(JobEvent.job_id == job_id, JobEvent.id > after)
+        .order_by(JobEvent.id)
+        .limit(limit)
+    )
+    return list(session.scalars(q))
+
+
+def metric_series(
+    session: Session, *, job_id: str, keys: list[str] | None
+) -> dict[str, list[dict[str, float]]]:
+    """Every logged value of each metric key, in step order."""
+    out: dict[str, list[dict[str, float]]] = {}
+    q = select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.kind == "metrics").order_by(JobEvent.id)
+    for ev in session.scalars(q):
+        for key, value in ev.data.items():
+            if (keys is None or key in keys) and isinstance(value, int | float) and ev.step is not None:
+                out.setdefault(key, []).append({"step": ev.step, "value": float(value)})
+    return out
+
+
+# -- the worker side: claim with a lease, heartbeat, outcome, sweep --------------------------------
+CLAIMABLE = ("queued", "interrupted")
+
+
+def claim(session: Session, *, job_id: str, worker_id: str, lease_seconds: float) -> bool:
+    """Take a queued or interrupted job for ``worker_id`` with one conditional update.
+
+    A redelivered message or a second requeue finds the job already taken and gets False, so a
+    job never runs twice at once.
+    """
+    job = session.get(Job, job_id)
+    if job is None or job.status not in CLAIMABLE:
+        return False
+    previous = job.status
+    taken = session.execute(
+        update(Job)
+        .where(Job.id == job_id, Job.status == previous)
+        .values(
+            status="running",
+            worker_id=worker_id,
+            lease_until=now() + timedelta(seconds=lease_seconds),
+            attempts=Job.attempts + 1,
+            started_at=func.coalesce(Job.started_at, now()),
+        )
+    )
+    if taken.rowcount != 1:  # type: ignore[attr-defined]
+        session.rollback()
+        return False
+    add_event(
+        session,
+        job_id=job_id,
+        kind="state",
+        message=f"{previous} -> running on {worker_id}",
+        data={"from": previous, "to": "running", "worker": worker_id},
+        commit=False,
+    )
+    session.commit()
+    return True
+
+
+def renew(session: Session, *, job_id: str, worker_id: str, lease_seconds: float) -> str | None:
+    """Extend the lease of a job this worker holds; returns its status, or None if it was lost."""
+    held = session.execute(
+        update(Job)
+        .where(Job.id == job_id, Job.worker_id == worker_id, Job.status.in_(("running", "cancelling")))
+        .values(lease_until=now() + timedelta(seconds=lease_seconds))
+    )
+    session.commit()
+    if held.rowcount != 1:  # type: ignore[attr-defined]
+        return None
+    return session.scalar(select(Job.status).where(Job.id == job_id))
+
+
+def finish(
+    session: Session, *, job_id: str, worker_id: str, to: str, message: str, error: str | None = None
+) -> bool:
+    """Record a run's outcome, if this worker still holds the job."""
+    session.expire_all()
+    job = session.get(Job, job_id)
+    if job is None or job.worker_id != worker_id or job.status not in ("running", "cancelling"):
+        return False
+    if to == "succeeded" and job.status == "cancelling":
+        message = f"{message} (finished before the cancel took effect)"
+    job.error = error
+    job.lease_until = None
+    transition(session, job=job, to=to, message=message)
+    return True
+
+
+def sweep(session: Session) -> list[str]:
+    """Jobs whose worker stopped renewing its lease: running ones become interrupted (to requeue),
+    cancelling ones cancelled. Returns the ids to requeue."""
+    stamp = now()
+    stale = session.scalars(
+        select(Job).where(Job.status.in_(("running", "cancelling")), Job.lease_until < stamp)
+    ).all()
+    requeue = []
+    for job in stale:
+        worker = job.worker_id
+        job.lease_until = None
+        if job.status == "cancelling":
+            transition(session, job=job, to="cancelled", message=f"worker {worker} vanished while cancelling")
+        else:
+            transition(session, job=job, to="interrupted", message=f"worker {worker} vanished; requeued")
+            requeue.append(job.id)
+    return requeue
+
+
+def status_query(job_id: str) -> Any:
+    return select(Job.status).where(Job.id == job_id)

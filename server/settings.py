@@ -1,0 +1,59 @@
+"""The service's one ``Settings``: every environment variable it reads is here (``ROUNDHOUSE_*``)."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="ROUNDHOUSE_", extra="ignore")
+
+    home: Path = Field(Path("data"), description="datasets, models, runs and the SQLite file live here")
+    database_url: str | None = Field(None, description="SQLAlchemy URL; default: SQLite in home")
+    redis_url: str | None = Field(None, description="Celery broker; default: a no-server folder transport")
+    max_upload_bytes: int = Field(2 * 2**30, ge=1, description="largest dataset upload")
+    hf_cache: Path | None = Field(
+        None, description="Hugging Face hub cache (default: ~/.cache/huggingface/hub)"
+    )
+    host: str = "127.0.0.1"
+    port: int = 8000
+    queue: str = Field("roundhouse", description="the Celery queue jobs are sent to")
+    lease_seconds: float = Field(
+        30.0, gt=0, description="a job whose worker is silent this long is interrupted"
+    )
+    cancel_grace_seconds: float = Field(60.0, ge=0, description="time to stop cleanly before a kill")
+    telemetry_seconds: float = Field(2.0, gt=0, description="GPU sampling interval of the worker")
+    public_url: str | None = Field(None, description="the URL printed for login (default http://host:port)")
+
+    @property
+    def broker_dir(self) -> Path:
+        return self.home / "broker"
+
+    @property
+    def datasets_dir(self) -> Path:
+        return self.home / "datasets"
+
+    @property
+    def models_dir(self) -> Path:
+        return self.home / "models"
+
+    @property
+    def runs_dir(self) -> Path:
+        return self.home / "runs"
+
+    @property
+    def hf_cache_dir(self) -> Path:
+        return self.hf_cache or Path.home() / ".cache" / "huggingface" / "hub"
+
+    @property
+    def url(self) -> str:
+        return self.database_url or f"sqlite:///{(self.home / 'roundhouse.db').resolve()}"
+
+
+@lru_cache
+def get_settings() -> Settings:
+    return Settings()

@@ -1,0 +1,179 @@
+"""The task's body: claim the job, run the training child, relay cancel, record the outcome.
+
+Runs in the Celery pool process. It never imports torch: the child is a fresh interpreter, so
+a crash or an out-of-memory kill there leaves the worker alive.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from server.services import gpus, jobs
+from server.settings import Settings
+from server.tables import Worker
+from server.worker.trainer import ERROR_FILE, EXIT_CANCELLED, EXIT_OK
+
+log = logging.getLogger("roundhouse.worker")
+POLL_S = 0.5
+GPU_METRICS_S = 10.0
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: the kernel kills it when its parent dies (Linux)."""
+    # not Linux: no prctl, and the child's own parent watch still stops it
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _failure(folder: Path, rc: int) -> str:
+    reason = folder / ERROR_FILE
+    if reason.is_file():
+        return reason.read_text().strip()
+    if rc < 0:
+        name = signal.Signals(-rc).name
+        hint = " (out of host memory?)" if -rc == signal.SIGKILL else ""
+        return f"the training process was killed by {name}{hint}; see train.log"
+    return f"the training process exited with code {rc}; see train.log"
+
+
+def _gpu_metrics(session: Session, worker_id: str) -> dict[str, float]:
+    """The host's latest telemetry as job metrics, so a job keeps its GPUs' history."""
+    row = session.get(Worker, worker_id)
+    if row is None:
+        return {}
+    out = {"host/cpu_utilization": float(row.cpu.get("utilization", 0.0))}
+    for d in row.devices:
+        for key in ("utilization", "memory_used"):
+            if d.get(key) is not None:
+                out[f"gpu/{d['index']}/{key}"] = float(d[key])
+    return out
+
+
+def supervise(settings: Settings, sessions: sessionmaker[Session], *, job_id: str, worker_id: str) -> str:
+    """Run one job to its outcome. Returns what happened (for the worker's log)."""
+    with sessions() as session:
+        if not jobs.claim(session, job_id=job_id, worker_id=worker_id, lease_seconds=settings.lease_seconds):
+            return "not claimable (taken, finished or cancelled)"
+        job = session.get(jobs.Job, job_id)
+        folder = Path(job.output_dir) if job is not None else settings.runs_dir / job_id
+    folder.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    env.update({"ROUNDHOUSE_HOME": str(settings.home.resolve()), "ROUNDHOUSE_DATABASE_URL": settings.url})
+    with (folder / "train.log").open("ab") as out:
+        child = subprocess.Popen(
+            [sys.executable, "-m", "server.worker.trainer", job_id],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            preexec_fn=_die_with_parent,
+        )
+    parent = os.getppid()
+    renew_every = settings.lease_seconds / 3
+    next_renew = next_gpu = 0.0
+    cancel_sent: float | None = None
+    killed_for_cancel = False
+    while (rc := child.poll()) is None:
+        now = time.monotonic()
+        if os.getppid() != parent:  # the worker's main process died: stop, the sweep requeues
+            child.kill()
+            child.wait()
+            return "worker main process gone; child stopped"
+        with sessions() as session:
+            if now >= next_renew:
+                status = jobs.renew(
+                    session, job_id=job_id, worker_id=worker_id, lease_seconds=settings.lease_seconds
+                )
+                next_renew = now + renew_every
+                if status is None:
+                    child.kill()
+                    child.wait()
+                    return "lease lost; child stopped"
+            else:
+                status = session.scalar(jobs.status_query(job_id))
+            if status == "cancelling" and cancel_sent is None:
+                child.send_signal(signal.SIGTERM)
+                cancel_sent = now
+                jobs.add_event(
+                    session, job_id=job_id, kind="log", message="cancel relayed to the training process"
+                )
+            if now >= next_gpu:
+                next_gpu = now + GPU_METRICS_S
+                metrics = _gpu_metrics(session, worker_id)
+                if metrics:
+                    jobs.add_event(session, job_id=job_id, kind="metrics", data=metrics, step=None)
+        if (
+            cancel_sent is not None
+            and not killed_for_cancel
+            and now - cancel_sent > settings.cancel_grace_seconds
+        ):
+            child.kill()
+            killed_for_cancel = True
+        time.sleep(POLL_S)
+    with sessions() as session:
+        if rc == EXIT_OK:
+            to, message, error = "succeeded", "training finished", None
+        elif rc == EXIT_CANCELLED:
+            to, message, error = "cancelled", "stopped at a step boundary with a checkpoint", None
+        elif killed_for_cancel:
+            to, message = (
+                "cancelled",
+                "killed after the cancel grace period; resumes from its last checkpoint",
+            )
+            error = None
+        else:
+            to, message, error = "failed", "training failed", _failure(folder, rc)
+        recorded = jobs.finish(
+            session, job_id=job_id, worker_id=worker_id, to=to, message=message, error=error
+        )
+    return f"{to} (exit code {rc})" if recorded else f"outcome {to} not recorded: the job moved on"
+
+
+def telemetry_loop(
+    settings: Settings, sessions: sessionmaker[Session], *, worker_id: str, stop: object
+) -> None:
+    """The worker's housekeeping thread: sample devices, and requeue jobs of vanished workers."""
+    import socket
+    import threading
+
+    from server.queue import enqueue
+    from server.worker.telemetry import Sampler
+
+    if not isinstance(stop, threading.Event):
+        raise TypeError("stop must be a threading.Event")
+    sampler = Sampler()
+    hostname = socket.gethostname()
+    next_sweep = 0.0
+    try:
+        while not stop.is_set():
+            try:
+                devices, cpu, message = sampler.sample()
+                with sessions() as session:
+                    gpus.record(
+                        session,
+                        worker_id=worker_id,
+                        hostname=hostname,
+                        devices=devices,
+                        cpu=cpu,
+                        message=message,
+                    )
+                    if time.monotonic() >= next_sweep:
+                        next_sweep = time.monotonic() + settings.lease_seconds / 2
+                        for job_id in jobs.sweep(session):
+                            log.warning("job %s lost its worker: requeued", job_id)
+                            enqueue(settings, job_id)
+            except Exception:  # the database may be briefly unavailable; try again next tick
+                log.exception("telemetry/sweep tick failed")
+            stop.wait(settings.telemetry_seconds)
+    finally:
+        sampler.close()

@@ -1,0 +1,63 @@
+"""The worker's Celery app and its one task. ``roundhouse worker`` starts it.
+
+Concurrency 1 and prefetch 1 (the worker owns every GPU of its host), ``acks_late`` with
+``reject_on_worker_lost``. The task is a thin adapter around ``supervisor.supervise``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any
+
+from celery import Celery, signals
+from sqlalchemy.orm import Session, sessionmaker
+
+from server.db import make_engine, session_factory
+from server.queue import TASK, make_celery
+from server.settings import get_settings
+
+log = logging.getLogger("roundhouse.worker")
+settings = get_settings()
+app: Celery = make_celery(settings)
+_sessions: dict[int, sessionmaker[Session]] = {}
+_stop = threading.Event()
+
+
+def sessions() -> sessionmaker[Session]:
+    """This process's sessions: a forked pool process never reuses its parent's connections."""
+    pid = os.getpid()
+    if pid not in _sessions:
+        _sessions[pid] = session_factory(make_engine(settings.url))
+    return _sessions[pid]
+
+
+@app.task(name=TASK, bind=True, acks_late=True, reject_on_worker_lost=True, ignore_result=True)
+def run_job(self: Any, job_id: str) -> str:
+    """Run one fine-tuning job (by id) to its outcome."""
+    from server.worker.supervisor import supervise
+
+    outcome = supervise(settings, sessions(), job_id=job_id, worker_id=str(self.request.hostname))
+    log.info("job %s: %s", job_id, outcome)
+    return outcome
+
+
+@signals.worker_ready.connect
+def _start_housekeeping(sender: Any = None, **_: Any) -> None:
+    from server.worker.supervisor import telemetry_loop
+
+    worker_id = str(getattr(sender, "hostname", "worker"))
+    thread = threading.Thread(
+        target=telemetry_loop,
+        args=(settings, sessions()),
+        kwargs={"worker_id": worker_id, "stop": _stop},
+        name="roundhouse-telemetry",
+        daemon=True,
+    )
+    thread.start()
+
+
+@signals.worker_shutdown.connect
+def _stop_housekeeping(**_: Any) -> None:
+    _stop.set()

@@ -1,0 +1,116 @@
+"""The training child process: ``python -m server.worker.trainer JOB_ID``.
+
+It loads the job's TrainConfig, runs ``engine.run.train`` with a sink that writes metrics,
+events and checkpoints to the database, stops at a step boundary on SIGTERM, and exits with
+``EXIT_OK``, ``EXIT_CANCELLED`` or ``EXIT_FAILED`` (the reason in ``ERROR_FILE`` of its folder).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import update
+from sqlalchemy.orm import Session, sessionmaker
+
+from server.db import make_engine, session_factory
+from server.services import checkpoints, jobs
+from server.settings import get_settings
+from server.tables import Job
+
+EXIT_OK, EXIT_FAILED, EXIT_CANCELLED = 0, 1, 3
+ERROR_FILE = "error.txt"
+KEEP = ("loss/train", "loss/val", "optim/lr", "throughput/tokens_per_s")
+
+
+class DatabaseSink:
+    """The engine's Sink, writing to the job's rows (thread-safe: the optimizer thread logs too)."""
+
+    def __init__(self, sessions: sessionmaker[Session], job_id: str, kind: str) -> None:
+        self.sessions, self.job_id, self.kind = sessions, job_id, kind
+        self.lock = threading.Lock()
+        self.latest: dict[str, float] = {}
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        with self.lock, self.sessions() as session:
+            self.latest.update({k: v for k, v in metrics.items() if k in KEEP})
+            jobs.add_event(session, job_id=self.job_id, kind="metrics", step=step, data=metrics, commit=False)
+            if "progress/step" in metrics:
+                session.execute(
+                    update(Job)
+                    .where(Job.id == self.job_id)
+                    .values(
+                        step=int(metrics["progress/step"]), total_steps=int(metrics["progress/total_steps"])
+                    )
+                )
+            session.commit()
+
+    def event(self, kind: str, message: str, data: dict[str, Any] | None = None) -> None:
+        data = dict(data or {})
+        with self.lock, self.sessions() as session:
+            jobs.add_event(
+                session, job_id=self.job_id, kind=kind, message=message, data=data, step=data.get("step")
+            )
+            if kind == "checkpoint":
+                checkpoints.record(
+                    session,
+                    job_id=self.job_id,
+                    step=int(data["step"]),
+                    path=str(data["path"]),
+                    kind=self.kind,
+                    metrics=dict(self.latest),
+                )
+
+    def close(self) -> None:
+        pass
+
+
+def _watch_parent(parent: int) -> None:
+    """The supervisor is gone (its worker died): stop now; the job is requeued elsewhere."""
+    while True:
+        if os.getppid() != parent:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(0.5)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print("usage: python -m server.worker.trainer JOB_ID", file=sys.stderr)
+        return EXIT_FAILED
+    job_id = argv[0]
+    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+    cancel = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: cancel.set())
+    settings = get_settings()
+    sessions = session_factory(make_engine(settings.url))
+    with sessions() as session:
+        job = session.get(Job, job_id)
+        if job is None:
+            print(f"no job {job_id}", file=sys.stderr)
+            return EXIT_FAILED
+        raw, folder = dict(job.config), Path(job.output_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / ERROR_FILE).unlink(missing_ok=True)
+    try:
+        from engine.config import TrainConfig
+        from engine.run import train
+
+        config = TrainConfig.model_validate(raw)
+        sink = DatabaseSink(sessions, job_id, "adapter" if config.method.kind == "lora" else "full")
+        result = train(config, sink, cancel, models_dir=settings.models_dir)
+    except Exception as exc:
+        traceback.print_exc()
+        (folder / ERROR_FILE).write_text(f"{type(exc).__name__}: {exc}"[:4000])
+        return EXIT_FAILED
+    print(f"finished: {result.status} at step {result.step}/{result.total_steps}", flush=True)
+    return EXIT_CANCELLED if result.status == "cancelled" else EXIT_OK
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,186 @@
+"""Service fixtures: a real database (a SQLite file, and PostgreSQL when one answers), the app
+with its first key, a tiny base model, and — for the worker tests — Redis and a real worker."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from server.app import create_app
+from server.settings import Settings
+from tests.engine.tiny import tiny_model_folder
+
+POSTGRES_ADMIN = os.environ.get(
+    "ROUNDHOUSE_TEST_POSTGRES", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
+)
+
+
+def _answers(host: str, port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.5):
+        return True
+    return False
+
+
+@contextlib.contextmanager
+def postgres_database() -> Iterator[str]:
+    """A fresh PostgreSQL database for one test, dropped afterwards."""
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.engine import make_url
+
+    admin_url = make_url(POSTGRES_ADMIN)
+    if not _answers(admin_url.host or "127.0.0.1", admin_url.port or 5432):
+        pytest.skip(f"no PostgreSQL server at {admin_url.host}:{admin_url.port}")
+    name = f"roundhouse_test_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(admin_url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    try:
+        yield admin_url.set(database=name).render_as_string(hide_password=False)
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'roundhouse.db'}"
+    else:
+        with postgres_database() as url:
+            yield url
+
+
+@pytest.fixture
+def settings(tmp_path: Path, database_url: str) -> Settings:
+    home = tmp_path / "home"
+    tiny_model_folder(home / "models" / "tiny")
+    return Settings(
+        home=home, database_url=database_url, max_upload_bytes=200_000, queue=f"t-{uuid.uuid4().hex}"
+    )
+
+
+@pytest.fixture
+def app_and_key(settings: Settings) -> tuple[object, str]:
+    app = create_app(settings)
+    key = app.state.first_key
+    assert key is not None and key.startswith("rh_")
+    return app, key
+
+
+@pytest.fixture
+def client(app_and_key: tuple[object, str]) -> Iterator[TestClient]:
+    app, key = app_and_key
+    with TestClient(app) as c:  # type: ignore[arg-type]
+        c.headers["Authorization"] = f"Bearer {key}"
+        yield c
+
+
+def _redis_url() -> str | None:
+    url = os.environ.get("ROUNDHOUSE_TEST_REDIS", "redis://127.0.0.1:6379/15")
+    host_port = url.split("//", 1)[1].split("/", 1)[0]
+    host, _, port = host_port.partition(":")
+    return url if _answers(host, int(port or 6379)) else None
+
+
+class WorkerProcess:
+    """``roundhouse worker`` as a real process, with its log kept for failures."""
+
+    def __init__(self, settings: Settings, log: Path) -> None:
+        self.settings, self.log_path = settings, log
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def env(self) -> dict[str, str]:
+        s = self.settings
+        env = dict(os.environ)
+        env.update(
+            {
+                "ROUNDHOUSE_HOME": str(s.home),
+                "ROUNDHOUSE_DATABASE_URL": s.url,
+                "ROUNDHOUSE_QUEUE": s.queue,
+                "ROUNDHOUSE_LEASE_SECONDS": str(s.lease_seconds),
+                "ROUNDHOUSE_TELEMETRY_SECONDS": str(s.telemetry_seconds),
+                "ROUNDHOUSE_CANCEL_GRACE_SECONDS": str(s.cancel_grace_seconds),
+                "HF_HUB_OFFLINE": "1",
+            }
+        )
+        env.pop("ROUNDHOUSE_REDIS_URL", None)
+        if s.redis_url:
+            env["ROUNDHOUSE_REDIS_URL"] = s.redis_url
+        return env
+
+    def start(self) -> WorkerProcess:
+        out = self.log_path.open("ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "server.cli", "worker", "--loglevel", "INFO"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=self.env(),
+            cwd=Path(__file__).resolve().parents[2],
+        )
+        return self
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def tail(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:] if self.log_path.exists() else ""
+
+
+@pytest.fixture(params=["redis", "filesystem"])
+def worker_settings(request: pytest.FixtureRequest, tmp_path: Path) -> Settings:
+    """A SQLite file and a broker: Redis, or the no-server folder transport ``make run`` uses."""
+    redis = None
+    if request.param == "redis":
+        redis = _redis_url()
+        if redis is None:
+            pytest.skip("no Redis server answers (make test starts one)")
+    home = tmp_path / "home"
+    tiny_model_folder(home / "models" / "tiny")
+    return Settings(
+        home=home,
+        database_url=f"sqlite:///{tmp_path / 'roundhouse.db'}",
+        redis_url=redis,
+        queue=f"t-{uuid.uuid4().hex}",
+        lease_seconds=3.0,
+        telemetry_seconds=0.5,
+        cancel_grace_seconds=60.0,
+    )
+
+
+@pytest.fixture
+def worker_client(worker_settings: Settings) -> Iterator[TestClient]:
+    app = create_app(worker_settings)
+    with TestClient(app) as c:
+        c.headers["Authorization"] = f"Bearer {app.state.first_key}"
+        yield c
+
+
+@pytest.fixture
+def workers(worker_settings: Settings, tmp_path: Path) -> Iterator[list[WorkerProcess]]:
+    """Start workers with ``workers.append(WorkerProcess(...).start())``; all stopped at the end."""
+    started: list[WorkerProcess] = []
+    yield started
+    for w in started:
+        w.stop()

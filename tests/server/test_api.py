@@ -1,0 +1,270 @@
+"""The REST API on a real database: auth, the error shape, datasets, models, jobs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from fastapi.routing import APIRoute
+from fastapi.testclient import TestClient
+
+from server.services import gpus, jobs
+from server.settings import Settings
+
+CHAT = [
+    {"messages": [{"role": "user", "content": f"How many {i}?"}, {"role": "assistant", "content": str(i)}]}
+    for i in range(12)
+]
+
+
+def jsonl(rows: list[Any]) -> bytes:
+    return "".join(json.dumps(r) + "\n" for r in rows).encode()
+
+
+def upload(client: TestClient, content: bytes, filename: str = "train.jsonl", **form: str) -> Any:
+    return client.post("/api/datasets", files={"file": (filename, content)}, data=form)
+
+
+def stored_files(settings: Settings) -> list[Path]:
+    folder = settings.datasets_dir
+    return sorted(p for p in folder.rglob("*") if p.is_file()) if folder.exists() else []
+
+
+def make_job(client: TestClient, dataset_id: str, **extra: Any) -> Any:
+    body = {"base_model": "tiny", "dataset_id": dataset_id, "hyper": {"max_steps": 2, "batch_size": 4}}
+    body.update(extra)
+    return client.post("/api/jobs", json=body)
+
+
+def every_route(routes: list[Any]) -> list[Any]:
+    """The app's routes, with included routers opened up (FastAPI wraps each include)."""
+    out = []
+    for route in routes:
+        inner = getattr(route, "original_router", None)
+        out += every_route(inner.routes) if inner is not None else [route]
+    return out
+
+
+def test_health_is_public_and_every_other_route_needs_a_key(client: TestClient) -> None:
+    anonymous = TestClient(client.app)
+    assert anonymous.get("/api/health").json()["status"] == "ok"
+    checked = 0
+    for route in every_route(client.app.routes):  # type: ignore[attr-defined]
+        if not isinstance(route, APIRoute) or route.path in ("/api/health", "/", "/login"):
+            continue
+        path = route.path.replace("{job_id}", "x").replace("{dataset_id}", "x").replace("{step}", "1")
+        for method in route.methods:
+            for headers in ({}, {"Authorization": "Bearer rh_not_a_key"}):
+                r = anonymous.request(method, path, headers=headers)
+                assert r.status_code == 401, (method, path, r.status_code)
+                assert r.json()["error"]["code"] == "unauthorized"
+                checked += 1
+    assert checked >= 2 * 16
+    # the login page rejects a wrong token and turns a good one into a cookie
+    assert anonymous.get("/login", params={"token": "rh_wrong"}).status_code == 401
+    key = client.headers["Authorization"].removeprefix("Bearer ")
+    r = anonymous.get("/login", params={"token": key}, follow_redirects=False)
+    assert r.status_code == 303 and "roundhouse_key" in r.headers["set-cookie"]
+    assert anonymous.get("/api/jobs").status_code == 200  # the cookie now authenticates
+
+
+def test_one_error_shape(client: TestClient) -> None:
+    r = client.get("/api/jobs/nope")
+    assert r.status_code == 404
+    assert r.json() == {"error": {"code": "not_found", "message": "no job 'nope'", "param": "job_id"}}
+    r = client.get("/api/jobs", params={"limit": 0})
+    body = r.json()["error"]
+    assert r.status_code == 422 and body["code"] == "invalid_request" and body["param"] == "limit"
+    assert set(body) == {"code", "message", "param", "details"}
+
+
+def test_dataset_upload_list_get_preview_delete(client: TestClient, settings: Settings) -> None:
+    r = upload(client, jsonl(CHAT), name="counts")
+    assert r.status_code == 201, r.text
+    ds = r.json()
+    assert (ds["name"], ds["format"], ds["rows"], ds["filename"]) == ("counts", "chat", 12, "train.jsonl")
+    assert [d["id"] for d in client.get("/api/datasets").json()["data"]] == [ds["id"]]
+    assert client.get(f"/api/datasets/{ds['id']}").json()["sha256"] == ds["sha256"]
+    preview = client.get(f"/api/datasets/{ds['id']}/preview", params={"model": "tiny", "limit": 2}).json()
+    assert len(preview["rows"]) == 2
+    first = preview["rows"][0]
+    trained = "".join(t["text"] for t in first["tokens"] if t["trained"])
+    untrained = "".join(t["text"] for t in first["tokens"] if not t["trained"])
+    assert trained.startswith("0") and "How many 0?" in untrained
+    r = client.get(f"/api/datasets/{ds['id']}/preview", params={"model": "missing"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    assert client.delete(f"/api/datasets/{ds['id']}").status_code == 204
+    assert client.get(f"/api/datasets/{ds['id']}").status_code == 404
+    assert stored_files(settings) == []
+
+
+BAD = {
+    "bad json": (b'{"text": "fine"}\n{"text": \n', [2]),
+    "missing field": (jsonl([{"text": "fine"}, {"other": "x"}, {"text": "ok"}]), [2]),
+    "empty field": (jsonl([{"prompt": "a", "completion": "b"}, {"prompt": "a", "completion": ""}]), [2]),
+    "unknown role": (jsonl([CHAT[0], {"messages": [{"role": "wizard", "content": "x"}]}]), [2]),
+    "no assistant turn": (jsonl([CHAT[0], CHAT[1], {"messages": [{"role": "user", "content": "x"}]}]), [3]),
+    "wrong type": (jsonl([{"text": "fine"}, {"text": 5}]), [2]),
+    "undecodable bytes": (b'{"text": "fine"}\n{"text": "\xff\xfe"}\n', [2]),
+}
+
+
+def test_each_malformed_dataset_is_rejected_with_its_lines_and_nothing_is_stored(
+    client: TestClient, settings: Settings
+) -> None:
+    for kind, (content, lines) in BAD.items():
+        r = upload(client, content)
+        assert r.status_code == 422, (kind, r.text)
+        error = r.json()["error"]
+        assert error["code"] == "invalid_dataset" and error["param"] == "file", kind
+        assert [d["line"] for d in error["details"]] == lines, (kind, error)
+        assert f"line {lines[0]}" in error["message"], (kind, error["message"])
+    assert client.get("/api/datasets").json()["data"] == []
+    assert stored_files(settings) == []
+
+
+def test_upload_limits_and_file_names(client: TestClient, settings: Settings) -> None:
+    big = jsonl([{"text": "x" * 1000}] * 300)  # over the 200 kB limit of these tests
+    r = upload(client, big)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "too_large"
+    assert stored_files(settings) == []
+    r = upload(client, b"a,b\n", filename="notes.txt")
+    assert r.status_code == 422 and "'.txt'" in r.json()["error"]["message"]
+    r = upload(client, jsonl(CHAT), filename="../../../etc/evil name.jsonl")
+    assert r.status_code == 201
+    assert r.json()["filename"] == "evil_name.jsonl"
+    (stored,) = stored_files(settings)
+    assert stored.name == "evil_name.jsonl" and settings.datasets_dir.resolve() in stored.resolve().parents
+
+
+def test_models_lists_the_models_folder(client: TestClient) -> None:
+    found = {m["name"]: m for m in client.get("/api/models").json()["data"]}
+    tiny = found["tiny"]
+    assert tiny["source"] == "models" and tiny["architecture"] == "LlamaForCausalLM" and tiny["ready"]
+    assert tiny["parameters"] > 10_000 and tiny["size_bytes"] > 4 * tiny["parameters"]
+
+
+def test_job_create_validates_names_fields_and_records_transitions(client: TestClient) -> None:
+    ds = upload(client, jsonl(CHAT)).json()
+    r = make_job(client, ds["id"], hyper={"learning_rate": -1})
+    assert r.status_code == 422
+    error = r.json()["error"]
+    assert error["param"] == "hyper.learning_rate" and "-1" in error["message"], error
+    r = make_job(client, ds["id"], engine={"num_microbatches": 9}, hyper={"batch_size": 4})
+    assert r.status_code == 422 and "num_microbatches" in r.json()["error"]["message"]
+    r = make_job(client, "missing")
+    assert r.status_code == 404 and r.json()["error"]["param"] == "dataset_id"
+    r = make_job(client, ds["id"], base_model="nonexistent")
+    assert r.status_code == 404 and r.json()["error"]["param"] == "base_model"
+    r = make_job(client, ds["id"], surprise=1)
+    assert r.status_code == 422 and r.json()["error"]["param"] == "surprise"
+    assert client.get("/api/jobs").json()["data"] == []  # nothing stored by the failures
+
+    job = make_job(client, ds["id"], name="first").json()
+    assert job["status"] == "queued" and job["config"]["hyper"]["max_steps"] == 2
+    events = client.get(f"/api/jobs/{job['id']}/events").json()["data"]
+    assert [(e["kind"], e["data"].get("to")) for e in events] == [
+        ("state", "validating"),
+        ("state", "queued"),
+    ]
+    assert client.post(f"/api/jobs/{job['id']}/cancel").json()["status"] == "cancelled"
+    r = client.post(f"/api/jobs/{job['id']}/cancel")
+    assert r.status_code == 409 and r.json()["error"]["code"] == "illegal_transition"
+    assert client.delete(f"/api/datasets/{ds['id']}").status_code == 409  # a job uses it
+
+
+def test_job_list_pages_by_cursor_and_filters(client: TestClient) -> None:
+    ds = upload(client, jsonl(CHAT)).json()
+    made = [make_job(client, ds["id"], name=f"j{i}").json()["id"] for i in range(5)]
+    client.post(f"/api/jobs/{made[1]}/cancel")
+    seen, cursor = [], None
+    while True:
+        params: dict[str, Any] = {"limit": 2} | ({"cursor": cursor} if cursor else {})
+        page = client.get("/api/jobs", params=params).json()
+        seen += [j["id"] for j in page["data"]]
+        cursor = page["next_cursor"]
+        if cursor is None:
+            break
+    assert seen == made[::-1]
+    cancelled = client.get("/api/jobs", params={"status": "cancelled"}).json()["data"]
+    assert [j["id"] for j in cancelled] == [made[1]]
+    assert client.get("/api/jobs", params={"status": "bogus"}).status_code == 422
+    assert client.get("/api/jobs", params={"cursor": "garbage"}).json()["error"]["param"] == "cursor"
+
+
+def test_events_page_and_stream_replays_from_last_event_id(client: TestClient) -> None:
+    ds = upload(client, jsonl(CHAT)).json()
+    job = make_job(client, ds["id"]).json()
+    sessions = client.app.state.sessions  # type: ignore[attr-defined]
+    with sessions() as session:
+        for step in range(1, 6):
+            jobs.add_event(
+                session, job_id=job["id"], kind="metrics", step=step, data={"loss/train": 5.0 - step}
+            )
+    client.post(f"/api/jobs/{job['id']}/cancel")
+    every = client.get(f"/api/jobs/{job['id']}/events", params={"limit": 1000}).json()["data"]
+    ids = [e["id"] for e in every]
+    assert ids == sorted(ids) and len(ids) == 2 + 5 + 1
+    page = client.get(f"/api/jobs/{job['id']}/events", params={"limit": 3}).json()
+    assert [e["id"] for e in page["data"]] == ids[:3] and page["next_after"] == ids[2]
+    series = client.get(f"/api/jobs/{job['id']}/metrics", params={"keys": ["loss/train"]}).json()["data"]
+    assert series == {"loss/train": [{"step": s, "value": 5.0 - s} for s in range(1, 6)]}
+    # the stream replays what follows Last-Event-ID, then ends: the job is in a final state
+    with client.stream("GET", f"/api/jobs/{job['id']}/stream", headers={"Last-Event-ID": str(ids[3])}) as r:
+        text = "".join(r.iter_text())
+    streamed = [int(line[4:]) for line in text.splitlines() if line.startswith("id: ")]
+    assert streamed == ids[4:] and "event: end" in text
+
+
+def test_state_machine_claim_lease_and_sweep(client: TestClient) -> None:
+    ds = upload(client, jsonl(CHAT)).json()
+    job_id = make_job(client, ds["id"]).json()["id"]
+    sessions = client.app.state.sessions  # type: ignore[attr-defined]
+    with sessions() as session:
+        job = session.get(jobs.Job, job_id)
+        try:
+            jobs.transition(session, job=job, to="succeeded")
+            raise AssertionError("queued -> succeeded must be rejected")
+        except jobs.IllegalTransition as exc:
+            assert "queued" in str(exc) and "succeeded" in str(exc)
+        assert jobs.claim(session, job_id=job_id, worker_id="w1", lease_seconds=60)
+        assert not jobs.claim(session, job_id=job_id, worker_id="w2", lease_seconds=60)  # taken
+        assert jobs.renew(session, job_id=job_id, worker_id="w2", lease_seconds=60) is None
+        assert jobs.sweep(session) == []  # the lease is fresh
+        assert jobs.renew(session, job_id=job_id, worker_id="w1", lease_seconds=-1) == "running"
+        assert jobs.sweep(session) == [job_id]  # expired: interrupted, to requeue
+        assert jobs.claim(session, job_id=job_id, worker_id="w2", lease_seconds=60)
+        assert not jobs.finish(session, job_id=job_id, worker_id="w1", to="succeeded", message="late")
+        assert jobs.finish(session, job_id=job_id, worker_id="w2", to="succeeded", message="done")
+    states = [
+        (e["data"].get("from"), e["data"].get("to"))
+        for e in client.get(f"/api/jobs/{job_id}/events").json()["data"]
+        if e["kind"] == "state"
+    ]
+    assert states == [
+        (None, "validating"),
+        ("validating", "queued"),
+        ("queued", "running"),
+        ("running", "interrupted"),
+        ("interrupted", "running"),
+        ("running", "succeeded"),
+    ]
+    assert client.get(f"/api/jobs/{job_id}").json()["attempts"] == 2
+
+
+def test_gpus_reports_hosts_and_says_no_gpu_honestly(client: TestClient) -> None:
+    assert client.get("/api/gpus").json()["data"] == []
+    sessions = client.app.state.sessions  # type: ignore[attr-defined]
+    with sessions() as session:
+        gpus.record(
+            session,
+            worker_id="w@cpu-host",
+            hostname="cpu-host",
+            devices=[],
+            cpu={"utilization": 12.0},
+            message="no GPU on this host",
+        )
+    (host,) = client.get("/api/gpus").json()["data"]
+    assert host["gpu"] is False and host["message"] == "no GPU on this host" and host["online"] is True
+    assert host["sampled_at"] is not None
