@@ -124,12 +124,12 @@ class Report:
 
 def validate(path: str, *, tokenizer: Any = None, fmt: str = "auto", max_length: int = 1024) -> Report:
     """Read every row of a dataset file and report its format, errors and token lengths."""
-    chosen, rows, examples, errors = read_examples(path, fmt)
+    chosen, rows, examples, errors = read_examples(path, fmt, keep=tokenizer is not None)
     report = Report(path, chosen, rows, errors, max_length=max_length)
     if rows == 0:
         report.errors.append(RowError(1, "the file holds no rows"))
     if tokenizer is None or not examples:
-        return report
+        return report  # without a tokenizer the rows were only checked, not kept
     ensure_chat_template(tokenizer)
     encoded = []
     for ex in examples:

@@ -224,9 +224,12 @@ def to_example(line: int, record: dict[str, Any], fmt: str) -> Example:
 
 
 def read_examples(
-    path: str | Path, fmt: str = "auto"
+    path: str | Path, fmt: str = "auto", *, keep: bool = True
 ) -> tuple[str | None, int, list[Example], list[RowError]]:
-    """Read and check every row. Returns (format, rows, valid examples, errors)."""
+    """Read and check every row. Returns (format, rows, valid examples, errors).
+
+    With ``keep=False`` the valid examples are checked and dropped (an upload's validation of a
+    large JSONL or CSV file then holds one row at a time)."""
     unit = "row" if file_kind(path) == "parquet" else "line"
     examples: list[Example] = []
     errors: list[RowError] = []
@@ -244,7 +247,9 @@ def read_examples(
                 errors.append(RowError(n, f"cannot tell the row format from its fields ({keys})", unit))
                 continue
         try:
-            examples.append(to_example(n, rec, chosen))
+            example = to_example(n, rec, chosen)
+            if keep:
+                examples.append(example)
         except ValueError as exc:
             errors.append(RowError(n, str(exc), unit))
     return chosen, rows, examples, errors
