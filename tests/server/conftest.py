@@ -148,25 +148,33 @@ class WorkerProcess:
         return self.log_path.read_text(errors="replace")[-4000:] if self.log_path.exists() else ""
 
 
-@pytest.fixture(params=["redis", "filesystem"])
-def worker_settings(request: pytest.FixtureRequest, tmp_path: Path) -> Settings:
-    """A SQLite file and a broker: Redis, or the no-server folder transport ``make run`` uses."""
+@pytest.fixture(params=["redis", "filesystem", "redis+postgresql"])
+def worker_settings(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Settings]:
+    """A database and a broker: SQLite with Redis, SQLite with the no-server folder transport that
+    ``make run`` uses, and PostgreSQL with Redis (the end-to-end test only)."""
+    if request.param == "redis+postgresql" and "upload_train_download" not in request.node.name:
+        pytest.skip("the other worker tests do not depend on the database kind")
     redis = None
-    if request.param == "redis":
+    if request.param.startswith("redis"):
         redis = _redis_url()
         if redis is None:
             pytest.skip("no Redis server answers (make test starts one)")
     home = tmp_path / "home"
     tiny_model_folder(home / "models" / "tiny")
-    return Settings(
-        home=home,
-        database_url=f"sqlite:///{tmp_path / 'roundhouse.db'}",
-        redis_url=redis,
-        queue=f"t-{uuid.uuid4().hex}",
-        lease_seconds=3.0,
-        telemetry_seconds=0.5,
-        cancel_grace_seconds=60.0,
-    )
+    with contextlib.ExitStack() as stack:
+        if request.param.endswith("postgresql"):
+            url = stack.enter_context(postgres_database())
+        else:
+            url = f"sqlite:///{tmp_path / 'roundhouse.db'}"
+        yield Settings(
+            home=home,
+            database_url=url,
+            redis_url=redis,
+            queue=f"t-{uuid.uuid4().hex}",
+            lease_seconds=3.0,
+            telemetry_seconds=0.5,
+            cancel_grace_seconds=60.0,
+        )
 
 
 @pytest.fixture

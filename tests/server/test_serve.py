@@ -80,6 +80,12 @@ def test_serve_with_worker_prints_a_login_url_and_runs_a_job(tmp_path: Path) -> 
                 time.sleep(0.3)
             assert job["status"] == "succeeded", (job, (tmp_path / "serve.log").read_text()[-3000:])
             assert (home / "roundhouse.db").is_file() and (home / "broker" / "queue").is_dir()
+            # the GPU stream: the first snapshot names this host's worker (a CPU host here, or GPUs)
+            with client.stream("GET", "/api/gpus/stream") as r:
+                lines = r.iter_lines()
+                data = next(line for line in lines if line.startswith("data: "))
+            (host,) = json.loads(data[6:])
+            assert host["online"] and (host["gpu"] or host["message"].startswith("no GPU on this host"))
         children = psutil.Process(proc.pid).children(recursive=True)
         assert any("worker" in " ".join(c.cmdline()) for c in children)
     finally:

@@ -208,3 +208,37 @@ def test_a_killed_worker_s_job_is_requeued_and_resumes_to_the_same_weights(
     assert ours.keys() == theirs.keys()
     for key in ours:
         assert torch.equal(ours[key], theirs[key]), key
+
+
+def test_a_crashed_training_process_fails_its_job_and_the_worker_runs_the_next(
+    worker_client: TestClient, worker_settings: Settings, workers: list[WorkerProcess], tmp_path: Path
+) -> None:
+    import psutil
+
+    if worker_settings.redis_url is None:
+        pytest.skip("independent of the broker; run once, with Redis")
+    client = worker_client
+    worker = WorkerProcess(worker_settings, tmp_path / "worker.log").start()
+    workers.append(worker)
+    ds = dataset(client)
+    # a training process killed from outside (as the kernel's out-of-memory killer does)
+    doomed = start_job(client, ds, steps=400, every=1000)
+    wait_for(client, doomed["id"], lambda j: j["status"] == "running" and j["step"] >= 1, workers)
+    assert worker.proc is not None
+    (trainer,) = [
+        p
+        for p in psutil.Process(worker.proc.pid).children(recursive=True)
+        if "server.worker.trainer" in p.cmdline()
+    ]
+    trainer.kill()
+    doomed = wait_for(client, doomed["id"], lambda j: j["status"] in ("failed", "succeeded"), workers)
+    assert doomed["status"] == "failed" and "SIGKILL" in doomed["error"], doomed["error"]
+    # an error inside the run is reported with its message
+    broken = start_job(client, ds, steps=2, every=2, data={"max_length": 64, "format": "text"})
+    broken = wait_for(client, broken["id"], lambda j: j["status"] in ("failed", "succeeded"), workers)
+    assert broken["status"] == "failed" and "text" in broken["error"], broken["error"]
+    # the worker survived both and runs the next job
+    assert worker.proc.poll() is None
+    fine = start_job(client, ds, steps=2, every=2)
+    fine = wait_for(client, fine["id"], lambda j: j["status"] in ("failed", "succeeded"), workers)
+    assert fine["status"] == "succeeded", fine["error"]
