@@ -8,6 +8,7 @@ from typing import Annotated, Any
 from fastapi import Depends, FastAPI, Query
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse
+from fastapi.staticfiles import StaticFiles
 
 from server import __version__, errors
 from server.api import checkpoints, datasets, gpus, health, jobs, models
@@ -63,6 +64,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         response = RedirectResponse("/", status_code=303)
         response.set_cookie(COOKIE, token, httponly=True, samesite="strict", max_age=30 * 24 * 3600)
         return response
+
+    if WEB.is_dir():
+        app.mount("/static", StaticFiles(directory=WEB), name="static")
 
     @app.get("/", include_in_schema=False)
     def index() -> HTMLResponse:

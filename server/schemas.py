@@ -124,8 +124,9 @@ class EventsPublic(BaseModel):
 
 
 class MetricPoint(BaseModel):
-    step: int
+    step: int | None
     value: float
+    time: datetime
 
 
 class MetricsPublic(BaseModel):
@@ -135,6 +136,7 @@ class MetricsPublic(BaseModel):
 class Health(BaseModel):
     status: Literal["ok"]
     version: str
+    authenticated: bool = Field(description="the request carried a valid key (the UI's login check)")
 
 
 class PreviewToken(BaseModel):
@@ -191,3 +193,19 @@ class HostPublic(BaseModel):
 
 class HostsPublic(BaseModel):
     data: list[HostPublic]
+
+
+class HistogramBin(BaseModel):
+    lo: int
+    hi: int
+    count: int
+
+
+class StatsPublic(BaseModel):
+    rows: int
+    sampled: int
+    max_length: int
+    truncated_share: float
+    mean: float
+    max: int
+    histogram: list[HistogramBin]

@@ -9,8 +9,9 @@ from fastapi.concurrency import run_in_threadpool
 
 from server.deps import SessionDep, SettingsDep, current_key
 from server.errors import ApiError
-from server.schemas import DatasetPublic, DatasetsPublic, PreviewPublic
+from server.schemas import DatasetPublic, DatasetsPublic, PreviewPublic, StatsPublic
 from server.services import datasets, models
+from server.settings import Settings
 
 router = APIRouter(prefix="/api/datasets", tags=["datasets"], dependencies=[Depends(current_key)])
 
@@ -20,6 +21,15 @@ def _found(session: SessionDep, dataset_id: str) -> Any:
     if found is None:
         raise ApiError(404, "not_found", f"no dataset {dataset_id!r}", param="dataset_id")
     return found
+
+
+def _tokenizer(settings: Settings, model: str) -> Any:
+    folder = models.usable_folder(model, settings.models_dir, settings.hf_cache_dir)
+    if folder is None:
+        raise ApiError(404, "not_found", f"no base model {model!r} (see GET /api/models)", param="model")
+    from engine.model.loading import load_tokenizer
+
+    return load_tokenizer(folder)
 
 
 @router.post("", response_model=DatasetPublic, status_code=201)
@@ -80,14 +90,24 @@ def preview_dataset(
 ) -> Any:
     """The first rows rendered through a model's chat template, trained tokens marked."""
     dataset = _found(session, dataset_id)
-    folder = models.usable_folder(model, settings.models_dir, settings.hf_cache_dir)
-    if folder is None:
-        raise ApiError(404, "not_found", f"no base model {model!r} (see GET /api/models)", param="model")
-    from engine.model.loading import load_tokenizer
-
-    tokenizer = load_tokenizer(folder)
+    tokenizer = _tokenizer(settings, model)
     rows = datasets.preview(dataset, tokenizer=tokenizer, limit=limit, max_length=max_length)
     return {"dataset_id": dataset.id, "model": model, "rows": rows}
+
+
+@router.get("/{dataset_id}/stats", response_model=StatsPublic)
+def dataset_stats(
+    session: SessionDep,
+    settings: SettingsDep,
+    dataset_id: str,
+    model: Annotated[str, Query(description="base model whose tokenizer counts the tokens")] = "demo",
+    max_length: Annotated[int, Query(ge=8, le=1 << 20)] = 1024,
+    limit: Annotated[int, Query(ge=1, le=100_000)] = 2000,
+) -> Any:
+    """Token-length histogram of the first rows, and the share longer than ``max_length``."""
+    dataset = _found(session, dataset_id)
+    tokenizer = _tokenizer(settings, model)
+    return datasets.token_stats(dataset, tokenizer=tokenizer, max_length=max_length, limit=limit)
 
 
 @router.delete("/{dataset_id}", status_code=204)

@@ -126,3 +126,33 @@ def preview(dataset: Dataset, *, tokenizer: Any, limit: int, max_length: int) ->
         ]
         rows.append({"line": ex.line, "tokens": tokens, "truncated": enc.truncated})
     return rows
+
+
+def token_stats(
+    dataset: Dataset, *, tokenizer: Any, max_length: int, limit: int, bins: int = 20
+) -> dict[str, Any]:
+    """Token lengths of the first ``limit`` rows as a histogram, with the share cut at ``max_length``."""
+    from engine.data.encode import encode, ensure_chat_template
+    from engine.data.read import read_examples
+
+    ensure_chat_template(tokenizer)
+    _, rows, examples, _ = read_examples(dataset.path)
+    lengths, truncated = [], 0
+    for ex in examples[:limit]:
+        enc = encode(ex, tokenizer, max_length)
+        lengths.append(enc.length)
+        truncated += enc.truncated
+    top = max(lengths, default=0)
+    width = max(1, -(-top // bins))
+    counts = [0] * bins
+    for n in lengths:
+        counts[min(n // width, bins - 1)] += 1
+    return {
+        "rows": rows,
+        "sampled": len(lengths),
+        "max_length": max_length,
+        "truncated_share": truncated / len(lengths) if lengths else 0.0,
+        "mean": sum(lengths) / len(lengths) if lengths else 0.0,
+        "max": top,
+        "histogram": [{"lo": i * width, "hi": (i + 1) * width, "count": c} for i, c in enumerate(counts)],
+    }

@@ -179,14 +179,17 @@ def events(session: Session, *, job_id: str, after: int, limit: int) -> list[Job
 
 def metric_series(
     session: Session, *, job_id: str, keys: list[str] | None
-) -> dict[str, list[dict[str, float]]]:
-    """Every logged value of each metric key, in step order."""
-    out: dict[str, list[dict[str, float]]] = {}
+) -> dict[str, list[dict[str, Any]]]:
+    """Every logged value of each metric key, in the order logged: training metrics carry their
+    step; device samples (``gpu/*``, ``host/*``) carry only their time."""
+    out: dict[str, list[dict[str, Any]]] = {}
     q = select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.kind == "metrics").order_by(JobEvent.id)
     for ev in session.scalars(q):
         for key, value in ev.data.items():
-            if (keys is None or key in keys) and isinstance(value, int | float) and ev.step is not None:
-                out.setdefault(key, []).append({"step": ev.step, "value": float(value)})
+            if (keys is None or key in keys) and isinstance(value, int | float):
+                out.setdefault(key, []).append(
+                    {"step": ev.step, "value": float(value), "time": ev.created_at}
+                )
     return out
 
 

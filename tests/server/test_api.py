@@ -48,7 +48,15 @@ def every_route(routes: list[Any]) -> list[Any]:
 
 def test_health_is_public_and_every_other_route_needs_a_key(client: TestClient) -> None:
     anonymous = TestClient(client.app)
-    assert anonymous.get("/api/health").json()["status"] == "ok"
+    assert anonymous.get("/api/health").json() | {"version": None} == {
+        "status": "ok",
+        "version": None,
+        "authenticated": False,
+    }
+    assert client.get("/api/health").json()["authenticated"] is True
+    # the web UI's files are public; its data comes from the API
+    assert anonymous.get("/").status_code == 200 and "Roundhouse" in anonymous.get("/").text
+    assert anonymous.get("/static/js/api.js").status_code == 200
     checked = 0
     for route in every_route(client.app.routes):  # type: ignore[attr-defined]
         if not isinstance(route, APIRoute) or route.path in ("/api/health", "/", "/login"):
@@ -92,6 +100,10 @@ def test_dataset_upload_list_get_preview_delete(client: TestClient, settings: Se
     trained = "".join(t["text"] for t in first["tokens"] if t["trained"])
     untrained = "".join(t["text"] for t in first["tokens"] if not t["trained"])
     assert trained.startswith("0") and "How many 0?" in untrained
+    stats = client.get(f"/api/datasets/{ds['id']}/stats", params={"model": "tiny", "max_length": 12}).json()
+    assert stats["rows"] == stats["sampled"] == 12 and sum(b["count"] for b in stats["histogram"]) == 12
+    longest = max(len(r["tokens"]) for r in preview["rows"])
+    assert stats["max"] >= longest and stats["truncated_share"] == 1.0  # every row is longer than 12
     r = client.get(f"/api/datasets/{ds['id']}/preview", params={"model": "missing"})
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
     assert client.delete(f"/api/datasets/{ds['id']}").status_code == 204
@@ -209,7 +221,8 @@ def test_events_page_and_stream_replays_from_last_event_id(client: TestClient) -
     page = client.get(f"/api/jobs/{job['id']}/events", params={"limit": 3}).json()
     assert [e["id"] for e in page["data"]] == ids[:3] and page["next_after"] == ids[2]
     series = client.get(f"/api/jobs/{job['id']}/metrics", params={"keys": ["loss/train"]}).json()["data"]
-    assert series == {"loss/train": [{"step": s, "value": 5.0 - s} for s in range(1, 6)]}
+    assert list(series) == ["loss/train"]
+    assert [(p["step"], p["value"]) for p in series["loss/train"]] == [(s, 5.0 - s) for s in range(1, 6)]
     # the stream replays what follows Last-Event-ID, then ends: the job is in a final state
     with client.stream("GET", f"/api/jobs/{job['id']}/stream", headers={"Last-Event-ID": str(ids[3])}) as r:
         text = "".join(r.iter_text())

@@ -1,0 +1,53 @@
+// The shell: checks the login, then renders one page per hash route. Each page module exports
+// render(main, params) and may return a cleanup function (closing its streams and timers).
+
+import { api } from "./api.js";
+import * as datasets from "./pages/datasets.js";
+import * as gpus from "./pages/gpus.js";
+import * as job from "./pages/job.js";
+import * as jobs from "./pages/jobs.js";
+import * as newJob from "./pages/new-job.js";
+
+const ROUTES = [
+  [/^#\/jobs\/new$/, newJob, "new"],
+  [/^#\/jobs\/([0-9a-f]+)$/, job, "jobs"],
+  [/^#\/datasets$/, datasets, "datasets"],
+  [/^#\/gpus$/, gpus, "gpus"],
+  [/^(#\/jobs)?$/, jobs, "jobs"],
+];
+
+let cleanup = null;
+
+async function route() {
+  if (cleanup) cleanup();
+  cleanup = null;
+  const main = document.getElementById("app");
+  const hash = location.hash || "";
+  const found = ROUTES.find(([re]) => re.test(hash)) || ROUTES[ROUTES.length - 1];
+  const [re, page, nav] = found;
+  for (const a of document.querySelectorAll("nav a")) {
+    if (a.dataset.nav === nav) a.setAttribute("aria-current", "page");
+    else a.removeAttribute("aria-current");
+  }
+  main.replaceChildren();
+  const params = (hash.match(re) || []).slice(1);
+  try {
+    cleanup = (await page.render(main, ...params)) || null;
+  } catch (error) {
+    main.replaceChildren(Object.assign(document.createElement("p"), { className: "error", textContent: error.message }));
+  }
+}
+
+async function start() {
+  const health = await api("/health");
+  if (!health.authenticated) {
+    document.getElementById("app").hidden = true;
+    document.querySelector("header nav").hidden = true;
+    document.getElementById("login-needed").hidden = false;
+    return;
+  }
+  window.addEventListener("hashchange", route);
+  await route();
+}
+
+start();

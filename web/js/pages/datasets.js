@@ -1,0 +1,121 @@
+// Datasets: upload (drop or pick; progress; errors by line), list, preview through a model's
+// chat template with the trained tokens highlighted, token-length histogram, delete.
+
+import { api, upload } from "../api.js";
+import { age, bytes, el, errorBox, number } from "../widgets.js";
+
+export async function render(main) {
+  const input = el("input", { type: "file", id: "dataset-file", accept: ".jsonl,.csv,.parquet" });
+  const name = el("input", { type: "text", id: "dataset-name", placeholder: "defaults to the file name", maxlength: 255 });
+  const progress = el("progress", { id: "upload-progress", max: 1, value: 0, hidden: true, "aria-label": "upload progress" });
+  const status = el("p", { id: "upload-status", "aria-live": "polite" });
+  const errors = el("ul", { id: "upload-errors", class: "errors" });
+  const drop = el("div", { id: "drop-zone", class: "drop-zone" },
+    el("p", {}, "Drop a .jsonl, .csv or .parquet file here, or "),
+    el("label", { for: "dataset-file", class: "button", text: "Dataset file" }), input,
+    el("p", { class: "muted small", text: "Rows: chat messages, instruction/input/output, prompt/completion, or text." }));
+  const body = el("tbody");
+  const preview = el("section", { id: "preview", class: "card", hidden: true });
+  main.append(
+    el("h1", { text: "Datasets" }),
+    el("section", { class: "card" }, el("h2", { text: "Upload" }),
+      el("div", { class: "field" }, el("label", { for: "dataset-name", text: "Name" }), name),
+      drop, progress, status, errors),
+    el("div", { class: "table-wrap" }, el("table", { id: "datasets-table" },
+      el("thead", {}, el("tr", {}, ["Name", "Format", "Rows", "Size", "Uploaded", ""].map((h) => el("th", { text: h })))), body)),
+    preview,
+  );
+
+  async function list() {
+    const { data } = await api("/datasets");
+    body.replaceChildren(...(data.length ? data.map((d) => el("tr", { dataset: { datasetId: d.id } },
+      el("td", { text: d.name }), el("td", { text: d.format }), el("td", { text: d.rows }),
+      el("td", { text: bytes(d.size_bytes) }), el("td", { title: d.created_at, text: age(d.created_at) }),
+      el("td", { class: "actions" },
+        el("button", { type: "button", class: "secondary", text: "Preview", onclick: () => showPreview(d) }),
+        el("button", { type: "button", class: "danger", text: "Delete", onclick: () => remove(d) })))) :
+      [el("tr", {}, el("td", { colspan: 6, class: "muted", text: "No datasets yet." }))]));
+  }
+
+  async function send(file) {
+    errors.replaceChildren();
+    progress.hidden = false;
+    progress.value = 0;
+    status.textContent = `Uploading ${file.name}…`;
+    try {
+      const d = await upload("/datasets", file, { name: name.value.trim() }, (f) => {
+        progress.value = f;
+        if (f >= 1) status.textContent = `Validating ${file.name}…`;
+      });
+      status.textContent = `Stored ${d.name}: ${d.rows} rows (${d.format}).`;
+      name.value = "";
+      await list();
+      await showPreview(d);
+    } catch (error) {
+      status.textContent = error.message;
+      errors.replaceChildren(...error.details.slice(0, 200).map((e) => el("li", { text: `${e.unit || "line"} ${e.line}: ${e.message}` })));
+    } finally {
+      progress.hidden = true;
+      input.value = "";
+    }
+  }
+
+  async function remove(d) {
+    if (!confirm(`Delete dataset ${d.name}?`)) return;
+    try {
+      await api(`/datasets/${d.id}`, { method: "DELETE" });
+      if (preview.dataset.id === d.id) preview.hidden = true;
+      await list();
+    } catch (error) {
+      status.textContent = error.message;
+    }
+  }
+
+  async function showPreview(d) {
+    const models = (await api("/models")).data.filter((m) => m.ready);
+    const select = el("select", { id: "preview-model" }, models.map((m) => el("option", { value: m.name, text: m.name })));
+    const maxLength = el("input", { type: "number", id: "preview-max-length", min: 8, value: 1024 });
+    const rows = el("div", { class: "preview-rows" });
+    const histogram = el("rh-histogram", { id: "token-histogram", label: "token lengths" });
+    const summary = el("p", { class: "muted" });
+    preview.dataset.id = d.id;
+    preview.hidden = false;
+    preview.replaceChildren(el("h2", { text: `Preview: ${d.name}` }),
+      el("div", { class: "toolbar" },
+        el("label", { for: "preview-model", text: "Chat template of" }), select,
+        el("label", { for: "preview-max-length", text: "Max length" }), maxLength),
+      el("p", { class: "muted small" }, "Highlighted tokens are trained on; the rest is context."),
+      rows, el("h3", { text: "Token lengths" }), histogram, summary);
+    async function refresh() {
+      if (!select.value) {
+        rows.replaceChildren(el("p", { class: "muted", text: "No base model is ready to render the rows." }));
+        return;
+      }
+      rows.replaceChildren(el("p", { class: "muted", text: "Rendering…" }));
+      try {
+        const q = { model: select.value, max_length: maxLength.value, limit: 5 };
+        const [p, stats] = await Promise.all([api(`/datasets/${d.id}/preview`, { query: q }), api(`/datasets/${d.id}/stats`, { query: { model: select.value, max_length: maxLength.value } })]);
+        rows.replaceChildren(...p.rows.map((r) => el("div", { class: "preview-row" },
+          el("div", { class: "muted small", text: `line ${r.line}${r.truncated ? " (truncated)" : ""}` }),
+          el("pre", { class: "tokens" }, r.tokens.map((t) => el("span", { class: t.trained ? "tok trained" : "tok", text: t.text }))))));
+        histogram.setBins(stats.histogram, stats.max_length);
+        summary.textContent = `${stats.sampled} of ${stats.rows} rows measured · mean ${number(stats.mean)} tokens · longest ${stats.max} · ${number(100 * stats.truncated_share)}% longer than ${stats.max_length} (cut)`;
+      } catch (error) {
+        rows.replaceChildren(errorBox(error));
+      }
+    }
+    select.addEventListener("change", refresh);
+    maxLength.addEventListener("change", refresh);
+    await refresh();
+  }
+
+  input.addEventListener("change", () => input.files.length && send(input.files[0]));
+  drop.addEventListener("dragover", (e) => { e.preventDefault(); drop.classList.add("over"); });
+  drop.addEventListener("dragleave", () => drop.classList.remove("over"));
+  drop.addEventListener("drop", (e) => {
+    e.preventDefault();
+    drop.classList.remove("over");
+    if (e.dataTransfer.files.length) send(e.dataTransfer.files[0]);
+  });
+  await list();
+}

@@ -1,0 +1,151 @@
+// Job: status, progress and ETA, loss (train and validation), throughput, learning rate, bubble
+// ratio, per-GPU utilization over the job's life, the event log, checkpoints, cancel. Everything
+// is rebuilt from the job's event stream, which replays the stored events and then goes live.
+
+import { api, downloadUrl, stream } from "../api.js";
+import { age, duration, el, errorBox, number } from "../widgets.js";
+
+const ACTIVE = new Set(["validating", "queued", "running", "cancelling", "interrupted"]);
+
+export async function render(main, jobId) {
+  let job = await api(`/jobs/${jobId}`);
+  const status = el("span", { id: "job-status", class: "status", "aria-live": "polite" });
+  const progress = el("progress", { id: "job-progress", max: 1, value: 0, "aria-label": "job progress" });
+  const stepText = el("span", { id: "job-step" });
+  const eta = el("span", { id: "job-eta" });
+  const tokens = el("span", { id: "tokens-per-s", text: "–" });
+  const lrText = el("span", { id: "learning-rate", text: "–" });
+  const bubble = el("span", { id: "bubble-ratio", text: "–" });
+  const gradNorm = el("span", { id: "grad-norm", text: "–" });
+  const lossChart = el("rh-line-chart", { id: "loss-chart", label: "loss", empty: "no loss logged yet" });
+  const speedChart = el("rh-line-chart", { id: "speed-chart", label: "tokens per second", zero: true });
+  const gpuChart = el("rh-line-chart", { id: "gpu-chart", label: "device utilization (%)", xlabel: "sample", zero: true, ymax: 100, empty: "no utilization sample yet" });
+  const log = el("ol", { id: "event-log", class: "log" });
+  const checkpoints = el("tbody");
+  const cancel = el("button", { type: "button", id: "cancel-job", class: "danger", text: "Cancel job" });
+  const error = el("div", { id: "job-error" });
+  const title = el("h1", { text: job.name });
+
+  main.append(
+    el("div", { class: "title-row" }, title, status),
+    el("p", { class: "muted small", text: `${job.base_model} · job ${job.id} · created ${age(job.created_at)}` }),
+    el("section", { class: "card" },
+      el("div", { class: "progress-row" }, progress, stepText, el("span", {}, "ETA ", eta)),
+      el("dl", { class: "stats" },
+        el("div", {}, el("dt", { text: "tokens/s" }), el("dd", {}, tokens)),
+        el("div", {}, el("dt", { text: "learning rate" }), el("dd", {}, lrText)),
+        el("div", {}, el("dt", { text: "gradient norm" }), el("dd", {}, gradNorm)),
+        el("div", {}, el("dt", { text: "pipeline bubble" }), el("dd", {}, bubble))),
+      error, el("div", { class: "actions" }, cancel)),
+    el("div", { class: "charts" },
+      el("section", { class: "card" }, el("h2", { text: "Loss" }), lossChart),
+      el("section", { class: "card" }, el("h2", { text: "Throughput (tokens/s)" }), speedChart),
+      el("section", { class: "card" }, el("h2", { text: "Device utilization" }), gpuChart)),
+    el("section", { class: "card" }, el("h2", { text: "Checkpoints" }),
+      el("div", { class: "table-wrap" }, el("table", { id: "checkpoints-table" },
+        el("thead", {}, el("tr", {}, ["Step", "Kind", "Train loss", "Val. loss", "Saved", "Download"].map((h) => el("th", { text: h })))), checkpoints))),
+    el("section", { class: "card" }, el("h2", { text: "Events" }), log),
+  );
+
+  const series = { "loss/train": [], "loss/val": [], "throughput/tokens_per_s": [] };
+  const devices = new Map();
+  let samples = 0;
+
+  function showJob() {
+    status.textContent = job.status;
+    status.className = `status status-${job.status}`;
+    const total = job.total_steps || 0;
+    progress.max = total || 1;
+    progress.value = total ? job.step : 0;
+    stepText.textContent = total ? `step ${job.step} / ${total}` : `step ${job.step}`;
+    cancel.hidden = !ACTIVE.has(job.status) || job.status === "cancelling";
+    if (!ACTIVE.has(job.status)) eta.textContent = "–";
+    error.replaceChildren(...(job.error ? [errorBox({ message: job.error })] : []));
+  }
+
+  function redraw() {
+    lossChart.setSeries([{ name: "train", points: series["loss/train"] }, { name: "validation", points: series["loss/val"] }]);
+    speedChart.setSeries([{ name: "tokens/s", points: series["throughput/tokens_per_s"] }]);
+    gpuChart.setSeries([...devices.entries()].map(([k, points]) => ({ name: k, points })));
+  }
+
+  let pending = false;
+  function schedule() {
+    if (pending) return;
+    pending = true;
+    requestAnimationFrame(() => { pending = false; redraw(); });
+  }
+
+  function metrics(e) {
+    const d = e.data;
+    if (e.step !== null && e.step !== undefined) {
+      for (const key of Object.keys(series)) if (key in d) series[key].push([e.step, d[key]]);
+      if ("progress/step" in d) {
+        job.step = d["progress/step"];
+        job.total_steps = d["progress/total_steps"];
+        if (ACTIVE.has(job.status)) eta.textContent = duration(d["time/eta_s"]);
+      }
+      if ("throughput/tokens_per_s" in d) tokens.textContent = number(d["throughput/tokens_per_s"]);
+      if ("optim/lr" in d) lrText.textContent = number(d["optim/lr"]);
+      if ("optim/grad_norm" in d) gradNorm.textContent = number(d["optim/grad_norm"]);
+      if ("pipeline/bubble_ratio" in d) bubble.textContent = `${number(100 * d["pipeline/bubble_ratio"])}%`;
+      showJob();
+    } else {
+      samples += 1;
+      for (const [key, value] of Object.entries(d)) {
+        const m = key.match(/^gpu\/(\d+)\/utilization$/);
+        const label = m ? `GPU ${m[1]}` : key === "host/cpu_utilization" ? "CPU" : null;
+        if (!label) continue;
+        if (!devices.has(label)) devices.set(label, []);
+        devices.get(label).push([samples, value]);
+      }
+    }
+    schedule();
+  }
+
+  function logLine(e) {
+    const when = new Date(e.created_at).toLocaleTimeString();
+    log.append(el("li", { class: `event-${e.kind}` }, el("time", { datetime: e.created_at, text: when }), ` ${e.kind}: ${e.message}`));
+  }
+
+  async function refreshCheckpoints() {
+    const { data } = await api(`/jobs/${jobId}/checkpoints`);
+    checkpoints.replaceChildren(...(data.length ? data.map((c) => el("tr", { dataset: { step: c.step } },
+      el("td", { text: c.step }), el("td", { text: c.kind }),
+      el("td", { text: number(c.metrics["loss/train"]) }), el("td", { text: number(c.metrics["loss/val"]) }),
+      el("td", { title: c.created_at, text: age(c.created_at) }),
+      el("td", { class: "actions" },
+        el("a", { class: "button secondary download-adapter", download: "", href: downloadUrl(`/jobs/${jobId}/checkpoints/${c.step}/download`), text: c.kind === "adapter" ? "Adapter" : "Model" }),
+        c.kind === "adapter" ? el("a", { class: "button secondary download-merged", download: "", href: downloadUrl(`/jobs/${jobId}/checkpoints/${c.step}/download`, { merged: true }), text: "Merged" }) : null))) :
+      [el("tr", {}, el("td", { colspan: 6, class: "muted", text: "No checkpoint yet." }))]));
+  }
+
+  async function refreshJob() {
+    job = await api(`/jobs/${jobId}`);
+    showJob();
+  }
+
+  cancel.addEventListener("click", async () => {
+    cancel.disabled = true;
+    try {
+      job = await api(`/jobs/${jobId}/cancel`, { method: "POST" });
+      showJob();
+    } catch (err) {
+      error.replaceChildren(errorBox(err));
+    } finally {
+      cancel.disabled = false;
+    }
+  });
+
+  showJob();
+  redraw();
+  await refreshCheckpoints();
+  const es = stream(`/jobs/${jobId}/stream`, {
+    metrics,
+    state: (e) => { logLine(e); refreshJob(); },
+    checkpoint: (e) => { logLine(e); refreshCheckpoints(); },
+    log: logLine, resume: logLine, partition: logLine, repartition: logLine,
+    end: () => { refreshJob(); refreshCheckpoints(); },
+  });
+  return () => es.close();
+}

@@ -1,0 +1,137 @@
+// New job: base model, dataset, method and the key hyperparameters (engine settings under
+// "Advanced"); the equivalent API request is shown and can be copied.
+
+import { api } from "../api.js";
+import { bytes, el, errorBox, number } from "../widgets.js";
+
+function field(id, label, control, hint) {
+  control.id = id;
+  return el("div", { class: "field" }, el("label", { for: id, text: label }), control, hint ? el("span", { class: "hint", text: hint }) : null);
+}
+
+function num(value, attrs = {}) {
+  return el("input", { type: "number", value, ...attrs });
+}
+
+function choice(options, selected) {
+  return el("select", {}, options.map(([v, t]) => el("option", { value: v, text: t, selected: v === selected })));
+}
+
+export async function render(main) {
+  const [models, datasets] = await Promise.all([api("/models"), api("/datasets")]);
+  const base = choice(models.data.map((m) => [m.name, `${m.name} — ${m.architecture || "?"}, ${m.parameters ? `${number(m.parameters / 1e6)}M parameters` : bytes(m.size_bytes)}`]));
+  const train = choice(datasets.data.map((d) => [d.id, `${d.name} (${d.rows} rows)`]));
+  const validation = choice([["", "none (hold out a fraction instead)"], ...datasets.data.map((d) => [d.id, d.name])], "");
+  const heldOut = num(0, { min: 0, max: 0.5, step: 0.01 });
+  const lora = el("input", { type: "radio", name: "method", value: "lora", id: "method-lora", checked: true });
+  const full = el("input", { type: "radio", name: "method", value: "full", id: "method-full" });
+  const maxSteps = num(60, { min: 1 });
+  const epochs = num("", { min: 0.01, step: 0.01, placeholder: "or epochs" });
+  const batch = num(8, { min: 1 });
+  const lr = num(0.0003, { min: 0, step: "any" });
+  const schedule = choice([["cosine", "cosine"], ["linear", "linear"], ["constant", "constant"]], "cosine");
+  const warmup = num(0, { min: 0 });
+  const rank = num(16, { min: 1 });
+  const maxLength = num(1024, { min: 8 });
+  const every = num(20, { min: 1 });
+  const evalEvery = num("", { min: 1, placeholder: "at the end only" });
+  const microbatches = num(4, { min: 1 });
+  const mode = choice([["sync", "sync (exact)"], ["async", "async (staleness 1, faster)"]], "sync");
+  const dtype = choice([["auto", "auto (bf16 on GPUs, fp32 on CPU)"], ["bfloat16", "bfloat16"], ["float16", "float16"], ["float32", "float32"]], "auto");
+  const devices = el("input", { type: "text", value: "auto", placeholder: "auto, or cuda:0,cuda:1" });
+  const name = el("input", { type: "text", placeholder: "defaults to model on dataset", maxlength: 255 });
+  const preview = el("pre", { id: "request-preview", class: "code" });
+  const error = el("div", { id: "form-error", "aria-live": "polite" });
+  const copy = el("button", { type: "button", class: "secondary", text: "Copy request" });
+
+  function body() {
+    const b = {
+      base_model: base.value,
+      dataset_id: train.value,
+      data: { max_length: Number(maxLength.value) },
+      method: lora.checked ? { kind: "lora", lora_r: Number(rank.value) } : { kind: "full" },
+      hyper: {
+        batch_size: Number(batch.value), learning_rate: Number(lr.value), schedule: schedule.value,
+        warmup_steps: Number(warmup.value),
+      },
+      engine: {
+        devices: devices.value.trim() === "auto" ? "auto" : devices.value.split(",").map((s) => s.trim()).filter(Boolean),
+        num_microbatches: Number(microbatches.value), async_optimizer: mode.value === "async", compute_dtype: dtype.value,
+      },
+      checkpoint: { every_steps: Number(every.value) },
+    };
+    if (name.value.trim()) b.name = name.value.trim();
+    if (validation.value) b.validation_dataset_id = validation.value;
+    else if (Number(heldOut.value) > 0) b.data.validation_fraction = Number(heldOut.value);
+    if (maxSteps.value) b.hyper.max_steps = Number(maxSteps.value);
+    if (epochs.value) b.hyper.epochs = Number(epochs.value);
+    if (evalEvery.value) b.eval = { every_steps: Number(evalEvery.value) };
+    return b;
+  }
+
+  function update() {
+    const json = JSON.stringify(body(), null, 2);
+    preview.textContent = `curl -X POST ${location.origin}/api/jobs \\\n  -H "Authorization: Bearer $ROUNDHOUSE_KEY" \\\n  -H "Content-Type: application/json" \\\n  -d '${json}'`;
+  }
+
+  const form = el("form", { id: "new-job-form", class: "card" },
+    field("job-name", "Name", name),
+    field("base-model", "Base model", base),
+    field("dataset", "Training data", train, datasets.data.length ? null : "upload a dataset first"),
+    field("validation-dataset", "Validation data", validation),
+    field("held-out", "Held-out fraction", heldOut, "used when no validation data is chosen"),
+    el("fieldset", {}, el("legend", { text: "Method" }),
+      el("label", { for: "method-lora" }, lora, " LoRA (adapter; small download)"),
+      el("label", { for: "method-full" }, full, " Full fine-tune")),
+    el("div", { class: "grid" },
+      field("max-steps", "Max steps", maxSteps),
+      field("epochs", "Epochs", epochs, "used when max steps is empty"),
+      field("batch-size", "Batch size (sequences)", batch),
+      field("learning-rate", "Learning rate", lr),
+      field("schedule", "Schedule", schedule),
+      field("warmup", "Warmup steps", warmup),
+      field("lora-r", "LoRA rank", rank),
+      field("max-length", "Max sequence length", maxLength),
+      field("checkpoint-every", "Checkpoint every (steps)", every),
+      field("eval-every", "Validate every (steps)", evalEvery)),
+    el("details", { id: "advanced" }, el("summary", { text: "Advanced: engine" }),
+      el("div", { class: "grid" },
+        field("num-microbatches", "Micro-batches per step", microbatches, "at least the number of GPUs"),
+        field("optimizer-mode", "Optimizer", mode),
+        field("compute-dtype", "Compute dtype", dtype),
+        field("devices", "Devices", devices))),
+    error,
+    el("div", { class: "actions" }, el("button", { type: "submit", text: "Start fine-tune" })),
+    el("h2", { text: "The same request from a script" }), preview, copy);
+
+  form.addEventListener("input", update);
+  form.addEventListener("change", update);
+  copy.addEventListener("click", async () => {
+    try {
+      await navigator.clipboard.writeText(preview.textContent);
+      copy.textContent = "Copied";
+    } catch {
+      const range = document.createRange();
+      range.selectNodeContents(preview);
+      getSelection().removeAllRanges();
+      getSelection().addRange(range);
+      copy.textContent = "Selected: press Ctrl+C";
+    }
+  });
+  form.addEventListener("submit", async (e) => {
+    e.preventDefault();
+    error.replaceChildren();
+    for (const bad of form.querySelectorAll("[aria-invalid]")) bad.removeAttribute("aria-invalid");
+    try {
+      const job = await api("/jobs", { method: "POST", body: body() });
+      location.hash = `#/jobs/${job.id}`;
+    } catch (err) {
+      error.replaceChildren(errorBox(err));
+      const param = (err.param || "").split(".").pop().replace(/_/g, "-");
+      const target = param && form.querySelector(`#${CSS.escape(param)}`);
+      if (target) { target.setAttribute("aria-invalid", "true"); target.focus(); }
+    }
+  });
+  main.append(el("h1", { text: "New fine-tune" }), form);
+  update();
+}
