@@ -36,6 +36,8 @@ services:
 		redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no; \
 		sleep 1; \
 	fi
+	@# the browser tests drive Debian's Chromium (never a downloaded browser)
+	@test -x /usr/bin/chromium || (apt-get update -qq && apt-get install -y -qq chromium)
 
 unit: install services
 	$(PY) -m pytest

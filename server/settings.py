@@ -31,19 +31,19 @@ class Settings(BaseSettings):
 
     @property
     def broker_dir(self) -> Path:
-        return self.home / "broker"
+        return self.home.resolve() / "broker"
 
     @property
     def datasets_dir(self) -> Path:
-        return self.home / "datasets"
+        return self.home.resolve() / "datasets"
 
     @property
     def models_dir(self) -> Path:
-        return self.home / "models"
+        return self.home.resolve() / "models"
 
     @property
     def runs_dir(self) -> Path:
-        return self.home / "runs"
+        return self.home.resolve() / "runs"
 
     @property
     def hf_cache_dir(self) -> Path:

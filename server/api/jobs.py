@@ -63,7 +63,11 @@ def create_job(session: SessionDep, settings: SettingsDep, body: JobCreate) -> A
         validation_dataset_id=validation.id if validation else None,
         config=config,
     )
-    queue.enqueue(settings, job.id)
+    try:
+        queue.enqueue(settings, job.id)
+    except Exception as exc:  # the broker is down: the job would never run, so it is not kept
+        jobs.delete_job(session, job=job)
+        raise ApiError(503, "broker_unavailable", f"the job queue is unreachable ({exc}); try again") from exc
     return job
 
 

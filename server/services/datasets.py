@@ -6,6 +6,7 @@ import hashlib
 import re
 import shutil
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -110,15 +111,25 @@ def delete_dataset(session: Session, *, dataset: Dataset) -> None:
     session.commit()
 
 
+def first_examples(dataset: Dataset, limit: int) -> Iterator[Any]:
+    """The first ``limit`` rows of a stored (valid) dataset, read no further than needed."""
+    from engine.data.read import read_records, to_example
+
+    for count, (line, record) in enumerate(read_records(dataset.path)):
+        if count >= limit:
+            return
+        if not isinstance(record, dict):
+            raise ValueError(f"dataset {dataset.id} changed on disk: {record}")
+        yield to_example(line, record, dataset.format)
+
+
 def preview(dataset: Dataset, *, tokenizer: Any, limit: int, max_length: int) -> list[dict[str, Any]]:
     """The first rows rendered through the tokenizer's chat template, each token marked trained or not."""
     from engine.data.encode import encode, ensure_chat_template
-    from engine.data.read import read_examples
 
     ensure_chat_template(tokenizer)
-    _, _, examples, _ = read_examples(dataset.path)
     rows = []
-    for ex in examples[:limit]:
+    for ex in first_examples(dataset, limit):
         enc = encode(ex, tokenizer, max_length)
         tokens = [
             {"text": tokenizer.decode([tid]), "trained": lab != -100}
@@ -133,12 +144,10 @@ def token_stats(
 ) -> dict[str, Any]:
     """Token lengths of the first ``limit`` rows as a histogram, with the share cut at ``max_length``."""
     from engine.data.encode import encode, ensure_chat_template
-    from engine.data.read import read_examples
 
     ensure_chat_template(tokenizer)
-    _, rows, examples, _ = read_examples(dataset.path)
     lengths, truncated = [], 0
-    for ex in examples[:limit]:
+    for ex in first_examples(dataset, limit):
         enc = encode(ex, tokenizer, max_length)
         lengths.append(enc.length)
         truncated += enc.truncated
@@ -148,7 +157,7 @@ def token_stats(
     for n in lengths:
         counts[min(n // width, bins - 1)] += 1
     return {
-        "rows": rows,
+        "rows": dataset.rows,
         "sampled": len(lengths),
         "max_length": max_length,
         "truncated_share": truncated / len(lengths) if lengths else 0.0,

@@ -8,7 +8,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import func, select, update
+from sqlalchemy import delete, func, select, update
 from sqlalchemy.orm import Session
 
 from engine.config import TrainConfig
@@ -129,6 +129,13 @@ def create_job(
     transition(session, job=job, to="queued", message="config and data valid", commit=False)
     session.commit()
     return job
+
+
+def delete_job(session: Session, *, job: Job) -> None:
+    """Remove a job that never reached a worker, with its events."""
+    session.execute(delete(JobEvent).where(JobEvent.job_id == job.id))
+    session.delete(job)
+    session.commit()
 
 
 def _cursor(job: Job) -> str:

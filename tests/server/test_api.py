@@ -281,3 +281,17 @@ def test_gpus_reports_hosts_and_says_no_gpu_honestly(client: TestClient) -> None
     (host,) = client.get("/api/gpus").json()["data"]
     assert host["gpu"] is False and host["message"] == "no GPU on this host" and host["online"] is True
     assert host["sampled_at"] is not None
+
+
+def test_a_job_the_broker_cannot_take_is_refused_and_not_kept(settings: Settings) -> None:
+    from server.app import create_app
+
+    broken = settings.model_copy(update={"redis_url": "redis://127.0.0.1:1/0"})  # nothing listens there
+    app = create_app(broken)
+    with TestClient(app) as client:
+        client.headers["Authorization"] = f"Bearer {app.state.first_key}"
+        ds = upload(client, jsonl(CHAT)).json()
+        r = make_job(client, ds["id"])
+        assert r.status_code == 503 and r.json()["error"]["code"] == "broker_unavailable"
+        assert client.get("/api/jobs").json()["data"] == []
+        assert client.get(f"/api/datasets/{ds['id']}").status_code == 200  # the dataset stays
