@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, File, Form, Query, Request, UploadFile
@@ -23,13 +24,24 @@ def _found(session: SessionDep, dataset_id: str) -> Any:
     return found
 
 
+_tokenizers: dict[str, Any] = {}
+_tokenizer_lock = threading.Lock()  # the first import of transformers is not safe from two threads
+
+
 def _tokenizer(settings: Settings, model: str) -> Any:
+    """The tokenizer of a base model, loaded once per folder."""
     folder = models.usable_folder(model, settings.models_dir, settings.hf_cache_dir)
     if folder is None:
         raise ApiError(404, "not_found", f"no base model {model!r} (see GET /api/models)", param="model")
     from engine.model.loading import load_tokenizer
 
-    return load_tokenizer(folder)
+    with _tokenizer_lock:
+        key = str(folder)
+        if key not in _tokenizers:
+            if len(_tokenizers) >= 8:
+                _tokenizers.pop(next(iter(_tokenizers)))
+            _tokenizers[key] = load_tokenizer(folder)
+        return _tokenizers[key]
 
 
 @router.post("", response_model=DatasetPublic, status_code=201)

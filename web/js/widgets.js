@@ -122,6 +122,10 @@ class LineChart extends SizedChart {
       root.append(xl);
       series.forEach((s, i) => {
         if (!s.points.length) return;
+        if (s.points.length === 1) {
+          const [x, y] = s.points[0];
+          root.append(svg("circle", { cx: sx(x), cy: sy(y), r: 3.5, fill: COLORS[i % COLORS.length], class: "point" }));
+        }
         const d = s.points.map((p, j) => `${j ? "L" : "M"}${sx(p[0]).toFixed(1)},${sy(p[1]).toFixed(1)}`).join("");
         root.append(svg("path", { d, class: "series", stroke: COLORS[i % COLORS.length], "data-name": s.name, "data-count": s.points.length }));
       });
@@ -154,8 +158,8 @@ class Histogram extends SizedChart {
       root.append(r);
     });
     const last = bins.length ? bins[bins.length - 1].hi : 0;
-    if (marker && last) {
-      const x = left + Math.min(1, marker / last) * (w - left - 8);
+    if (marker && last && marker <= last) {
+      const x = left + (marker / last) * (w - left - 8);
       root.append(svg("line", { x1: x, x2: x, y1: top, y2: h - bottom, class: "marker" }));
     }
     for (const [text, x, anchor] of [["0", left, "start"], [String(last), w - 8, "end"]]) {

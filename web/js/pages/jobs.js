@@ -29,8 +29,11 @@ export async function render(main) {
       el("td", { title: j.created_at, text: age(j.created_at) }));
   }
 
+  let latest = 0;
   async function load(append) {
+    const ticket = ++latest;
     const page = await api("/jobs", { query: { status: filter.value, limit: 50, cursor: append ? cursor : null } });
+    if (ticket !== latest) return; // a newer request (a filter change) already answered or will
     cursor = page.next_cursor;
     more.hidden = !cursor;
     const rows = page.data.map(row);

@@ -1,0 +1,232 @@
+"""Browser-test fixtures: one real ``roundhouse serve --with-worker`` (SQLite, the folder broker, a
+tiny base model) shared by the whole UI suite, headless Chromium through Playwright, a logged-in
+browser context, and pages that fail their test on any console error."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import psutil
+import pytest
+
+from tests.engine.tiny import tiny_model_folder
+
+if TYPE_CHECKING:
+    from playwright.sync_api import Browser, BrowserContext, ConsoleMessage, Page
+
+ROOT = Path(__file__).resolve().parents[2]
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+SCREENSHOTS = ROOT / "test-artifacts" / "screenshots"
+VIEWPORT = {"width": 1280, "height": 800}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Server:
+    """The running service: where it answers, its login link and key, its home and its log."""
+
+    base_url: str
+    login_url: str
+    key: str
+    home: Path
+    log: Path
+    proc: subprocess.Popen[bytes]
+
+    def log_tail(self, chars: int = 4000) -> str:
+        return self.log.read_text(errors="replace")[-chars:]
+
+    def client(self) -> httpx.Client:
+        """An API client with the login key (for setup shortcuts, never for what is under test)."""
+        return httpx.Client(
+            base_url=self.base_url, timeout=30, headers={"Authorization": f"Bearer {self.key}"}
+        )
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """``python -m server.cli serve --with-worker --new-login-key`` on a free port, stopped with SIGINT."""
+    tmp = tmp_path_factory.mktemp("web")
+    home = tmp / "home"
+    tiny_model_folder(home / "models" / "tiny")
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROUNDHOUSE_")}
+    env.update(
+        ROUNDHOUSE_HOME=str(home),
+        ROUNDHOUSE_PORT=str(port),
+        ROUNDHOUSE_LEASE_SECONDS="5",
+        ROUNDHOUSE_TELEMETRY_SECONDS="0.5",
+        HF_HUB_OFFLINE="1",
+    )
+    log = tmp / "serve.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "server.cli", "serve", "--with-worker", "--new-login-key"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=ROOT,
+        )
+    children: list[psutil.Process] = []
+    try:
+        found = None
+        deadline = time.monotonic() + 90
+        while found is None and time.monotonic() < deadline and proc.poll() is None:
+            found = re.search(r"Open: (http://\S+/login\?token=(rh_\S+))", log.read_text(errors="replace"))
+            time.sleep(0.2)
+        assert found is not None, f"no login URL printed:\n{log.read_text(errors='replace')[-4000:]}"
+        login_url, key = found.group(1), found.group(2)
+        base_url = login_url.split("/login?", 1)[0]
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{base_url}/api/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, log.read_text(errors="replace")[-4000:]
+            time.sleep(0.2)
+        yield Server(base_url=base_url, login_url=login_url, key=key, home=home, log=log, proc=proc)
+        children = psutil.Process(proc.pid).children(recursive=True)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+            raise
+    # the worker it started (and the worker's pool) went down with it
+    _, alive = psutil.wait_procs(children, timeout=30)
+    for p in alive:
+        p.kill()
+    assert alive == [], f"processes left running after the server stopped: {alive}"
+
+
+@pytest.fixture(scope="session")
+def browser() -> Iterator[Browser]:
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"no Chromium at {CHROMIUM}")
+    sync_api = pytest.importorskip("playwright.sync_api")
+    for stale in SCREENSHOTS.glob("FAILED-*.png"):
+        stale.unlink()
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        try:
+            yield b
+        finally:
+            b.close()
+
+
+@pytest.fixture(scope="session")
+def logged_in(browser: Browser, server: Server) -> Iterator[BrowserContext]:
+    """A browser context holding the login cookie (set by opening the printed login link)."""
+    context = browser.new_context(viewport=VIEWPORT, accept_downloads=True)
+    context.set_default_timeout(15_000)
+    page = context.new_page()
+    page.goto(server.login_url)
+    page.close()
+    assert any(c["name"] == "roundhouse_key" for c in context.cookies()), context.cookies()
+    try:
+        yield context
+    finally:
+        context.close()
+
+
+@dataclass
+class ConsoleWatch:
+    """Console errors and uncaught page errors of one page; ``allow`` excuses expected ones."""
+
+    seen: list[str] = field(default_factory=list)
+    allowed: list[re.Pattern[str]] = field(default_factory=list)
+
+    def attach(self, page: Page) -> None:
+        page.on("console", self._console)
+        page.on("pageerror", lambda exc: self.seen.append(f"pageerror: {exc}"))
+
+    def _console(self, msg: ConsoleMessage) -> None:
+        if msg.type == "error":
+            where = msg.location.get("url", "") if msg.location else ""
+            self.seen.append(f"console.error: {msg.text} [{where}]")
+
+    def allow(self, pattern: str) -> None:
+        """Excuse console errors matching ``pattern`` (a regex over 'console.error: text [url]')."""
+        self.allowed.append(re.compile(pattern))
+
+    def unexpected(self) -> list[str]:
+        return [m for m in self.seen if not any(p.search(m) for p in self.allowed)]
+
+
+def open_page(context: BrowserContext, watch: ConsoleWatch) -> Page:
+    page = context.new_page()
+    watch.attach(page)
+    return page
+
+
+@pytest.fixture
+def console() -> ConsoleWatch:
+    return ConsoleWatch()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    report = yield
+    if report.when == "call":
+        item.stash[FAILED] = report.failed
+    return report
+
+
+FAILED = pytest.StashKey[bool]()
+
+
+@pytest.fixture
+def page(request: pytest.FixtureRequest, logged_in: BrowserContext, console: ConsoleWatch) -> Iterator[Page]:
+    """A fresh logged-in page at 1280×800; the test fails on any console error it logged.
+
+    A failing test (or one with console errors) leaves a screenshot of the page as it was:
+    screenshots/FAILED-<test>.png."""
+    page = open_page(logged_in, console)
+    yield page
+    bad = console.unexpected()
+    if request.node.stash.get(FAILED, False) or bad:
+        name = re.sub(r"[^A-Za-z0-9_.-]+", "_", request.node.name)
+        try:
+            screenshot(page, f"FAILED-{name}")
+        except Exception as exc:  # a page that crashed cannot be photographed; the failure says why
+            print(f"no screenshot of the failed page: {exc}")
+    page.close()
+    bad = console.unexpected()
+    assert not bad, "console errors on the page:\n" + "\n".join(bad)
+
+
+def screenshot(page: Page, name: str, **kwargs: Any) -> Path:
+    """Save a full-page screenshot as test-artifacts/screenshots/<name>.png."""
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    path = SCREENSHOTS / f"{name}.png"
+    page.screenshot(path=str(path), full_page=True, **kwargs)
+    return path
