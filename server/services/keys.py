@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
+from datetime import timedelta
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
@@ -12,6 +13,7 @@ from sqlalchemy.orm import Session
 from server.tables import ApiKey, now
 
 PREFIX_LEN = 8
+USED_RESOLUTION = timedelta(minutes=1)
 
 
 def _hash(key: str) -> str:
@@ -34,11 +36,17 @@ def ensure_first_key(session: Session) -> str | None:
 
 
 def check_key(session: Session, *, key: str) -> ApiKey | None:
-    """The stored key matching ``key``, or None."""
+    """The stored key matching ``key``, or None.
+
+    ``last_used_at`` is written at most once a minute per key: a read must not turn into a write
+    (on SQLite every write queues behind the others).
+    """
     digest = _hash(key)
     for row in session.scalars(select(ApiKey).where(ApiKey.prefix == key[:PREFIX_LEN])):
         if hmac.compare_digest(row.hash, digest):
-            row.last_used_at = now()
-            session.commit()
+            stamp = now()
+            if row.last_used_at is None or stamp - row.last_used_at > USED_RESOLUTION:
+                row.last_used_at = stamp
+                session.commit()
             return row
     return None

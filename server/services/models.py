@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,8 +78,20 @@ def discover(models_dir: Path, hf_cache: Path | None) -> list[BaseModelInfo]:
     return found
 
 
+_found: dict[tuple[str, str, str], tuple[float, BaseModelInfo | None]] = {}
+FIND_TTL_S = 10.0
+
+
 def find(name: str, models_dir: Path, hf_cache: Path | None) -> BaseModelInfo | None:
-    return next((m for m in discover(models_dir, hf_cache) if m.name == name), None)
+    """One base model by name; a lookup is remembered for a few seconds (creating jobs in a burst
+    should not rescan every model folder each time)."""
+    key = (name, str(models_dir), str(hf_cache))
+    hit = _found.get(key)
+    if hit is not None and time.monotonic() - hit[0] < FIND_TTL_S:
+        return hit[1]
+    found = next((m for m in discover(models_dir, hf_cache) if m.name == name), None)
+    _found[key] = (time.monotonic(), found)
+    return found
 
 
 def usable_folder(name: str, models_dir: Path, hf_cache: Path | None) -> Path | None:
