@@ -11,7 +11,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse
 from fastapi.staticfiles import StaticFiles
 
 from server import __version__, errors
-from server.api import checkpoints, datasets, gpus, health, jobs, models
+from server.api import checkpoints, datasets, gpus, health, jobs, models, plan
 from server.db import make_engine, migrate, session_factory
 from server.deps import COOKIE, SessionDep, current_key
 from server.errors import ApiError
@@ -23,11 +23,12 @@ LANDING = """<!doctype html><html lang="en"><head><meta charset="utf-8"><title>R
 <body><h1>Roundhouse</h1><p>The REST API is described at <a href="/docs">/docs</a>.</p></body></html>"""
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
+def create_app(settings: Settings | None = None, *, apply_migrations: bool = True) -> FastAPI:
     """Build the app: apply migrations, create the first API key if there is none."""
     settings = settings or get_settings()
     engine = make_engine(settings.url)
-    migrate(engine)
+    if apply_migrations:
+        migrate(engine)
     sessions = session_factory(engine)
     with sessions() as session:
         first_key = keys.ensure_first_key(session)
@@ -45,7 +46,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.sessions = sessions
     app.state.first_key = first_key
     errors.install(app)
-    for module in (health, datasets, models, jobs, checkpoints, gpus):
+    for module in (health, datasets, models, jobs, checkpoints, gpus, plan):
         app.include_router(module.router)
 
     @app.get("/openapi.json", include_in_schema=False, dependencies=[Depends(current_key)])
@@ -74,6 +75,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return HTMLResponse(page.read_text() if page.is_file() else LANDING)
 
     return app
+
+
+def app_for_process() -> FastAPI:
+    """The app of one of several server processes (the parent applied the migrations)."""
+    return create_app(get_settings(), apply_migrations=False)
 
 
 def login_url(settings: Settings, key: str) -> str:

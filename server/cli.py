@@ -74,7 +74,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
             flush=True,
         )
     try:
-        uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning")
+        if args.processes > 1:  # each process builds its own app from the same environment
+            os.environ.update(
+                ROUNDHOUSE_HOME=str(settings.home.resolve()), ROUNDHOUSE_DATABASE_URL=settings.url
+            )
+            uvicorn.run(
+                "server.app:app_for_process",
+                factory=True,
+                workers=args.processes,
+                host=settings.host,
+                port=settings.port,
+                log_level="warning",
+            )
+        else:
+            uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning")
     finally:
         if worker is not None:
             worker.send_signal(signal.SIGTERM)
@@ -135,6 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--with-worker", action="store_true", help="also start a worker in a child process")
     s.add_argument("--demo", action="store_true", help="prepare the demo model and datasets first")
     s.add_argument("--new-login-key", action="store_true", help="print a login URL with a new key")
+    s.add_argument("--processes", type=int, default=1, help="server processes (one core of Python each)")
     s.set_defaults(func=cmd_serve)
     w = sub.add_parser("worker", help="run the GPU worker (a Celery worker that owns every GPU here)")
     w.add_argument("--name", help="the worker's name (default roundhouse-PID@HOST)")

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import psutil
+import pytest
 
 from tests.engine.tiny import tiny_model_folder
 
@@ -26,7 +27,8 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_serve_with_worker_prints_a_login_url_and_runs_a_job(tmp_path: Path) -> None:
+@pytest.mark.parametrize("processes", [1, 2])
+def test_serve_with_worker_prints_a_login_url_and_runs_a_job(tmp_path: Path, processes: int) -> None:
     home = tmp_path / "home"
     tiny_model_folder(home / "models" / "tiny")
     port = free_port()
@@ -35,7 +37,16 @@ def test_serve_with_worker_prints_a_login_url_and_runs_a_job(tmp_path: Path) -> 
     env.pop("ROUNDHOUSE_DATABASE_URL", None)
     log = (tmp_path / "serve.log").open("w+")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "server.cli", "serve", "--with-worker", "--new-login-key"],
+        [
+            sys.executable,
+            "-m",
+            "server.cli",
+            "serve",
+            "--with-worker",
+            "--new-login-key",
+            "--processes",
+            str(processes),
+        ],
         stdout=log,
         stderr=subprocess.STDOUT,
         env=env,
