@@ -50,7 +50,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from engine.parallel.partition import LayerCost, auto_partition, objective, proxy_costs
     from engine.parallel.schedule import build_schedule, render_grid
 
-    adapted = AdaptedModel(_meta_model(args))
+    meta = _meta_model(args)
+    adapted = AdaptedModel(meta)
     param_bytes = [
         float(sum(t.numel() * 2 for t in {id(t): t for t in layer.tensors.values()}.values()))
         for layer in adapted.layers
@@ -77,7 +78,41 @@ def cmd_plan(args: argparse.Namespace) -> int:
     names = [st.name for st in plan.slots]
     kinds = [st.kind for st in plan.slots]
     print(render_grid(runs, slot_names=names, kinds=kinds, num_workers=n))
+    print(_fit_report(args, meta.config.to_dict()))
     return 0
+
+
+def _fit_report(args: argparse.Namespace, config: dict[str, Any]) -> str:
+    """The planner's answer for this model on the given box: memory, fit, tokens/s and ETA."""
+    import psutil
+
+    from engine.planner import Hardware, Workload, plan_job
+
+    detected = []
+    host_ram = args.host_ram_gb
+    if host_ram is None:
+        host_ram = psutil.virtual_memory().total / 1e9
+        detected.append("host RAM")
+    hardware = Hardware(
+        num_gpus=args.workers,
+        gpu_memory_gb=args.gpu_memory_gb,
+        gpu_tflops=args.gpu_tflops,
+        link_gb_s=args.link_gb_s,
+        host_ram_gb=host_ram,
+        efficiency=args.efficiency,
+        detected=tuple(detected),
+    )
+    workload = Workload(
+        seq_len=args.seq_len,
+        batch_size=args.batch_size or max(args.microbatches, 16),
+        method=args.method,
+        lora_r=args.lora_r,
+        num_microbatches=args.microbatches,
+        compute_dtype=args.dtype,
+        async_optimizer=args.async_optimizer,
+        steps=args.steps,
+    )
+    return "\n" + plan_job(config, hardware, workload).describe()
 
 
 class ProgressSink:
@@ -313,6 +348,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--memory-budget-gb", type=float, default=None)
+    p.add_argument("--gpu-memory-gb", type=float, default=24.0, help="memory of each GPU (fit report)")
+    p.add_argument("--gpu-tflops", type=float, default=165.0, help="peak bf16 rate of each GPU")
+    p.add_argument("--efficiency", type=float, default=0.4, help="achieved fraction of the peak rate")
+    p.add_argument("--link-gb-s", type=float, default=25.0, help="host <-> GPU bandwidth, GB/s")
+    p.add_argument("--host-ram-gb", type=float, default=None, help="default: this machine's RAM")
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--batch-size", type=int, default=None, help="sequences per step (default max(M, 16))")
+    p.add_argument("--method", choices=["lora", "full"], default="lora")
+    p.add_argument("--lora-r", type=int, default=16)
+    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    p.add_argument("--async", dest="async_optimizer", action="store_true")
+    p.add_argument("--steps", type=int, default=None, help="steps of the job, for an ETA")
     p.set_defaults(func=cmd_plan)
     d = sub.add_parser("synthetic", help="train a small random model on a synthetic task over CPU workers")
     d.add_argument("--workers", type=int, default=2)

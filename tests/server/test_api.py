@@ -295,3 +295,44 @@ def test_a_job_the_broker_cannot_take_is_refused_and_not_kept(settings: Settings
         assert r.status_code == 503 and r.json()["error"]["code"] == "broker_unavailable"
         assert client.get("/api/jobs").json()["data"] == []
         assert client.get(f"/api/datasets/{ds['id']}").status_code == 200  # the dataset stays
+
+
+def test_plan_reads_the_workers_gpus_and_calibrates_from_a_job(client: TestClient) -> None:
+    body = {"base_model": "demo", "seq_len": 1024, "batch_size": 8, "num_microbatches": 8, "steps": 100}
+    assumed = client.post("/api/plan", json=body).json()
+    assert assumed["fits"] and assumed["assumptions"]["detected"] == [] and assumed["stages"]
+    assert assumed["eta_s"] == assumed["iteration_s"] * 100
+    sessions = client.app.state.sessions  # type: ignore[attr-defined]
+    device = {"name": "GPU", "utilization": 0.0, "memory_used": 0, "temperature": 30.0, "power_w": 20.0}
+    with sessions() as session:
+        gpus.record(
+            session,
+            worker_id="w@box",
+            hostname="box",
+            devices=[device | {"index": i, "memory_total": 24 * 10**9} for i in range(4)],
+            cpu={"utilization": 1.0, "memory_total": 64e9, "cores": 16.0},
+            message="4 GPU(s)",
+        )
+    detected = client.post("/api/plan", json=body).json()
+    assert detected["assumptions"]["detected"] == ["GPU count", "GPU memory", "host RAM"]
+    assert detected["gpu_memory_gb"] == 24.0
+    # a job measured at half the predicted rate halves the assumed efficiency
+    ds = upload(client, jsonl(CHAT)).json()
+    job = make_job(client, ds["id"], base_model="tiny").json()
+    past = {"base_model": "tiny", "seq_len": 1024, "batch_size": 4, "num_microbatches": 4}
+    predicted = client.post("/api/plan", json=past).json()["tokens_per_s"]
+    with sessions() as session:
+        for step in (1, 2, 3):
+            jobs.add_event(
+                session,
+                job_id=job["id"],
+                kind="metrics",
+                step=step,
+                data={"throughput/tokens_per_s": predicted / 2},
+            )
+    calibrated = client.post("/api/plan", json=body | {"calibrate_job_id": job["id"]}).json()
+    assert calibrated["calibrated_from"] == job["id"]
+    assert abs(calibrated["assumptions"]["efficiency"] - detected["assumptions"]["efficiency"] / 2) < 1e-3
+    r = client.post("/api/plan", json=body | {"batch_size": 4})
+    assert r.status_code == 422 and r.json()["error"]["param"] == "num_microbatches"
+    assert client.post("/api/plan", json=body | {"base_model": "nope"}).status_code == 404

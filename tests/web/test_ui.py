@@ -252,6 +252,10 @@ def test_new_job_runs_to_success_and_its_adapter_downloads(
     expect(request).to_contain_text(dataset_id)
     expect(request).to_contain_text("curl")
     expect(page.get_by_role("button", name="Copy request")).to_be_visible()
+    # the plan before starting: fit, predicted throughput and an ETA for the 40 steps
+    expect(page.locator("#plan-fits")).to_have_text("Fits on this box.")
+    expect(page.locator("#plan-tokens")).to_have_text(re.compile(r"\d"))
+    expect(page.locator("#plan-eta")).to_have_text(re.compile(r"\d+ (s|min|h)"))
     screenshot(page, "new-job")
 
     job_id = submit_job(page)
@@ -287,7 +291,9 @@ def test_new_job_runs_to_success_and_its_adapter_downloads(
     expect(page.locator("ol#event-log > li").first).to_be_attached()
     for stat in ("#tokens-per-s", "#learning-rate", "#bubble-ratio"):
         expect(page.locator(stat)).to_have_text(re.compile(r"\d"))
-    expect(page.locator("rh-line-chart#gpu-chart svg path.series").first).to_be_attached(timeout=20_000)
+    expect(
+        page.locator("rh-line-chart#gpu-chart svg .series, rh-line-chart#gpu-chart svg .point").first
+    ).to_be_attached(timeout=20_000)
     screenshot(page, "job-succeeded")
 
     link = page.locator('#checkpoints-table tbody tr[data-step="40"] a.download-adapter')

@@ -2,7 +2,7 @@
 // "Advanced"); the equivalent API request is shown and can be copied.
 
 import { api } from "../api.js";
-import { bytes, el, errorBox, number } from "../widgets.js";
+import { bytes, duration, el, errorBox, number } from "../widgets.js";
 
 function field(id, label, control, hint) {
   control.id = id;
@@ -43,6 +43,7 @@ export async function render(main) {
   const preview = el("pre", { id: "request-preview", class: "code" });
   const error = el("div", { id: "form-error", "aria-live": "polite" });
   const copy = el("button", { type: "button", class: "secondary", text: "Copy request" });
+  const planBox = el("section", { id: "plan", class: "card", "aria-live": "polite" }, el("h2", { text: "Fit and time" }), el("p", { class: "muted", text: "Planning…" }));
 
   function body() {
     const b = {
@@ -69,7 +70,40 @@ export async function render(main) {
     return b;
   }
 
+  let planTimer = null;
+  let planTicket = 0;
+  async function refreshPlan() {
+    const b = body();
+    const dtype = b.engine.compute_dtype === "auto" ? "bfloat16" : b.engine.compute_dtype;
+    const request = {
+      base_model: b.base_model, seq_len: b.data.max_length, batch_size: b.hyper.batch_size, method: b.method.kind,
+      lora_r: b.method.lora_r || 16, num_microbatches: b.engine.num_microbatches, compute_dtype: dtype,
+      async_optimizer: b.engine.async_optimizer, steps: b.hyper.max_steps || null,
+    };
+    const ticket = ++planTicket;
+    try {
+      const p = await api("/plan", { method: "POST", body: request });
+      if (ticket !== planTicket) return;
+      const a = p.assumptions;
+      const hw = a.detected.length ? `read off the workers: ${a.detected.join(", ")}` : "no GPU worker reported: assuming 2 × 24 GB GPUs";
+      planBox.replaceChildren(el("h2", { text: "Fit and time" }),
+        el("p", { id: "plan-fits", class: p.fits ? "fits" : "error", text: p.fits ? "Fits on this box." : "Does not fit." }),
+        p.problems.length ? el("ul", { class: "errors" }, p.problems.map((t) => el("li", { text: t }))) : null,
+        p.suggestions.length ? el("ul", {}, p.suggestions.map((t) => el("li", { text: `Try: ${t}` }))) : null,
+        el("dl", { class: "stats" },
+          el("div", {}, el("dt", { text: "GPU memory (largest stage)" }), el("dd", { text: `${number(p.gpu_memory_needed_gb)} of ${number(p.gpu_memory_gb)} GB` })),
+          el("div", {}, el("dt", { text: "host RAM" }), el("dd", { text: `${number(p.host_ram.total_gb)} GB` })),
+          el("div", {}, el("dt", { text: "predicted tokens/s" }), el("dd", { id: "plan-tokens", text: number(p.tokens_per_s) })),
+          el("div", {}, el("dt", { text: "ETA" }), el("dd", { id: "plan-eta", text: duration(p.eta_s) }))),
+        el("p", { class: "muted small", text: `${p.partition ? `Stages ${p.partition}; ` : ""}${number(a.gpu_tflops)} TFLOPS per GPU at ${number(100 * a.efficiency)}% efficiency, ${number(a.link_gb_s)} GB/s host link (${hw}). An estimate: a finished job on this box calibrates it (POST /api/plan with calibrate_job_id).` }));
+    } catch (err) {
+      if (ticket === planTicket) planBox.replaceChildren(el("h2", { text: "Fit and time" }), errorBox(err));
+    }
+  }
+
   function update() {
+    clearTimeout(planTimer);
+    planTimer = setTimeout(refreshPlan, 300);
     const json = JSON.stringify(body(), null, 2);
     preview.textContent = `curl -X POST ${location.origin}/api/jobs \\\n  -H "Authorization: Bearer $ROUNDHOUSE_KEY" \\\n  -H "Content-Type: application/json" \\\n  -d '${json}'`;
   }
@@ -132,6 +166,7 @@ export async function render(main) {
       if (target) { target.setAttribute("aria-invalid", "true"); target.focus(); }
     }
   });
-  main.append(el("h1", { text: "New fine-tune" }), form);
+  main.append(el("h1", { text: "New fine-tune" }), planBox, form);
   update();
+  return () => clearTimeout(planTimer);
 }

@@ -1,0 +1,106 @@
+"""The planner's memory figures against a real (tiny) model and engine; its advice when it does not fit."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from engine import EngineConfig, RoundPipe
+from engine.planner import Hardware, Shape, Workload, calibrate, plan_job
+from tests.engine.tiny import tiny_batch, tiny_model
+
+QWEN3_1_7B = {
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "tie_word_embeddings": True,
+}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("tied", [False, True])
+def test_parameter_counts_match_the_model(family: str, tied: bool) -> None:
+    model = tiny_model(family, tied=tied)
+    shape = Shape.from_config(model.config.to_dict())
+    biases = sum(p.numel() for n, p in model.named_parameters() if n.endswith(".bias"))  # qwen2 q/k/v bias
+    assert sum(shape.layer_params()) + biases == sum(p.numel() for p in model.parameters())
+
+
+def test_lora_trainable_count_matches_peft() -> None:
+    from peft import LoraConfig, get_peft_model
+
+    model = tiny_model("llama")
+    shape = Shape.from_config(model.config.to_dict())
+    targets = ("q_proj", "v_proj", "down_proj")
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=list(targets)))
+    trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+    assert shape.layers * shape.lora_params(4, targets) == trainable
+
+
+def test_host_optimizer_bytes_match_the_engine_after_a_step() -> None:
+    model = tiny_model("llama")
+    config = model.config.to_dict()
+    with RoundPipe(copy.deepcopy(model), EngineConfig(devices=["cpu", "cpu"], num_microbatches=2)) as rp:
+        rp.forward_backward(**tiny_batch(batch=4, seed=1))
+        rp.step()
+        rp.synchronize()
+        measured = 0
+        for t in rp.host.trainable:
+            assert t.master is not None and t.master.grad is not None
+            measured += t.master.numel() * t.master.element_size() + t.master.grad.numel() * 4
+            for owner_opt in rp.optimizer.optimizers.values():
+                state = owner_opt.state.get(t.master, {})
+                measured += sum(v.numel() * v.element_size() for k, v in state.items() if k != "step")
+        weights = sum(t.compute.numel() * t.compute.element_size() for t in rp.host.tensors)
+    hardware = Hardware(num_gpus=2, gpu_memory_gb=24.0)
+    report = plan_job(
+        config,
+        hardware,
+        Workload(method="full", compute_dtype="float32", batch_size=4, num_microbatches=2, seq_len=16),
+    )
+    assert report.host_ram["optimizer_gb"] * 1e9 == pytest.approx(measured, rel=1e-9)
+    assert report.host_ram["weights_gb"] * 1e9 == pytest.approx(weights, rel=1e-9)
+
+
+def test_a_plan_that_fits_and_one_that_does_not() -> None:
+    box = Hardware(num_gpus=4, gpu_memory_gb=24.0, host_ram_gb=128.0)
+    ok = plan_job(QWEN3_1_7B, box, Workload(steps=1000))
+    assert ok.fits and ok.problems == [] and ok.tokens_per_s > 0
+    assert ok.eta_s == pytest.approx(1000 * ok.iteration_s)
+    assert all(s["gpu_memory_gb"] <= 24.0 for s in ok.stages)
+    assert 0 <= ok.closed_form_bubble <= ok.bubble < 1
+    # a full fine-tune of a 1.7B model needs ~28 GB of optimizer state: not on a 16 GB host
+    small_host = plan_job(QWEN3_1_7B, Hardware(num_gpus=4, host_ram_gb=16.0), Workload(method="full"))
+    assert not small_host.fits and "host RAM" in small_host.problems[0]
+    assert any("LoRA" in s for s in small_host.suggestions)
+    # one micro-batch of 64k tokens: the output layer's logits alone do not fit a 24 GB GPU
+    long = plan_job(QWEN3_1_7B, box, Workload(seq_len=65536, batch_size=2, num_microbatches=1))
+    assert not long.fits and "micro-batch" in long.problems[0] and long.suggestions
+
+
+def test_bad_settings_name_the_field() -> None:
+    with pytest.raises(ValueError, match="num_microbatches=9 exceeds batch_size=4"):
+        plan_job(QWEN3_1_7B, Hardware(), Workload(batch_size=4, num_microbatches=9))
+    with pytest.raises(ValueError, match="hidden_size"):
+        plan_job({"num_hidden_layers": 2}, Hardware(), Workload())
+    with pytest.raises(ValueError, match="efficiency"):
+        plan_job(QWEN3_1_7B, Hardware(efficiency=0.0), Workload())
+
+
+def test_calibration_scales_the_rate_to_the_measurement() -> None:
+    box = Hardware(num_gpus=2)
+    before = plan_job(QWEN3_1_7B, box, Workload())
+    tuned = calibrate(
+        box, predicted_tokens_per_s=before.tokens_per_s, measured_tokens_per_s=before.tokens_per_s / 2
+    )
+    after = plan_job(QWEN3_1_7B, tuned, Workload())
+    assert tuned.efficiency == pytest.approx(box.efficiency / 2)
+    # compute dominates: half the rate gives about half the throughput (uploads do not scale)
+    assert after.tokens_per_s == pytest.approx(before.tokens_per_s / 2, rel=0.15)
+    assert torch.isfinite(torch.tensor(after.iteration_s))
