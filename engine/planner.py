@@ -324,8 +324,9 @@ def plan_job(config: dict[str, Any], hardware: Hardware, workload: Workload) -> 
                     "gpu_memory_gb": (stage_memory(stage, costs) + CUDA_OVERHEAD_BYTES) / GB,
                 }
             )
+        # async: the period of iterations chained without a flush; sync: one iteration, then the flush
         result = simulate(
-            "roundpipe-async" if w.async_optimizer else "roundpipe-sync",
+            "roundpipe-async-steady" if w.async_optimizer else "roundpipe-sync",
             costs,
             num_workers=n,
             num_microbatches=m,
@@ -334,6 +335,8 @@ def plan_job(config: dict[str, Any], hardware: Hardware, workload: Workload) -> 
             mode="physical",
             param_bytes=param_bytes,
             bandwidth=h.link_gb_s * GB,
+            round_size=m,  # the engine's default: one round of every micro-batch
+            rotation="fixed",
         )
         optimizer_s = trainable / OPTIMIZER_PARAMS_PER_S
         iteration = max(result.makespan, optimizer_s)

@@ -23,10 +23,13 @@ from engine.parallel.executor import Worker
 from engine.parallel.host import DTYPES, HostState
 from engine.parallel.optimizer import OptimizerWorker, StepJob
 from engine.parallel.partition import Plan, auto_partition
+from engine.parallel.partition_search import search_partition
 from engine.parallel.planning import measured_costs, memory_costs
 from engine.parallel.schedule import build_schedule, render_grid
 
 __all__ = ["Cancelled", "EngineConfig", "EngineError", "RoundPipe"]
+
+REPLAN_EVALUATIONS = 100  # simulations the re-plan from measured times may spend
 
 
 @dataclass
@@ -496,9 +499,25 @@ class RoundPipe:
             if not self._calibration and self.plan is not None:
                 return self.plan
             costs = measured_costs(self._calibration, memory) if self._calibration else memory
-        plan = auto_partition(
-            costs, num_workers=len(self.workers), num_microbatches=len(mbs), memory_budget=self._budget()
-        )
+        if self._replan_due():
+            # measured times: simulate candidate plans as the engine dispatches them (rounds of
+            # round_size, fixed rotation) and keep the fastest; never slower than the closed form's
+            plan = search_partition(
+                costs,
+                num_workers=len(self.workers),
+                num_microbatches=len(mbs),
+                memory_budget=self._budget(),
+                mode="physical",
+                rotation="fixed",
+                round_size=self.config.round_size or len(mbs),
+                objective="steady" if self.config.async_optimizer else "sync",
+                seeds=[self.plan] if self.plan is not None else (),
+                max_evaluations=REPLAN_EVALUATIONS,
+            )
+        else:  # parameter bytes are no times: the closed-form objective is all they support
+            plan = auto_partition(
+                costs, num_workers=len(self.workers), num_microbatches=len(mbs), memory_budget=self._budget()
+            )
         data: dict[str, Any] = {**plan.to_counts(), "grid": self._grid(plan, len(mbs))}
         if self._replan_due():
             same = " (unchanged)" if plan == self.plan else ""

@@ -7,13 +7,14 @@ rules, so hops, uneven slots, the round rotation and (in physical mode, given by
 uploads all count, while every stage stays within the memory budget:
 
 1. seeds: the closed-form plan and any plans passed in;
-2. a coordinate search over *balanced* plans, described by the number of forward stages, the number of
-   backward stages and the size of the fused stage (stages cut at equal shares of the cost, rounding the
-   cuts down or up);
+2. a scan of *balanced* plans, described by the number of forward stages, the number of backward stages
+   and the size of the fused stage (each stage aiming at an equal share of the cost still left, larger
+   stages first or last);
 3. a local search that moves one stage boundary by one layer, or grows or shrinks the fused stage, while
-   that shortens the makespan.
+   that shortens the simulated time.
 
-The result is never worse than the best seed under the same rules.
+Every candidate costs one simulation, and ``max_evaluations`` bounds them. The result is never worse
+than the seeds under the same rules.
 """
 
 from __future__ import annotations
@@ -72,8 +73,9 @@ def search_partition(
         max_evaluations: simulations allowed (>= 1); each costs one simulated iteration.
 
     Returns:
-        The best plan found; ties go to fewer slots. Never worse than the closed-form plan or any
-        seed within the budget.
+        The best plan found; ties go to fewer slots. It is never worse than the closed-form plan of
+        :func:`auto_partition`, nor than any seed within the budget (those are simulated first, so
+        all of them are when ``max_evaluations > len(seeds)``).
 
     Raises:
         ValueError: invalid inputs (as for :func:`auto_partition` and :func:`simulate`), a seed that does
@@ -152,37 +154,45 @@ class _Search:
         return value
 
     def balanced(self) -> None:
-        """Scan balanced plans by (forward stages k, backward stages j), starting near the best plan.
+        """Scan balanced plans by (forward stages k, backward stages j) and the size of the fused stage.
 
-        First, plans whose stages cost about as much as the fused stage (the starting one and slightly
-        larger ones) join the seeds. The makespan depends on k and j jointly (through ``S mod N`` and the
+        Plans whose stages cost about as much as the slowest unavoidable slot, and their neighbours in
+        (k, j), join the seeds. The makespan depends on k and j jointly (through ``S mod N`` and the
         slowest slot), so a window of both is scanned around the best plan, then j and k are swept over
-        their useful ranges, the window is scanned again around the new best, and finally the other ways
-        of rounding stage sizes are tried at the best (k, j).
+        their useful ranges and the window is scanned again around the new best. Slightly larger fused
+        stages get the same treatment when one of them leads. Finally the other ways of rounding stage
+        sizes are tried at the best (k, j).
         """
-        start = self.best[1]
-        for fused in range(start, min(start + FUSED_EXTRA, len(self.costs) - 1) + 1):
-            pace = self._pace(fused)
-            if pace > 0:  # stages as large as the slowest unavoidable slot
-                k = _count(self.fwd, len(self.costs) - fused, pace)
-                j = _count(self.fb, len(self.costs) - fused, pace)
-                self._try(k, j, fused, (True, True))
-        fused = self.best[1]
+        first = self.best[1]
+        self._seed(first)
+        self._scan(first)
+        for fused in range(first + 1, min(first + FUSED_EXTRA, len(self.costs) - 1) + 1):
+            self._seed(fused)
+        if self.best[1] != first:
+            self._scan(self.best[1])
+        k, j = self._shape()
+        for rules in ((True, False), (False, True), (False, False)):
+            self._try(k, j, self.best[1], rules)
+
+    def _seed(self, fused: int) -> None:
+        pace = self._pace(fused)
+        if pace > 0:  # stages as large as the slowest unavoidable slot
+            k = _count(self.fwd, len(self.costs) - fused, pace)
+            j = _count(self.fb, len(self.costs) - fused, pace)
+            self._window(k, j, fused, WINDOW // 2)
+
+    def _scan(self, fused: int) -> None:
         k_range, j_range = self._ranges(fused)
-        self._window(fused)
+        self._window(*self._shape(), fused, WINDOW)
         for axis in ("j", "k"):
             k, j = self._shape()
             for v in j_range if axis == "j" else k_range:
                 self._try(v if axis == "k" else k, v if axis == "j" else j, fused, (True, True))
-        self._window(fused)
-        k, j = self._shape()
-        for rules in ((True, False), (False, True), (False, False)):
-            self._try(k, j, fused, rules)
+        self._window(*self._shape(), fused, WINDOW)
 
-    def _window(self, fused: int) -> None:
-        k0, j0 = self._shape()
-        for dk in range(-WINDOW, WINDOW + 1):
-            for dj in range(-WINDOW, WINDOW + 1):
+    def _window(self, k0: int, j0: int, fused: int, half: int) -> None:
+        for dk in range(-half, half + 1):
+            for dj in range(-half, half + 1):
                 self._try(k0 + dk, j0 + dj, fused, (True, True))
 
     def _shape(self) -> tuple[int, int]:

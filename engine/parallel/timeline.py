@@ -217,7 +217,8 @@ def render_svg(times: Sequence[OpTime], *, num_workers: int, title: str = "", wi
             tip = f"w{op.worker} {op.label or op.key} {part}: {a:.2f} to {b:.2f}"
             out.append(
                 f'<rect x="{left + a * scale:.2f}" y="{y}" width="{max((b - a) * scale, 0.5):.2f}" '
-                f'height="{h}" fill="{colour}"><title>{_escape(tip)}</title></rect>'
+                f'height="{h}" fill="{colour}" stroke="white" stroke-width="0.4">'
+                f"<title>{_escape(tip)}</title></rect>"
             )
     axis = top + row * num_workers + 4
     out.append(f'<line x1="{left}" y1="{axis}" x2="{width - 12}" y2="{axis}" stroke="#444"/>')

@@ -430,3 +430,116 @@ def test_auto_partition_rejects_bad_inputs(costs: list[LayerCost], kwargs: dict,
     with pytest.raises(ValueError) as info:
         auto_partition(costs, **kwargs)
     assert message in str(info.value)
+
+
+# --- search_partition: the simulated makespan as objective ---
+
+
+def simulated(plan: Plan, costs: list[LayerCost], **kwargs: object) -> float:
+    from engine.parallel.simulate import simulate
+
+    return simulate("roundpipe-sync", costs, plan=plan, **kwargs).makespan  # type: ignore[arg-type]
+
+
+def test_search_partition_never_loses_to_the_closed_form_plan_or_a_seed() -> None:
+    from engine.parallel.partition_search import search_partition
+
+    rng = random.Random(21)
+    for trial in range(40):
+        num_layers = rng.randint(2, 8)
+        costs = [LayerCost(rng.randint(0, 3), rng.randint(0, 6), 1.0, 1.0) for _ in range(num_layers)]
+        n, m = rng.randint(1, 4), rng.randint(1, 8)
+        mode = rng.choice(["paper", "physical"])
+        kw = {"num_workers": n, "num_microbatches": m, "hop": rng.choice([0.0, 0.5, 3.0]), "mode": mode}
+        seed = next(p for p in all_plans(num_layers) if p.num_slots == min(3, 2 * num_layers - 1))
+        plan = search_partition(costs, seeds=[seed], max_evaluations=60, **kw)
+        validate_plan(plan)
+        closed = auto_partition(costs, num_workers=n, num_microbatches=m)
+        best = simulated(plan, costs, **kw)
+        assert best <= simulated(closed, costs, **kw) + 1e-9, trial
+        assert best <= simulated(seed, costs, **kw) + 1e-9, trial
+
+
+def test_search_partition_beats_the_closed_form_when_hops_are_slow() -> None:
+    from engine.parallel.partition_search import search_partition
+    from engine.parallel.simulate import uniform_costs
+
+    # 8 blocks (forward 1, backward 2), N=4, M=8: the closed form picks 12 slots, blind to the hop.
+    costs = uniform_costs(8, fwd=1.0, bwd=2.0, head_fwd=1.0, head_bwd=2.0)
+    kw = {"num_workers": 4, "num_microbatches": 8, "mode": "physical"}
+    closed = auto_partition(costs, num_workers=4, num_microbatches=8)
+    assert closed.num_slots == 12
+    plan = search_partition(costs, hop=5.0, **kw)
+    assert plan.num_slots < closed.num_slots
+    assert simulated(plan, costs, hop=5.0, **kw) < 0.7 * simulated(closed, costs, hop=5.0, **kw)
+    # without a hop the closed-form plan is already as good as anything the search finds
+    assert simulated(search_partition(costs, **kw), costs, **kw) == simulated(closed, costs, **kw)
+
+
+def test_search_partition_accounts_for_weight_uploads() -> None:
+    from engine.parallel.partition_search import search_partition
+    from engine.parallel.simulate import uniform_costs
+
+    costs = uniform_costs(8, fwd=1.0, bwd=2.0, head_fwd=1.0, head_bwd=2.0)
+    param_bytes = [0.0] + [10.0] * 8 + [20.0]
+    kw = {"num_workers": 4, "num_microbatches": 8, "hop": 0.5, "mode": "physical"}
+    blind = search_partition(costs, **kw)
+    aware = search_partition(costs, param_bytes=param_bytes, bandwidth=1.0, **kw)
+    uploads = {"param_bytes": param_bytes, "bandwidth": 1.0}
+    assert simulated(aware, costs, **uploads, **kw) < simulated(blind, costs, **uploads, **kw)
+
+
+def test_search_partition_respects_the_memory_budget() -> None:
+    from engine.parallel.partition_search import search_partition
+
+    rng = random.Random(8)
+    for _ in range(15):
+        num_layers = rng.randint(3, 9)
+        costs = [
+            LayerCost(rng.uniform(0, 2), rng.uniform(0, 4), rng.uniform(1, 3), rng.uniform(2, 6))
+            for _ in range(num_layers)
+        ]
+        budget = rng.choice([8.0, 12.0])
+        plan = search_partition(
+            costs, num_workers=2, num_microbatches=4, hop=0.1, memory_budget=budget, max_evaluations=80
+        )
+        assert all(stage_memory(s, costs) <= budget for s in plan.slots)
+    with pytest.raises(ValueError, match=r"no partition fits memory_budget=1\.0"):
+        search_partition(uniform(4, mem=2.0), num_workers=2, num_microbatches=2, memory_budget=1.0)
+
+
+def test_search_partition_is_deterministic_and_bounded() -> None:
+    from engine.parallel.partition_search import search_partition
+    from engine.parallel.simulate import uniform_costs
+
+    costs = uniform_costs(12, fwd=1.0, bwd=2.5, head_fwd=2.0, head_bwd=3.0)
+    kw = {"num_workers": 4, "num_microbatches": 8, "hop": 0.3}
+    assert search_partition(costs, **kw) == search_partition(costs, **kw)
+    # one evaluation: the closed-form plan itself
+    assert search_partition(costs, max_evaluations=1, **kw) == auto_partition(
+        costs, num_workers=4, num_microbatches=8
+    )
+    steady = search_partition(costs, objective="steady", max_evaluations=40, **kw)
+    validate_plan(steady)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"objective": "fastest"}, "objective='fastest' must be one of"),
+        ({"max_evaluations": 0}, "max_evaluations=0 must be an integer >= 1"),
+        (
+            {"seeds": [Plan.from_counts(3, forward=[2], fused=1, backward=[2])]},
+            "seeds[0].num_layers=3 does not match",
+        ),
+        ({"mode": "dream"}, "mode='dream' must be one of"),
+        ({"num_workers": 0}, "num_workers=0 must be an integer >= 1"),
+    ],
+)
+def test_search_partition_rejects_bad_inputs(kwargs: dict, message: str) -> None:
+    from engine.parallel.partition_search import search_partition
+
+    args = {"num_workers": 2, "num_microbatches": 2, **kwargs}
+    with pytest.raises(ValueError) as info:
+        search_partition(uniform(4), **args)
+    assert message in str(info.value)
