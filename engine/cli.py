@@ -415,8 +415,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: Sequence[str] | None = None, *, parser: argparse.ArgumentParser | None = None) -> int:
+    """Run one command; a bad input ends with exit code 2 and a one-line reason."""
+    args = (parser or build_parser()).parse_args(argv)
     try:
         return int(args.func(args))
     except (ValueError, OSError) as exc:

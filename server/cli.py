@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from engine.cli import build_parser as engine_parser
+from engine.cli import main as engine_main
 from server.settings import get_settings
 
 DEMO_DATASETS = (("demo: inventory (train)", "TRAIN"), ("demo: inventory (held-out)", "HELDOUT"))
@@ -163,12 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        return int(args.func(args))
-    except (ValueError, OSError) as exc:
-        print(f"roundhouse {args.command}: {exc}", file=sys.stderr)
-        return 2
+    return engine_main(argv, parser=build_parser())
 
 
 if __name__ == "__main__":

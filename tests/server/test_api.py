@@ -336,3 +336,18 @@ def test_plan_reads_the_workers_gpus_and_calibrates_from_a_job(client: TestClien
     r = client.post("/api/plan", json=body | {"batch_size": 4})
     assert r.status_code == 422 and r.json()["error"]["param"] == "num_microbatches"
     assert client.post("/api/plan", json=body | {"base_model": "nope"}).status_code == 404
+
+
+def test_models_lists_the_hugging_face_cache(settings: Settings, tmp_path: Path) -> None:
+    from server.services import models
+    from tests.engine.tiny import tiny_model_folder
+
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--acme--tiny-chat" / "snapshots" / "0123abcd"
+    tiny_model_folder(snapshot)
+    (cache / "models--acme--half-downloaded" / "snapshots" / "feed").mkdir(parents=True)  # no config.json
+    found = {m.name: m for m in models.discover(settings.models_dir, cache)}
+    assert "acme/half-downloaded" not in found
+    cached = found["acme/tiny-chat"]
+    assert cached.source == "hf-cache" and cached.path == snapshot and cached.ready
+    assert cached.architecture == "LlamaForCausalLM" and cached.parameters and cached.parameters > 10_000
