@@ -254,6 +254,8 @@ def test_new_job_runs_to_success_and_its_adapter_downloads(
     expect(page.get_by_role("button", name="Copy request")).to_be_visible()
     # the plan before starting: fit, predicted throughput and an ETA for the 40 steps
     expect(page.locator("#plan-fits")).to_have_text("Fits on this box.")
+    expect(page.locator("#plan")).not_to_contain_text("null")
+    expect(page.locator("#plan")).to_contain_text("assumes 2 GPUs of 24 GB")  # a CPU host reports no GPU
     expect(page.locator("#plan-tokens")).to_have_text(re.compile(r"\d"))
     expect(page.locator("#plan-eta")).to_have_text(re.compile(r"\d+ (s|min|h)"))
     screenshot(page, "new-job")

@@ -85,8 +85,9 @@ export async function render(main) {
       const p = await api("/plan", { method: "POST", body: request });
       if (ticket !== planTicket) return;
       const a = p.assumptions;
-      const hw = a.detected.length ? `read off the workers: ${a.detected.join(", ")}` : "no GPU worker reported: assuming 2 × 24 GB GPUs";
-      planBox.replaceChildren(el("h2", { text: "Fit and time" }),
+      const gpus = a.detected.includes("GPU count") ? "GPUs as the workers report them" : "no worker has reported a GPU, so this assumes 2 GPUs of 24 GB (POST /api/plan takes others)";
+      const hw = `${gpus}${a.detected.length ? `; read off the workers: ${a.detected.join(", ")}` : ""}`;
+      planBox.replaceChildren(...[el("h2", { text: "Fit and time" }),
         el("p", { id: "plan-fits", class: p.fits ? "fits" : "error", text: p.fits ? "Fits on this box." : "Does not fit." }),
         p.problems.length ? el("ul", { class: "errors" }, p.problems.map((t) => el("li", { text: t }))) : null,
         p.suggestions.length ? el("ul", {}, p.suggestions.map((t) => el("li", { text: `Try: ${t}` }))) : null,
@@ -95,7 +96,7 @@ export async function render(main) {
           el("div", {}, el("dt", { text: "host RAM" }), el("dd", { text: `${number(p.host_ram.total_gb)} GB` })),
           el("div", {}, el("dt", { text: "predicted tokens/s" }), el("dd", { id: "plan-tokens", text: number(p.tokens_per_s) })),
           el("div", {}, el("dt", { text: "ETA" }), el("dd", { id: "plan-eta", text: duration(p.eta_s) }))),
-        el("p", { class: "muted small", text: `${p.partition ? `Stages ${p.partition}; ` : ""}${number(a.gpu_tflops)} TFLOPS per GPU at ${number(100 * a.efficiency)}% efficiency, ${number(a.link_gb_s)} GB/s host link (${hw}). An estimate: a finished job on this box calibrates it (POST /api/plan with calibrate_job_id).` }));
+        el("p", { class: "muted small", text: `${p.partition ? `Stages ${p.partition}; ` : ""}${number(a.gpu_tflops)} TFLOPS per GPU at ${number(100 * a.efficiency)}% efficiency, ${number(a.link_gb_s)} GB/s host link (${hw}). An estimate: a finished job on this box calibrates it (POST /api/plan with calibrate_job_id).` })].filter(Boolean));
     } catch (err) {
       if (ticket === planTicket) planBox.replaceChildren(el("h2", { text: "Fit and time" }), errorBox(err));
     }
