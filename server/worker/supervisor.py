@@ -52,7 +52,10 @@ def _gpu_metrics(session: Session, worker_id: str) -> dict[str, float]:
     row = session.get(Worker, worker_id)
     if row is None:
         return {}
-    out = {"host/cpu_utilization": float(row.cpu.get("utilization", 0.0))}
+    out = {
+        "host/cpu_utilization": float(row.cpu.get("utilization", 0.0)),
+        "host/memory_used": float(row.cpu.get("memory_used", 0.0)),
+    }
     for d in row.devices:
         for key in ("utilization", "memory_used"):
             if d.get(key) is not None:

@@ -293,9 +293,9 @@ def test_new_job_runs_to_success_and_its_adapter_downloads(
     expect(page.locator("ol#event-log > li").first).to_be_attached()
     for stat in ("#tokens-per-s", "#learning-rate", "#bubble-ratio"):
         expect(page.locator(stat)).to_have_text(re.compile(r"\d"))
-    expect(
-        page.locator("rh-line-chart#gpu-chart svg .series, rh-line-chart#gpu-chart svg .point").first
-    ).to_be_attached(timeout=20_000)
+    for chart in ("gpu-chart", "memory-chart"):  # device history: utilization and memory
+        drawn = f"rh-line-chart#{chart} svg .series, rh-line-chart#{chart} svg .point"
+        expect(page.locator(drawn).first).to_be_attached(timeout=20_000)
     screenshot(page, "job-succeeded")
 
     link = page.locator('#checkpoints-table tbody tr[data-step="40"] a.download-adapter')

@@ -20,6 +20,7 @@ export async function render(main, jobId) {
   const lossChart = el("rh-line-chart", { id: "loss-chart", label: "loss", empty: "no loss logged yet" });
   const speedChart = el("rh-line-chart", { id: "speed-chart", label: "tokens per second", zero: true });
   const gpuChart = el("rh-line-chart", { id: "gpu-chart", label: "device utilization (%)", xlabel: "sample", zero: true, ymax: 100, empty: "no utilization sample yet" });
+  const memoryChart = el("rh-line-chart", { id: "memory-chart", label: "device memory used (GB)", xlabel: "sample", zero: true, empty: "no memory sample yet" });
   const log = el("ol", { id: "event-log", class: "log" });
   const checkpoints = el("tbody");
   const cancel = el("button", { type: "button", id: "cancel-job", class: "danger", text: "Cancel job" });
@@ -40,7 +41,8 @@ export async function render(main, jobId) {
     el("div", { class: "charts" },
       el("section", { class: "card" }, el("h2", { text: "Loss" }), lossChart),
       el("section", { class: "card" }, el("h2", { text: "Throughput (tokens/s)" }), speedChart),
-      el("section", { class: "card" }, el("h2", { text: "Device utilization" }), gpuChart)),
+      el("section", { class: "card" }, el("h2", { text: "Device utilization (%)" }), gpuChart),
+      el("section", { class: "card" }, el("h2", { text: "Memory used (GB)" }), memoryChart)),
     el("section", { class: "card" }, el("h2", { text: "Checkpoints" }),
       el("div", { class: "table-wrap" }, el("table", { id: "checkpoints-table" },
         el("thead", {}, el("tr", {}, ["Step", "Kind", "Train loss", "Val. loss", "Saved", "Download"].map((h) => el("th", { text: h })))), checkpoints))),
@@ -49,6 +51,7 @@ export async function render(main, jobId) {
 
   const series = { "loss/train": [], "loss/val": [], "throughput/tokens_per_s": [] };
   const devices = new Map();
+  const memory = new Map();
   let samples = 0;
 
   function showJob() {
@@ -67,6 +70,7 @@ export async function render(main, jobId) {
     lossChart.setSeries([{ name: "train", points: series["loss/train"] }, { name: "validation", points: series["loss/val"] }]);
     speedChart.setSeries([{ name: "tokens/s", points: series["throughput/tokens_per_s"] }]);
     gpuChart.setSeries([...devices.entries()].map(([k, points]) => ({ name: k, points })));
+    memoryChart.setSeries([...memory.entries()].map(([k, points]) => ({ name: k, points })));
   }
 
   let pending = false;
@@ -93,11 +97,14 @@ export async function render(main, jobId) {
     } else {
       samples += 1;
       for (const [key, value] of Object.entries(d)) {
-        const m = key.match(/^gpu\/(\d+)\/utilization$/);
-        const label = m ? `GPU ${m[1]}` : key === "host/cpu_utilization" ? "CPU" : null;
-        if (!label) continue;
-        if (!devices.has(label)) devices.set(label, []);
-        devices.get(label).push([samples, value]);
+        const gpu = key.match(/^gpu\/(\d+)\/(utilization|memory_used)$/);
+        const host = key.match(/^host\/(cpu_utilization|memory_used)$/);
+        if (!gpu && !host) continue;
+        const label = gpu ? `GPU ${gpu[1]}` : host[1] === "memory_used" ? "host RAM" : "CPU";
+        const isMemory = (gpu ? gpu[2] : host[1]) === "memory_used";
+        const target = isMemory ? memory : devices;
+        if (!target.has(label)) target.set(label, []);
+        target.get(label).push([samples, isMemory ? value / 1e9 : value]);
       }
     }
     schedule();
