@@ -491,15 +491,17 @@ class RoundPipe:
             hidden_size=int(self.adapted.config.hidden_size),
             dtype_bytes=torch.finfo(self.dtype).bits // 8,
         )
-        costs = memory
+        costs, measured = memory, False
         if self._replan_due():
             self.synchronize()  # the measured iterations have finished
             # a cancelled iteration measured only part of the layers
             self._calibration = [it for it in self._calibration if it.aborted is None]
             if not self._calibration and self.plan is not None:
                 return self.plan
-            costs = measured_costs(self._calibration, memory) if self._calibration else memory
-        if self._replan_due():
+            measured = bool(self._calibration)
+            if measured:
+                costs = measured_costs(self._calibration, memory)
+        if measured:
             # measured times: simulate candidate plans as the engine dispatches them (rounds of
             # round_size, fixed rotation) and keep the fastest; never slower than the closed form's
             plan = search_partition(
@@ -519,7 +521,7 @@ class RoundPipe:
                 costs, num_workers=len(self.workers), num_microbatches=len(mbs), memory_budget=self._budget()
             )
         data: dict[str, Any] = {**plan.to_counts(), "grid": self._grid(plan, len(mbs))}
-        if self._replan_due():
+        if measured:
             same = " (unchanged)" if plan == self.plan else ""
             self._event("repartition", f"partition from measured layer times: {plan.describe()}{same}", data)
             self._calibration = []

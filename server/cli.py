@@ -62,9 +62,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             key = keys.create_key(session, name="login")
     worker = None
     if args.with_worker:
-        env = dict(
-            os.environ, ROUNDHOUSE_HOME=str(settings.home.resolve()), ROUNDHOUSE_DATABASE_URL=settings.url
-        )
+        env = {**os.environ, **settings.child_environment()}
         worker = subprocess.Popen([sys.executable, "-m", "server.cli", "worker"], env=env)
     if key is not None:
         print(f"\nRoundhouse is up. Open: {login_url(settings, key)}\n", flush=True)
@@ -76,9 +74,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         )
     try:
         if args.processes > 1:  # each process builds its own app from the same environment
-            os.environ.update(
-                ROUNDHOUSE_HOME=str(settings.home.resolve()), ROUNDHOUSE_DATABASE_URL=settings.url
-            )
+            os.environ.update(settings.child_environment())
             uvicorn.run(
                 "server.app:app_for_process",
                 factory=True,

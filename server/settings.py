@@ -49,6 +49,10 @@ class Settings(BaseSettings):
     def hf_cache_dir(self) -> Path:
         return self.hf_cache or Path.home() / ".cache" / "huggingface" / "hub"
 
+    def child_environment(self) -> dict[str, str]:
+        """What a child process (worker, server process, training run) needs to see the same data."""
+        return {"ROUNDHOUSE_HOME": str(self.home.resolve()), "ROUNDHOUSE_DATABASE_URL": self.url}
+
     @property
     def url(self) -> str:
         return self.database_url or f"sqlite:///{(self.home / 'roundhouse.db').resolve()}"

@@ -11,8 +11,10 @@ import ctypes
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -71,8 +73,7 @@ def supervise(settings: Settings, sessions: sessionmaker[Session], *, job_id: st
         job = session.get(jobs.Job, job_id)
         folder = Path(job.output_dir) if job is not None else settings.runs_dir / job_id
     folder.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ)
-    env.update({"ROUNDHOUSE_HOME": str(settings.home.resolve()), "ROUNDHOUSE_DATABASE_URL": settings.url})
+    env = {**os.environ, **settings.child_environment()}
     with (folder / "train.log").open("ab") as out:
         child = subprocess.Popen(
             [sys.executable, "-m", "server.worker.trainer", job_id],
@@ -143,17 +144,12 @@ def supervise(settings: Settings, sessions: sessionmaker[Session], *, job_id: st
 
 
 def telemetry_loop(
-    settings: Settings, sessions: sessionmaker[Session], *, worker_id: str, stop: object
+    settings: Settings, sessions: sessionmaker[Session], *, worker_id: str, stop: threading.Event
 ) -> None:
     """The worker's housekeeping thread: sample devices, and requeue jobs of vanished workers."""
-    import socket
-    import threading
-
     from server.queue import enqueue
     from server.worker.telemetry import Sampler
 
-    if not isinstance(stop, threading.Event):
-        raise TypeError("stop must be a threading.Event")
     sampler = Sampler()
     hostname = socket.gethostname()
     next_sweep = 0.0
