@@ -69,6 +69,16 @@ class EngineSpec(_Strict):
     partition: dict[str, Any] | None = None
 
 
+def resolve_compute_dtype(dtype: str, *, on_gpu: bool) -> str:
+    """The dtype ``"auto"`` stands for: bfloat16 on GPU workers, float32 on CPU workers.
+
+    The one place this rule lives: the run, the planner and the service all call it.
+    """
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if on_gpu else "float32"
+
+
 class CheckpointSpec(_Strict):
     every_steps: int = Field(100, ge=1)
     keep_last: int = Field(3, ge=1)

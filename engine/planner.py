@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from engine.parallel.partition import LayerCost, Plan, auto_partition, stage_memory
-from engine.parallel.simulate import closed_form_bubble, simulate
+from engine.simulation.simulate import closed_form_bubble, simulate
 
 GB = 1e9
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

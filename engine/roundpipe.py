@@ -16,16 +16,17 @@ from typing import Any
 
 import torch
 
+from engine.errors import Cancelled, EngineError
 from engine.metrics import NullSink, Sink
 from engine.model.adapter import AdaptedModel, count_label_tokens, uses_dropout
-from engine.parallel.board import Board, Cancelled, EngineError, Iteration, MicroBatch
+from engine.parallel.board import Board, Iteration, MicroBatch
 from engine.parallel.executor import Worker
 from engine.parallel.host import DTYPES, HostState
 from engine.parallel.optimizer import OptimizerWorker, StepJob
 from engine.parallel.partition import Plan, auto_partition
-from engine.parallel.partition_search import search_partition
-from engine.parallel.planning import measured_costs, memory_costs
 from engine.parallel.schedule import build_schedule, render_grid
+from engine.parallel.stages import measured_costs, memory_costs
+from engine.simulation.partition_search import search_partition
 
 __all__ = ["Cancelled", "EngineConfig", "EngineError", "RoundPipe"]
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from engine.checkpoint import latest, list_checkpoints, load_state, save_state, write_checkpoint
-from engine.config import TrainConfig
+from engine.config import TrainConfig, resolve_compute_dtype
 from engine.data.batches import Batcher, collate, pack
 from engine.data.encode import Encoded, load_encoded
 from engine.metrics import NullSink, Sink
@@ -106,9 +106,7 @@ class Run:
         torch.manual_seed(config.hyper.seed)  # LoRA initialisation
         self.model = self._model()
         devices = devices_for(config.engine.devices)
-        dtype = config.engine.compute_dtype
-        if dtype == "auto":
-            dtype = "bfloat16" if devices[0].startswith("cuda") else "float32"
+        dtype = resolve_compute_dtype(config.engine.compute_dtype, on_gpu=devices[0].startswith("cuda"))
         h = config.hyper
         self.engine = RoundPipe(
             self.model,

@@ -16,14 +16,6 @@ from engine.parallel.partition import Plan
 from engine.parallel.schedule import SlotRun
 
 
-class EngineError(RuntimeError):
-    """A worker or the optimizer failed; the message names the stage and the worker."""
-
-
-class Cancelled(RuntimeError):
-    """The cancel flag was set; the iteration stopped between micro-batches."""
-
-
 @dataclass
 class MicroBatch:
     input_ids: Any
@@ -105,10 +97,6 @@ class Board:
         self.wait_for(lambda: it.version in self.loss_scales, it)
         with self.cv:
             return self.loss_scales[it.version]
-
-    def notify(self) -> None:
-        with self.cv:
-            self.cv.notify_all()
 
     # -- versions of the compute copy ------------------------------------------------------
     def register_uploads(self, owners: set[int], version: int) -> None:

@@ -27,8 +27,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.func import functional_call
 
+from engine.errors import Cancelled, EngineError
 from engine.model.adapter import Layer, causal_lm_loss_sum, run_layer
-from engine.parallel.board import Cancelled, EngineError, Iteration
+from engine.parallel.board import Iteration
 from engine.parallel.partition import Stage
 from engine.parallel.schedule import SlotRun
 from engine.parallel.transfer import DeviceLink, plan_windows

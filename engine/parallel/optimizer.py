@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-from engine.parallel.board import Board, Cancelled, EngineError, Iteration
+from engine.errors import Cancelled, EngineError
+from engine.parallel.board import Board, Iteration
 from engine.parallel.host import HostState
 from engine.parallel.transfer import DeviceLink
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 
 from engine.parallel.partition import LayerCost
-from engine.parallel.timeline import Op
+from engine.simulation.timeline import Op
 
 BOUND_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs")
 

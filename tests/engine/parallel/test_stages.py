@@ -6,7 +6,7 @@ import pytest
 
 from engine.parallel.board import Iteration, MicroBatch
 from engine.parallel.partition import LayerCost, Plan
-from engine.parallel.planning import measured_costs
+from engine.parallel.stages import measured_costs
 
 
 def iteration(plan: Plan, fwd: dict[int, float], bwd: dict[int, float], m: int) -> Iteration:

@@ -1,4 +1,5 @@
-"""Per-layer costs for the partitioner: a parameter-bytes proxy, then measured times.
+"""The stages the running engine trains on: per-layer costs for its partition (a parameter-bytes
+proxy, then measured times).
 
 Memory per layer is an estimate: the weights in the compute dtype (twice in a fused/backward
 stage for trainable weights: their fp32 gradient accumulators), plus activations of one
