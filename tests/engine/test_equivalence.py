@@ -23,11 +23,12 @@ SGD_TOL = 1e-5
 # AdamW divides by sqrt(v): entries whose gradient is near zero turn float rounding into
 # visible steps. Measured after 3 steps at lr 1e-2 (each step moves a weight by up to 1e-2):
 # - a plain PyTorch loop over the whole batch vs the same loop accumulating 4 micro-batches
-#   differs by up to 3.1e-4 (llama) in weights, 4.1e-6 in loss; the engine sits at the same
-#   distance from the whole-batch loop;
+#   differs by up to 3.1e-4 on one machine and 5.2e-4 on another (llama) in weights, 4.1e-6 in
+#   loss; it depends on the CPU's kernels, so the engine is held to that same distance (plus
+#   the same-split tolerance) rather than to a fixed number;
 # - the engine vs the plain loop accumulating the same micro-batches differs by <= 4.1e-6
 #   (qwen2), 1.5e-7 (llama).
-ADAMW_WHOLE_BATCH_TOL = 5e-4
+ADAMW_WHOLE_BATCH_TOL = 1e-3  # bound on the plain loop's own whole-batch vs split distance
 ADAMW_LOSS_TOL = 1e-5
 ADAMW_SAME_SPLIT_TOL = 1e-5
 
@@ -106,7 +107,9 @@ def test_adamw_with_clipping_matches_torch_adamw(family: str, batches) -> None:
     )
     losses, state, _ = engine_loop(model, batches, config)
     assert max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)) < ADAMW_LOSS_TOL
-    assert max_diff(state, ref_state) < ADAMW_WHOLE_BATCH_TOL
+    rounding = max_diff(split_state, ref_state)  # the plain loop's own split-vs-whole distance
+    assert rounding < ADAMW_WHOLE_BATCH_TOL
+    assert max_diff(state, ref_state) < rounding + ADAMW_SAME_SPLIT_TOL
     assert max_diff(state, split_state) < ADAMW_SAME_SPLIT_TOL
 
 
