@@ -1,19 +1,30 @@
-"""``TrainConfig``: everything a fine-tuning run needs, validated (pydantic; no torch import).
+"""The engine's configurations, validated; no torch import.
 
-The service validates job requests with the same model, so a bad value gets the same message
-everywhere: the dotted field name, what is wrong, and the value given.
+``TrainConfig`` (pydantic) is everything a fine-tuning run needs; the service validates job
+requests with the same model, so a bad value gets the same message everywhere: the dotted field
+name, what is wrong, and the value given. ``EngineConfig`` (a dataclass) is how the RoundPipe
+engine itself trains. Both raise ``ConfigError`` (a ``ValueError``) carrying the field.
 """
 
 from __future__ import annotations
 
 import json
+import math
+from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import ErrorDetails, PydanticCustomError
+
+from engine.errors import ConfigError
+from engine.model.families import DEFAULT_LORA_TARGETS
+from engine.optimizers import choices, optimizer_names, optimizer_spec
 
 DEMO_MODEL = "demo"
-ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# the compute dtypes the engine supports (engine.parallel.host maps them to torch dtypes)
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 
 
 class _Strict(BaseModel):
@@ -39,7 +50,7 @@ class MethodSpec(_Strict):
     lora_r: int = Field(16, ge=1, le=4096)
     lora_alpha: float = Field(32.0, gt=0)
     lora_dropout: float = Field(0.0, ge=0.0, lt=1.0)
-    target_modules: list[str] = Field(default_factory=lambda: list(ALL_LINEAR), min_length=1)
+    target_modules: list[str] = Field(default_factory=lambda: list(DEFAULT_LORA_TARGETS), min_length=1)
 
 
 class HyperSpec(_Strict):
@@ -51,13 +62,23 @@ class HyperSpec(_Strict):
     warmup_steps: int = Field(0, ge=0)
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: float | None = Field(1.0, gt=0)
-    optimizer: Literal["adamw", "sgd"] = "adamw"
+    optimizer: str = Field("adamw", json_schema_extra={"enum": list(optimizer_names())})
     seed: int = Field(0, ge=0)
+
+    @field_validator("optimizer", mode="before")
+    @classmethod
+    def _registered(cls, name: Any) -> Any:
+        names = optimizer_names()
+        if name not in names:
+            # worded as pydantic words a Literal, so the message reads like every other choice's
+            expected = {"expected": choices(names, "'")}
+            raise PydanticCustomError("literal_error", "Input should be {expected}", expected)
+        return name
 
     @model_validator(mode="after")
     def _length(self) -> HyperSpec:
         if self.epochs is None and self.max_steps is None:
-            raise ValueError("set epochs or max_steps")
+            raise ConfigError("epochs", "set epochs or max_steps")
         return self
 
 
@@ -103,9 +124,10 @@ class TrainConfig(_Strict):
     @model_validator(mode="after")
     def _consistent(self) -> TrainConfig:
         if self.engine.num_microbatches > self.hyper.batch_size:
-            raise ValueError(
+            raise ConfigError(
+                "engine.num_microbatches",
                 f"engine.num_microbatches={self.engine.num_microbatches} exceeds "
-                f"hyper.batch_size={self.hyper.batch_size}: each micro-batch needs a sequence"
+                f"hyper.batch_size={self.hyper.batch_size}: each micro-batch needs a sequence",
             )
         return self
 
@@ -137,11 +159,15 @@ class TrainConfig(_Strict):
 
     @classmethod
     def parse(cls, raw: dict[str, Any]) -> TrainConfig:
-        """Validate a mapping; raise ``ValueError`` listing every bad field and its value."""
+        """Validate a mapping.
+
+        Raises:
+            ConfigError: listing every bad field and its value; ``field`` is the first one's.
+        """
         try:
             return cls.model_validate(raw)
         except ValidationError as exc:
-            raise ValueError(describe_errors(exc)) from None
+            raise ConfigError(error_field(exc.errors()[0]), describe_errors(exc)) from None
 
     def resolved(self, base: Path) -> TrainConfig:
         """Paths made absolute against ``base`` (the config file's folder)."""
@@ -159,6 +185,16 @@ class TrainConfig(_Strict):
         return c
 
 
+def error_field(err: ErrorDetails) -> str:
+    """The dotted field of one pydantic error; a ``ConfigError`` raised by a model validator
+    names its field relative to that model."""
+    loc = [str(p) for p in err["loc"]]
+    inner = err.get("ctx", {}).get("error")
+    if isinstance(inner, ConfigError):
+        loc.append(inner.field)
+    return ".".join(loc) or "config"
+
+
 def describe_errors(exc: ValidationError) -> str:
     """One line per problem: ``hyper.learning_rate: Input should be greater than 0 (got -1)``."""
     lines = []
@@ -169,3 +205,74 @@ def describe_errors(exc: ValidationError) -> str:
         suffix = f" (got {shown})" if shown is not None and err["type"] != "missing" else ""
         lines.append(f"{field}: {err['msg']}{suffix}")
     return "; ".join(lines)
+
+
+@dataclass
+class EngineConfig:
+    """How the RoundPipe engine trains. Invalid values raise ``ConfigError`` naming the field.
+
+    Attributes:
+        devices: worker devices; ``"cpu"`` may repeat (each is a thread with its own stage
+            copies), ``"cuda:i"`` names a GPU.
+        num_microbatches: micro-batches per ``forward_backward`` call (M).
+        round_size: micro-batches per round (M_R >= number of workers); None = all of them.
+        optimizer: a name from ``engine.optimizers.OPTIMIZERS`` (``"adamw"``: decoupled weight
+            decay, or ``"sgd"``).
+        max_grad_norm: clip the global gradient norm to this (None: no clipping).
+        async_optimizer: staleness-1 mode: the optimizer step overlaps the next iteration.
+        compute_dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"`` (weights sent to workers).
+        partition: a manual plan ``{"forward": [...], "fused": n, "backward": [...]}`` in layers
+            (input layer + blocks + output layer); None = automatic.
+        memory_budget_bytes: per-stage memory limit for the automatic partition (None: 45% of the
+            smallest GPU's memory, unlimited on CPU workers).
+        calibration_steps: iterations whose per-layer times are measured before the automatic
+            partition is recomputed from them (0: keep the parameter-bytes proxy plan).
+        seed: seeds the dropout masks (per iteration, micro-batch and layer).
+        initial_loss_scale: float16 compute only: the starting dynamic loss scale (halved on
+            an overflow, which skips that step; doubled after 1000 good steps).
+    """
+
+    devices: list[str] = dataclass_field(default_factory=lambda: ["cpu"])
+    num_microbatches: int = 4
+    round_size: int | None = None
+    optimizer: str = "adamw"
+    lr: float = 1e-4
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    momentum: float = 0.0
+    max_grad_norm: float | None = None
+    async_optimizer: bool = False
+    compute_dtype: str = "float32"
+    partition: dict[str, Any] | None = None
+    memory_budget_bytes: int | None = None
+    calibration_steps: int = 2
+    seed: int = 0
+    initial_loss_scale: float = 2.0**16
+
+    def __post_init__(self) -> None:
+        def bad(name: str, value: Any, want: str) -> ConfigError:
+            return ConfigError(f"EngineConfig.{name}", f"EngineConfig.{name}={value!r}: {want}", value=value)
+
+        if not self.devices:
+            raise bad("devices", self.devices, "name at least one device")
+        for d in self.devices:
+            if not (d == "cpu" or d == "cuda" or (d.startswith("cuda:") and d[5:].isdigit())):
+                raise bad("devices", d, 'each device must be "cpu" or "cuda:N"')
+        if self.num_microbatches < 1:
+            raise bad("num_microbatches", self.num_microbatches, "must be >= 1")
+        if self.round_size is not None and self.round_size < 1:
+            raise bad("round_size", self.round_size, "must be >= 1 or None")
+        optimizer_spec(self.optimizer, field="EngineConfig.optimizer")
+        for name in ("lr", "eps", "weight_decay", "momentum"):
+            v = getattr(self, name)
+            if not (isinstance(v, int | float) and math.isfinite(v) and v >= 0):
+                raise bad(name, v, "must be a finite number >= 0")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise bad("betas", self.betas, "must be two numbers in [0, 1)")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise bad("max_grad_norm", self.max_grad_norm, "must be > 0 or None")
+        if self.compute_dtype not in COMPUTE_DTYPES:
+            raise bad("compute_dtype", self.compute_dtype, f"must be one of {sorted(COMPUTE_DTYPES)}")
+        if self.calibration_steps < 0:
+            raise bad("calibration_steps", self.calibration_steps, "must be >= 0")

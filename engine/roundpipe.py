@@ -11,97 +11,24 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from engine.errors import Cancelled, EngineError
+from engine.config import EngineConfig
+from engine.errors import Cancelled, ConfigError, EngineError
 from engine.metrics import NullSink, Sink
-from engine.model.adapter import AdaptedModel, count_label_tokens, uses_dropout
-from engine.parallel.board import Board, Iteration, MicroBatch
-from engine.parallel.executor import Worker
+from engine.model.adapter import AdaptedModel, uses_dropout
+from engine.parallel.board import Board, Iteration, MicroBatch, split_batch
+from engine.parallel.executor import Worker, WorkerContext
 from engine.parallel.host import DTYPES, HostState
 from engine.parallel.optimizer import OptimizerWorker, StepJob
-from engine.parallel.partition import Plan, auto_partition
-from engine.parallel.schedule import build_schedule, render_grid
-from engine.parallel.stages import measured_costs, memory_costs
-from engine.simulation.partition_search import search_partition
+from engine.parallel.partition import Plan
+from engine.parallel.schedule import build_schedule
+from engine.parallel.stages import choose_plan, measured_costs, memory_budget, memory_costs, plan_grid
+from engine.parallel.transfer import resolve_device
 
 __all__ = ["Cancelled", "EngineConfig", "EngineError", "RoundPipe"]
-
-REPLAN_EVALUATIONS = 100  # simulations the re-plan from measured times may spend
-
-
-@dataclass
-class EngineConfig:
-    """How the engine trains. Invalid values raise ``ValueError`` naming the field.
-
-    Attributes:
-        devices: worker devices; ``"cpu"`` may repeat (each is a thread with its own stage
-            copies), ``"cuda:i"`` names a GPU.
-        num_microbatches: micro-batches per ``forward_backward`` call (M).
-        round_size: micro-batches per round (M_R >= number of workers); None = all of them.
-        optimizer: ``"adamw"`` (decoupled weight decay) or ``"sgd"``.
-        max_grad_norm: clip the global gradient norm to this (None: no clipping).
-        async_optimizer: staleness-1 mode: the optimizer step overlaps the next iteration.
-        compute_dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"`` (weights sent to workers).
-        partition: a manual plan ``{"forward": [...], "fused": n, "backward": [...]}`` in layers
-            (input layer + blocks + output layer); None = automatic.
-        memory_budget_bytes: per-stage memory limit for the automatic partition (None: 45% of the
-            smallest GPU's memory, unlimited on CPU workers).
-        calibration_steps: iterations whose per-layer times are measured before the automatic
-            partition is recomputed from them (0: keep the parameter-bytes proxy plan).
-        seed: seeds the dropout masks (per iteration, micro-batch and layer).
-        initial_loss_scale: float16 compute only: the starting dynamic loss scale (halved on
-            an overflow, which skips that step; doubled after 1000 good steps).
-    """
-
-    devices: list[str] = field(default_factory=lambda: ["cpu"])
-    num_microbatches: int = 4
-    round_size: int | None = None
-    optimizer: str = "adamw"
-    lr: float = 1e-4
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    momentum: float = 0.0
-    max_grad_norm: float | None = None
-    async_optimizer: bool = False
-    compute_dtype: str = "float32"
-    partition: dict[str, Any] | None = None
-    memory_budget_bytes: int | None = None
-    calibration_steps: int = 2
-    seed: int = 0
-    initial_loss_scale: float = 2.0**16
-
-    def __post_init__(self) -> None:
-        def bad(name: str, value: Any, want: str) -> ValueError:
-            return ValueError(f"EngineConfig.{name}={value!r}: {want}")
-
-        if not self.devices:
-            raise bad("devices", self.devices, "name at least one device")
-        for d in self.devices:
-            if not (d == "cpu" or d == "cuda" or (d.startswith("cuda:") and d[5:].isdigit())):
-                raise bad("devices", d, 'each device must be "cpu" or "cuda:N"')
-        if self.num_microbatches < 1:
-            raise bad("num_microbatches", self.num_microbatches, "must be >= 1")
-        if self.round_size is not None and self.round_size < 1:
-            raise bad("round_size", self.round_size, "must be >= 1 or None")
-        if self.optimizer not in ("adamw", "sgd"):
-            raise bad("optimizer", self.optimizer, 'must be "adamw" or "sgd"')
-        for name in ("lr", "eps", "weight_decay", "momentum"):
-            v = getattr(self, name)
-            if not (isinstance(v, int | float) and math.isfinite(v) and v >= 0):
-                raise bad(name, v, "must be a finite number >= 0")
-        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
-            raise bad("betas", self.betas, "must be two numbers in [0, 1)")
-        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
-            raise bad("max_grad_norm", self.max_grad_norm, "must be > 0 or None")
-        if self.compute_dtype not in DTYPES:
-            raise bad("compute_dtype", self.compute_dtype, f"must be one of {sorted(DTYPES)}")
-        if self.calibration_steps < 0:
-            raise bad("calibration_steps", self.calibration_steps, "must be >= 0")
 
 
 class RoundPipe:
@@ -115,7 +42,8 @@ class RoundPipe:
         cancel: when set, running iterations stop between micro-batches (``Cancelled``).
 
     Raises:
-        ValueError: unsupported architecture, bad config, CUDA asked for but absent.
+        ConfigError: unsupported architecture, bad manual partition, CUDA asked for but absent
+            (a ``ValueError``; ``field`` names the setting).
     """
 
     def __init__(
@@ -128,13 +56,11 @@ class RoundPipe:
     ) -> None:
         self.config = config
         self.sink: Sink = sink or NullSink()
-        self.cancel = cancel
         self._sink_lock = threading.Lock()
         self.adapted = AdaptedModel(hf_model)
-        self.devices = [self._device(d) for d in config.devices]
+        dropout = uses_dropout(hf_model, self.adapted.config)
+        self.devices = [resolve_device(d) for d in config.devices]
         self.dtype = DTYPES[config.compute_dtype]
-        self.fp32_accumulate = self.dtype != torch.float32
-        self.dropout = uses_dropout(hf_model, self.adapted.config)
         is_cuda = any(d.type == "cuda" for d in self.devices)
         self.host = HostState(
             self.adapted, compute_dtype=self.dtype, pin=is_cuda, double_buffer=config.async_optimizer
@@ -143,37 +69,33 @@ class RoundPipe:
         self.plan: Plan | None = None
         self._manual = config.partition is not None
         if config.partition is not None:
-            self.plan = Plan.from_counts(self.host.num_layers, **config.partition)
+            try:
+                self.plan = Plan.from_counts(self.host.num_layers, **config.partition)
+            except ValueError as exc:
+                raise ConfigError("EngineConfig.partition", str(exc), value=config.partition) from exc
         self.steps = 0
         self._serial = 0
         self._evaluations = 0
         self._rotation = 0
         self._pending: list[Iteration] = []
         self._inflight: list[Iteration] = []
-        self._steps_inflight: list[StepJob] = []
         self._calibration: list[Iteration] = []
         self._closed = False
-        self.last_grad_norm = float("nan")
         self.workers: list[Worker] = []
         self.optimizer = OptimizerWorker(self.host, self.board, config, self._on_step)
+        context = WorkerContext(
+            model=self.adapted,
+            host=self.host,
+            board=self.board,
+            cancel=cancel,
+            dropout=dropout,
+            fp32_accumulate=self.dtype != torch.float32,
+        )
         try:
-            self.workers = [Worker(i, d, self) for i, d in enumerate(self.devices)]
+            self.workers = [Worker(i, d, context) for i, d in enumerate(self.devices)]
         except BaseException:
             self.close()
             raise
-
-    @staticmethod
-    def _device(name: str) -> torch.device:
-        if name == "cpu":
-            return torch.device("cpu")
-        if not torch.cuda.is_available():
-            raise ValueError(f"EngineConfig.devices: {name!r} asked for, but CUDA is not available here")
-        dev = torch.device("cuda:0" if name == "cuda" else name)
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ValueError(
-                f"EngineConfig.devices: {name!r} does not exist ({torch.cuda.device_count()} GPUs)"
-            )
-        return dev
 
     # -- training --------------------------------------------------------------------------
     def forward_backward(
@@ -199,7 +121,7 @@ class RoundPipe:
             Cancelled: the cancel flag was set.
         """
         self._check_open()
-        mbs, total = self._split(input_ids, labels, attention_mask)
+        mbs, total = split_batch(input_ids, labels, attention_mask, self.config.num_microbatches)
         it = self._launch(mbs, total, train=True)
         m = len(mbs)
         try:
@@ -233,7 +155,7 @@ class RoundPipe:
         """
         self._check_open()
         m = min(self.config.num_microbatches, int(input_ids.shape[0])) if input_ids.dim() == 2 else 1
-        mbs, total = self._split(input_ids, labels, attention_mask, m)
+        mbs, total = split_batch(input_ids, labels, attention_mask, m or self.config.num_microbatches)
         it = self._launch(mbs, total, train=False)
         self.board.wait_for(lambda: it.remaining == 0, it)
         return sum(it.loss_sums[i] for i in range(len(mbs))) / total
@@ -312,8 +234,6 @@ class RoundPipe:
         self.steps += 1
         job = StepJob(index=self.steps, lr=self.config.lr, iterations=self._pending)
         self._pending = []
-        self._steps_inflight = [j for j in self._steps_inflight if not j.done.is_set()]
-        self._steps_inflight.append(job)
         self.optimizer.submit_step(job)
 
     def synchronize(self) -> None:
@@ -325,7 +245,6 @@ class RoundPipe:
         self.optimizer.drain()
         with self.board.cv:
             self.board.check()
-        self._steps_inflight = [j for j in self._steps_inflight if not j.done.is_set()]
 
     # -- state ---------------------------------------------------------------------------------
     def master_state_dict(self, *, trainable_only: bool = False) -> dict[str, torch.Tensor]:
@@ -447,52 +366,20 @@ class RoundPipe:
         with self.board.cv:
             self.board.check()
 
-    # -- helpers -------------------------------------------------------------------------------
-    def _split(
-        self,
-        input_ids: torch.Tensor,
-        labels: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        microbatches: int | None = None,
-    ) -> tuple[list[MicroBatch], int]:
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
-        if labels.shape != input_ids.shape:
-            raise ValueError(
-                f"labels shape {tuple(labels.shape)} differs from input_ids {tuple(input_ids.shape)}"
-            )
-        if attention_mask is not None and attention_mask.shape != input_ids.shape:
-            raise ValueError(
-                f"attention_mask shape {tuple(attention_mask.shape)} "
-                f"differs from input_ids {tuple(input_ids.shape)}"
-            )
-        m = microbatches or self.config.num_microbatches
-        if input_ids.shape[0] < m:
-            raise ValueError(f"batch of {input_ids.shape[0]} sequences cannot fill num_microbatches={m}")
-        total = count_label_tokens(labels)
-        if total == 0:
-            raise ValueError("labels: every label is -100, there is no token to train on")
-        ids = input_ids.detach().cpu().tensor_split(m)
-        lab = labels.detach().cpu().tensor_split(m)
-        am = attention_mask.detach().cpu().tensor_split(m) if attention_mask is not None else [None] * m
-        return [
-            MicroBatch(i.contiguous(), t.contiguous(), a) for i, t, a in zip(ids, lab, am, strict=True)
-        ], total
-
+    # -- planning ------------------------------------------------------------------------------
     def _replan_due(self) -> bool:
         steps = self.config.calibration_steps
         # after a resume the measured plan comes from the state, with nothing measured here
         return not self._manual and bool(self._calibration) and self._serial == steps
 
     def _make_plan(self, mbs: list[MicroBatch]) -> Plan:
-        mb_tokens = max(int(mb.input_ids.numel()) for mb in mbs)
-        memory = memory_costs(
+        costs = memory_costs(
             self.host,
-            microbatch_tokens=mb_tokens,
+            microbatch_tokens=max(int(mb.input_ids.numel()) for mb in mbs),
             hidden_size=int(self.adapted.config.hidden_size),
             dtype_bytes=torch.finfo(self.dtype).bits // 8,
         )
-        costs, measured = memory, False
+        measured = False
         if self._replan_due():
             self.synchronize()  # the measured iterations have finished
             # a cancelled iteration measured only part of the layers
@@ -501,27 +388,22 @@ class RoundPipe:
                 return self.plan
             measured = bool(self._calibration)
             if measured:
-                costs = measured_costs(self._calibration, memory)
-        if measured:
-            # measured times: simulate candidate plans as the engine dispatches them (rounds of
-            # round_size, fixed rotation) and keep the fastest; never slower than the closed form's
-            plan = search_partition(
-                costs,
-                num_workers=len(self.workers),
-                num_microbatches=len(mbs),
-                memory_budget=self._budget(),
-                mode="physical",
-                rotation="fixed",
-                round_size=self.config.round_size or len(mbs),
-                objective="steady" if self.config.async_optimizer else "sync",
-                seeds=[self.plan] if self.plan is not None else (),
-                max_evaluations=REPLAN_EVALUATIONS,
-            )
-        else:  # parameter bytes are no times: the closed-form objective is all they support
-            plan = auto_partition(
-                costs, num_workers=len(self.workers), num_microbatches=len(mbs), memory_budget=self._budget()
-            )
-        data: dict[str, Any] = {**plan.to_counts(), "grid": self._grid(plan, len(mbs))}
+                costs = measured_costs(self._calibration, costs)
+        round_size = self.config.round_size
+        plan = choose_plan(
+            costs,
+            measured=measured,
+            num_workers=len(self.workers),
+            num_microbatches=len(mbs),
+            memory_budget=memory_budget(self.devices, self.config.memory_budget_bytes),
+            round_size=round_size,
+            async_optimizer=self.config.async_optimizer,
+            previous=self.plan,
+        )
+        grid = plan_grid(
+            plan, num_workers=len(self.devices), num_microbatches=len(mbs), round_size=round_size
+        )
+        data: dict[str, Any] = {**plan.to_counts(), "grid": grid}
         if measured:
             same = " (unchanged)" if plan == self.plan else ""
             self._event("repartition", f"partition from measured layer times: {plan.describe()}{same}", data)
@@ -530,62 +412,13 @@ class RoundPipe:
             self._event("partition", f"partition from parameter bytes: {plan.describe()}", data)
         return plan
 
-    def _grid(self, plan: Plan, microbatches: int) -> str:
-        """One iteration of ``plan`` as a step x worker grid (unit time per micro-batch)."""
-        runs, _ = build_schedule(
-            num_slots=plan.num_slots,
-            num_workers=len(self.devices),
-            num_microbatches=microbatches,
-            round_size=self.config.round_size,
-            iteration=0,
-            start_worker=0,
-        )
-        return render_grid(
-            runs,
-            slot_names=[s.name for s in plan.slots],
-            kinds=[s.kind for s in plan.slots],
-            num_workers=len(self.devices),
-        )
-
-    def _budget(self) -> float | None:
-        if self.config.memory_budget_bytes is not None:
-            return float(self.config.memory_budget_bytes)
-        cuda = [d for d in self.devices if d.type == "cuda"]
-        if not cuda:
-            return None
-        return 0.45 * min(torch.cuda.get_device_properties(d).total_memory for d in cuda)
-
     def _event(self, kind: str, message: str, data: dict[str, Any]) -> None:
         with self._sink_lock:
             self.sink.event(kind, message, data)
 
     def _on_step(self, job: StepJob) -> None:
         """Per-step metrics, called on the optimizer thread when a step finished."""
-        its = job.iterations
-        self.last_grad_norm = job.grad_norm
-        wall = max(time.perf_counter() - its[0].started, 1e-9)
-        span = max(max(it.finished for it in its) - its[0].started, 1e-9)
-        busy = sum(sum(it.busy_s.values()) for it in its)
-        tokens = sum(it.total_tokens for it in its)
-        loss = sum(sum(it.loss_sums.values()) for it in its) / tokens
-        metrics = {
-            "loss/train": loss,
-            "tokens/label": float(tokens),
-            "throughput/tokens_per_s": sum(
-                sum(int(mb.input_ids.numel()) for mb in it.microbatches) for it in its
-            )
-            / wall,
-            "optim/grad_norm": job.grad_norm,
-            "optim/skipped": float(job.skipped),
-            "optim/loss_scale": self.optimizer.loss_scale,
-            "optim/lr": job.lr,
-            "time/step_s": wall,
-            "time/optimizer_s": job.seconds,
-            "pipeline/bubble_ratio": max(0.0, 1.0 - busy / (len(self.devices) * span)),
-        }
-        for it in its:
-            for name, s in it.stage_s.items():
-                metrics[f"time/stage/{name}_s"] = metrics.get(f"time/stage/{name}_s", 0.0) + s
+        metrics = job.metrics(loss_scale=self.optimizer.loss_scale, num_workers=len(self.devices))
         with self._sink_lock:
             self.sink.log(metrics, job.index)
 

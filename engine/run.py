@@ -19,13 +19,14 @@ from typing import Any
 import torch
 
 from engine.checkpoint import latest, list_checkpoints, load_state, save_state, write_checkpoint
-from engine.config import TrainConfig, resolve_compute_dtype
+from engine.config import EngineConfig, TrainConfig, resolve_compute_dtype
 from engine.data.batches import Batcher, collate, pack
 from engine.data.encode import Encoded, load_encoded
+from engine.errors import Cancelled, ConfigError
 from engine.metrics import NullSink, Sink
 from engine.model.export import save_export
 from engine.model.loading import load_model, load_tokenizer, resolve_model_path
-from engine.roundpipe import Cancelled, EngineConfig, RoundPipe
+from engine.roundpipe import RoundPipe
 
 
 @dataclass
@@ -97,7 +98,13 @@ class Run:
         data = config.data
         train = load_encoded(data.train, self.tokenizer, fmt=data.format, max_length=data.max_length)
         if data.validation:
-            val = load_encoded(data.validation, self.tokenizer, fmt=data.format, max_length=data.max_length)
+            val = load_encoded(
+                data.validation,
+                self.tokenizer,
+                fmt=data.format,
+                max_length=data.max_length,
+                field="data.validation",
+            )
         else:
             train, val = split_validation(train, data.validation_fraction, config.hyper.seed)
         if data.packing:
@@ -151,7 +158,10 @@ class Run:
         try:
             return get_peft_model(model, lora)
         except ValueError as exc:
-            raise ValueError(f"method.target_modules={list(m.target_modules)}: {exc}") from exc
+            targets = list(m.target_modules)
+            raise ConfigError(
+                "method.target_modules", f"method.target_modules={targets}: {exc}", value=targets
+            ) from exc
 
     def resume(self) -> None:
         found = latest(self.checkpoints)
@@ -265,7 +275,8 @@ def train(
         The final status, step and checkpoint.
 
     Raises:
-        ValueError: bad data (every invalid row named by line), model folder or settings.
+        ConfigError: bad data (every invalid row named by line), model folder or settings; its
+            ``field`` names the configuration field at fault.
     """
     run = Run(config, sink or NullSink(), cancel, Path(models_dir))
     try:

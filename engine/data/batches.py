@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from engine.data.encode import Encoded
+from engine.errors import ConfigError
 
 
 def pack(examples: list[Encoded], max_length: int) -> list[Encoded]:
@@ -47,9 +48,11 @@ class Batcher:
 
     def __post_init__(self) -> None:
         if len(self.examples) < self.batch_size:
-            raise ValueError(
+            raise ConfigError(
+                "hyper.batch_size",
                 f"hyper.batch_size={self.batch_size} is larger than "
-                f"the {len(self.examples)} training examples"
+                f"the {len(self.examples)} training examples",
+                value=self.batch_size,
             )
 
     @property

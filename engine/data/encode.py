@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.data.read import Example, RowError, read_examples
+from engine.errors import ConfigError
 
 FALLBACK_CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -157,12 +158,24 @@ def validate(path: str, *, tokenizer: Any = None, fmt: str = "auto", max_length:
     return report
 
 
-def load_encoded(path: str, tokenizer: Any, *, fmt: str = "auto", max_length: int = 1024) -> list[Encoded]:
-    """Every example of a file, encoded. Raises ``ValueError`` listing the errors by line."""
-    report = validate(path, tokenizer=tokenizer, fmt=fmt, max_length=max_length)
+def load_encoded(
+    path: str, tokenizer: Any, *, fmt: str = "auto", max_length: int = 1024, field: str = "data.train"
+) -> list[Encoded]:
+    """Every example of a file, encoded.
+
+    Args:
+        field: the configuration field naming the file (``data.train``, ``data.validation``).
+
+    Raises:
+        ConfigError: for ``field``: an unsupported file type, or invalid rows listed by line.
+    """
+    try:
+        report = validate(path, tokenizer=tokenizer, fmt=fmt, max_length=max_length)
+    except ValueError as exc:  # an unsupported file type
+        raise ConfigError(field, str(exc), value=path) from exc
     if not report.ok:
         shown = "; ".join(str(e) for e in report.errors[:20])
         more = f" (and {len(report.errors) - 20} more)" if len(report.errors) > 20 else ""
-        raise ValueError(f"{path}: {len(report.errors)} invalid rows: {shown}{more}")
+        raise ConfigError(field, f"{path}: {len(report.errors)} invalid rows: {shown}{more}", value=path)
     _, _, examples, _ = read_examples(path, fmt)
     return [encode(ex, tokenizer, max_length) for ex in examples]

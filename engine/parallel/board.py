@@ -10,10 +10,14 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from engine.model.adapter import count_label_tokens
 from engine.parallel.partition import Plan
 from engine.parallel.schedule import SlotRun
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -21,6 +25,41 @@ class MicroBatch:
     input_ids: Any
     labels: Any
     attention_mask: Any
+
+
+def split_batch(
+    input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None, num_microbatches: int
+) -> tuple[list[MicroBatch], int]:
+    """Check a batch and cut it into ``num_microbatches`` micro-batches in host memory.
+
+    Returns:
+        The micro-batches and the number of label tokens of the whole batch.
+
+    Raises:
+        ValueError: bad shapes, fewer sequences than micro-batches, or no label token.
+    """
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+    if labels.shape != input_ids.shape:
+        raise ValueError(
+            f"labels shape {tuple(labels.shape)} differs from input_ids {tuple(input_ids.shape)}"
+        )
+    if attention_mask is not None and attention_mask.shape != input_ids.shape:
+        raise ValueError(
+            f"attention_mask shape {tuple(attention_mask.shape)} "
+            f"differs from input_ids {tuple(input_ids.shape)}"
+        )
+    m = num_microbatches
+    if input_ids.shape[0] < m:
+        raise ValueError(f"batch of {input_ids.shape[0]} sequences cannot fill num_microbatches={m}")
+    total = count_label_tokens(labels)
+    if total == 0:
+        raise ValueError("labels: every label is -100, there is no token to train on")
+    ids = input_ids.detach().cpu().tensor_split(m)
+    lab = labels.detach().cpu().tensor_split(m)
+    am = attention_mask.detach().cpu().tensor_split(m) if attention_mask is not None else [None] * m
+    mbs = [MicroBatch(i.contiguous(), t.contiguous(), a) for i, t, a in zip(ids, lab, am, strict=True)]
+    return mbs, total
 
 
 @dataclass

@@ -22,20 +22,19 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.func import functional_call
 
 from engine.errors import Cancelled, EngineError
-from engine.model.adapter import Layer, causal_lm_loss_sum, run_layer
-from engine.parallel.board import Iteration
+from engine.model.adapter import AdaptedModel, Layer, causal_lm_loss_sum, run_layer
+from engine.parallel.board import Board, Iteration
+from engine.parallel.host import HostState
 from engine.parallel.partition import Stage
 from engine.parallel.schedule import SlotRun
 from engine.parallel.transfer import DeviceLink, plan_windows
-
-if TYPE_CHECKING:
-    from engine.roundpipe import RoundPipe
 
 # A device's generator is shared by every worker thread on that device (all CPU workers, or
 # two workers listed on one GPU): seeding and drawing must not interleave between threads, so a
@@ -63,17 +62,41 @@ def _meta_copy(module: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(module, memo)
 
 
+@dataclass(frozen=True)
+class WorkerContext:
+    """What every worker of one engine shares: all a worker sees of the engine.
+
+    Attributes:
+        model: the adapted model: the layers each worker copies the structure of, and the
+            builder of the blocks' per-micro-batch context.
+        host: the host copies the workers upload from.
+        board: the blackboard the threads coordinate through.
+        cancel: when set, iterations stop between micro-batches (None: never).
+        dropout: the model draws random numbers in training (dropout is seeded per layer).
+        fp32_accumulate: sum micro-batch weight gradients in fp32 on the device (a low-precision
+            compute dtype) before they go down to the host.
+    """
+
+    model: AdaptedModel
+    host: HostState
+    board: Board
+    cancel: threading.Event | None
+    dropout: bool
+    fp32_accumulate: bool
+
+
 class Worker:
     """One device of the pool and the thread that drives it."""
 
-    def __init__(self, index: int, device: torch.device, engine: RoundPipe) -> None:
+    def __init__(self, index: int, device: torch.device, context: WorkerContext) -> None:
         self.index = index
         self.device = device
-        self.engine = engine
-        self.board = engine.board
+        self.context = context
+        self.host = context.host
+        self.board = context.board
         self.link = DeviceLink(device)
-        self.modules = [_meta_copy(layer.module) for layer in engine.adapted.layers]
-        self.rotary = copy.deepcopy(engine.adapted.rotary).to(device)
+        self.modules = [_meta_copy(layer.module) for layer in context.model.layers]
+        self.rotary = copy.deepcopy(context.model.rotary).to(device)
         self.queue: deque[tuple[Iteration, SlotRun]] = deque()
         self.prefetched: dict[int, tuple[Params, Any]] = {}
         self.stopping = False
@@ -132,12 +155,12 @@ class Worker:
                     self.board.cv.notify_all()
 
     def _owners(self, stage: Stage) -> set[int]:
-        host = self.engine.host
+        host = self.host
         return set().union(*(host.layer_owners[i] for i in stage.layers))
 
     # -- weights -----------------------------------------------------------------------------
     def _allocate(self, stage: Stage) -> tuple[Params, list[tuple[Any, int]]]:
-        host = self.engine.host
+        host = self.host
         params: Params = {}
         sizes: list[tuple[Any, int]] = []
         # allocated on the stream that writes them; the compute stream is recorded as a user
@@ -153,7 +176,7 @@ class Worker:
     def _pieces(
         self, params: Params, window: list[Any], version: int
     ) -> list[tuple[torch.Tensor, torch.Tensor, int, int]]:
-        host = self.engine.host
+        host = self.host
         out = []
         for piece in window:
             i, local = piece.key
@@ -190,7 +213,7 @@ class Worker:
         DeviceLink.host_wait(event)
         board.release_uploads(owners, it.version)
         released[0] = True
-        host = self.engine.host
+        host = self.host
         for i in stage.layers:
             for local, k in host.layer_keys[i].items():
                 if self.link.is_cuda:
@@ -253,7 +276,7 @@ class Worker:
     def _check_cancel(self, it: Iteration, stage: Stage, mb: int) -> None:
         """Honour the cancel flag, unless the caller already received this iteration's loss
         (async mode): its gradients then belong to a step the caller may already have asked for."""
-        cancel = self.engine.cancel
+        cancel = self.context.cancel
         if cancel is None or not cancel.is_set():
             return
         with self.board.cv:
@@ -306,7 +329,7 @@ class Worker:
     @contextlib.contextmanager
     def _rng(self, it: Iteration, mb: int, layer: int) -> Iterator[None]:
         """Seed dropout per (iteration, micro-batch, layer), so a recompute draws the same masks."""
-        if not (self.engine.dropout and it.train):
+        if not (self.context.dropout and it.train):
             yield
             return
         seed = (it.seed * 1_000_003 + it.serial) * 1_000_003 + mb * 1_009 + layer
@@ -332,10 +355,10 @@ class Worker:
     def _context(self, it: Iteration, mb: int, hidden: torch.Tensor) -> Any:
         am = it.microbatches[mb].attention_mask
         am_dev = None if am is None else self.link.upload(am)
-        return self.engine.adapted.build_context(self.rotary, hidden, am_dev)
+        return self.context.model.build_context(self.rotary, hidden, am_dev)
 
     def _forward(self, it: Iteration, stage: Stage, mb: int, params: Params, x: torch.Tensor) -> None:
-        layers = self.engine.adapted.layers
+        layers = self.context.model.layers
         ctx = None if stage.start == 0 else self._context(it, mb, x)
         with torch.no_grad():
             for i in stage.layers:
@@ -352,7 +375,7 @@ class Worker:
         self, it: Iteration, stage: Stage, mb: int, params: Params, x: torch.Tensor
     ) -> torch.Tensor:
         """The fused stage of an evaluation: its layers and the loss, no backward."""
-        layers = self.engine.adapted.layers
+        layers = self.context.model.layers
         ctx = None if stage.start == 0 else self._context(it, mb, x)
         with torch.no_grad():
             for i in stage.layers:
@@ -370,7 +393,7 @@ class Worker:
         x: torch.Tensor,
         accum: dict[tuple[int, str], torch.Tensor],
     ) -> torch.Tensor | None:
-        layers = self.engine.adapted.layers
+        layers = self.context.model.layers
         ctx = None if stage.start == 0 else self._context(it, mb, x)
         saved: list[tuple[torch.Tensor, torch.Tensor]] = []
         with torch.enable_grad():
@@ -407,7 +430,7 @@ class Worker:
                 top, grad = None, inp.grad if inp.requires_grad else None
         if stage.start > 0:  # None when nothing below trains (a frozen input layer)
             self._publish(it.grads, (mb, stage.start), grad)
-        if self.engine.fp32_accumulate:
+        if self.context.fp32_accumulate:
             for i in stage.layers:
                 for local, t in params[i].items():
                     if t.grad is not None:
@@ -422,7 +445,7 @@ class Worker:
     def _needs_input_grad(self, layer: int) -> bool:
         """Whether the gradient of a block's input is needed: always, except for the block right
         above a frozen input layer (a LoRA base), where nothing below would use it."""
-        return layer > 1 or bool(self.engine.host.layer_owners[0])
+        return layer > 1 or bool(self.host.layer_owners[0])
 
     def _deposit(
         self,
@@ -432,13 +455,13 @@ class Worker:
         params: Params,
         accum: dict[tuple[int, str], torch.Tensor],
     ) -> None:
-        host = self.engine.host
+        host = self.host
         for i in stage.layers:
             contribution: dict[int, tuple[Any, Any]] = {}
             for local, k in host.layer_keys[i].items():
                 if not host.tensors[k].trainable:
                     continue
-                g = accum.pop((i, local), None) if self.engine.fp32_accumulate else params[i][local].grad
+                g = accum.pop((i, local), None) if self.context.fp32_accumulate else params[i][local].grad
                 if g is None:
                     g = torch.zeros_like(params[i][local], dtype=torch.float32)
                 contribution[k] = self.link.download(g, self.link.grad_down)

@@ -13,9 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.config import COMPUTE_DTYPES
 from engine.model.adapter import AdaptedModel
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in COMPUTE_DTYPES}
 
 
 @dataclass

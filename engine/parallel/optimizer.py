@@ -20,12 +20,14 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from engine.config import EngineConfig
 from engine.errors import Cancelled, EngineError
+from engine.optimizers import optimizer_spec
 from engine.parallel.board import Board, Iteration
 from engine.parallel.host import HostState
 from engine.parallel.transfer import DeviceLink
@@ -38,19 +40,37 @@ class StepJob:
     index: int  # 1-based number of this step
     lr: float
     iterations: list[Iteration]
-    done: threading.Event = field(default_factory=threading.Event)
     grad_norm: float = float("nan")
     seconds: float = 0.0
     skipped: bool = False
 
-
-def _make_optimizer(params: list[torch.nn.Parameter], cfg: Any) -> torch.optim.Optimizer:
-    if cfg.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-    # fused AdamW runs ~11x faster than the foreach path on the CPU (DESIGN.md §7)
-    return torch.optim.AdamW(
-        params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay, fused=True
-    )
+    def metrics(self, *, loss_scale: float, num_workers: int) -> dict[str, float]:
+        """The step's metrics for the sink, once it finished (``loss/train``, ``time/*``, ...)."""
+        its = self.iterations
+        wall = max(time.perf_counter() - its[0].started, 1e-9)
+        span = max(max(it.finished for it in its) - its[0].started, 1e-9)
+        busy = sum(sum(it.busy_s.values()) for it in its)
+        tokens = sum(it.total_tokens for it in its)
+        loss = sum(sum(it.loss_sums.values()) for it in its) / tokens
+        metrics = {
+            "loss/train": loss,
+            "tokens/label": float(tokens),
+            "throughput/tokens_per_s": sum(
+                sum(int(mb.input_ids.numel()) for mb in it.microbatches) for it in its
+            )
+            / wall,
+            "optim/grad_norm": self.grad_norm,
+            "optim/skipped": float(self.skipped),
+            "optim/loss_scale": loss_scale,
+            "optim/lr": self.lr,
+            "time/step_s": wall,
+            "time/optimizer_s": self.seconds,
+            "pipeline/bubble_ratio": max(0.0, 1.0 - busy / (num_workers * span)),
+        }
+        for it in its:
+            for name, s in it.stage_s.items():
+                metrics[f"time/stage/{name}_s"] = metrics.get(f"time/stage/{name}_s", 0.0) + s
+        return metrics
 
 
 class OptimizerWorker:
@@ -59,21 +79,24 @@ class OptimizerWorker:
     Args:
         host: the host state it updates.
         board: the engine's blackboard.
-        cfg: the engine config (optimizer, lr, betas, eps, weight_decay, momentum,
-            max_grad_norm, async_optimizer).
+        cfg: the engine config (optimizer, its hyperparameters, max_grad_norm, async_optimizer,
+            compute_dtype, initial_loss_scale).
         on_step: called (on this thread) after every step with the finished job.
     """
 
-    def __init__(self, host: HostState, board: Board, cfg: Any, on_step: Callable[[StepJob], None]) -> None:
+    def __init__(
+        self, host: HostState, board: Board, cfg: EngineConfig, on_step: Callable[[StepJob], None]
+    ) -> None:
         self.host = host
         self.board = board
         self.cfg = cfg
         self.on_step = on_step
         self.optimizers: dict[int, torch.optim.Optimizer] = {}
+        spec = optimizer_spec(cfg.optimizer, field="EngineConfig.optimizer")
         for owner, keys in enumerate(host.owned):
             params = [p for k in keys if (p := host.tensors[k].master) is not None]
             if params:
-                self.optimizers[owner] = _make_optimizer(params, cfg)
+                self.optimizers[owner] = spec.build(params, cfg)
         # float16 compute: the loss is scaled so small gradients survive; a step whose
         # gradients overflowed is skipped (the weights stay, the step still counts)
         self.dynamic_scaling = cfg.compute_dtype == "float16"
@@ -186,7 +209,6 @@ class OptimizerWorker:
             self._publish(owner, job.index)
         job.seconds = time.perf_counter() - t0
         self.on_step(job)
-        job.done.set()
 
     def _rescale(self, *, overflow: bool) -> None:
         """float16 dynamic loss scaling: halve on overflow, double after a run of good steps."""

@@ -3,7 +3,8 @@
 On a CUDA device a worker owns a compute stream and four copy streams (activations up,
 activations down, parameters up, gradients down); host buffers are pinned and CUDA events order
 the streams and the threads. On the CPU the same calls run synchronously, so the executor has a
-single code path. ``plan_windows`` (pure) cuts a stage's parameters into micro-batch windows.
+single code path. ``plan_windows`` (pure) cuts a stage's parameters into micro-batch windows;
+``resolve_device`` turns a worker name into its device.
 """
 
 from __future__ import annotations
@@ -15,6 +16,32 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from engine.errors import ConfigError
+
+
+def resolve_device(name: str) -> torch.device:
+    """The device of a worker named ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
+
+    Raises:
+        ConfigError: (``EngineConfig.devices``) CUDA asked for but absent, or no such GPU.
+    """
+    if name == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            "EngineConfig.devices",
+            f"EngineConfig.devices: {name!r} asked for, but CUDA is not available here",
+            value=name,
+        )
+    dev = torch.device("cuda:0" if name == "cuda" else name)
+    if dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ConfigError(
+            "EngineConfig.devices",
+            f"EngineConfig.devices: {name!r} does not exist ({torch.cuda.device_count()} GPUs)",
+            value=name,
+        )
+    return dev
 
 
 @dataclass(frozen=True)

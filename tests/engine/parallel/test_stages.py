@@ -1,12 +1,14 @@
-"""Per-layer costs: the proxy before measuring, and averages of measured times."""
+"""Per-layer costs (the proxy before measuring, averages of measured times), the memory budget,
+the partition chosen from them and its grid."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine.parallel.board import Iteration, MicroBatch
-from engine.parallel.partition import LayerCost, Plan
-from engine.parallel.stages import measured_costs
+from engine.parallel.partition import LayerCost, Plan, auto_partition
+from engine.parallel.stages import choose_plan, measured_costs, memory_budget, plan_grid
 
 
 def iteration(plan: Plan, fwd: dict[int, float], bwd: dict[int, float], m: int) -> Iteration:
@@ -43,3 +45,30 @@ def test_a_layer_without_measurement_is_an_error() -> None:
     it = iteration(plan, {0: 1.0}, {0: 1.0, 1: 1.0}, m=1)
     with pytest.raises(ValueError, match="no time measured for layer 1"):
         measured_costs([it], [LayerCost(0, 0, 0, 0)] * 2)
+
+
+def test_memory_budget_is_unlimited_on_cpu_workers_unless_given() -> None:
+    cpu = [torch.device("cpu")] * 2
+    assert memory_budget(cpu, None) is None
+    assert memory_budget(cpu, 1000) == 1000.0
+
+
+def test_choose_plan_from_proxy_costs_is_the_closed_form_partition() -> None:
+    costs = [LayerCost(1.0, 2.0, 0.0, 0.0)] * 6
+    plan = choose_plan(
+        costs,
+        measured=False,
+        num_workers=2,
+        num_microbatches=4,
+        memory_budget=None,
+        round_size=None,
+        async_optimizer=False,
+        previous=None,
+    )
+    assert plan == auto_partition(costs, num_workers=2, num_microbatches=4)
+
+
+def test_plan_grid_shows_every_slot_of_one_iteration() -> None:
+    plan = Plan.from_counts(4, forward=[2], fused=2, backward=[2])
+    grid = plan_grid(plan, num_workers=2, num_microbatches=2, round_size=None)
+    assert all(s.name in grid for s in plan.slots)
