@@ -4,10 +4,12 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+NODE_STAMP := node_modules/.installed
+PRETTIER := node_modules/.bin/prettier
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install services test lint types unit bench run demo plan clean
+.PHONY: install services test lint lint-js fmt-js types unit bench run demo plan clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -22,9 +24,25 @@ $(STAMP): requirements.txt requirements-nodeps.txt pyproject.toml | $(PY)
 
 install: $(STAMP)
 
-lint: install
+# the JavaScript formatter (prettier, pinned in package-lock.json): the web UI itself has no build
+$(NODE_STAMP): package.json package-lock.json
+	@command -v npm >/dev/null || { \
+		echo "npm not found: installing Debian's nodejs and npm for the JavaScript formatter"; \
+		apt-get update -qq && apt-get install -y -qq nodejs npm; \
+	}
+	npm ci --no-audit --no-fund --loglevel=error
+	touch $(NODE_STAMP)
+
+lint: install lint-js
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+
+# fails when a file under web/js is not as the formatter writes it; `make fmt-js` rewrites them
+lint-js: $(NODE_STAMP)
+	$(PRETTIER) --check web/js
+
+fmt-js: $(NODE_STAMP)
+	$(PRETTIER) --write web/js
 
 types: install
 	$(VENV)/bin/mypy
@@ -61,4 +79,4 @@ plan: install
 	$(VENV)/bin/roundhouse plan
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) node_modules .pytest_cache .mypy_cache .ruff_cache *.egg-info

@@ -55,8 +55,6 @@ import os
 import platform
 import re
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -72,6 +70,12 @@ import httpx
 import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
+# run as ``python bench/api_load.py``: the checkout's root, where ``tests`` is, is not on the path yet
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from tests.utils import Process, child_env, free_port, roundhouse  # noqa: E402
+
 RESULTS = ROOT / "bench" / "results"
 CLIENTS = 50
 WARMUP_JOBS = CLIENTS + 10
@@ -124,12 +128,6 @@ def stats(latencies_s: list[float]) -> dict[str, Any]:
         "p99_ms": pct(99),
         "max_ms": values[-1],
     }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def tree(proc: psutil.Process | None) -> list[psutil.Process]:
@@ -269,17 +267,9 @@ class Stack:
 
     def __init__(self, home: Path, *, worker: bool) -> None:
         self.home, self.want_worker = home, worker
-        self.env = {k: v for k, v in os.environ.items() if not k.startswith("ROUNDHOUSE_")}
-        self.env.update(
-            {
-                "ROUNDHOUSE_HOME": str(home),
-                "ROUNDHOUSE_HF_CACHE": str(home / "hf-cache"),
-                "HF_HUB_OFFLINE": "1",
-                "TOKENIZERS_PARALLELISM": "false",
-            }
-        )
-        self.server: subprocess.Popen[bytes] | None = None
-        self.worker: subprocess.Popen[bytes] | None = None
+        self.env = child_env(ROUNDHOUSE_HOME=str(home), ROUNDHOUSE_HF_CACHE=str(home / "hf-cache"))
+        self.server: Process | None = None
+        self.worker: Process | None = None
         self.port = 0
         self.key = ""
 
@@ -287,26 +277,13 @@ class Stack:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def _spawn(self, args: list[str], log: str) -> subprocess.Popen[bytes]:
-        with (self.home / log).open("ab") as out:
-            return subprocess.Popen(
-                [sys.executable, "-m", "server.cli", *args],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=self.env,
-                cwd=ROOT,
-                start_new_session=True,  # its own process group, so stop() reaches its children
-            )
-
     def start(self) -> Stack:
-        if str(ROOT) not in sys.path:
-            sys.path.insert(0, str(ROOT))
-        from tests.engine.tiny import tiny_model_folder
+        from tests.engine.tiny import tiny_model_folder  # imports torch: not needed for --help
 
         (self.home / "hf-cache").mkdir(parents=True, exist_ok=True)
         tiny_model_folder(self.home / "models" / "tiny")
         made = subprocess.run(
-            [sys.executable, "-m", "server.cli", "keys", "create", "--name", "bench"],
+            roundhouse("keys", "create", "--name", "bench"),
             env=self.env,
             cwd=ROOT,
             capture_output=True,
@@ -315,28 +292,18 @@ class Stack:
         )
         self.key = made.stdout.strip().splitlines()[0]
         self.port = free_port()
-        self.server = self._spawn(["serve", "--host", "127.0.0.1", "--port", str(self.port)], "server.log")
-        deadline = time.monotonic() + 120
-        while True:
-            if self.server.poll() is not None:
-                raise RuntimeError(f"the server exited with code {self.server.returncode}\n{self.tail()}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.url}/api/health", timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the server did not answer within 120 s\n{self.tail()}")
-            time.sleep(0.2)
+        serve = roundhouse("serve", "--host", "127.0.0.1", "--port", str(self.port))
+        self.server = Process(serve, env=self.env, log=self.home / "server.log").start()
+        self.server.wait_for_http(f"{self.url}/api/health", timeout=120)
         if self.want_worker:
-            self.worker = self._spawn(["worker", "--loglevel", "WARNING"], "worker.log")
+            worker = roundhouse("worker", "--loglevel", "WARNING")
+            self.worker = Process(worker, env=self.env, log=self.home / "worker.log").start()
         return self
 
     def tail(self) -> str:
-        out = []
-        for log in ("server.log", "worker.log"):
-            path = self.home / log
-            if path.is_file():
-                out.append(f"--- {log}\n{path.read_text(errors='replace')[-3000:]}")
-        return "\n".join(out)
+        return "\n".join(
+            f"--- {p.log.name}\n{p.tail(3000)}" for p in (self.server, self.worker) if p is not None
+        )
 
     def logged_errors(self) -> dict[str, int]:
         """The exception lines of the server's and worker's logs, counted (a failure's last line)."""
@@ -349,26 +316,15 @@ class Stack:
                         found[text[:200]] = found.get(text[:200], 0) + 1
         return found
 
-    @staticmethod
-    def _end(proc: subprocess.Popen[bytes] | None, timeout: float) -> None:
-        if proc is None or proc.poll() is not None:
-            return
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
     def stop(self) -> None:
-        self._end(self.worker, 60)
-        self._end(self.server, 30)
+        if self.worker is not None:
+            self.worker.stop(grace=60)
+        if self.server is not None:
+            self.server.stop(grace=30)
         # whatever is left in either process group (a training child) goes too
-        for proc in (self.worker, self.server):
-            if proc is not None:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(proc.pid, signal.SIGKILL)
+        for process in (self.worker, self.server):
+            if process is not None:
+                process.kill_group()
 
 
 def client(stack: Stack) -> httpx.Client:
@@ -413,7 +369,7 @@ class TimedFile(io.FileIO):
 
     eof_at: float | None = None
 
-    def read(self, size: int = -1) -> bytes:
+    def read(self, size: int | None = -1) -> bytes:
         data = super().read(size)
         if not data and self.eof_at is None:
             self.eof_at = time.perf_counter()

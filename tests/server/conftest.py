@@ -5,10 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
-import socket
-import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,16 +15,11 @@ from fastapi.testclient import TestClient
 from server.app import create_app
 from server.settings import Settings
 from tests.engine.tiny import tiny_model_folder
+from tests.utils import Process, answers, child_env, roundhouse
 
 POSTGRES_ADMIN = os.environ.get(
     "ROUNDHOUSE_TEST_POSTGRES", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 )
-
-
-def _answers(host: str, port: int) -> bool:
-    with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.5):
-        return True
-    return False
 
 
 @contextlib.contextmanager
@@ -38,7 +29,7 @@ def postgres_database() -> Iterator[str]:
     from sqlalchemy.engine import make_url
 
     admin_url = make_url(POSTGRES_ADMIN)
-    if not _answers(admin_url.host or "127.0.0.1", admin_url.port or 5432):
+    if not answers(admin_url.host or "127.0.0.1", admin_url.port or 5432):
         pytest.skip(f"no PostgreSQL server at {admin_url.host}:{admin_url.port}")
     name = f"roundhouse_test_{uuid.uuid4().hex[:12]}"
     admin = create_engine(admin_url, isolation_level="AUTOCOMMIT")
@@ -90,62 +81,25 @@ def _redis_url() -> str | None:
     url = os.environ.get("ROUNDHOUSE_TEST_REDIS", "redis://127.0.0.1:6379/15")
     host_port = url.split("//", 1)[1].split("/", 1)[0]
     host, _, port = host_port.partition(":")
-    return url if _answers(host, int(port or 6379)) else None
+    return url if answers(host, int(port or 6379)) else None
 
 
-class WorkerProcess:
-    """``roundhouse worker`` as a real process, with its log kept for failures."""
+class WorkerProcess(Process):
+    """``roundhouse worker`` on ``settings`` as a real process, with its log kept for failures."""
 
     def __init__(self, settings: Settings, log: Path) -> None:
-        self.settings, self.log_path = settings, log
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def env(self) -> dict[str, str]:
-        s = self.settings
-        env = dict(os.environ)
-        env.update(
-            {
-                "ROUNDHOUSE_HOME": str(s.home),
-                "ROUNDHOUSE_DATABASE_URL": s.url,
-                "ROUNDHOUSE_QUEUE": s.queue,
-                "ROUNDHOUSE_LEASE_SECONDS": str(s.lease_seconds),
-                "ROUNDHOUSE_TELEMETRY_SECONDS": str(s.telemetry_seconds),
-                "ROUNDHOUSE_CANCEL_GRACE_SECONDS": str(s.cancel_grace_seconds),
-                "HF_HUB_OFFLINE": "1",
-            }
+        s = settings
+        env = child_env(
+            **s.child_environment(),
+            ROUNDHOUSE_QUEUE=s.queue,
+            ROUNDHOUSE_LEASE_SECONDS=str(s.lease_seconds),
+            ROUNDHOUSE_TELEMETRY_SECONDS=str(s.telemetry_seconds),
+            ROUNDHOUSE_CANCEL_GRACE_SECONDS=str(s.cancel_grace_seconds),
         )
-        env.pop("ROUNDHOUSE_REDIS_URL", None)
         if s.redis_url:
             env["ROUNDHOUSE_REDIS_URL"] = s.redis_url
-        return env
-
-    def start(self) -> WorkerProcess:
-        out = self.log_path.open("ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "server.cli", "worker", "--loglevel", "INFO"],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=self.env(),
-            cwd=Path(__file__).resolve().parents[2],
-        )
-        return self
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait()
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-    def tail(self) -> str:
-        return self.log_path.read_text(errors="replace")[-4000:] if self.log_path.exists() else ""
+        super().__init__(roundhouse("worker", "--loglevel", "INFO"), env=env, log=log)
+        self.settings = settings
 
 
 @pytest.fixture(params=["redis", "filesystem", "redis+postgresql"])
@@ -192,3 +146,4 @@ def workers(worker_settings: Settings, tmp_path: Path) -> Iterator[list[WorkerPr
     yield started
     for w in started:
         w.stop()
+        w.kill_group()

@@ -4,13 +4,8 @@ browser context, and pages that fail their test on any console error."""
 
 from __future__ import annotations
 
-import os
 import re
 import signal
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,11 +16,11 @@ import psutil
 import pytest
 
 from tests.engine.tiny import tiny_model_folder
+from tests.utils import LOGIN_LINE, ROOT, Process, child_env, free_port, roundhouse
 
 if TYPE_CHECKING:
-    from playwright.sync_api import Browser, BrowserContext, ConsoleMessage, Page
+    from playwright.sync_api import Browser, BrowserContext, ConsoleMessage, Page, ViewportSize
 
-ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
     "--no-sandbox",
@@ -37,28 +32,21 @@ CHROMIUM_ARGS = [
     "--disable-sync",
 ]
 SCREENSHOTS = ROOT / "test-artifacts" / "screenshots"
-VIEWPORT = {"width": 1280, "height": 800}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+VIEWPORT: ViewportSize = {"width": 1280, "height": 800}
 
 
 @dataclass
 class Server:
-    """The running service: where it answers, its login link and key, its home and its log."""
+    """The running service: where it answers, its login link and key, its home and its process."""
 
     base_url: str
     login_url: str
     key: str
     home: Path
-    log: Path
-    proc: subprocess.Popen[bytes]
+    process: Process
 
     def log_tail(self, chars: int = 4000) -> str:
-        return self.log.read_text(errors="replace")[-chars:]
+        return self.process.tail(chars)
 
     def client(self) -> httpx.Client:
         """An API client with the login key (for setup shortcuts, never for what is under test)."""
@@ -73,54 +61,26 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     tmp = tmp_path_factory.mktemp("web")
     home = tmp / "home"
     tiny_model_folder(home / "models" / "tiny")
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ROUNDHOUSE_")}
-    env.update(
+    env = child_env(
         ROUNDHOUSE_HOME=str(home),
-        ROUNDHOUSE_PORT=str(port),
+        ROUNDHOUSE_PORT=str(free_port()),
         ROUNDHOUSE_LEASE_SECONDS="5",
         ROUNDHOUSE_TELEMETRY_SECONDS="0.5",
-        HF_HUB_OFFLINE="1",
     )
-    log = tmp / "serve.log"
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "server.cli", "serve", "--with-worker", "--new-login-key"],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=ROOT,
-        )
+    command = roundhouse("serve", "--with-worker", "--new-login-key")
+    process = Process(command, env=env, log=tmp / "serve.log").start()
     children: list[psutil.Process] = []
     try:
-        found = None
-        deadline = time.monotonic() + 90
-        while found is None and time.monotonic() < deadline and proc.poll() is None:
-            found = re.search(r"Open: (http://\S+/login\?token=(rh_\S+))", log.read_text(errors="replace"))
-            time.sleep(0.2)
-        assert found is not None, f"no login URL printed:\n{log.read_text(errors='replace')[-4000:]}"
+        found = process.wait_for_line(LOGIN_LINE, timeout=90)
+        assert found is not None, f"no login URL printed:\n{process.tail()}"
         login_url, key = found.group(1), found.group(2)
         base_url = login_url.split("/login?", 1)[0]
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{base_url}/api/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, log.read_text(errors="replace")[-4000:]
-            time.sleep(0.2)
-        yield Server(base_url=base_url, login_url=login_url, key=key, home=home, log=log, proc=proc)
-        children = psutil.Process(proc.pid).children(recursive=True)
+        process.wait_for_http(f"{base_url}/api/health", timeout=60)
+        yield Server(base_url=base_url, login_url=login_url, key=key, home=home, process=process)
+        children = process.descendants()
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
-            raise
+        stopped = process.stop(signal.SIGINT, grace=60)
+    assert stopped, f"the server did not stop within 60 s of SIGINT (killed):\n{process.tail()}"
     # the worker it started (and the worker's pool) went down with it
     _, alive = psutil.wait_procs(children, timeout=30)
     for p in alive:

@@ -1,0 +1,13 @@
+"""Helpers shared by the tests and the benchmarks (``bench/`` imports them too)."""
+
+from tests.utils.processes import (
+    LOGIN_LINE,
+    ROOT,
+    Process,
+    answers,
+    child_env,
+    free_port,
+    roundhouse,
+)
+
+__all__ = ["LOGIN_LINE", "ROOT", "Process", "answers", "child_env", "free_port", "roundhouse"]
