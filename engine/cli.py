@@ -7,7 +7,7 @@
     roundhouse eval MODEL [--adapter CHECKPOINT] --data HELDOUT
     roundhouse prepare-demo                       convert the packaged demo model once
     roundhouse demo [--steps N]                   before/after accuracy of a short demo fine-tune
-    roundhouse plan ...                           the automatic partition and schedule grid
+    roundhouse plan [--config CONFIG] ...         partition, schedule grid, fit and ETA of a run
     roundhouse synthetic ...                      train a random model on a synthetic task
 
 Bad input ends with exit code 2 and one line naming the problem.
@@ -22,15 +22,22 @@ import sys
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
+
+if TYPE_CHECKING:
+    from engine.config import TrainConfig
 
 
-def _meta_model(args: argparse.Namespace) -> Any:
+def _meta_model(args: argparse.Namespace, model_path: str | None) -> Any:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
-    if args.model:
-        config = AutoConfig.from_pretrained(args.model)
+    if model_path == "demo":
+        from engine.model.loading import demo_config
+
+        config = LlamaConfig(**demo_config())
+    elif model_path:
+        config = AutoConfig.from_pretrained(model_path)
     else:
         heads = max(1, args.hidden // 64)
         config = LlamaConfig(
@@ -45,12 +52,48 @@ def _meta_model(args: argparse.Namespace) -> Any:
         return AutoModelForCausalLM.from_config(config)
 
 
+def plan_config(args: argparse.Namespace) -> tuple[TrainConfig, int | None]:
+    """The run to plan: ``--config`` (or the command's defaults) with the flags given on top, and
+    its training rows when ``hyper.epochs`` needs them and the file can be read."""
+    from engine.config import TrainConfig
+    from engine.data.read import read_records
+
+    if args.config:
+        raw = TrainConfig.load(args.config).model_dump()
+    else:  # no file to read: a 2048-token LoRA run, batch max(M, 16), in bf16
+        microbatches = args.microbatches or 4
+        raw = {
+            "data": {"train": "(not read: planning only)", "max_length": 2048},
+            "hyper": {"batch_size": max(microbatches, 16)},
+            "engine": {"num_microbatches": microbatches, "compute_dtype": "bfloat16"},
+        }
+    flags = {
+        ("data", "max_length"): args.seq_len,
+        ("method", "kind"): args.method,
+        ("method", "lora_r"): args.lora_r,
+        ("hyper", "batch_size"): args.batch_size,
+        ("hyper", "max_steps"): args.steps,
+        ("engine", "num_microbatches"): args.microbatches,
+        ("engine", "compute_dtype"): args.dtype,
+        ("engine", "async_optimizer"): True if args.async_optimizer else None,
+    }
+    for (section, key), value in flags.items():
+        if value is not None:
+            raw.setdefault(section, {})[key] = value
+    config = TrainConfig.parse(raw)
+    rows = None
+    if args.config and config.hyper.max_steps is None and Path(config.data.train).is_file():
+        rows = sum(1 for _, record in read_records(config.data.train) if isinstance(record, dict))
+    return config, rows
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from engine.model.adapter import AdaptedModel
     from engine.parallel.partition import LayerCost, auto_partition, objective, proxy_costs
     from engine.parallel.schedule import build_schedule, render_grid
 
-    meta = _meta_model(args)
+    config, rows = plan_config(args)
+    meta = _meta_model(args, args.model or (config.model.path if args.config else None))
     adapted = AdaptedModel(meta)
     param_bytes = [
         float(sum(t.numel() * 2 for t in {id(t): t for t in layer.tensors.values()}.values()))
@@ -58,10 +101,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     ]
     costs: list[LayerCost] = proxy_costs(param_bytes)
     budget = args.memory_budget_gb * 2**30 if args.memory_budget_gb else None
-    plan = auto_partition(
-        costs, num_workers=args.workers, num_microbatches=args.microbatches, memory_budget=budget
-    )
-    n, m, s = args.workers, args.microbatches, plan.num_slots
+    n, m = args.workers, config.engine.num_microbatches
+    plan = auto_partition(costs, num_workers=n, num_microbatches=m, memory_budget=budget)
+    s = plan.num_slots
     print(
         f"{adapted.architecture}: {adapted.num_layers} layers "
         f"(input, {adapted.num_layers - 2} blocks, output)"
@@ -78,11 +120,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     names = [st.name for st in plan.slots]
     kinds = [st.kind for st in plan.slots]
     print(render_grid(runs, slot_names=names, kinds=kinds, num_workers=n))
-    print(_fit_report(args, meta.config.to_dict()))
+    print(_fit_report(args, meta.config.to_dict(), config, rows))
     return 0
 
 
-def _fit_report(args: argparse.Namespace, config: dict[str, Any]) -> str:
+def _fit_report(
+    args: argparse.Namespace, model_config: dict[str, Any], config: TrainConfig, rows: int | None
+) -> str:
     """The planner's answer for this model on the given box: memory, fit, tokens/s and ETA."""
     import psutil
 
@@ -102,17 +146,8 @@ def _fit_report(args: argparse.Namespace, config: dict[str, Any]) -> str:
         efficiency=args.efficiency,
         detected=tuple(detected),
     )
-    workload = Workload(
-        seq_len=args.seq_len,
-        batch_size=args.batch_size or max(args.microbatches, 16),
-        method=args.method,
-        lora_r=args.lora_r,
-        num_microbatches=args.microbatches,
-        compute_dtype=args.dtype,
-        async_optimizer=args.async_optimizer,
-        steps=args.steps,
-    )
-    return "\n" + plan_job(config, hardware, workload).describe()
+    workload = Workload.from_train_config(config, num_sequences=rows)
+    return "\n" + plan_job(model_config, hardware, workload).describe()
 
 
 class ProgressSink:
@@ -340,24 +375,29 @@ def cmd_synthetic(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="roundhouse", description="Roundhouse fine-tuning engine")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("plan", help="print the automatic partition and schedule grid of a model")
+    p = sub.add_parser("plan", help="partition, schedule grid, fit and ETA of a run (a TrainConfig or flags)")
+    p.add_argument("--config", help="a TrainConfig (JSON/YAML): the run to plan; the flags below override it")
     p.add_argument("--model", help="a local Hugging Face model folder (only its config is read)")
     p.add_argument("--blocks", type=int, default=8)
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--microbatches", type=int, default=None, help="default 4")
     p.add_argument("--memory-budget-gb", type=float, default=None)
     p.add_argument("--gpu-memory-gb", type=float, default=24.0, help="memory of each GPU (fit report)")
     p.add_argument("--gpu-tflops", type=float, default=165.0, help="peak bf16 rate of each GPU")
     p.add_argument("--efficiency", type=float, default=0.4, help="achieved fraction of the peak rate")
     p.add_argument("--link-gb-s", type=float, default=25.0, help="host <-> GPU bandwidth, GB/s")
     p.add_argument("--host-ram-gb", type=float, default=None, help="default: this machine's RAM")
-    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--seq-len", type=int, default=None, help="default 2048")
     p.add_argument("--batch-size", type=int, default=None, help="sequences per step (default max(M, 16))")
-    p.add_argument("--method", choices=["lora", "full"], default="lora")
-    p.add_argument("--lora-r", type=int, default=16)
-    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    p.add_argument("--method", choices=["lora", "full"], default=None, help="default lora")
+    p.add_argument("--lora-r", type=int, default=None, help="default 16")
+    p.add_argument(
+        "--dtype",
+        choices=["auto", "bfloat16", "float16", "float32"],
+        help="default bfloat16 (or the config's)",
+    )
     p.add_argument("--async", dest="async_optimizer", action="store_true")
     p.add_argument("--steps", type=int, default=None, help="steps of the job, for an ETA")
     p.set_defaults(func=cmd_plan)

@@ -8,7 +8,8 @@ prefetched — its activations, and for the fused stage the logits). Times come 
 assumed fraction of the GPUs' peak rate; the engine's own partitioner picks the stages within the
 GPU memory, and the schedule simulator (physical mode, weight uploads over the host link) gives the
 iteration time. A job that ran calibrates the rate: ``calibrate`` scales the assumed efficiency by
-measured over predicted throughput.
+measured over predicted throughput. The job comes in as the run's own ``TrainConfig``
+(``Workload.from_train_config``), so the CLI, the service and the web form plan the same thing.
 
 The estimates are first-order: activation sizes assume fused (flash) attention, the optimizer is
 assumed hidden behind the next iteration unless it is slower than it, and communication other than
@@ -21,14 +22,17 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from engine.config import TrainConfig, resolve_compute_dtype
+from engine.errors import ConfigError
+from engine.model.families import DEFAULT_LORA_TARGETS
+from engine.optimizers import optimizer_spec
 from engine.parallel.partition import LayerCost, Plan, auto_partition, stage_memory
 from engine.simulation.simulate import closed_form_bubble, simulate
 
 GB = 1e9
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 CUDA_OVERHEAD_BYTES = 0.8 * GB  # CUDA context, allocator slack and workspace per GPU
-OPTIMIZER_BYTES_PER_PARAM = 16  # fp32 master 4 + gradient 4 + AdamW moments 8
+MASTER_AND_GRAD_BYTES_PER_PARAM = 8  # fp32 master 4 + gradient 4; the optimizer state comes on top
 OPTIMIZER_PARAMS_PER_S = 1.5e9  # fused CPU AdamW (memory-bound, ~28 bytes moved per parameter)
 
 
@@ -50,14 +54,14 @@ class Shape:
         """Read the sizes of a Llama/Qwen/Mistral-style config (text config of a multimodal one).
 
         Raises:
-            ValueError: a size is missing or not a positive integer.
+            ConfigError: a size is missing or not a positive integer (``field`` is its key).
         """
         cfg = config.get("text_config") or config
         need = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
         for key in need:
             value = cfg.get(key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"config.json: {key}={value!r} must be a positive integer")
+                raise ConfigError(key, f"config.json: {key}={value!r} must be a positive integer")
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         return cls(
@@ -124,11 +128,45 @@ class Workload:
     batch_size: int = 16
     method: str = "lora"
     lora_r: int = 16
-    target_modules: tuple[str, ...] = ALL_LINEAR
+    target_modules: tuple[str, ...] = DEFAULT_LORA_TARGETS
+    optimizer: str = "adamw"
     num_microbatches: int = 16
     compute_dtype: str = "bfloat16"
     async_optimizer: bool = False
     steps: int | None = None
+
+    @classmethod
+    def from_train_config(
+        cls, config: TrainConfig, *, on_gpu: bool = True, num_sequences: int | None = None
+    ) -> Workload:
+        """The workload of a run: the one place a ``TrainConfig`` becomes the planner's input.
+
+        Args:
+            config: the run (the CLI's file, a job's stored config, a job request's sections).
+            on_gpu: what ``compute_dtype="auto"`` resolves for (the planner plans GPU workers).
+            num_sequences: training sequences, when known; with ``hyper.epochs`` and no
+                ``hyper.max_steps`` they give the step count the run will take.
+
+        Returns:
+            The workload; ``steps`` is None when neither ``max_steps`` nor ``num_sequences`` is known.
+        """
+        h, e, m = config.hyper, config.engine, config.method
+        steps = h.max_steps
+        if steps is None and num_sequences is not None:
+            # the run's own count (engine/run.py): whole batches per epoch, at least one step
+            steps = max(1, math.ceil((h.epochs or 1.0) * (num_sequences // h.batch_size)))
+        return cls(
+            seq_len=config.data.max_length,
+            batch_size=h.batch_size,
+            method=m.kind,
+            lora_r=m.lora_r,
+            target_modules=tuple(m.target_modules),
+            num_microbatches=e.num_microbatches,
+            compute_dtype=resolve_compute_dtype(e.compute_dtype, on_gpu=on_gpu),
+            async_optimizer=e.async_optimizer,
+            optimizer=h.optimizer,
+            steps=steps,
+        )
 
 
 @dataclass
@@ -188,6 +226,13 @@ class PlanReport:
         return "\n".join(lines)
 
 
+def bytes_per_trainable_param(optimizer: str) -> int:
+    """Host bytes per trainable parameter: fp32 master and gradient, plus the optimizer's state."""
+    return (
+        MASTER_AND_GRAD_BYTES_PER_PARAM + optimizer_spec(optimizer, field="optimizer").state_bytes_per_param
+    )
+
+
 def _check(workload: Workload, hardware: Hardware) -> None:
     w, h = workload, hardware
     for name, value in (
@@ -198,13 +243,17 @@ def _check(workload: Workload, hardware: Hardware) -> None:
         ("num_gpus", h.num_gpus),
     ):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r} must be a positive integer")
+            raise ConfigError(name, f"{name}={value!r} must be a positive integer")
     if w.num_microbatches > w.batch_size:
-        raise ValueError(f"num_microbatches={w.num_microbatches} exceeds batch_size={w.batch_size}")
+        raise ConfigError(
+            "num_microbatches", f"num_microbatches={w.num_microbatches} exceeds batch_size={w.batch_size}"
+        )
     if w.method not in ("lora", "full"):
-        raise ValueError(f"method={w.method!r} must be 'lora' or 'full'")
+        raise ConfigError("method", f"method={w.method!r} must be 'lora' or 'full'")
     if w.compute_dtype not in DTYPE_BYTES:
-        raise ValueError(f"compute_dtype={w.compute_dtype!r} must be one of {sorted(DTYPE_BYTES)}")
+        raise ConfigError(
+            "compute_dtype", f"compute_dtype={w.compute_dtype!r} must be one of {sorted(DTYPE_BYTES)}"
+        )
     rates: tuple[tuple[str, float], ...] = (
         ("gpu_memory_gb", h.gpu_memory_gb),
         ("gpu_tflops", h.gpu_tflops),
@@ -213,9 +262,9 @@ def _check(workload: Workload, hardware: Hardware) -> None:
     )
     for label, rate in rates:
         if not (isinstance(rate, int | float) and math.isfinite(rate) and rate > 0):
-            raise ValueError(f"{label}={rate!r} must be a positive number")
+            raise ConfigError(label, f"{label}={rate!r} must be a positive number")
     if h.efficiency > 1:
-        raise ValueError(f"efficiency={h.efficiency!r} must be at most 1")
+        raise ConfigError("efficiency", f"efficiency={h.efficiency!r} must be at most 1")
 
 
 def layer_costs(shape: Shape, workload: Workload, hardware: Hardware) -> tuple[list[LayerCost], list[float]]:
@@ -269,7 +318,7 @@ def plan_job(config: dict[str, Any], hardware: Hardware, workload: Workload) -> 
         A :class:`PlanReport`; ``fits`` is False with ``problems`` and ``suggestions`` when it does not.
 
     Raises:
-        ValueError: a bad config or setting, naming the field and value.
+        ConfigError: a bad config.json size or setting; ``field`` names it (a ``ValueError``).
     """
     _check(workload, hardware)
     shape = Shape.from_config(config)
@@ -302,7 +351,7 @@ def plan_job(config: dict[str, Any], hardware: Hardware, workload: Workload) -> 
     boundaries = len(plan.checkpoint_boundaries()) if plan is not None else 1
     host = {
         "weights_gb": total * dtype / GB,
-        "optimizer_gb": trainable * OPTIMIZER_BYTES_PER_PARAM / GB,
+        "optimizer_gb": trainable * bytes_per_trainable_param(w.optimizer) / GB,
         "second_weights_buffer_gb": (trainable * dtype / GB) if w.async_optimizer else 0.0,
         "stage_inputs_gb": boundaries * tokens * shape.hidden * dtype / GB,
     }

@@ -6,7 +6,6 @@ SQLite by default (WAL journal, a busy timeout, foreign keys on); PostgreSQL by 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -52,8 +51,3 @@ def migrate(engine: Engine) -> None:
 
 def session_factory(engine: Engine) -> sessionmaker[Session]:
     return sessionmaker(engine, expire_on_commit=False)
-
-
-def sessions(factory: sessionmaker[Session]) -> Iterator[Session]:
-    with factory() as session:
-        yield session

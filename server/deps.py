@@ -1,4 +1,5 @@
-"""FastAPI dependencies as ``Annotated`` aliases: the session, the settings, the caller's key."""
+"""FastAPI dependencies as ``Annotated`` aliases: the session, the settings, the caller's key, the
+job of a ``{job_id}`` route."""
 
 from __future__ import annotations
 
@@ -9,14 +10,16 @@ from fastapi import Depends, Request
 from sqlalchemy.orm import Session
 
 from server.errors import ApiError
-from server.services import keys
+from server.services import jobs, keys
 from server.settings import Settings
-from server.tables import ApiKey
+from server.tables import ApiKey, Job
 
 COOKIE = "roundhouse_key"
 
 
-def get_settings(request: Request) -> Settings:
+def app_settings(request: Request) -> Settings:
+    """The settings the app was built with (``create_app(settings)``); the process's own are
+    ``server.settings.get_settings()``."""
     return request.app.state.settings  # type: ignore[no-any-return]
 
 
@@ -25,7 +28,7 @@ def get_session(request: Request) -> Iterator[Session]:
         yield session
 
 
-SettingsDep = Annotated[Settings, Depends(get_settings)]
+SettingsDep = Annotated[Settings, Depends(app_settings)]
 SessionDep = Annotated[Session, Depends(get_session)]
 
 
@@ -49,3 +52,14 @@ def current_key(request: Request, session: SessionDep) -> ApiKey:
 
 
 CurrentKeyDep = Annotated[ApiKey, Depends(current_key)]
+
+
+def found_job(session: SessionDep, job_id: str) -> Job:
+    """The job named by the route's ``job_id`` path parameter, or the 404 error."""
+    job = jobs.get_job(session, job_id=job_id)
+    if job is None:
+        raise ApiError(404, "not_found", f"no job {job_id!r}", param="job_id")
+    return job
+
+
+JobDep = Annotated[Job, Depends(found_job)]

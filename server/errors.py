@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from http import HTTPStatus
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from server.schemas import ErrorBody
 
 
 class ApiError(Exception):
@@ -33,6 +36,12 @@ def body(
     if details is not None:
         error["details"] = details
     return {"error": error}
+
+
+def documented(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """``responses=`` of a router or route: the error statuses it answers, each in the one shape
+    (so the OpenAPI schema shows ``ErrorBody``, not FastAPI's default validation error)."""
+    return {s: {"model": ErrorBody, "description": HTTPStatus(s).phrase} for s in statuses}
 
 
 def install(app: FastAPI) -> None:

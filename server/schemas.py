@@ -11,20 +11,18 @@ from engine.config import CheckpointSpec, EngineSpec, EvalSpec, HyperSpec, Metho
 
 
 class ErrorDetail(BaseModel):
-    code: str
-    message: str
-    param: str | None = None
-    details: list[dict[str, Any]] | None = None
+    code: str = Field(description="machine-readable, e.g. not_found, invalid_request, invalid_config")
+    message: str = Field(description="for a person: names the field and the value")
+    param: str | None = Field(None, description="the offending parameter or field (dotted), if one")
+    details: list[dict[str, Any]] | None = Field(
+        None, description="every problem, when there are several (e.g. one per invalid dataset row)"
+    )
 
 
 class ErrorBody(BaseModel):
+    """The one error shape of every failed request (``server/errors.py``)."""
+
     error: ErrorDetail
-
-
-class RowErrorPublic(BaseModel):
-    line: int
-    unit: str
-    message: str
 
 
 class DatasetPublic(BaseModel):
@@ -66,14 +64,12 @@ class DataOptions(BaseModel):
     validation_fraction: float = 0.0
 
 
-class JobCreate(BaseModel):
-    """A fine-tune: the base model and dataset by name/id, and the engine's TrainConfig sections."""
+class JobBase(BaseModel):
+    """The fields a job request and a plan request share: the engine's TrainConfig sections."""
 
     model_config = ConfigDict(extra="forbid")
 
     name: str | None = Field(None, max_length=255)
-    base_model: str = Field(..., description='a name from GET /api/models, or "demo"')
-    dataset_id: str
     validation_dataset_id: str | None = None
     data: DataOptions = Field(default_factory=lambda: DataOptions())
     method: dict[str, Any] = Field(default_factory=dict, description=MethodSpec.__doc__ or "LoRA or full")
@@ -81,6 +77,13 @@ class JobCreate(BaseModel):
     engine: dict[str, Any] = Field(default_factory=dict, description=EngineSpec.__doc__ or "engine")
     checkpoint: dict[str, Any] = Field(default_factory=dict, description=CheckpointSpec.__doc__ or "")
     eval: dict[str, Any] = Field(default_factory=dict, description=EvalSpec.__doc__ or "")
+
+
+class JobCreate(JobBase):
+    """A fine-tune: the base model and dataset by name/id, and the engine's TrainConfig sections."""
+
+    base_model: str = Field(..., description='a name from GET /api/models, or "demo"')
+    dataset_id: str
 
 
 class JobPublic(BaseModel):
@@ -222,21 +225,13 @@ class HardwareSpec(BaseModel):
     host_ram_gb: float | None = Field(None, gt=0)
 
 
-class PlanRequest(BaseModel):
-    """A job to plan: a base model (or its config.json), the workload, and the hardware (detected from
-    the workers where left out)."""
+class PlanRequest(JobBase):
+    """A job to plan: the body of ``POST /api/jobs`` (the dataset optional, a config.json instead of
+    the base model allowed), the hardware (detected from the workers where left out) and a past
+    job to calibrate the rate by."""
 
-    model_config = ConfigDict(extra="forbid")
-
-    base_model: str | None = None
+    base_model: str | None = Field(None, description='a name from GET /api/models (default "demo")')
+    dataset_id: str | None = Field(None, description="its row count turns hyper.epochs into steps")
     config: dict[str, Any] | None = Field(None, description="a config.json instead of a base model name")
     hardware: HardwareSpec = Field(default_factory=lambda: HardwareSpec())
-    seq_len: int = Field(2048, ge=1)
-    batch_size: int = Field(16, ge=1)
-    method: Literal["lora", "full"] = "lora"
-    lora_r: int = Field(16, ge=1)
-    num_microbatches: int = Field(16, ge=1)
-    compute_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
-    async_optimizer: bool = False
-    steps: int | None = Field(None, ge=1)
     calibrate_job_id: str | None = Field(None, description="scale the rate by this job's measured tokens/s")

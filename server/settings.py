@@ -60,4 +60,6 @@ class Settings(BaseSettings):
 
 @lru_cache
 def get_settings() -> Settings:
+    """This process's settings, read from the environment once. Routes take the app's instead
+    (``SettingsDep``): a test builds an app on settings of its own."""
     return Settings()

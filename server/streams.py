@@ -33,7 +33,7 @@ def _with_session(request: Request, fn: Callable[..., Any], **kwargs: Any) -> An
 
 def _job_page(session: Any, *, job_id: str, after: int) -> tuple[list[dict[str, Any]], str | None]:
     page = jobs.events(session, job_id=job_id, after=after, limit=500)
-    job = session.get(jobs.Job, job_id)
+    job = jobs.get_job(session, job_id=job_id)
     rows = [
         {
             "id": e.id,
@@ -49,7 +49,9 @@ def _job_page(session: Any, *, job_id: str, after: int) -> tuple[list[dict[str, 
 
 
 async def job_stream(request: Request, *, job_id: str, after: int) -> AsyncIterator[str]:
-    """Every event after ``after``, then new ones as they are written; ends after a final state."""
+    """Every event after ``after``, then new ones as they are written; ends after a final state.
+
+    Each event is sent under its kind (``event: metrics``, ``event: telemetry``...: ``EventKind``)."""
     yield "retry: 2000\n\n"
     idle = 0.0
     while not await request.is_disconnected():

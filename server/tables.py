@@ -57,7 +57,7 @@ class Job(Base):
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
     name: Mapped[str] = mapped_column(String(255))
-    status: Mapped[str] = mapped_column(String(16), index=True)
+    status: Mapped[str] = mapped_column(String(16), index=True)  # a kinds.JobStatus
     base_model: Mapped[str] = mapped_column(String(255))
     dataset_id: Mapped[str] = mapped_column(ForeignKey("datasets.id"))
     validation_dataset_id: Mapped[str | None] = mapped_column(ForeignKey("datasets.id"), nullable=True)
@@ -79,7 +79,7 @@ class JobEvent(Base):
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
-    kind: Mapped[str] = mapped_column(String(32))  # state | metrics | log | checkpoint
+    kind: Mapped[str] = mapped_column(String(32))  # a kinds.EventKind
     step: Mapped[int | None] = mapped_column(Integer, nullable=True)
     message: Mapped[str] = mapped_column(Text, default="")
     data: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)

@@ -9,35 +9,37 @@ from fastapi import APIRouter, Depends, Query
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse
 
-from server.api.jobs import found_job
-from server.deps import SessionDep, SettingsDep, current_key
-from server.errors import ApiError
+from server.deps import JobDep, SessionDep, SettingsDep, current_key
+from server.errors import ApiError, documented
 from server.schemas import CheckpointsPublic
 from server.services import checkpoints
 
-router = APIRouter(prefix="/api/jobs", tags=["checkpoints"], dependencies=[Depends(current_key)])
+router = APIRouter(
+    prefix="/api/jobs",
+    tags=["checkpoints"],
+    dependencies=[Depends(current_key)],
+    responses=documented(401, 404, 422),
+)
 
 
 @router.get("/{job_id}/checkpoints", response_model=CheckpointsPublic)
-def list_checkpoints(session: SessionDep, job_id: str) -> Any:
+def list_checkpoints(session: SessionDep, job: JobDep) -> Any:
     """The job's checkpoints on disk: step, kind (adapter or full) and the metrics at that step."""
-    found_job(session, job_id)
-    return {"data": checkpoints.list_for(session, job_id=job_id)}
+    return {"data": checkpoints.list_for(session, job_id=job.id)}
 
 
 @router.get("/{job_id}/checkpoints/{step}/download")
 async def download_checkpoint(
     session: SessionDep,
     settings: SettingsDep,
-    job_id: str,
+    job: JobDep,
     step: int,
     merged: Annotated[bool, Query(description="LoRA only: merge the adapter into its base model")] = False,
 ) -> FileResponse:
     """A .tar of the checkpoint's export with a SHA-256 manifest (optionally merged into the base)."""
-    job = found_job(session, job_id)
-    checkpoint = checkpoints.get(session, job_id=job_id, step=step)
+    checkpoint = checkpoints.get(session, job_id=job.id, step=step)
     if checkpoint is None:
-        raise ApiError(404, "not_found", f"job {job_id!r} has no checkpoint at step {step}", param="step")
+        raise ApiError(404, "not_found", f"job {job.id!r} has no checkpoint at step {step}", param="step")
     exports = Path(job.output_dir) / "exports"
     folder = Path(checkpoint.path)
     name = f"{job.id[:8]}-step{step:06d}"

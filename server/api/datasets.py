@@ -9,12 +9,17 @@ from fastapi import APIRouter, Depends, File, Form, Query, Request, UploadFile
 from fastapi.concurrency import run_in_threadpool
 
 from server.deps import SessionDep, SettingsDep, current_key
-from server.errors import ApiError
+from server.errors import ApiError, documented
 from server.schemas import DatasetPublic, DatasetsPublic, PreviewPublic, StatsPublic
 from server.services import datasets, models
 from server.settings import Settings
 
-router = APIRouter(prefix="/api/datasets", tags=["datasets"], dependencies=[Depends(current_key)])
+router = APIRouter(
+    prefix="/api/datasets",
+    tags=["datasets"],
+    dependencies=[Depends(current_key)],
+    responses=documented(401, 422),
+)
 
 
 def _found(session: SessionDep, dataset_id: str) -> Any:
@@ -44,7 +49,7 @@ def _tokenizer(settings: Settings, model: str) -> Any:
         return _tokenizers[key]
 
 
-@router.post("", response_model=DatasetPublic, status_code=201)
+@router.post("", response_model=DatasetPublic, status_code=201, responses=documented(413))
 async def upload_dataset(
     request: Request,
     session: SessionDep,
@@ -85,13 +90,13 @@ def list_datasets(session: SessionDep) -> Any:
     return {"data": datasets.list_datasets(session)}
 
 
-@router.get("/{dataset_id}", response_model=DatasetPublic)
+@router.get("/{dataset_id}", response_model=DatasetPublic, responses=documented(404))
 def get_dataset(session: SessionDep, dataset_id: str) -> Any:
     """One dataset."""
     return _found(session, dataset_id)
 
 
-@router.get("/{dataset_id}/preview", response_model=PreviewPublic)
+@router.get("/{dataset_id}/preview", response_model=PreviewPublic, responses=documented(404))
 def preview_dataset(
     session: SessionDep,
     settings: SettingsDep,
@@ -107,7 +112,7 @@ def preview_dataset(
     return {"dataset_id": dataset.id, "model": model, "rows": rows}
 
 
-@router.get("/{dataset_id}/stats", response_model=StatsPublic)
+@router.get("/{dataset_id}/stats", response_model=StatsPublic, responses=documented(404))
 def dataset_stats(
     session: SessionDep,
     settings: SettingsDep,
@@ -122,7 +127,7 @@ def dataset_stats(
     return datasets.token_stats(dataset, tokenizer=tokenizer, max_length=max_length, limit=limit)
 
 
-@router.delete("/{dataset_id}", status_code=204)
+@router.delete("/{dataset_id}", status_code=204, responses=documented(404, 409))
 def delete_dataset(session: SessionDep, dataset_id: str) -> None:
     """Delete a dataset that no job uses."""
     dataset = _found(session, dataset_id)

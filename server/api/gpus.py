@@ -8,11 +8,14 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 
 from server.deps import SessionDep, SettingsDep, current_key
+from server.errors import documented
 from server.schemas import HostsPublic
 from server.services import gpus
 from server.streams import gpu_stream
 
-router = APIRouter(prefix="/api/gpus", tags=["gpus"], dependencies=[Depends(current_key)])
+router = APIRouter(
+    prefix="/api/gpus", tags=["gpus"], dependencies=[Depends(current_key)], responses=documented(401)
+)
 
 
 @router.get("", response_model=HostsPublic)

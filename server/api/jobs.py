@@ -7,24 +7,20 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.responses import StreamingResponse
 
+from engine.errors import ConfigError
 from server import queue
-from server.deps import SessionDep, SettingsDep, current_key
-from server.errors import ApiError
+from server.deps import JobDep, SessionDep, SettingsDep, current_key
+from server.errors import ApiError, documented
 from server.schemas import EventsPublic, JobCreate, JobPublic, JobsPublic, MetricsPublic
 from server.services import datasets, jobs, models
 from server.streams import job_stream
 
-router = APIRouter(prefix="/api/jobs", tags=["jobs"], dependencies=[Depends(current_key)])
+router = APIRouter(
+    prefix="/api/jobs", tags=["jobs"], dependencies=[Depends(current_key)], responses=documented(401, 422)
+)
 
 
-def found_job(session: SessionDep, job_id: str) -> Any:
-    job = session.get(jobs.Job, job_id)
-    if job is None:
-        raise ApiError(404, "not_found", f"no job {job_id!r}", param="job_id")
-    return job
-
-
-@router.post("", response_model=JobPublic, status_code=201)
+@router.post("", response_model=JobPublic, status_code=201, responses=documented(404, 503))
 def create_job(session: SessionDep, settings: SettingsDep, body: JobCreate) -> Any:
     """Start a fine-tune: a base model, a dataset, and the TrainConfig sections."""
     model = models.find(body.base_model, settings.models_dir, settings.hf_cache_dir)
@@ -52,7 +48,7 @@ def create_job(session: SessionDep, settings: SettingsDep, body: JobCreate) -> A
             output_dir=settings.runs_dir / ident,
         )
     except ValueError as exc:
-        param = str(exc).split(":", 1)[0] if ":" in str(exc) else None
+        param = exc.field if isinstance(exc, ConfigError) else None
         raise ApiError(422, "invalid_config", str(exc), param=param) from exc
     job = jobs.create_job(
         session,
@@ -88,16 +84,15 @@ def list_jobs(
     return {"data": page, "next_cursor": next_cursor}
 
 
-@router.get("/{job_id}", response_model=JobPublic)
-def get_job(session: SessionDep, job_id: str) -> Any:
+@router.get("/{job_id}", response_model=JobPublic, responses=documented(404))
+def get_job(job: JobDep) -> Any:
     """One job."""
-    return found_job(session, job_id)
+    return job
 
 
-@router.post("/{job_id}/cancel", response_model=JobPublic)
-def cancel_job(session: SessionDep, job_id: str) -> Any:
+@router.post("/{job_id}/cancel", response_model=JobPublic, responses=documented(404, 409))
+def cancel_job(session: SessionDep, job: JobDep) -> Any:
     """Cancel: a queued job at once; a running one stops at its next step with a checkpoint."""
-    job = found_job(session, job_id)
     try:
         jobs.request_cancel(session, job=job)
     except jobs.IllegalTransition as exc:
@@ -105,43 +100,39 @@ def cancel_job(session: SessionDep, job_id: str) -> Any:
     return job
 
 
-@router.get("/{job_id}/events", response_model=EventsPublic)
+@router.get("/{job_id}/events", response_model=EventsPublic, responses=documented(404))
 def list_events(
     session: SessionDep,
-    job_id: str,
+    job: JobDep,
     after: Annotated[int, Query(ge=0, description="only events with a larger id")] = 0,
     limit: Annotated[int, Query(ge=1, le=1000)] = 200,
 ) -> Any:
-    """The job's events (state changes, metrics, log lines, checkpoints) in id order."""
-    found_job(session, job_id)
-    page = jobs.events(session, job_id=job_id, after=after, limit=limit)
+    """The job's events (state changes, metrics, telemetry, log lines, checkpoints) in id order."""
+    page = jobs.events(session, job_id=job.id, after=after, limit=limit)
     return {"data": page, "next_after": page[-1].id if len(page) == limit else None}
 
 
-@router.get("/{job_id}/stream")
+@router.get("/{job_id}/stream", responses=documented(404))
 def stream_events(
     request: Request,
-    session: SessionDep,
-    job_id: str,
+    job: JobDep,
     last_event_id: Annotated[str | None, Header()] = None,
     after: Annotated[int, Query(ge=0)] = 0,
 ) -> StreamingResponse:
     """Server-sent events of the job, replayed from ``Last-Event-ID`` (or ``after``), then live."""
-    found_job(session, job_id)
     start = int(last_event_id) if last_event_id and last_event_id.isdigit() else after
     return StreamingResponse(
-        job_stream(request, job_id=job_id, after=start),
+        job_stream(request, job_id=job.id, after=start),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
 
 
-@router.get("/{job_id}/metrics", response_model=MetricsPublic)
+@router.get("/{job_id}/metrics", response_model=MetricsPublic, responses=documented(404))
 def get_metrics(
     session: SessionDep,
-    job_id: str,
+    job: JobDep,
     keys: Annotated[list[str] | None, Query(description="metric names, e.g. loss/train")] = None,
 ) -> Any:
     """Every logged value of each metric, in step order."""
-    found_job(session, job_id)
-    return {"data": jobs.metric_series(session, job_id=job_id, keys=keys)}
+    return {"data": jobs.metric_series(session, job_id=job.id, keys=keys)}

@@ -7,10 +7,13 @@ from typing import Any
 from fastapi import APIRouter, Depends
 
 from server.deps import SettingsDep, current_key
+from server.errors import documented
 from server.schemas import ModelsPublic
 from server.services import models
 
-router = APIRouter(prefix="/api/models", tags=["models"], dependencies=[Depends(current_key)])
+router = APIRouter(
+    prefix="/api/models", tags=["models"], dependencies=[Depends(current_key)], responses=documented(401)
+)
 
 
 @router.get("", response_model=ModelsPublic)

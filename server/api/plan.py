@@ -7,17 +7,23 @@ import statistics
 from typing import Any
 
 from fastapi import APIRouter, Depends
-from sqlalchemy import select
+from sqlalchemy.orm import Session
 
+from engine.config import TrainConfig
+from engine.errors import ConfigError
+from engine.planner import Hardware, Shape, Workload, calibrate, plan_job
 from server.deps import SessionDep, SettingsDep, current_key
-from server.errors import ApiError
+from server.errors import ApiError, documented
 from server.schemas import PlanRequest
-from server.services import gpus, jobs, models
+from server.services import datasets, jobs, models, plans
+from server.settings import Settings
 
-router = APIRouter(prefix="/api", tags=["plan"], dependencies=[Depends(current_key)])
+router = APIRouter(
+    prefix="/api", tags=["plan"], dependencies=[Depends(current_key)], responses=documented(401, 422)
+)
 
 
-def _config_of(name: str, settings: Any) -> dict[str, Any]:
+def _config_of(name: str, settings: Settings) -> dict[str, Any]:
     found = models.find(name, settings.models_dir, settings.hf_cache_dir)
     if found is None:
         raise ApiError(404, "not_found", f"no base model {name!r} (see GET /api/models)", param="base_model")
@@ -28,90 +34,57 @@ def _config_of(name: str, settings: Any) -> dict[str, Any]:
     return dict(json.loads((found.path / "config.json").read_text()))
 
 
-def _hardware(session: Any, settings: Any, body: PlanRequest) -> Any:
-    """The request's hardware; what it leaves out is read off the workers' telemetry when one has GPUs."""
-    from engine.planner import Hardware
-
-    given = body.hardware.model_dump(exclude_none=True)
-    detected = []
-    hosts = [h for h in gpus.hosts(session, stale_after=settings.telemetry_seconds * 5) if h["online"]]
-    with_gpus = [h for h in hosts if h["gpu"]]
-    if with_gpus:
-        devices = with_gpus[0]["devices"]
-        if "num_gpus" not in given:
-            given["num_gpus"] = len(devices)
-            detected.append("GPU count")
-        memory = [d["memory_total"] for d in devices if d.get("memory_total")]
-        if memory and "gpu_memory_gb" not in given:
-            given["gpu_memory_gb"] = min(memory) / 1e9
-            detected.append("GPU memory")
-    if hosts and "host_ram_gb" not in given and hosts[0]["cpu"].get("memory_total"):
-        given["host_ram_gb"] = hosts[0]["cpu"]["memory_total"] / 1e9
-        detected.append("host RAM")
-    return Hardware(**given, detected=tuple(detected))
+def _num_sequences(session: Session, dataset_id: str | None) -> int | None:
+    if dataset_id is None:
+        return None
+    dataset = datasets.get_dataset(session, dataset_id=dataset_id)
+    if dataset is None:
+        raise ApiError(404, "not_found", f"no dataset {dataset_id!r}", param="dataset_id")
+    return int(dataset.rows)
 
 
-def _workload(body: PlanRequest) -> Any:
-    from engine.planner import Workload
-
-    return Workload(
-        seq_len=body.seq_len,
-        batch_size=body.batch_size,
-        method=body.method,
-        lora_r=body.lora_r,
-        num_microbatches=body.num_microbatches,
-        compute_dtype=body.compute_dtype,
-        async_optimizer=body.async_optimizer,
-        steps=body.steps,
-    )
-
-
-def _calibrated(session: Any, settings: Any, job_id: str, hardware: Any) -> Any:
+def _calibrated(session: Session, settings: Settings, job_id: str, hardware: Hardware) -> Hardware:
     """Scale the assumed rate by what a finished or running job measured on this box."""
-    from engine.planner import Workload, calibrate, plan_job
-
-    job = session.get(jobs.Job, job_id)
+    job = jobs.get_job(session, job_id=job_id)
     if job is None:
         raise ApiError(404, "not_found", f"no job {job_id!r}", param="calibrate_job_id")
-    q = select(jobs.JobEvent).where(jobs.JobEvent.job_id == job_id, jobs.JobEvent.kind == "metrics")
-    rates = [
-        float(e.data["throughput/tokens_per_s"])
-        for e in session.scalars(q)
-        if "throughput/tokens_per_s" in e.data
-    ]
+    rates = jobs.measured_rates(session, job_id=job_id)
     if not rates:
         raise ApiError(
             409, "not_measured", f"job {job_id!r} has no throughput measured yet", param="calibrate_job_id"
         )
-    cfg = job.config
-    dtype = cfg["engine"]["compute_dtype"]
-    past = Workload(
-        seq_len=cfg["data"]["max_length"],
-        batch_size=cfg["hyper"]["batch_size"],
-        method=cfg["method"]["kind"],
-        lora_r=cfg["method"]["lora_r"],
-        num_microbatches=cfg["engine"]["num_microbatches"],
-        compute_dtype="bfloat16" if dtype == "auto" else dtype,
-        async_optimizer=cfg["engine"]["async_optimizer"],
-    )
-    predicted = plan_job(_config_of(job.base_model, settings), hardware, past).tokens_per_s
-    return calibrate(
-        hardware, predicted_tokens_per_s=predicted, measured_tokens_per_s=statistics.median(rates)
-    )
-
-
-@router.post("/plan")
-def plan(session: SessionDep, settings: SettingsDep, body: PlanRequest) -> dict[str, Any]:
-    """Per-stage GPU memory, host RAM, fit (and what to change), predicted tokens/s and ETA."""
-    from engine.planner import plan_job
-
-    config = body.config if body.config is not None else _config_of(body.base_model or "demo", settings)
+    past = Workload.from_train_config(TrainConfig.model_validate(job.config))
+    model_config = _config_of(job.base_model, settings)
     try:
-        hardware = _hardware(session, settings, body)
-        if body.calibrate_job_id:
-            hardware = _calibrated(session, settings, body.calibrate_job_id, hardware)
-        report = plan_job(config, hardware, _workload(body))
+        predicted = plan_job(model_config, hardware, past).tokens_per_s
+        return calibrate(
+            hardware, predicted_tokens_per_s=predicted, measured_tokens_per_s=statistics.median(rates)
+        )
+    except ValueError as exc:  # e.g. the past job does not fit the hardware given: nothing to scale
+        raise ApiError(422, "invalid_request", str(exc), param="calibrate_job_id") from exc
+
+
+@router.post("/plan", responses=documented(404, 409))
+def plan(session: SessionDep, settings: SettingsDep, body: PlanRequest) -> dict[str, Any]:
+    """Per-stage GPU memory, host RAM, fit (and what to change), predicted tokens/s and ETA of a job."""
+    model_config = body.config if body.config is not None else _config_of(body.base_model or "demo", settings)
+    try:
+        Shape.from_config(model_config)
+    except ConfigError as exc:
+        where = f"config.{exc.field}" if body.config is not None else "base_model"
+        raise ApiError(422, "invalid_config", str(exc), param=where) from exc
+    rows = _num_sequences(session, body.dataset_id)
+    try:
+        workload = plans.workload(request=body.model_dump(), num_sequences=rows)
     except ValueError as exc:
-        param = str(exc).split("=", 1)[0].split(":")[0].strip() or None
-        raise ApiError(422, "invalid_request", str(exc), param=param) from exc
+        field = exc.field if isinstance(exc, ConfigError) else None
+        raise ApiError(422, "invalid_config", str(exc), param=field) from exc
+    given = body.hardware.model_dump(exclude_none=True)
+    hardware = plans.hardware(session, given=given, stale_after=settings.telemetry_seconds * 5)
+    if body.calibrate_job_id:
+        hardware = _calibrated(session, settings, body.calibrate_job_id, hardware)
+    try:
+        report = plan_job(model_config, hardware, workload)
+    except ConfigError as exc:
+        raise ApiError(422, "invalid_request", str(exc), param=exc.field) from exc
     return report.to_dict() | {"calibrated_from": body.calibrate_job_id}

@@ -31,6 +31,23 @@ def record(
     session.commit()
 
 
+def job_sample(session: Session, *, worker_id: str) -> dict[str, float]:
+    """The host's latest sample as flat keys (``gpu/<i>/utilization``, ``host/memory_used``...), for
+    a job's telemetry events, so a job keeps its devices' history. Empty for an unknown worker."""
+    row = session.get(Worker, worker_id)
+    if row is None:
+        return {}
+    out = {
+        "host/cpu_utilization": float(row.cpu.get("utilization", 0.0)),
+        "host/memory_used": float(row.cpu.get("memory_used", 0.0)),
+    }
+    for d in row.devices:
+        for key in ("utilization", "memory_used"):
+            if d.get(key) is not None:
+                out[f"gpu/{d['index']}/{key}"] = float(d[key])
+    return out
+
+
 def hosts(session: Session, *, stale_after: float) -> list[dict[str, Any]]:
     """Every worker host with its devices; ``online`` is false once it stopped sampling."""
     limit = now() - timedelta(seconds=stale_after)

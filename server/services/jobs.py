@@ -12,22 +12,30 @@ from sqlalchemy import delete, func, select, update
 from sqlalchemy.orm import Session
 
 from engine.config import TrainConfig
+from server.kinds import METRIC_KINDS, EventKind, JobStatus
 from server.tables import Job, JobEvent, now
 
 # validating -> queued -> running -> succeeded | failed | cancelled, plus cancelling and
 # interrupted (the worker vanished; the job is requeued and resumes from its last checkpoint)
-TRANSITIONS: dict[str, set[str]] = {
-    "validating": {"queued", "failed"},
-    "queued": {"running", "cancelled", "failed"},
-    "running": {"succeeded", "failed", "cancelling", "interrupted", "cancelled"},
-    "cancelling": {"cancelled", "failed", "succeeded", "interrupted"},
-    "interrupted": {"queued", "running", "cancelled", "failed"},
-    "succeeded": set(),
-    "failed": set(),
-    "cancelled": set(),
+TRANSITIONS: dict[JobStatus, set[JobStatus]] = {
+    JobStatus.VALIDATING: {JobStatus.QUEUED, JobStatus.FAILED},
+    JobStatus.QUEUED: {JobStatus.RUNNING, JobStatus.CANCELLED, JobStatus.FAILED},
+    JobStatus.RUNNING: {
+        JobStatus.SUCCEEDED,
+        JobStatus.FAILED,
+        JobStatus.CANCELLING,
+        JobStatus.INTERRUPTED,
+        JobStatus.CANCELLED,
+    },
+    JobStatus.CANCELLING: {JobStatus.CANCELLED, JobStatus.FAILED, JobStatus.SUCCEEDED, JobStatus.INTERRUPTED},
+    JobStatus.INTERRUPTED: {JobStatus.QUEUED, JobStatus.RUNNING, JobStatus.CANCELLED, JobStatus.FAILED},
+    JobStatus.SUCCEEDED: set(),
+    JobStatus.FAILED: set(),
+    JobStatus.CANCELLED: set(),
 }
-TERMINAL = {"succeeded", "failed", "cancelled"}
+TERMINAL = frozenset({JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED})
 STATUSES = tuple(TRANSITIONS)
+HELD = (JobStatus.RUNNING, JobStatus.CANCELLING)  # a worker holds the job (and renews its lease)
 
 
 class IllegalTransition(Exception):
@@ -36,23 +44,23 @@ class IllegalTransition(Exception):
         self.job, self.to = job, to
 
 
-def transition(session: Session, *, job: Job, to: str, message: str = "", commit: bool = True) -> None:
+def transition(session: Session, *, job: Job, to: JobStatus, message: str = "", commit: bool = True) -> None:
     """Move a job to ``to`` and record the transition as an event row.
 
     Raises:
         IllegalTransition: ``to`` is not reachable from the job's status.
     """
-    if to not in TRANSITIONS[job.status]:
+    if to not in TRANSITIONS[JobStatus(job.status)]:
         raise IllegalTransition(job, to)
     previous, job.status = job.status, to
-    if to == "running" and job.started_at is None:
+    if to == JobStatus.RUNNING and job.started_at is None:
         job.started_at = now()
     if to in TERMINAL:
         job.finished_at = now()
     add_event(
         session,
         job_id=job.id,
-        kind="state",
+        kind=EventKind.STATE,
         message=message or f"{previous} -> {to}",
         data={"from": previous, "to": to},
         commit=False,
@@ -71,6 +79,7 @@ def add_event(
     step: int | None = None,
     commit: bool = True,
 ) -> JobEvent:
+    """Record an event: ``kind`` is an ``EventKind`` (the engine's sink events keep their own name)."""
     event = JobEvent(job_id=job_id, kind=kind, message=message, data=data or {}, step=step)
     session.add(event)
     if commit:
@@ -116,7 +125,7 @@ def create_job(
     job = Job(
         id=ident,
         name=name or f"{base_model} on {dataset_id[:8]}",
-        status="validating",
+        status=JobStatus.VALIDATING,
         base_model=base_model,
         dataset_id=dataset_id,
         validation_dataset_id=validation_dataset_id,
@@ -125,10 +134,21 @@ def create_job(
     )
     session.add(job)
     session.flush()
-    add_event(session, job_id=ident, kind="state", message="created", data={"to": "validating"}, commit=False)
-    transition(session, job=job, to="queued", message="config and data valid", commit=False)
+    add_event(
+        session,
+        job_id=ident,
+        kind=EventKind.STATE,
+        message="created",
+        data={"to": JobStatus.VALIDATING},
+        commit=False,
+    )
+    transition(session, job=job, to=JobStatus.QUEUED, message="config and data valid", commit=False)
     session.commit()
     return job
+
+
+def get_job(session: Session, *, job_id: str) -> Job | None:
+    return session.get(Job, job_id)
 
 
 def delete_job(session: Session, *, job: Job) -> None:
@@ -168,10 +188,10 @@ def list_jobs(
 
 def request_cancel(session: Session, *, job: Job) -> None:
     """Queued or interrupted jobs are cancelled at once; running ones become cancelling."""
-    if job.status in ("queued", "interrupted", "validating"):
-        transition(session, job=job, to="cancelled", message="cancelled before it ran")
+    if job.status in (JobStatus.QUEUED, JobStatus.INTERRUPTED, JobStatus.VALIDATING):
+        transition(session, job=job, to=JobStatus.CANCELLED, message="cancelled before it ran")
     else:
-        transition(session, job=job, to="cancelling", message="cancel requested")
+        transition(session, job=job, to=JobStatus.CANCELLING, message="cancel requested")
 
 
 def events(session: Session, *, job_id: str, after: int, limit: int) -> list[JobEvent]:
@@ -188,9 +208,13 @@ def metric_series(
     session: Session, *, job_id: str, keys: list[str] | None
 ) -> dict[str, list[dict[str, Any]]]:
     """Every logged value of each metric key, in the order logged: training metrics carry their
-    step; device samples (``gpu/*``, ``host/*``) carry only their time."""
+    step; device samples (telemetry: ``gpu/*``, ``host/*``) carry only their time."""
     out: dict[str, list[dict[str, Any]]] = {}
-    q = select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.kind == "metrics").order_by(JobEvent.id)
+    q = (
+        select(JobEvent)
+        .where(JobEvent.job_id == job_id, JobEvent.kind.in_(METRIC_KINDS))
+        .order_by(JobEvent.id)
+    )
     for ev in session.scalars(q):
         for key, value in ev.data.items():
             if (keys is None or key in keys) and isinstance(value, int | float):
@@ -200,8 +224,8 @@ def metric_series(
     return out
 
 
-# -- the worker side: claim with a lease, heartbeat, outcome, sweep --------------------------------
-CLAIMABLE = ("queued", "interrupted")
+# -- the worker side: claim with a lease, heartbeat, progress, outcome, sweep ----------------------
+CLAIMABLE = (JobStatus.QUEUED, JobStatus.INTERRUPTED)
 
 
 def claim(session: Session, *, job_id: str, worker_id: str, lease_seconds: float) -> bool:
@@ -218,7 +242,7 @@ def claim(session: Session, *, job_id: str, worker_id: str, lease_seconds: float
         update(Job)
         .where(Job.id == job_id, Job.status == previous)
         .values(
-            status="running",
+            status=JobStatus.RUNNING,
             worker_id=worker_id,
             lease_until=now() + timedelta(seconds=lease_seconds),
             attempts=Job.attempts + 1,
@@ -231,9 +255,9 @@ def claim(session: Session, *, job_id: str, worker_id: str, lease_seconds: float
     add_event(
         session,
         job_id=job_id,
-        kind="state",
+        kind=EventKind.STATE,
         message=f"{previous} -> running on {worker_id}",
-        data={"from": previous, "to": "running", "worker": worker_id},
+        data={"from": previous, "to": JobStatus.RUNNING, "worker": worker_id},
         commit=False,
     )
     session.commit()
@@ -244,24 +268,38 @@ def renew(session: Session, *, job_id: str, worker_id: str, lease_seconds: float
     """Extend the lease of a job this worker holds; returns its status, or None if it was lost."""
     held = session.execute(
         update(Job)
-        .where(Job.id == job_id, Job.worker_id == worker_id, Job.status.in_(("running", "cancelling")))
+        .where(Job.id == job_id, Job.worker_id == worker_id, Job.status.in_(HELD))
         .values(lease_until=now() + timedelta(seconds=lease_seconds))
     )
     session.commit()
     if held.rowcount != 1:  # type: ignore[attr-defined]
         return None
+    return status_of(session, job_id=job_id)
+
+
+def status_of(session: Session, *, job_id: str) -> str | None:
+    """The job's status as stored now (None for no such job)."""
     return session.scalar(select(Job.status).where(Job.id == job_id))
 
 
+def record_progress(
+    session: Session, *, job_id: str, step: int, total_steps: int, commit: bool = True
+) -> None:
+    """The run's step counter, as the training process logs it."""
+    session.execute(update(Job).where(Job.id == job_id).values(step=step, total_steps=total_steps))
+    if commit:
+        session.commit()
+
+
 def finish(
-    session: Session, *, job_id: str, worker_id: str, to: str, message: str, error: str | None = None
+    session: Session, *, job_id: str, worker_id: str, to: JobStatus, message: str, error: str | None = None
 ) -> bool:
     """Record a run's outcome, if this worker still holds the job."""
     session.expire_all()
     job = session.get(Job, job_id)
-    if job is None or job.worker_id != worker_id or job.status not in ("running", "cancelling"):
+    if job is None or job.worker_id != worker_id or job.status not in HELD:
         return False
-    if to == "succeeded" and job.status == "cancelling":
+    if to == JobStatus.SUCCEEDED and job.status == JobStatus.CANCELLING:
         message = f"{message} (finished before the cancel took effect)"
     job.error = error
     job.lease_until = None
@@ -273,20 +311,25 @@ def sweep(session: Session) -> list[str]:
     """Jobs whose worker stopped renewing its lease: running ones become interrupted (to requeue),
     cancelling ones cancelled. Returns the ids to requeue."""
     stamp = now()
-    stale = session.scalars(
-        select(Job).where(Job.status.in_(("running", "cancelling")), Job.lease_until < stamp)
-    ).all()
+    stale = session.scalars(select(Job).where(Job.status.in_(HELD), Job.lease_until < stamp)).all()
     requeue = []
     for job in stale:
         worker = job.worker_id
         job.lease_until = None
-        if job.status == "cancelling":
-            transition(session, job=job, to="cancelled", message=f"worker {worker} vanished while cancelling")
+        if job.status == JobStatus.CANCELLING:
+            transition(
+                session, job=job, to=JobStatus.CANCELLED, message=f"worker {worker} vanished while cancelling"
+            )
         else:
-            transition(session, job=job, to="interrupted", message=f"worker {worker} vanished; requeued")
+            transition(
+                session, job=job, to=JobStatus.INTERRUPTED, message=f"worker {worker} vanished; requeued"
+            )
             requeue.append(job.id)
     return requeue
 
 
-def status_query(job_id: str) -> Any:
-    return select(Job.status).where(Job.id == job_id)
+def measured_rates(session: Session, *, job_id: str) -> list[float]:
+    """Every training throughput (``throughput/tokens_per_s``) the job logged, in the order logged."""
+    key = "throughput/tokens_per_s"
+    q = select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.kind == EventKind.METRICS)
+    return [float(ev.data[key]) for ev in session.scalars(q.order_by(JobEvent.id)) if key in ev.data]

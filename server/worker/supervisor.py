@@ -20,14 +20,14 @@ from pathlib import Path
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from server.kinds import EventKind, JobStatus
 from server.services import gpus, jobs
 from server.settings import Settings
-from server.tables import Worker
 from server.worker.trainer import ERROR_FILE, EXIT_CANCELLED, EXIT_OK
 
 log = logging.getLogger("roundhouse.worker")
 POLL_S = 0.5
-GPU_METRICS_S = 10.0
+TELEMETRY_S = 10.0  # how often a job records its host's latest sample
 PR_SET_PDEATHSIG = 1
 
 
@@ -49,28 +49,12 @@ def _failure(folder: Path, rc: int) -> str:
     return f"the training process exited with code {rc}; see train.log"
 
 
-def _gpu_metrics(session: Session, worker_id: str) -> dict[str, float]:
-    """The host's latest telemetry as job metrics, so a job keeps its GPUs' history."""
-    row = session.get(Worker, worker_id)
-    if row is None:
-        return {}
-    out = {
-        "host/cpu_utilization": float(row.cpu.get("utilization", 0.0)),
-        "host/memory_used": float(row.cpu.get("memory_used", 0.0)),
-    }
-    for d in row.devices:
-        for key in ("utilization", "memory_used"):
-            if d.get(key) is not None:
-                out[f"gpu/{d['index']}/{key}"] = float(d[key])
-    return out
-
-
 def supervise(settings: Settings, sessions: sessionmaker[Session], *, job_id: str, worker_id: str) -> str:
     """Run one job to its outcome. Returns what happened (for the worker's log)."""
     with sessions() as session:
         if not jobs.claim(session, job_id=job_id, worker_id=worker_id, lease_seconds=settings.lease_seconds):
             return "not claimable (taken, finished or cancelled)"
-        job = session.get(jobs.Job, job_id)
+        job = jobs.get_job(session, job_id=job_id)
         folder = Path(job.output_dir) if job is not None else settings.runs_dir / job_id
     folder.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, **settings.child_environment()}
@@ -84,7 +68,7 @@ def supervise(settings: Settings, sessions: sessionmaker[Session], *, job_id: st
         )
     parent = os.getppid()
     renew_every = settings.lease_seconds / 3
-    next_renew = next_gpu = 0.0
+    next_renew = next_telemetry = 0.0
     cancel_sent: float | None = None
     killed_for_cancel = False
     while (rc := child.poll()) is None:
@@ -104,18 +88,21 @@ def supervise(settings: Settings, sessions: sessionmaker[Session], *, job_id: st
                     child.wait()
                     return "lease lost; child stopped"
             else:
-                status = session.scalar(jobs.status_query(job_id))
-            if status == "cancelling" and cancel_sent is None:
+                status = jobs.status_of(session, job_id=job_id)
+            if status == JobStatus.CANCELLING and cancel_sent is None:
                 child.send_signal(signal.SIGTERM)
                 cancel_sent = now
                 jobs.add_event(
-                    session, job_id=job_id, kind="log", message="cancel relayed to the training process"
+                    session,
+                    job_id=job_id,
+                    kind=EventKind.LOG,
+                    message="cancel relayed to the training process",
                 )
-            if now >= next_gpu:
-                next_gpu = now + GPU_METRICS_S
-                metrics = _gpu_metrics(session, worker_id)
-                if metrics:
-                    jobs.add_event(session, job_id=job_id, kind="metrics", data=metrics, step=None)
+            if now >= next_telemetry:
+                next_telemetry = now + TELEMETRY_S
+                sample = gpus.job_sample(session, worker_id=worker_id)
+                if sample:
+                    jobs.add_event(session, job_id=job_id, kind=EventKind.TELEMETRY, data=sample, step=None)
         if (
             cancel_sent is not None
             and not killed_for_cancel
@@ -125,18 +112,18 @@ def supervise(settings: Settings, sessions: sessionmaker[Session], *, job_id: st
             killed_for_cancel = True
         time.sleep(POLL_S)
     with sessions() as session:
+        error = None
         if rc == EXIT_OK:
-            to, message, error = "succeeded", "training finished", None
+            to, message = JobStatus.SUCCEEDED, "training finished"
         elif rc == EXIT_CANCELLED:
-            to, message, error = "cancelled", "stopped at a step boundary with a checkpoint", None
+            to, message = JobStatus.CANCELLED, "stopped at a step boundary with a checkpoint"
         elif killed_for_cancel:
             to, message = (
-                "cancelled",
+                JobStatus.CANCELLED,
                 "killed after the cancel grace period; resumes from its last checkpoint",
             )
-            error = None
         else:
-            to, message, error = "failed", "training failed", _failure(folder, rc)
+            to, message, error = JobStatus.FAILED, "training failed", _failure(folder, rc)
         recorded = jobs.finish(
             session, job_id=job_id, worker_id=worker_id, to=to, message=message, error=error
         )

@@ -16,13 +16,12 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import update
 from sqlalchemy.orm import Session, sessionmaker
 
 from server.db import make_engine, session_factory
+from server.kinds import EventKind
 from server.services import checkpoints, jobs
 from server.settings import get_settings
-from server.tables import Job
 
 EXIT_OK, EXIT_FAILED, EXIT_CANCELLED = 0, 1, 3
 ERROR_FILE = "error.txt"
@@ -40,14 +39,16 @@ class DatabaseSink:
     def log(self, metrics: dict[str, float], step: int) -> None:
         with self.lock, self.sessions() as session:
             self.latest.update({k: v for k, v in metrics.items() if k in KEEP})
-            jobs.add_event(session, job_id=self.job_id, kind="metrics", step=step, data=metrics, commit=False)
+            jobs.add_event(
+                session, job_id=self.job_id, kind=EventKind.METRICS, step=step, data=metrics, commit=False
+            )
             if "progress/step" in metrics:
-                session.execute(
-                    update(Job)
-                    .where(Job.id == self.job_id)
-                    .values(
-                        step=int(metrics["progress/step"]), total_steps=int(metrics["progress/total_steps"])
-                    )
+                jobs.record_progress(
+                    session,
+                    job_id=self.job_id,
+                    step=int(metrics["progress/step"]),
+                    total_steps=int(metrics["progress/total_steps"]),
+                    commit=False,
                 )
             session.commit()
 
@@ -57,7 +58,7 @@ class DatabaseSink:
             jobs.add_event(
                 session, job_id=self.job_id, kind=kind, message=message, data=data, step=data.get("step")
             )
-            if kind == "checkpoint":
+            if kind == EventKind.CHECKPOINT:
                 checkpoints.record(
                     session,
                     job_id=self.job_id,
@@ -90,7 +91,7 @@ def main(argv: list[str]) -> int:
     settings = get_settings()
     sessions = session_factory(make_engine(settings.url))
     with sessions() as session:
-        job = session.get(Job, job_id)
+        job = jobs.get_job(session, job_id=job_id)
         if job is None:
             print(f"no job {job_id}", file=sys.stderr)
             return EXIT_FAILED

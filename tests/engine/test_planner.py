@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, RoundPipe
+from engine.config import TrainConfig, resolve_compute_dtype
 from engine.planner import Hardware, Shape, Workload, calibrate, plan_job
 from tests.engine.tiny import tiny_batch, tiny_model
 
@@ -107,3 +108,39 @@ def test_calibration_scales_the_rate_to_the_measurement() -> None:
     # compute dominates: half the rate gives about half the throughput (uploads do not scale)
     assert after.tokens_per_s == pytest.approx(before.tokens_per_s / 2, rel=0.15)
     assert torch.isfinite(torch.tensor(after.iteration_s))
+
+
+def test_workload_from_train_config_maps_every_field() -> None:
+    config = TrainConfig.parse(
+        {
+            "data": {"train": "train.jsonl", "max_length": 512},
+            "method": {"kind": "full", "lora_r": 4, "target_modules": ["q_proj", "v_proj"]},
+            "hyper": {"max_steps": 300, "batch_size": 12},
+            "engine": {"num_microbatches": 6, "async_optimizer": True, "compute_dtype": "float16"},
+        }
+    )
+    assert Workload.from_train_config(config) == Workload(
+        seq_len=512,
+        batch_size=12,
+        method="full",
+        lora_r=4,
+        target_modules=("q_proj", "v_proj"),
+        num_microbatches=6,
+        compute_dtype="float16",
+        async_optimizer=True,
+        steps=300,
+    )
+    # max_steps wins over a row count; "auto" is the engine's rule (resolve_compute_dtype)
+    assert Workload.from_train_config(config, num_sequences=10**6).steps == 300
+    auto = config.model_copy(update={"engine": config.engine.model_copy(update={"compute_dtype": "auto"})})
+    for on_gpu in (True, False):
+        dtype = Workload.from_train_config(auto, on_gpu=on_gpu).compute_dtype
+        assert dtype == resolve_compute_dtype("auto", on_gpu=on_gpu)
+    assert Workload.from_train_config(auto).compute_dtype == "bfloat16"  # the planner plans GPUs
+
+
+def test_workload_steps_from_epochs_count_whole_batches_like_the_run() -> None:
+    config = TrainConfig.parse({"data": {"train": "t.jsonl"}, "hyper": {"epochs": 1.5, "batch_size": 8}})
+    assert Workload.from_train_config(config).steps is None  # rows unknown
+    assert Workload.from_train_config(config, num_sequences=100).steps == 18  # ceil(1.5 * (100 // 8))
+    assert Workload.from_train_config(config, num_sequences=5).steps == 1  # less than one batch

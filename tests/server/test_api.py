@@ -9,6 +9,7 @@ from typing import Any
 from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
 
+from server.kinds import EventKind
 from server.services import gpus, jobs
 from server.settings import Settings
 
@@ -230,6 +231,97 @@ def test_events_page_and_stream_replays_from_last_event_id(client: TestClient) -
     assert streamed == ids[4:] and "event: end" in text
 
 
+def test_device_samples_are_telemetry_events_and_metric_series(client: TestClient) -> None:
+    ds = upload(client, jsonl(CHAT)).json()
+    job = make_job(client, ds["id"]).json()
+    sessions = client.app.state.sessions  # type: ignore[attr-defined]
+    with sessions() as session:
+        gpus.record(
+            session,
+            worker_id="w@box",
+            hostname="box",
+            devices=[{"index": 0, "name": "GPU", "utilization": 40.0, "memory_used": 3e9}],
+            cpu={"utilization": 5.0, "memory_used": 8e9},
+            message="1 GPU(s)",
+        )
+        sample = gpus.job_sample(session, worker_id="w@box")
+        assert sample == {
+            "host/cpu_utilization": 5.0,
+            "host/memory_used": 8e9,
+            "gpu/0/utilization": 40.0,
+            "gpu/0/memory_used": 3e9,
+        }
+        assert gpus.job_sample(session, worker_id="nobody") == {}
+        jobs.add_event(session, job_id=job["id"], kind=EventKind.METRICS, step=1, data={"loss/train": 2.0})
+        jobs.add_event(session, job_id=job["id"], kind=EventKind.TELEMETRY, data=sample)
+    client.post(f"/api/jobs/{job['id']}/cancel")
+    events = client.get(f"/api/jobs/{job['id']}/events").json()["data"]
+    assert [(e["kind"], e["step"]) for e in events if e["kind"] != "state"] == [
+        ("metrics", 1),
+        ("telemetry", None),
+    ]
+    series = client.get(f"/api/jobs/{job['id']}/metrics").json()["data"]
+    assert [(p["step"], p["value"]) for p in series["loss/train"]] == [(1, 2.0)]
+    assert [(p["step"], p["value"]) for p in series["gpu/0/utilization"]] == [(None, 40.0)]
+    with client.stream("GET", f"/api/jobs/{job['id']}/stream") as r:
+        text = "".join(r.iter_text())
+    assert "event: telemetry" in text and "event: metrics" in text
+
+
+def test_migration_0002_turns_old_device_samples_into_telemetry(database_url: str) -> None:
+    from alembic import command
+    from alembic.config import Config
+    from sqlalchemy import text
+
+    from server.db import MIGRATIONS, make_engine, migrate
+
+    engine = make_engine(database_url)
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS))
+    with engine.begin() as conn:
+        cfg.attributes["connection"] = conn
+        command.upgrade(cfg, "0001")
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO datasets (id, name, filename, path, format, rows, size_bytes, sha256,"
+                " created_at) VALUES ('d', 'd', 'd', 'd', 'chat', 1, 1, 'x', CURRENT_TIMESTAMP)"
+            )
+        )
+        conn.execute(
+            text(
+                "INSERT INTO jobs (id, name, status, base_model, dataset_id, config, output_dir, step,"
+                " attempts, created_at) VALUES ('j', 'j', 'running', 'tiny', 'd', '{}', 'out', 0, 1,"
+                " CURRENT_TIMESTAMP)"
+            )
+        )
+        for kind, step in (("metrics", 1), ("metrics", None), ("state", None), ("log", None)):
+            conn.execute(
+                text(
+                    "INSERT INTO job_events (job_id, kind, step, message, data, created_at)"
+                    " VALUES ('j', :kind, :step, '', '{}', CURRENT_TIMESTAMP)"
+                ),
+                {"kind": kind, "step": step},
+            )
+    migrate(engine)
+    with engine.connect() as conn:
+        rows = conn.execute(text("SELECT kind, step FROM job_events ORDER BY id")).all()
+    engine.dispose()
+    assert [tuple(r) for r in rows] == [("metrics", 1), ("telemetry", None), ("state", None), ("log", None)]
+
+
+def test_openapi_documents_the_one_error_shape(client: TestClient) -> None:
+    schema = client.get("/openapi.json").json()
+    error = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}
+    get_job = schema["paths"]["/api/jobs/{job_id}"]["get"]["responses"]
+    assert get_job["404"]["content"] == error and get_job["401"]["content"] == error
+    create = schema["paths"]["/api/jobs"]["post"]["responses"]
+    assert create["422"]["content"] == error and create["503"]["content"] == error
+    upload_ = schema["paths"]["/api/datasets"]["post"]["responses"]
+    assert upload_["413"]["content"] == error and upload_["422"]["content"] == error
+    assert set(schema["components"]["schemas"]["ErrorBody"]["properties"]) == {"error"}
+
+
 def test_state_machine_claim_lease_and_sweep(client: TestClient) -> None:
     ds = upload(client, jsonl(CHAT)).json()
     job_id = make_job(client, ds["id"]).json()["id"]
@@ -298,7 +390,12 @@ def test_a_job_the_broker_cannot_take_is_refused_and_not_kept(settings: Settings
 
 
 def test_plan_reads_the_workers_gpus_and_calibrates_from_a_job(client: TestClient) -> None:
-    body = {"base_model": "demo", "seq_len": 1024, "batch_size": 8, "num_microbatches": 8, "steps": 100}
+    body = {
+        "base_model": "demo",
+        "data": {"max_length": 1024},
+        "hyper": {"batch_size": 8, "max_steps": 100},
+        "engine": {"num_microbatches": 8},
+    }
     assumed = client.post("/api/plan", json=body).json()
     assert assumed["fits"] and assumed["assumptions"]["detected"] == [] and assumed["stages"]
     assert assumed["eta_s"] == assumed["iteration_s"] * 100
@@ -319,7 +416,7 @@ def test_plan_reads_the_workers_gpus_and_calibrates_from_a_job(client: TestClien
     # a job measured at half the predicted rate halves the assumed efficiency
     ds = upload(client, jsonl(CHAT)).json()
     job = make_job(client, ds["id"], base_model="tiny").json()
-    past = {"base_model": "tiny", "seq_len": 1024, "batch_size": 4, "num_microbatches": 4}
+    past = {"base_model": "tiny", "hyper": {"max_steps": 2, "batch_size": 4}}  # the job's own body
     predicted = client.post("/api/plan", json=past).json()["tokens_per_s"]
     with sessions() as session:
         for step in (1, 2, 3):
@@ -333,9 +430,80 @@ def test_plan_reads_the_workers_gpus_and_calibrates_from_a_job(client: TestClien
     calibrated = client.post("/api/plan", json=body | {"calibrate_job_id": job["id"]}).json()
     assert calibrated["calibrated_from"] == job["id"]
     assert abs(calibrated["assumptions"]["efficiency"] - detected["assumptions"]["efficiency"] / 2) < 1e-3
-    r = client.post("/api/plan", json=body | {"batch_size": 4})
-    assert r.status_code == 422 and r.json()["error"]["param"] == "num_microbatches"
+    r = client.post("/api/plan", json=body | {"hyper": {"batch_size": 4, "max_steps": 100}})
+    assert r.status_code == 422 and r.json()["error"]["param"] == "engine.num_microbatches"
     assert client.post("/api/plan", json=body | {"base_model": "nope"}).status_code == 404
+
+
+def test_plan_takes_the_job_create_body_and_plans_its_train_config(client: TestClient) -> None:
+    from engine.config import TrainConfig
+    from engine.model.loading import demo_config
+    from engine.planner import Hardware, Workload, plan_job
+
+    ds = upload(client, jsonl(CHAT)).json()  # 12 rows
+    sections = {
+        "data": {"max_length": 512},
+        "method": {"kind": "lora", "lora_r": 8, "target_modules": ["q_proj", "v_proj"]},
+        "hyper": {"epochs": 2, "batch_size": 4},
+        "engine": {"num_microbatches": 2, "async_optimizer": True, "compute_dtype": "auto"},
+    }
+    body = {"base_model": "demo", "dataset_id": ds["id"], **sections}
+    planned = client.post("/api/plan", json=body)
+    assert planned.status_code == 200, planned.text
+    config = TrainConfig.parse(sections | {"data": {"train": "unused.jsonl", "max_length": 512}})
+    workload = Workload.from_train_config(config, num_sequences=12)
+    assert workload.steps == 6  # 2 epochs of 12 rows // 4 per batch
+    expected = plan_job(demo_config(), Hardware(), workload).to_dict() | {"calibrated_from": None}
+    assert planned.json() == expected
+    # without the dataset there is no row count: no step count, no ETA
+    assert client.post("/api/plan", json=body | {"dataset_id": None}).json()["eta_s"] is None
+    r = client.post("/api/plan", json=body | {"dataset_id": "nope"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "dataset_id"
+
+
+def test_plan_names_the_bad_field_of_a_section(client: TestClient) -> None:
+    for section, param in (
+        ({"hyper": {"learning_rate": -1}}, "hyper.learning_rate"),
+        ({"method": {"kind": "qlora"}}, "method.kind"),
+        ({"engine": {"compute_dtype": "int3"}}, "engine.compute_dtype"),
+        ({"data": {"max_length": "long"}}, "data.max_length"),
+        ({"config": {"num_hidden_layers": 2}}, "config.hidden_size"),
+        ({"seq_len": 2048}, "seq_len"),  # the old flat body: not a field any more
+    ):
+        r = client.post("/api/plan", json={"base_model": "demo"} | section)
+        error = r.json()["error"]
+        assert r.status_code == 422 and error["param"] == param, (section, error)
+
+
+def test_plan_answers_the_body_the_new_job_page_sends(client: TestClient) -> None:
+    ds = upload(client, jsonl(CHAT)).json()
+    # what web/js/pages/new-job.js builds, unchanged, for both POST /api/plan and POST /api/jobs
+    body = {
+        "base_model": "tiny",
+        "dataset_id": ds["id"],
+        "data": {"max_length": 1024, "validation_fraction": 0.1},
+        "method": {"kind": "lora", "lora_r": 16},
+        "hyper": {
+            "batch_size": 4,
+            "learning_rate": 0.0003,
+            "schedule": "cosine",
+            "warmup_steps": 0,
+            "max_steps": 2,
+        },
+        "engine": {
+            "devices": "auto",
+            "num_microbatches": 2,
+            "async_optimizer": False,
+            "compute_dtype": "auto",
+        },
+        "checkpoint": {"every_steps": 20},
+        "eval": {"every_steps": 1},
+        "name": "from the form",
+    }
+    planned = client.post("/api/plan", json=body)
+    assert planned.status_code == 200 and planned.json()["fits"], planned.text
+    assert planned.json()["eta_s"] == planned.json()["iteration_s"] * 2
+    assert client.post("/api/jobs", json=body).status_code == 201
 
 
 def test_models_lists_the_hugging_face_cache(settings: Settings, tmp_path: Path) -> None:

@@ -103,6 +103,9 @@ def test_upload_train_download_and_replay(
     events = client.get(f"/api/jobs/{job['id']}/events", params={"limit": 1000}).json()["data"]
     ids = [e["id"] for e in events]
     assert ids == sorted(ids) and len(set(ids)) == len(ids)
+    # a training step's metrics carry the step; the host's device samples are telemetry events
+    assert all(e["step"] is not None for e in events if e["kind"] == "metrics")
+    assert all(e["step"] is None for e in events if e["kind"] == "telemetry")
     with client.stream("GET", f"/api/jobs/{job['id']}/stream", headers={"Last-Event-ID": "0"}) as r:
         text = "".join(r.iter_text())
     assert [int(x[4:]) for x in text.splitlines() if x.startswith("id: ")] == ids  # replay in order

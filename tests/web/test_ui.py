@@ -1,7 +1,7 @@
 """The web UI in a real browser against a real server, written to the element contract in
 ``web/CONTRACT.md``: login, datasets (upload, preview, errors by line), a LoRA job on the tiny
-model from the new-job form to its downloaded adapter, cancelling, the jobs list and its filter,
-the GPUs page, keyboard reachability and narrow windows.
+model from the new-job form (planned with the very request it sends) to its downloaded adapter,
+cancelling, the jobs list and its filter, the GPUs page, keyboard reachability and narrow windows.
 
 The tests share one server (see ``conftest.py``) and run in file order: the job tests use the
 dataset uploaded through the datasets page, the jobs-list test the two jobs started before it.
@@ -336,6 +336,33 @@ def test_new_job_runs_to_success_and_its_adapter_downloads(
     expect(page.locator("#job-status")).to_have_text("succeeded")
 
 
+def test_new_job_plans_the_very_request_it_would_send(
+    page: Page, server: Server, shared: dict[str, Any], tmp_path: Path
+) -> None:
+    dataset_id = ensure_dataset(server, shared, tmp_path)
+    with server.client() as client:
+        rows = client.get(f"/api/datasets/{dataset_id}").json()["rows"]
+    fill_new_job(page, server, dataset_id, max_steps=40, every=10, name="ui plan only")
+    expect(page.locator("#plan-fits")).to_have_text("Fits on this box.")
+
+    def by_epochs(response: Any) -> bool:
+        sent = response.request.post_data_json or {}
+        return response.url.endswith("/api/plan") and sent.get("hyper", {}).get("epochs") == 2
+
+    with page.expect_response(by_epochs) as answer:
+        page.fill("input#max-steps", "")
+        page.fill("input#epochs", "2")
+    response = answer.value
+    assert response.status == 200, response.text()
+    # POST /api/plan got exactly the POST /api/jobs body the page shows (and would send)
+    preview = page.locator("pre#request-preview").text_content() or ""
+    assert response.request.post_data_json == json.loads(preview.split("-d '", 1)[1].rsplit("'", 1)[0])
+    # 2 epochs of the dataset's rows at 4 sequences per step: an ETA without max_steps
+    plan = response.json()
+    assert plan["eta_s"] == plan["iteration_s"] * max(1, 2 * (rows // 4))
+    expect(page.locator("#plan-eta")).to_have_text(re.compile(r"\d+ (s|min|h)"))
+
+
 def test_new_job_form_shows_an_api_error(
     page: Page, console: ConsoleWatch, server: Server, shared: dict[str, Any], tmp_path: Path
 ) -> None:
@@ -345,6 +372,7 @@ def test_new_job_form_shows_an_api_error(
     page.fill("input#num-microbatches", "8")
     expect(page.locator("pre#request-preview")).to_contain_text('"num_microbatches": 8')
     console.allow(r"status of 422 .*/api/jobs\]$")
+    console.allow(r"status of 422 .*/api/plan\]$")  # the plan card refuses the same body
     page.get_by_role("button", name="Start fine-tune").click()
     expect(page.locator("#form-error")).to_contain_text("num_microbatches", timeout=15_000)
     assert page.url.endswith("#/jobs/new"), page.url

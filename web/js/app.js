@@ -34,7 +34,9 @@ async function route() {
   try {
     cleanup = (await page.render(main, ...params)) || null;
   } catch (error) {
-    main.replaceChildren(Object.assign(document.createElement("p"), { className: "error", textContent: error.message }));
+    main.replaceChildren(
+      Object.assign(document.createElement("p"), { className: "error", textContent: error.message }),
+    );
   }
 }
 

@@ -1,4 +1,6 @@
-// Small shared pieces: element building, formatting, and the SVG chart custom elements.
+// Small shared pieces: element building, formatting, status badges, and the SVG chart custom elements.
+
+import { STATUSES } from "./kinds.js";
 
 const SVG = "http://www.w3.org/2000/svg";
 
@@ -33,7 +35,10 @@ export function bytes(n) {
   if (n === null || n === undefined) return "–";
   const units = ["B", "KB", "MB", "GB", "TB"];
   let i = 0;
-  while (n >= 1024 && i < units.length - 1) { n /= 1024; i += 1; }
+  while (n >= 1024 && i < units.length - 1) {
+    n /= 1024;
+    i += 1;
+  }
   return `${n.toFixed(i ? 1 : 0)} ${units[i]}`;
 }
 
@@ -51,10 +56,31 @@ export function age(iso) {
   return `${duration((Date.now() - new Date(iso).getTime()) / 1000)} ago`;
 }
 
+// A job status as a badge: <span class="status status-running">running</span>.
+export function statusBadge(status, attrs = {}) {
+  return showStatus(el("span", attrs), status);
+}
+
+// Turn an existing badge into the badge of `status`.
+export function showStatus(node, status) {
+  const known = STATUSES[status];
+  node.textContent = known ? known.label : status;
+  node.className = `status ${known ? known.css : `status-${status}`}`;
+  return node;
+}
+
 export function errorBox(error) {
   const box = el("div", { class: "error", role: "alert" }, el("strong", { text: error.message }));
   if (error.details && error.details.length) {
-    box.append(el("ul", {}, error.details.slice(0, 50).map((d) => el("li", { text: d.line ? `line ${d.line}: ${d.message}` : `${d.param}: ${d.message}` }))));
+    box.append(
+      el(
+        "ul",
+        {},
+        error.details
+          .slice(0, 50)
+          .map((d) => el("li", { text: d.line ? `line ${d.line}: ${d.message}` : `${d.param}: ${d.message}` })),
+      ),
+    );
   }
   return box;
 }
@@ -66,7 +92,8 @@ const COLORS = ["#2563eb", "#dc2626", "#059669", "#d97706", "#7c3aed", "#0891b2"
 class SizedChart extends HTMLElement {
   connectedCallback() {
     this.observer = new ResizeObserver(() => {
-      if (this.clientWidth && Math.abs(this.clientWidth - (this.drawnWidth || 0)) > 4 && this.args) this.draw(...this.args);
+      if (this.clientWidth && Math.abs(this.clientWidth - (this.drawnWidth || 0)) > 4 && this.args)
+        this.draw(...this.args);
     });
     this.observer.observe(this);
     if (!this.args) this.empty();
@@ -94,9 +121,18 @@ class LineChart extends SizedChart {
   }
 
   draw(series) {
-    const w = this.width(), h = 200, left = 52, right = 12, top = 12, bottom = 28;
+    const w = this.width(),
+      h = 200,
+      left = 52,
+      right = 12,
+      top = 12,
+      bottom = 28;
     const all = series.flatMap((s) => s.points);
-    const root = svg("svg", { viewBox: `0 0 ${w} ${h}`, role: "img", "aria-label": this.getAttribute("label") || "chart" });
+    const root = svg("svg", {
+      viewBox: `0 0 ${w} ${h}`,
+      role: "img",
+      "aria-label": this.getAttribute("label") || "chart",
+    });
     root.append(svg("rect", { x: left, y: top, width: w - left - right, height: h - top - bottom, class: "plot" }));
     if (!all.length) {
       const t = svg("text", { x: w / 2, y: h / 2, "text-anchor": "middle", class: "empty" });
@@ -108,11 +144,18 @@ class LineChart extends SizedChart {
       if (this.hasAttribute("zero")) y0 = Math.min(0, y0);
       if (this.hasAttribute("ymax")) y1 = Math.max(y1, Number(this.getAttribute("ymax")));
       if (x1 === x0) x1 = x0 + 1;
-      if (y1 === y0) { y1 += Math.abs(y1) * 0.05 || 1; y0 -= Math.abs(y0) * 0.05 || 0; }
+      if (y1 === y0) {
+        y1 += Math.abs(y1) * 0.05 || 1;
+        y0 -= Math.abs(y0) * 0.05 || 0;
+      }
       const sx = (x) => left + ((x - x0) / (x1 - x0)) * (w - left - right);
       const sy = (y) => top + (1 - (y - y0) / (y1 - y0)) * (h - top - bottom);
-      for (const [v, anchor, x, y] of [[y1, "end", left - 6, top + 10], [y0, "end", left - 6, h - bottom],
-        [x0, "start", left, h - 8], [x1, "end", w - right, h - 8]]) {
+      for (const [v, anchor, x, y] of [
+        [y1, "end", left - 6, top + 10],
+        [y0, "end", left - 6, h - bottom],
+        [x0, "start", left, h - 8],
+        [x1, "end", w - right, h - 8],
+      ]) {
         const t = svg("text", { x, y, "text-anchor": anchor, class: "tick" });
         t.textContent = number(v);
         root.append(t);
@@ -127,10 +170,22 @@ class LineChart extends SizedChart {
           root.append(svg("circle", { cx: sx(x), cy: sy(y), r: 3.5, fill: COLORS[i % COLORS.length], class: "point" }));
         }
         const d = s.points.map((p, j) => `${j ? "L" : "M"}${sx(p[0]).toFixed(1)},${sy(p[1]).toFixed(1)}`).join("");
-        root.append(svg("path", { d, class: "series", stroke: COLORS[i % COLORS.length], "data-name": s.name, "data-count": s.points.length }));
+        root.append(
+          svg("path", {
+            d,
+            class: "series",
+            stroke: COLORS[i % COLORS.length],
+            "data-name": s.name,
+            "data-count": s.points.length,
+          }),
+        );
       });
     }
-    const legend = el("div", { class: "legend" }, series.map((s, i) => el("span", {}, el("i", { style: `background:${COLORS[i % COLORS.length]}` }), ` ${s.name}`)));
+    const legend = el(
+      "div",
+      { class: "legend" },
+      series.map((s, i) => el("span", {}, el("i", { style: `background:${COLORS[i % COLORS.length]}` }), ` ${s.name}`)),
+    );
     this.replaceChildren(root, legend);
   }
 }
@@ -145,13 +200,27 @@ class Histogram extends SizedChart {
   }
 
   draw(bins, marker) {
-    const w = this.width(), h = 160, left = 40, bottom = 28, top = 10;
+    const w = this.width(),
+      h = 160,
+      left = 40,
+      bottom = 28,
+      top = 10;
     const max = Math.max(1, ...bins.map((b) => b.count));
-    const root = svg("svg", { viewBox: `0 0 ${w} ${h}`, role: "img", "aria-label": this.getAttribute("label") || "histogram" });
+    const root = svg("svg", {
+      viewBox: `0 0 ${w} ${h}`,
+      role: "img",
+      "aria-label": this.getAttribute("label") || "histogram",
+    });
     const bw = (w - left - 8) / Math.max(1, bins.length);
     bins.forEach((b, i) => {
       const bh = ((h - top - bottom) * b.count) / max;
-      const r = svg("rect", { x: left + i * bw + 1, y: h - bottom - bh, width: Math.max(1, bw - 2), height: bh, class: "bar" });
+      const r = svg("rect", {
+        x: left + i * bw + 1,
+        y: h - bottom - bh,
+        width: Math.max(1, bw - 2),
+        height: bh,
+        class: "bar",
+      });
       const tip = svg("title");
       tip.textContent = `${b.lo}–${b.hi} tokens: ${b.count} rows`;
       r.append(tip);
@@ -162,7 +231,10 @@ class Histogram extends SizedChart {
       const x = left + (marker / last) * (w - left - 8);
       root.append(svg("line", { x1: x, x2: x, y1: top, y2: h - bottom, class: "marker" }));
     }
-    for (const [text, x, anchor] of [["0", left, "start"], [String(last), w - 8, "end"]]) {
+    for (const [text, x, anchor] of [
+      ["0", left, "start"],
+      [String(last), w - 8, "end"],
+    ]) {
       const t = svg("text", { x, y: h - 8, "text-anchor": anchor, class: "tick" });
       t.textContent = text;
       root.append(t);

@@ -6,35 +6,90 @@ import { age, bytes, el, errorBox, number } from "../widgets.js";
 
 export async function render(main) {
   const input = el("input", { type: "file", id: "dataset-file", accept: ".jsonl,.csv,.parquet" });
-  const name = el("input", { type: "text", id: "dataset-name", placeholder: "defaults to the file name", maxlength: 255 });
-  const progress = el("progress", { id: "upload-progress", max: 1, value: 0, hidden: true, "aria-label": "upload progress" });
+  const name = el("input", {
+    type: "text",
+    id: "dataset-name",
+    placeholder: "defaults to the file name",
+    maxlength: 255,
+  });
+  const progress = el("progress", {
+    id: "upload-progress",
+    max: 1,
+    value: 0,
+    hidden: true,
+    "aria-label": "upload progress",
+  });
   const status = el("p", { id: "upload-status", "aria-live": "polite" });
   const errors = el("ul", { id: "upload-errors", class: "errors" });
-  const drop = el("div", { id: "drop-zone", class: "drop-zone" },
+  const drop = el(
+    "div",
+    { id: "drop-zone", class: "drop-zone" },
     el("p", {}, "Drop a .jsonl, .csv or .parquet file here, or "),
-    el("label", { for: "dataset-file", class: "button", text: "Dataset file" }), input,
-    el("p", { class: "muted small", text: "Rows: chat messages, instruction/input/output, prompt/completion, or text." }));
+    el("label", { for: "dataset-file", class: "button", text: "Dataset file" }),
+    input,
+    el("p", {
+      class: "muted small",
+      text: "Rows: chat messages, instruction/input/output, prompt/completion, or text.",
+    }),
+  );
   const body = el("tbody");
   const preview = el("section", { id: "preview", class: "card", hidden: true });
   main.append(
     el("h1", { text: "Datasets" }),
-    el("section", { class: "card" }, el("h2", { text: "Upload" }),
+    el(
+      "section",
+      { class: "card" },
+      el("h2", { text: "Upload" }),
       el("div", { class: "field" }, el("label", { for: "dataset-name", text: "Name" }), name),
-      drop, progress, status, errors),
-    el("div", { class: "table-wrap" }, el("table", { id: "datasets-table" },
-      el("thead", {}, el("tr", {}, ["Name", "Format", "Rows", "Size", "Uploaded", ""].map((h) => el("th", { text: h })))), body)),
+      drop,
+      progress,
+      status,
+      errors,
+    ),
+    el(
+      "div",
+      { class: "table-wrap" },
+      el(
+        "table",
+        { id: "datasets-table" },
+        el(
+          "thead",
+          {},
+          el(
+            "tr",
+            {},
+            ["Name", "Format", "Rows", "Size", "Uploaded", ""].map((h) => el("th", { text: h })),
+          ),
+        ),
+        body,
+      ),
+    ),
     preview,
   );
 
   async function list() {
     const { data } = await api("/datasets");
-    body.replaceChildren(...(data.length ? data.map((d) => el("tr", { dataset: { datasetId: d.id } },
-      el("td", { text: d.name }), el("td", { text: d.format }), el("td", { text: d.rows }),
-      el("td", { text: bytes(d.size_bytes) }), el("td", { title: d.created_at, text: age(d.created_at) }),
-      el("td", { class: "actions" },
-        el("button", { type: "button", class: "secondary", text: "Preview", onclick: () => showPreview(d) }),
-        el("button", { type: "button", class: "danger", text: "Delete", onclick: () => remove(d) })))) :
-      [el("tr", {}, el("td", { colspan: 6, class: "muted", text: "No datasets yet." }))]));
+    body.replaceChildren(
+      ...(data.length
+        ? data.map((d) =>
+            el(
+              "tr",
+              { dataset: { datasetId: d.id } },
+              el("td", { text: d.name }),
+              el("td", { text: d.format }),
+              el("td", { text: d.rows }),
+              el("td", { text: bytes(d.size_bytes) }),
+              el("td", { title: d.created_at, text: age(d.created_at) }),
+              el(
+                "td",
+                { class: "actions" },
+                el("button", { type: "button", class: "secondary", text: "Preview", onclick: () => showPreview(d) }),
+                el("button", { type: "button", class: "danger", text: "Delete", onclick: () => remove(d) }),
+              ),
+            ),
+          )
+        : [el("tr", {}, el("td", { colspan: 6, class: "muted", text: "No datasets yet." }))]),
+    );
   }
 
   async function send(file) {
@@ -53,7 +108,9 @@ export async function render(main) {
       await showPreview(d);
     } catch (error) {
       status.textContent = error.message;
-      errors.replaceChildren(...error.details.slice(0, 200).map((e) => el("li", { text: `${e.unit || "line"} ${e.line}: ${e.message}` })));
+      errors.replaceChildren(
+        ...error.details.slice(0, 200).map((e) => el("li", { text: `${e.unit || "line"} ${e.line}: ${e.message}` })),
+      );
     } finally {
       progress.hidden = true;
       input.value = "";
@@ -73,19 +130,33 @@ export async function render(main) {
 
   async function showPreview(d) {
     const models = (await api("/models")).data.filter((m) => m.ready);
-    const select = el("select", { id: "preview-model" }, models.map((m) => el("option", { value: m.name, text: m.name })));
+    const select = el(
+      "select",
+      { id: "preview-model" },
+      models.map((m) => el("option", { value: m.name, text: m.name })),
+    );
     const maxLength = el("input", { type: "number", id: "preview-max-length", min: 8, value: 1024 });
     const rows = el("div", { class: "preview-rows" });
     const histogram = el("rh-histogram", { id: "token-histogram", label: "token lengths" });
     const summary = el("p", { class: "muted" });
     preview.dataset.id = d.id;
     preview.hidden = false;
-    preview.replaceChildren(el("h2", { text: `Preview: ${d.name}` }),
-      el("div", { class: "toolbar" },
-        el("label", { for: "preview-model", text: "Chat template of" }), select,
-        el("label", { for: "preview-max-length", text: "Max length" }), maxLength),
+    preview.replaceChildren(
+      el("h2", { text: `Preview: ${d.name}` }),
+      el(
+        "div",
+        { class: "toolbar" },
+        el("label", { for: "preview-model", text: "Chat template of" }),
+        select,
+        el("label", { for: "preview-max-length", text: "Max length" }),
+        maxLength,
+      ),
       el("p", { class: "muted small" }, "Highlighted tokens are trained on; the rest is context."),
-      rows, el("h3", { text: "Token lengths" }), histogram, summary);
+      rows,
+      el("h3", { text: "Token lengths" }),
+      histogram,
+      summary,
+    );
     async function refresh() {
       if (!select.value) {
         rows.replaceChildren(el("p", { class: "muted", text: "No base model is ready to render the rows." }));
@@ -94,10 +165,24 @@ export async function render(main) {
       rows.replaceChildren(el("p", { class: "muted", text: "Rendering…" }));
       try {
         const q = { model: select.value, max_length: maxLength.value, limit: 5 };
-        const [p, stats] = await Promise.all([api(`/datasets/${d.id}/preview`, { query: q }), api(`/datasets/${d.id}/stats`, { query: { model: select.value, max_length: maxLength.value } })]);
-        rows.replaceChildren(...p.rows.map((r) => el("div", { class: "preview-row" },
-          el("div", { class: "muted small", text: `line ${r.line}${r.truncated ? " (truncated)" : ""}` }),
-          el("pre", { class: "tokens" }, r.tokens.map((t) => el("span", { class: t.trained ? "tok trained" : "tok", text: t.text }))))));
+        const [p, stats] = await Promise.all([
+          api(`/datasets/${d.id}/preview`, { query: q }),
+          api(`/datasets/${d.id}/stats`, { query: { model: select.value, max_length: maxLength.value } }),
+        ]);
+        rows.replaceChildren(
+          ...p.rows.map((r) =>
+            el(
+              "div",
+              { class: "preview-row" },
+              el("div", { class: "muted small", text: `line ${r.line}${r.truncated ? " (truncated)" : ""}` }),
+              el(
+                "pre",
+                { class: "tokens" },
+                r.tokens.map((t) => el("span", { class: t.trained ? "tok trained" : "tok", text: t.text })),
+              ),
+            ),
+          ),
+        );
         histogram.setBins(stats.histogram, stats.max_length);
         summary.textContent = `${stats.sampled} of ${stats.rows} rows measured · mean ${number(stats.mean)} tokens · longest ${stats.max} · ${number(100 * stats.truncated_share)}% longer than ${stats.max_length} (cut)`;
       } catch (error) {
@@ -110,7 +195,10 @@ export async function render(main) {
   }
 
   input.addEventListener("change", () => input.files.length && send(input.files[0]));
-  drop.addEventListener("dragover", (e) => { e.preventDefault(); drop.classList.add("over"); });
+  drop.addEventListener("dragover", (e) => {
+    e.preventDefault();
+    drop.classList.add("over");
+  });
   drop.addEventListener("dragleave", () => drop.classList.remove("over"));
   drop.addEventListener("drop", (e) => {
     e.preventDefault();

@@ -3,9 +3,8 @@
 // is rebuilt from the job's event stream, which replays the stored events and then goes live.
 
 import { api, downloadUrl, stream } from "../api.js";
-import { age, duration, el, errorBox, number } from "../widgets.js";
-
-const ACTIVE = new Set(["validating", "queued", "running", "cancelling", "interrupted"]);
+import { EVENT_KINDS, isActive } from "../kinds.js";
+import { age, duration, el, errorBox, number, showStatus } from "../widgets.js";
 
 export async function render(main, jobId) {
   let job = await api(`/jobs/${jobId}`);
@@ -19,8 +18,21 @@ export async function render(main, jobId) {
   const gradNorm = el("span", { id: "grad-norm", text: "–" });
   const lossChart = el("rh-line-chart", { id: "loss-chart", label: "loss", empty: "no loss logged yet" });
   const speedChart = el("rh-line-chart", { id: "speed-chart", label: "tokens per second", zero: true });
-  const gpuChart = el("rh-line-chart", { id: "gpu-chart", label: "device utilization (%)", xlabel: "sample", zero: true, ymax: 100, empty: "no utilization sample yet" });
-  const memoryChart = el("rh-line-chart", { id: "memory-chart", label: "device memory used (GB)", xlabel: "sample", zero: true, empty: "no memory sample yet" });
+  const gpuChart = el("rh-line-chart", {
+    id: "gpu-chart",
+    label: "device utilization (%)",
+    xlabel: "sample",
+    zero: true,
+    ymax: 100,
+    empty: "no utilization sample yet",
+  });
+  const memoryChart = el("rh-line-chart", {
+    id: "memory-chart",
+    label: "device memory used (GB)",
+    xlabel: "sample",
+    zero: true,
+    empty: "no memory sample yet",
+  });
   const log = el("ol", { id: "event-log", class: "log" });
   const checkpoints = el("tbody");
   const cancel = el("button", { type: "button", id: "cancel-job", class: "danger", text: "Cancel job" });
@@ -30,22 +42,52 @@ export async function render(main, jobId) {
   main.append(
     el("div", { class: "title-row" }, title, status),
     el("p", { class: "muted small", text: `${job.base_model} · job ${job.id} · created ${age(job.created_at)}` }),
-    el("section", { class: "card" },
+    el(
+      "section",
+      { class: "card" },
       el("div", { class: "progress-row" }, progress, stepText, el("span", {}, "ETA ", eta)),
-      el("dl", { class: "stats" },
+      el(
+        "dl",
+        { class: "stats" },
         el("div", {}, el("dt", { text: "tokens/s" }), el("dd", {}, tokens)),
         el("div", {}, el("dt", { text: "learning rate" }), el("dd", {}, lrText)),
         el("div", {}, el("dt", { text: "gradient norm" }), el("dd", {}, gradNorm)),
-        el("div", {}, el("dt", { text: "pipeline bubble" }), el("dd", {}, bubble))),
-      error, el("div", { class: "actions" }, cancel)),
-    el("div", { class: "charts" },
+        el("div", {}, el("dt", { text: "pipeline bubble" }), el("dd", {}, bubble)),
+      ),
+      error,
+      el("div", { class: "actions" }, cancel),
+    ),
+    el(
+      "div",
+      { class: "charts" },
       el("section", { class: "card" }, el("h2", { text: "Loss" }), lossChart),
       el("section", { class: "card" }, el("h2", { text: "Throughput (tokens/s)" }), speedChart),
       el("section", { class: "card" }, el("h2", { text: "Device utilization (%)" }), gpuChart),
-      el("section", { class: "card" }, el("h2", { text: "Memory used (GB)" }), memoryChart)),
-    el("section", { class: "card" }, el("h2", { text: "Checkpoints" }),
-      el("div", { class: "table-wrap" }, el("table", { id: "checkpoints-table" },
-        el("thead", {}, el("tr", {}, ["Step", "Kind", "Train loss", "Val. loss", "Saved", "Download"].map((h) => el("th", { text: h })))), checkpoints))),
+      el("section", { class: "card" }, el("h2", { text: "Memory used (GB)" }), memoryChart),
+    ),
+    el(
+      "section",
+      { class: "card" },
+      el("h2", { text: "Checkpoints" }),
+      el(
+        "div",
+        { class: "table-wrap" },
+        el(
+          "table",
+          { id: "checkpoints-table" },
+          el(
+            "thead",
+            {},
+            el(
+              "tr",
+              {},
+              ["Step", "Kind", "Train loss", "Val. loss", "Saved", "Download"].map((h) => el("th", { text: h })),
+            ),
+          ),
+          checkpoints,
+        ),
+      ),
+    ),
     el("section", { class: "card" }, el("h2", { text: "Events" }), log),
   );
 
@@ -55,19 +97,21 @@ export async function render(main, jobId) {
   let samples = 0;
 
   function showJob() {
-    status.textContent = job.status;
-    status.className = `status status-${job.status}`;
+    showStatus(status, job.status);
     const total = job.total_steps || 0;
     progress.max = total || 1;
     progress.value = total ? job.step : 0;
     stepText.textContent = total ? `step ${job.step} / ${total}` : `step ${job.step}`;
-    cancel.hidden = !ACTIVE.has(job.status) || job.status === "cancelling";
-    if (!ACTIVE.has(job.status)) eta.textContent = "–";
+    cancel.hidden = !isActive(job.status) || job.status === "cancelling";
+    if (!isActive(job.status)) eta.textContent = "–";
     error.replaceChildren(...(job.error ? [errorBox({ message: job.error })] : []));
   }
 
   function redraw() {
-    lossChart.setSeries([{ name: "train", points: series["loss/train"] }, { name: "validation", points: series["loss/val"] }]);
+    lossChart.setSeries([
+      { name: "train", points: series["loss/train"] },
+      { name: "validation", points: series["loss/val"] },
+    ]);
     speedChart.setSeries([{ name: "tokens/s", points: series["throughput/tokens_per_s"] }]);
     gpuChart.setSeries([...devices.entries()].map(([k, points]) => ({ name: k, points })));
     memoryChart.setSeries([...memory.entries()].map(([k, points]) => ({ name: k, points })));
@@ -77,54 +121,93 @@ export async function render(main, jobId) {
   function schedule() {
     if (pending) return;
     pending = true;
-    requestAnimationFrame(() => { pending = false; redraw(); });
+    requestAnimationFrame(() => {
+      pending = false;
+      redraw();
+    });
   }
 
+  // a training step's metrics: the loss and throughput charts, the figures, the progress
   function metrics(e) {
     const d = e.data;
-    if (e.step !== null && e.step !== undefined) {
-      for (const key of Object.keys(series)) if (key in d) series[key].push([e.step, d[key]]);
-      if ("progress/step" in d) {
-        job.step = d["progress/step"];
-        job.total_steps = d["progress/total_steps"];
-        if (ACTIVE.has(job.status)) eta.textContent = duration(d["time/eta_s"]);
-      }
-      if ("throughput/tokens_per_s" in d) tokens.textContent = number(d["throughput/tokens_per_s"]);
-      if ("optim/lr" in d) lrText.textContent = number(d["optim/lr"]);
-      if ("optim/grad_norm" in d) gradNorm.textContent = number(d["optim/grad_norm"]);
-      if ("pipeline/bubble_ratio" in d) bubble.textContent = `${number(100 * d["pipeline/bubble_ratio"])}%`;
-      showJob();
-    } else {
-      samples += 1;
-      for (const [key, value] of Object.entries(d)) {
-        const gpu = key.match(/^gpu\/(\d+)\/(utilization|memory_used)$/);
-        const host = key.match(/^host\/(cpu_utilization|memory_used)$/);
-        if (!gpu && !host) continue;
-        const label = gpu ? `GPU ${gpu[1]}` : host[1] === "memory_used" ? "host RAM" : "CPU";
-        const isMemory = (gpu ? gpu[2] : host[1]) === "memory_used";
-        const target = isMemory ? memory : devices;
-        if (!target.has(label)) target.set(label, []);
-        target.get(label).push([samples, isMemory ? value / 1e9 : value]);
-      }
+    for (const key of Object.keys(series)) if (key in d) series[key].push([e.step, d[key]]);
+    if ("progress/step" in d) {
+      job.step = d["progress/step"];
+      job.total_steps = d["progress/total_steps"];
+      if (isActive(job.status)) eta.textContent = duration(d["time/eta_s"]);
+    }
+    if ("throughput/tokens_per_s" in d) tokens.textContent = number(d["throughput/tokens_per_s"]);
+    if ("optim/lr" in d) lrText.textContent = number(d["optim/lr"]);
+    if ("optim/grad_norm" in d) gradNorm.textContent = number(d["optim/grad_norm"]);
+    if ("pipeline/bubble_ratio" in d) bubble.textContent = `${number(100 * d["pipeline/bubble_ratio"])}%`;
+    showJob();
+    schedule();
+  }
+
+  // a sample of the worker host's devices: the utilization and memory charts
+  function telemetry(e) {
+    samples += 1;
+    for (const [key, value] of Object.entries(e.data)) {
+      const gpu = key.match(/^gpu\/(\d+)\/(utilization|memory_used)$/);
+      const host = key.match(/^host\/(cpu_utilization|memory_used)$/);
+      if (!gpu && !host) continue;
+      const label = gpu ? `GPU ${gpu[1]}` : host[1] === "memory_used" ? "host RAM" : "CPU";
+      const isMemory = (gpu ? gpu[2] : host[1]) === "memory_used";
+      const target = isMemory ? memory : devices;
+      if (!target.has(label)) target.set(label, []);
+      target.get(label).push([samples, isMemory ? value / 1e9 : value]);
     }
     schedule();
   }
 
   function logLine(e) {
     const when = new Date(e.created_at).toLocaleTimeString();
-    log.append(el("li", { class: `event-${e.kind}` }, el("time", { datetime: e.created_at, text: when }), ` ${e.kind}: ${e.message}`));
+    const kind = EVENT_KINDS[e.kind] ? EVENT_KINDS[e.kind].label : e.kind;
+    log.append(
+      el(
+        "li",
+        { class: `event-${e.kind}` },
+        el("time", { datetime: e.created_at, text: when }),
+        ` ${kind}: ${e.message}`,
+      ),
+    );
   }
 
   async function refreshCheckpoints() {
     const { data } = await api(`/jobs/${jobId}/checkpoints`);
-    checkpoints.replaceChildren(...(data.length ? data.map((c) => el("tr", { dataset: { step: c.step } },
-      el("td", { text: c.step }), el("td", { text: c.kind }),
-      el("td", { text: number(c.metrics["loss/train"]) }), el("td", { text: number(c.metrics["loss/val"]) }),
-      el("td", { title: c.created_at, text: age(c.created_at) }),
-      el("td", { class: "actions" },
-        el("a", { class: "button secondary download-adapter", download: "", href: downloadUrl(`/jobs/${jobId}/checkpoints/${c.step}/download`), text: c.kind === "adapter" ? "Adapter" : "Model" }),
-        c.kind === "adapter" ? el("a", { class: "button secondary download-merged", download: "", href: downloadUrl(`/jobs/${jobId}/checkpoints/${c.step}/download`, { merged: true }), text: "Merged" }) : null))) :
-      [el("tr", {}, el("td", { colspan: 6, class: "muted", text: "No checkpoint yet." }))]));
+    checkpoints.replaceChildren(
+      ...(data.length
+        ? data.map((c) =>
+            el(
+              "tr",
+              { dataset: { step: c.step } },
+              el("td", { text: c.step }),
+              el("td", { text: c.kind }),
+              el("td", { text: number(c.metrics["loss/train"]) }),
+              el("td", { text: number(c.metrics["loss/val"]) }),
+              el("td", { title: c.created_at, text: age(c.created_at) }),
+              el(
+                "td",
+                { class: "actions" },
+                el("a", {
+                  class: "button secondary download-adapter",
+                  download: "",
+                  href: downloadUrl(`/jobs/${jobId}/checkpoints/${c.step}/download`),
+                  text: c.kind === "adapter" ? "Adapter" : "Model",
+                }),
+                c.kind === "adapter"
+                  ? el("a", {
+                      class: "button secondary download-merged",
+                      download: "",
+                      href: downloadUrl(`/jobs/${jobId}/checkpoints/${c.step}/download`, { merged: true }),
+                      text: "Merged",
+                    })
+                  : null,
+              ),
+            ),
+          )
+        : [el("tr", {}, el("td", { colspan: 6, class: "muted", text: "No checkpoint yet." }))]),
+    );
   }
 
   async function refreshJob() {
@@ -147,12 +230,28 @@ export async function render(main, jobId) {
   showJob();
   redraw();
   await refreshCheckpoints();
-  const es = stream(`/jobs/${jobId}/stream`, {
+  // every kind of kinds.js: the charts take theirs, the others are lines of the event log
+  const consumers = {
     metrics,
-    state: (e) => { logLine(e); refreshJob(); },
-    checkpoint: (e) => { logLine(e); refreshCheckpoints(); },
-    log: logLine, resume: logLine, partition: logLine, repartition: logLine,
-    end: () => { refreshJob(); refreshCheckpoints(); },
+    telemetry,
+    state: (e) => {
+      logLine(e);
+      refreshJob();
+    },
+    checkpoint: (e) => {
+      logLine(e);
+      refreshCheckpoints();
+    },
+  };
+  const handlers = Object.fromEntries(
+    Object.entries(EVENT_KINDS).map(([kind, { chart }]) => [kind, consumers[kind] || (chart ? () => {} : logLine)]),
+  );
+  const es = stream(`/jobs/${jobId}/stream`, {
+    ...handlers,
+    end: () => {
+      refreshJob();
+      refreshCheckpoints();
+    },
   });
   return () => es.close();
 }

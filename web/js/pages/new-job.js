@@ -6,7 +6,13 @@ import { bytes, duration, el, errorBox, number } from "../widgets.js";
 
 function field(id, label, control, hint) {
   control.id = id;
-  return el("div", { class: "field" }, el("label", { for: id, text: label }), control, hint ? el("span", { class: "hint", text: hint }) : null);
+  return el(
+    "div",
+    { class: "field" },
+    el("label", { for: id, text: label }),
+    control,
+    hint ? el("span", { class: "hint", text: hint }) : null,
+  );
 }
 
 function num(value, attrs = {}) {
@@ -14,14 +20,26 @@ function num(value, attrs = {}) {
 }
 
 function choice(options, selected) {
-  return el("select", {}, options.map(([v, t]) => el("option", { value: v, text: t, selected: v === selected })));
+  return el(
+    "select",
+    {},
+    options.map(([v, t]) => el("option", { value: v, text: t, selected: v === selected })),
+  );
 }
 
 export async function render(main) {
   const [models, datasets] = await Promise.all([api("/models"), api("/datasets")]);
-  const base = choice(models.data.map((m) => [m.name, `${m.name} — ${m.architecture || "?"}, ${m.parameters ? `${number(m.parameters / 1e6)}M parameters` : bytes(m.size_bytes)}`]));
+  const base = choice(
+    models.data.map((m) => [
+      m.name,
+      `${m.name} — ${m.architecture || "?"}, ${m.parameters ? `${number(m.parameters / 1e6)}M parameters` : bytes(m.size_bytes)}`,
+    ]),
+  );
   const train = choice(datasets.data.map((d) => [d.id, `${d.name} (${d.rows} rows)`]));
-  const validation = choice([["", "none (hold out a fraction instead)"], ...datasets.data.map((d) => [d.id, d.name])], "");
+  const validation = choice(
+    [["", "none (hold out a fraction instead)"], ...datasets.data.map((d) => [d.id, d.name])],
+    "",
+  );
   const heldOut = num(0, { min: 0, max: 0.5, step: 0.01 });
   const lora = el("input", { type: "radio", name: "method", value: "lora", id: "method-lora", checked: true });
   const full = el("input", { type: "radio", name: "method", value: "full", id: "method-full" });
@@ -29,35 +47,74 @@ export async function render(main) {
   const epochs = num("", { min: 0.01, step: 0.01, placeholder: "or epochs" });
   const batch = num(8, { min: 1 });
   const lr = num(0.0003, { min: 0, step: "any" });
-  const schedule = choice([["cosine", "cosine"], ["linear", "linear"], ["constant", "constant"]], "cosine");
+  const schedule = choice(
+    [
+      ["cosine", "cosine"],
+      ["linear", "linear"],
+      ["constant", "constant"],
+    ],
+    "cosine",
+  );
   const warmup = num(0, { min: 0 });
   const rank = num(16, { min: 1 });
   const maxLength = num(1024, { min: 8 });
   const every = num(20, { min: 1 });
   const evalEvery = num("", { min: 1, placeholder: "at the end only" });
   const microbatches = num(4, { min: 1 });
-  const mode = choice([["sync", "sync (exact)"], ["async", "async (staleness 1, faster)"]], "sync");
-  const dtype = choice([["auto", "auto (bf16 on GPUs, fp32 on CPU)"], ["bfloat16", "bfloat16"], ["float16", "float16"], ["float32", "float32"]], "auto");
+  // engine.async_optimizer: sync (false) waits for each optimizer step; async (true) overlaps the
+  // CPU optimizer step with the next iteration, which then runs on weights one step old
+  const mode = choice(
+    [
+      ["sync", "sync — exact"],
+      ["async", "async — staleness 1"],
+    ],
+    "sync",
+  );
+  const dtype = choice(
+    [
+      ["auto", "auto (bf16 on GPUs, fp32 on CPU)"],
+      ["bfloat16", "bfloat16"],
+      ["float16", "float16"],
+      ["float32", "float32"],
+    ],
+    "auto",
+  );
   const devices = el("input", { type: "text", value: "auto", placeholder: "auto, or cuda:0,cuda:1" });
   const name = el("input", { type: "text", placeholder: "defaults to model on dataset", maxlength: 255 });
   const preview = el("pre", { id: "request-preview", class: "code" });
   const error = el("div", { id: "form-error", "aria-live": "polite" });
   const copy = el("button", { type: "button", class: "secondary", text: "Copy request" });
-  const planBox = el("section", { id: "plan", class: "card", "aria-live": "polite" }, el("h2", { text: "Fit and time" }), el("p", { class: "muted", text: "Planning…" }));
+  const planBox = el(
+    "section",
+    { id: "plan", class: "card", "aria-live": "polite" },
+    el("h2", { text: "Fit and time" }),
+    el("p", { class: "muted", text: "Planning…" }),
+  );
 
+  // The POST /api/jobs body; POST /api/plan takes the very same one, so the plan is of this job.
   function body() {
     const b = {
       base_model: base.value,
-      dataset_id: train.value,
+      ...(train.value ? { dataset_id: train.value } : {}),
       data: { max_length: Number(maxLength.value) },
       method: lora.checked ? { kind: "lora", lora_r: Number(rank.value) } : { kind: "full" },
       hyper: {
-        batch_size: Number(batch.value), learning_rate: Number(lr.value), schedule: schedule.value,
+        batch_size: Number(batch.value),
+        learning_rate: Number(lr.value),
+        schedule: schedule.value,
         warmup_steps: Number(warmup.value),
       },
       engine: {
-        devices: devices.value.trim() === "auto" ? "auto" : devices.value.split(",").map((s) => s.trim()).filter(Boolean),
-        num_microbatches: Number(microbatches.value), async_optimizer: mode.value === "async", compute_dtype: dtype.value,
+        devices:
+          devices.value.trim() === "auto"
+            ? "auto"
+            : devices.value
+                .split(",")
+                .map((s) => s.trim())
+                .filter(Boolean),
+        num_microbatches: Number(microbatches.value),
+        async_optimizer: mode.value === "async",
+        compute_dtype: dtype.value,
       },
       checkpoint: { every_steps: Number(every.value) },
     };
@@ -73,30 +130,61 @@ export async function render(main) {
   let planTimer = null;
   let planTicket = 0;
   async function refreshPlan() {
-    const b = body();
-    const dtype = b.engine.compute_dtype === "auto" ? "bfloat16" : b.engine.compute_dtype;
-    const request = {
-      base_model: b.base_model, seq_len: b.data.max_length, batch_size: b.hyper.batch_size, method: b.method.kind,
-      lora_r: b.method.lora_r || 16, num_microbatches: b.engine.num_microbatches, compute_dtype: dtype,
-      async_optimizer: b.engine.async_optimizer, steps: b.hyper.max_steps || null,
-    };
     const ticket = ++planTicket;
     try {
-      const p = await api("/plan", { method: "POST", body: request });
+      const p = await api("/plan", { method: "POST", body: body() });
       if (ticket !== planTicket) return;
       const a = p.assumptions;
-      const gpus = a.detected.includes("GPU count") ? "GPUs as the workers report them" : "no worker has reported a GPU, so this assumes 2 GPUs of 24 GB (POST /api/plan takes others)";
+      const gpus = a.detected.includes("GPU count")
+        ? "GPUs as the workers report them"
+        : "no worker has reported a GPU, so this assumes 2 GPUs of 24 GB (POST /api/plan takes others)";
       const hw = `${gpus}${a.detected.length ? `; read off the workers: ${a.detected.join(", ")}` : ""}`;
-      planBox.replaceChildren(...[el("h2", { text: "Fit and time" }),
-        el("p", { id: "plan-fits", class: p.fits ? "fits" : "error", text: p.fits ? "Fits on this box." : "Does not fit." }),
-        p.problems.length ? el("ul", { class: "errors" }, p.problems.map((t) => el("li", { text: t }))) : null,
-        p.suggestions.length ? el("ul", {}, p.suggestions.map((t) => el("li", { text: `Try: ${t}` }))) : null,
-        el("dl", { class: "stats" },
-          el("div", {}, el("dt", { text: "GPU memory (largest stage)" }), el("dd", { text: `${number(p.gpu_memory_needed_gb)} of ${number(p.gpu_memory_gb)} GB` })),
-          el("div", {}, el("dt", { text: "host RAM" }), el("dd", { text: `${number(p.host_ram.total_gb)} GB` })),
-          el("div", {}, el("dt", { text: "predicted tokens/s" }), el("dd", { id: "plan-tokens", text: number(p.tokens_per_s) })),
-          el("div", {}, el("dt", { text: "ETA" }), el("dd", { id: "plan-eta", text: duration(p.eta_s) }))),
-        el("p", { class: "muted small", text: `${p.partition ? `Stages ${p.partition}; ` : ""}${number(a.gpu_tflops)} TFLOPS per GPU at ${number(100 * a.efficiency)}% efficiency, ${number(a.link_gb_s)} GB/s host link (${hw}). An estimate: a finished job on this box calibrates it (POST /api/plan with calibrate_job_id).` })].filter(Boolean));
+      planBox.replaceChildren(
+        ...[
+          el("h2", { text: "Fit and time" }),
+          el("p", {
+            id: "plan-fits",
+            class: p.fits ? "fits" : "error",
+            text: p.fits ? "Fits on this box." : "Does not fit.",
+          }),
+          p.problems.length
+            ? el(
+                "ul",
+                { class: "errors" },
+                p.problems.map((t) => el("li", { text: t })),
+              )
+            : null,
+          p.suggestions.length
+            ? el(
+                "ul",
+                {},
+                p.suggestions.map((t) => el("li", { text: `Try: ${t}` })),
+              )
+            : null,
+          el(
+            "dl",
+            { class: "stats" },
+            el(
+              "div",
+              {},
+              el("dt", { text: "GPU memory (largest stage)" }),
+              el("dd", { text: `${number(p.gpu_memory_needed_gb)} of ${number(p.gpu_memory_gb)} GB` }),
+            ),
+            el("div", {}, el("dt", { text: "host RAM" }), el("dd", { text: `${number(p.host_ram.total_gb)} GB` })),
+            el(
+              "div",
+              {},
+              el("dt", { text: "predicted tokens/s" }),
+              el("dd", { id: "plan-tokens", text: number(p.tokens_per_s) }),
+            ),
+            el("div", {}, el("dt", { text: "ETA" }), el("dd", { id: "plan-eta", text: duration(p.eta_s) })),
+          ),
+          el("p", {
+            class: "muted small",
+            text: `${p.partition ? `Stages ${p.partition}; ` : ""}${number(a.gpu_tflops)} TFLOPS per GPU at ${number(100 * a.efficiency)}% efficiency, ${number(a.link_gb_s)} GB/s host link (${hw}). An estimate: a finished job on this box calibrates it (POST /api/plan with calibrate_job_id).`,
+          }),
+        ].filter(Boolean),
+      );
     } catch (err) {
       if (ticket === planTicket) planBox.replaceChildren(el("h2", { text: "Fit and time" }), errorBox(err));
     }
@@ -109,16 +197,24 @@ export async function render(main) {
     preview.textContent = `curl -X POST ${location.origin}/api/jobs \\\n  -H "Authorization: Bearer $ROUNDHOUSE_KEY" \\\n  -H "Content-Type: application/json" \\\n  -d '${json}'`;
   }
 
-  const form = el("form", { id: "new-job-form", class: "card" },
+  const form = el(
+    "form",
+    { id: "new-job-form", class: "card" },
     field("job-name", "Name", name),
     field("base-model", "Base model", base),
     field("dataset", "Training data", train, datasets.data.length ? null : "upload a dataset first"),
     field("validation-dataset", "Validation data", validation),
     field("held-out", "Held-out fraction", heldOut, "used when no validation data is chosen"),
-    el("fieldset", {}, el("legend", { text: "Method" }),
+    el(
+      "fieldset",
+      {},
+      el("legend", { text: "Method" }),
       el("label", { for: "method-lora" }, lora, " LoRA (adapter; small download)"),
-      el("label", { for: "method-full" }, full, " Full fine-tune")),
-    el("div", { class: "grid" },
+      el("label", { for: "method-full" }, full, " Full fine-tune"),
+    ),
+    el(
+      "div",
+      { class: "grid" },
       field("max-steps", "Max steps", maxSteps),
       field("epochs", "Epochs", epochs, "used when max steps is empty"),
       field("batch-size", "Batch size (sequences)", batch),
@@ -128,16 +224,32 @@ export async function render(main) {
       field("lora-r", "LoRA rank", rank),
       field("max-length", "Max sequence length", maxLength),
       field("checkpoint-every", "Checkpoint every (steps)", every),
-      field("eval-every", "Validate every (steps)", evalEvery)),
-    el("details", { id: "advanced" }, el("summary", { text: "Advanced: engine" }),
-      el("div", { class: "grid" },
+      field("eval-every", "Validate every (steps)", evalEvery),
+    ),
+    el(
+      "details",
+      { id: "advanced" },
+      el("summary", { text: "Advanced: engine" }),
+      el(
+        "div",
+        { class: "grid" },
         field("num-microbatches", "Micro-batches per step", microbatches, "at least the number of GPUs"),
-        field("optimizer-mode", "Optimizer", mode),
+        field(
+          "optimizer-mode",
+          "Optimizer step",
+          mode,
+          "async overlaps the CPU optimizer step with the next iteration",
+        ),
         field("compute-dtype", "Compute dtype", dtype),
-        field("devices", "Devices", devices))),
+        field("devices", "Devices", devices),
+      ),
+    ),
     error,
     el("div", { class: "actions" }, el("button", { type: "submit", text: "Start fine-tune" })),
-    el("h2", { text: "The same request from a script" }), preview, copy);
+    el("h2", { text: "The same request from a script" }),
+    preview,
+    copy,
+  );
 
   form.addEventListener("input", update);
   form.addEventListener("change", update);
@@ -164,7 +276,10 @@ export async function render(main) {
       error.replaceChildren(errorBox(err));
       const param = (err.param || "").split(".").pop().replace(/_/g, "-");
       const target = param && form.querySelector(`#${CSS.escape(param)}`);
-      if (target) { target.setAttribute("aria-invalid", "true"); target.focus(); }
+      if (target) {
+        target.setAttribute("aria-invalid", "true");
+        target.focus();
+      }
     }
   });
   main.append(el("h1", { text: "New fine-tune" }), planBox, form);

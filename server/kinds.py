@@ -1,0 +1,39 @@
+"""The words the worker, the API and the UI share: job statuses and event kinds.
+
+Tables hold them as plain strings; code compares against these enums. The UI's copy is
+``web/js/kinds.js`` (``tests/web/test_kinds.py`` checks that the two agree).
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class JobStatus(StrEnum):
+    """Where a job is in its life (the transitions are ``server.services.jobs.TRANSITIONS``)."""
+
+    VALIDATING = "validating"
+    QUEUED = "queued"
+    RUNNING = "running"
+    CANCELLING = "cancelling"
+    INTERRUPTED = "interrupted"  # its worker vanished: requeued, it resumes from its last checkpoint
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+class EventKind(StrEnum):
+    """What a job event row records (and the SSE event name it is streamed under)."""
+
+    STATE = "state"  # a status transition: data {"from", "to"}
+    METRICS = "metrics"  # training metrics of one step (the engine sink's ``log``)
+    TELEMETRY = "telemetry"  # the worker host's GPU and CPU sample (gpu/*, host/*), no step
+    LOG = "log"  # a line for the user (e.g. a cancel relayed)
+    CHECKPOINT = "checkpoint"  # the run saved a checkpoint: data {"step", "path"}
+    RESUME = "resume"  # the run resumed from a checkpoint: data {"step"}
+    PARTITION = "partition"  # the pipeline's layer partition, from parameter sizes
+    REPARTITION = "repartition"  # the partition recomputed from measured layer times
+
+
+# the kinds whose data are metric values: GET /api/jobs/{id}/metrics reads them, the UI charts them
+METRIC_KINDS = (EventKind.METRICS, EventKind.TELEMETRY)
