@@ -57,7 +57,8 @@ ENV PATH=/opt/venv/bin:$PATH \
     ROUNDHOUSE_HOME=/data \
     ROUNDHOUSE_HF_CACHE=/hf-cache \
     ROUNDHOUSE_HOST=0.0.0.0 \
-    ROUNDHOUSE_PORT=8000
+    ROUNDHOUSE_PORT=8000 \
+    ROUNDHOUSE_WEB_DIR=/opt/roundhouse/web
 
 # A non-root user. The folders exist in the image, owned by it, so that a new named volume
 # mounted on them starts with the same owner.
@@ -67,6 +68,8 @@ RUN groupadd --gid "${GID}" roundhouse \
  && chown -R roundhouse:roundhouse /data /hf-cache
 
 COPY --from=build /opt/venv /opt/venv
+# the browser UI: static files, served by the API (the installed package holds only Python)
+COPY web /opt/roundhouse/web
 
 USER roundhouse
 WORKDIR /data

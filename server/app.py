@@ -66,12 +66,13 @@ def create_app(settings: Settings | None = None, *, apply_migrations: bool = Tru
         response.set_cookie(COOKIE, token, httponly=True, samesite="strict", max_age=30 * 24 * 3600)
         return response
 
-    if WEB.is_dir():
-        app.mount("/static", StaticFiles(directory=WEB), name="static")
+    web = settings.web_dir or WEB
+    if web.is_dir():
+        app.mount("/static", StaticFiles(directory=web), name="static")
 
     @app.get("/", include_in_schema=False)
     def index() -> HTMLResponse:
-        page = WEB / "index.html"
+        page = web / "index.html"
         return HTMLResponse(page.read_text() if page.is_file() else LANDING)
 
     return app

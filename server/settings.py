@@ -28,6 +28,9 @@ class Settings(BaseSettings):
     cancel_grace_seconds: float = Field(60.0, ge=0, description="time to stop cleanly before a kill")
     telemetry_seconds: float = Field(2.0, gt=0, description="GPU sampling interval of the worker")
     public_url: str | None = Field(None, description="the URL printed for login (default http://host:port)")
+    web_dir: Path | None = Field(
+        None, description="the web UI's folder (default: web/ of the source tree; the image sets it)"
+    )
 
     @property
     def broker_dir(self) -> Path:

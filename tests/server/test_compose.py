@@ -291,6 +291,9 @@ def test_runtime_environment_user_and_healthcheck() -> None:
     health = [value for kind, value in final if kind == "HEALTHCHECK"]
     assert len(health) == 1 and "/api/health" in health[0]
     assert "8000" in [value for kind, value in final if kind == "EXPOSE"]
+    # the installed package holds no web/: the image copies it and points the server at it
+    copies = [value.split() for kind, value in final if kind == "COPY"]
+    assert ["web", env["ROUNDHOUSE_WEB_DIR"]] in copies, copies
 
 
 def test_dockerignore_keeps_what_the_build_copies() -> None:
