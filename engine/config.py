@@ -27,8 +27,17 @@ DEMO_MODEL = "demo"
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 
 
+# Counts of steps (and the step numbers they lead to) stay within a 32-bit signed integer: the
+# service keeps a job's step and step count in INTEGER columns, and no run gets near it.
+MAX_STEPS = 2**31 - 1
+# Seeds stay within 32 bits: numpy's and most samplers' range; the engine derives per-epoch
+# seeds as ``seed * 1_000_003 + epoch``, which then stays inside torch's 64-bit seed range.
+MAX_SEED = 2**32 - 1
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=False)
+    # no inf or NaN (JSON has neither; Python's parser takes ``Infinity``): no bound holds them
+    model_config = ConfigDict(extra="forbid", frozen=False, allow_inf_nan=False)
 
 
 class ModelSpec(_Strict):
@@ -48,22 +57,22 @@ class DataSpec(_Strict):
 class MethodSpec(_Strict):
     kind: Literal["lora", "full"] = "lora"
     lora_r: int = Field(16, ge=1, le=4096)
-    lora_alpha: float = Field(32.0, gt=0)
+    lora_alpha: float = Field(32.0, gt=0, le=1e6)
     lora_dropout: float = Field(0.0, ge=0.0, lt=1.0)
     target_modules: list[str] = Field(default_factory=lambda: list(DEFAULT_LORA_TARGETS), min_length=1)
 
 
 class HyperSpec(_Strict):
-    epochs: float | None = Field(1.0, gt=0)
-    max_steps: int | None = Field(None, ge=1)
-    batch_size: int = Field(8, ge=1, description="sequences per optimizer step")
+    epochs: float | None = Field(1.0, gt=0, le=1000)
+    max_steps: int | None = Field(None, ge=1, le=MAX_STEPS)
+    batch_size: int = Field(8, ge=1, le=1 << 20, description="sequences per optimizer step")
     learning_rate: float = Field(2e-4, gt=0, le=10)
     schedule: Literal["constant", "linear", "cosine"] = "cosine"
-    warmup_steps: int = Field(0, ge=0)
-    weight_decay: float = Field(0.0, ge=0)
-    max_grad_norm: float | None = Field(1.0, gt=0)
+    warmup_steps: int = Field(0, ge=0, le=MAX_STEPS)
+    weight_decay: float = Field(0.0, ge=0, le=10)
+    max_grad_norm: float | None = Field(1.0, gt=0, le=1e6)
     optimizer: str = Field("adamw", json_schema_extra={"enum": list(optimizer_names())})
-    seed: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0, le=MAX_SEED)
 
     @field_validator("optimizer", mode="before")
     @classmethod
@@ -101,12 +110,14 @@ def resolve_compute_dtype(dtype: str, *, on_gpu: bool) -> str:
 
 
 class CheckpointSpec(_Strict):
-    every_steps: int = Field(100, ge=1)
-    keep_last: int = Field(3, ge=1)
+    every_steps: int = Field(100, ge=1, le=MAX_STEPS)
+    keep_last: int = Field(3, ge=1, le=10_000)
 
 
 class EvalSpec(_Strict):
-    every_steps: int | None = Field(None, ge=1, description="validation loss every N steps (and at the end)")
+    every_steps: int | None = Field(
+        None, ge=1, le=MAX_STEPS, description="validation loss every N steps (and at the end)"
+    )
 
 
 class TrainConfig(_Strict):

@@ -35,6 +35,38 @@ CUDA_OVERHEAD_BYTES = 0.8 * GB  # CUDA context, allocator slack and workspace pe
 MASTER_AND_GRAD_BYTES_PER_PARAM = 8  # fp32 master 4 + gradient 4; the optimizer state comes on top
 OPTIMIZER_PARAMS_PER_S = 1.5e9  # fused CPU AdamW (memory-bound, ~28 bytes moved per parameter)
 
+# The range of each hardware number a plan accepts: every real box lies well inside (an 8 GB
+# consumer card to a 1 TB accelerator, an old PCIe 1.0 x4 link to NVLink-C2C), and anywhere in it
+# the arithmetic neither divides by (almost) zero nor overflows. The API documents the same ranges.
+HARDWARE_RANGES: dict[str, tuple[float, float]] = {
+    "num_gpus": (1, 64),
+    "gpu_memory_gb": (1.0, 1024.0),  # a card with less cannot hold the CUDA context and a layer
+    "gpu_tflops": (1.0, 100_000.0),
+    "efficiency": (0.001, 1.0),
+    "link_gb_s": (0.1, 10_000.0),
+    "host_ram_gb": (1.0, 1_048_576.0),
+}
+# The largest value of each size in a config.json a plan accepts: far above any real model (the
+# largest open ones have ~128 layers, hidden 16k, vocabularies of 256k), small enough that the FLOP
+# and byte counts stay finite floats. Depth is held closer: the partition search grows fast with
+# it (256 layers take seconds, 1024 minutes).
+SHAPE_LIMITS: dict[str, int] = {
+    "hidden_size": 1 << 20,
+    "intermediate_size": 1 << 22,
+    "num_hidden_layers": 256,
+    "num_attention_heads": 1 << 14,
+    "num_key_value_heads": 1 << 14,
+    "head_dim": 1 << 16,
+    "vocab_size": 1 << 24,
+}
+# the workload's counts, likewise (TrainConfig has the same limits or tighter ones)
+WORKLOAD_LIMITS: dict[str, int] = {
+    "seq_len": 1 << 20,
+    "batch_size": 1 << 20,
+    "num_microbatches": 4096,
+    "lora_r": 4096,
+}
+
 
 @dataclass(frozen=True)
 class Shape:
@@ -57,21 +89,28 @@ class Shape:
             ConfigError: a size is missing or not a positive integer (``field`` is its key).
         """
         cfg = config.get("text_config") or config
+        if not isinstance(cfg, dict):
+            raise ConfigError("text_config", f"config.json: text_config={cfg!r} must be a mapping")
         need = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
-        for key in need:
-            value = cfg.get(key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(key, f"config.json: {key}={value!r} must be a positive integer")
-        heads = int(cfg["num_attention_heads"])
-        hidden = int(cfg["hidden_size"])
+        sizes = {key: _size(key, cfg.get(key)) for key in need}
+        for key in ("num_key_value_heads", "head_dim"):  # optional: derived when absent
+            if cfg.get(key) is not None:
+                sizes[key] = _size(key, cfg[key])
+        heads, hidden = sizes["num_attention_heads"], sizes["hidden_size"]
+        head_dim = sizes.get("head_dim", hidden // heads)
+        if head_dim < 1:
+            raise ConfigError(
+                "num_attention_heads",
+                f"config.json: num_attention_heads={heads} exceeds hidden_size={hidden} (no head_dim given)",
+            )
         return cls(
             hidden=hidden,
-            intermediate=int(cfg["intermediate_size"]),
-            layers=int(cfg["num_hidden_layers"]),
+            intermediate=sizes["intermediate_size"],
+            layers=sizes["num_hidden_layers"],
             heads=heads,
-            kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
-            vocab=int(cfg["vocab_size"]),
+            kv_heads=sizes.get("num_key_value_heads", heads),
+            head_dim=head_dim,
+            vocab=sizes["vocab_size"],
             tied=bool(cfg.get("tie_word_embeddings", False)),
         )
 
@@ -105,6 +144,15 @@ class Shape:
     def lora_params(self, rank: int, targets: tuple[str, ...]) -> int:
         """Trainable parameters of one block's LoRA adapters."""
         return sum(rank * (a + b) for name, (a, b) in self.linears().items() if name in targets)
+
+
+def _size(key: str, value: Any) -> int:
+    """A config.json size: a positive integer within ``SHAPE_LIMITS``, else ``ConfigError``."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= SHAPE_LIMITS[key]:
+        raise ConfigError(
+            key, f"config.json: {key}={value!r} must be an integer from 1 to {SHAPE_LIMITS[key]}", value=value
+        )
+    return value
 
 
 @dataclass(frozen=True)
@@ -235,15 +283,12 @@ def bytes_per_trainable_param(optimizer: str) -> int:
 
 def _check(workload: Workload, hardware: Hardware) -> None:
     w, h = workload, hardware
-    for name, value in (
-        ("seq_len", w.seq_len),
-        ("batch_size", w.batch_size),
-        ("num_microbatches", w.num_microbatches),
-        ("lora_r", w.lora_r),
-        ("num_gpus", h.num_gpus),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(name, f"{name}={value!r} must be a positive integer")
+    counts = {name: (1, top) for name, top in WORKLOAD_LIMITS.items()}
+    counts["num_gpus"] = (1, int(HARDWARE_RANGES["num_gpus"][1]))
+    for name, (low, high) in counts.items():
+        value = getattr(h if name == "num_gpus" else w, name)
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise ConfigError(name, f"{name}={value!r} must be an integer from {low} to {high}", value=value)
     if w.num_microbatches > w.batch_size:
         raise ConfigError(
             "num_microbatches", f"num_microbatches={w.num_microbatches} exceeds batch_size={w.batch_size}"
@@ -254,17 +299,14 @@ def _check(workload: Workload, hardware: Hardware) -> None:
         raise ConfigError(
             "compute_dtype", f"compute_dtype={w.compute_dtype!r} must be one of {sorted(DTYPE_BYTES)}"
         )
-    rates: tuple[tuple[str, float], ...] = (
-        ("gpu_memory_gb", h.gpu_memory_gb),
-        ("gpu_tflops", h.gpu_tflops),
-        ("link_gb_s", h.link_gb_s),
-        ("efficiency", h.efficiency),
-    )
-    for label, rate in rates:
-        if not (isinstance(rate, int | float) and math.isfinite(rate) and rate > 0):
-            raise ConfigError(label, f"{label}={rate!r} must be a positive number")
-    if h.efficiency > 1:
-        raise ConfigError("efficiency", f"efficiency={h.efficiency!r} must be at most 1")
+    for label in ("gpu_memory_gb", "gpu_tflops", "link_gb_s", "efficiency", "host_ram_gb"):
+        rate, (least, most) = getattr(h, label), HARDWARE_RANGES[label]
+        if rate is None and label == "host_ram_gb":
+            continue
+        if isinstance(rate, bool) or not (isinstance(rate, int | float) and least <= rate <= most):
+            raise ConfigError(
+                label, f"{label}={rate!r} must be a number from {least:g} to {most:g}", value=rate
+            )
 
 
 def layer_costs(shape: Shape, workload: Workload, hardware: Hardware) -> tuple[list[LayerCost], list[float]]:
@@ -322,6 +364,13 @@ def plan_job(config: dict[str, Any], hardware: Hardware, workload: Workload) -> 
     """
     _check(workload, hardware)
     shape = Shape.from_config(config)
+    try:
+        return _report(shape, hardware, workload)
+    except (ZeroDivisionError, OverflowError) as exc:  # the ranges above should make this unreachable
+        raise ConfigError("config", f"these sizes and this hardware give no finite plan ({exc})") from exc
+
+
+def _report(shape: Shape, hardware: Hardware, workload: Workload) -> PlanReport:
     w, h = workload, hardware
     dtype = DTYPE_BYTES[w.compute_dtype]
     params = shape.layer_params()
@@ -419,7 +468,8 @@ def plan_job(config: dict[str, Any], hardware: Hardware, workload: Workload) -> 
 
 
 def calibrate(hardware: Hardware, *, predicted_tokens_per_s: float, measured_tokens_per_s: float) -> Hardware:
-    """The hardware with its efficiency scaled so a past job's prediction matches its measurement.
+    """The hardware with its efficiency scaled so a past job's prediction matches its measurement
+    (kept within ``HARDWARE_RANGES["efficiency"]``).
 
     Raises:
         ValueError: a non-positive throughput.
@@ -430,4 +480,5 @@ def calibrate(hardware: Hardware, *, predicted_tokens_per_s: float, measured_tok
             f"(predicted {predicted_tokens_per_s!r}, measured {measured_tokens_per_s!r})"
         )
     scaled = hardware.efficiency * measured_tokens_per_s / predicted_tokens_per_s
-    return replace(hardware, efficiency=min(1.0, scaled))
+    low, high = HARDWARE_RANGES["efficiency"]
+    return replace(hardware, efficiency=min(high, max(low, scaled)))

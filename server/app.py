@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
 from pathlib import Path
 from typing import Annotated, Any
 
-from fastapi import Depends, FastAPI, Query
+from fastapi import Depends, FastAPI, Query, Request
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse
 from fastapi.staticfiles import StaticFiles
@@ -13,14 +14,18 @@ from fastapi.staticfiles import StaticFiles
 from server import __version__, errors
 from server.api import checkpoints, datasets, gpus, health, jobs, models, plan
 from server.db import make_engine, migrate, session_factory
-from server.deps import COOKIE, SessionDep, current_key
-from server.errors import ApiError
+from server.deps import COOKIE, SessionDep, current_key, plain_parameters
 from server.services import keys
 from server.settings import Settings, get_settings
+from server.streams import Hub, lifespan
 
 WEB = Path(__file__).resolve().parent.parent / "web"
 LANDING = """<!doctype html><html lang="en"><head><meta charset="utf-8"><title>Roundhouse</title></head>
 <body><h1>Roundhouse</h1><p>The REST API is described at <a href="/docs">/docs</a>.</p></body></html>"""
+LINK_USED = """<!doctype html><html lang="en"><head><meta charset="utf-8"><link rel="icon" href="data:,">
+<title>Login link used or expired</title></head><body><h1>This login link was already used or has expired</h1>
+<p>A login link works once, for {minutes:g} minutes. For a new one, run <code>roundhouse login-url</code>
+on the server (<code>docker compose exec api roundhouse login-url</code> with Docker).</p></body></html>"""
 
 
 def create_app(settings: Settings | None = None, *, apply_migrations: bool = True) -> FastAPI:
@@ -40,14 +45,20 @@ def create_app(settings: Settings | None = None, *, apply_migrations: bool = Tru
         docs_url=None,
         redoc_url=None,
         openapi_url=None,
+        lifespan=lifespan,
+        dependencies=[Depends(plain_parameters)],  # before each route's own: no NUL reaches a query
     )
     app.state.settings = settings
     app.state.engine = engine
     app.state.sessions = sessions
     app.state.first_key = first_key
+    tick = settings.telemetry_seconds
+    app.state.streams = Hub(sessions, stale_after=tick * 5, gpu_every=tick / 2)
     errors.install(app)
     for module in (health, datasets, models, jobs, checkpoints, gpus, plan):
         app.include_router(module.router)
+    for module in (jobs, gpus):  # the event streams: no database connection while open
+        app.include_router(module.stream_router)
 
     @app.get("/openapi.json", include_in_schema=False, dependencies=[Depends(current_key)])
     def openapi() -> JSONResponse:
@@ -58,12 +69,19 @@ def create_app(settings: Settings | None = None, *, apply_migrations: bool = Tru
         return get_swagger_ui_html(openapi_url="/openapi.json", title="Roundhouse API")
 
     @app.get("/login", include_in_schema=False)
-    def login(session: SessionDep, token: Annotated[str, Query(min_length=1)]) -> Any:
-        """Trade the printed login URL's token for a cookie, then open the app."""
-        if keys.check_key(session, key=token) is None:
-            raise ApiError(401, "unauthorized", "this login link's key is not valid", param="token")
-        response = RedirectResponse("/", status_code=303)
-        response.set_cookie(COOKIE, token, httponly=True, samesite="strict", max_age=30 * 24 * 3600)
+    def login(request: Request, session: SessionDep, token: Annotated[str, Query(min_length=1)]) -> Any:
+        """Trade a one-time login link's token for a session cookie, then open the app."""
+        lifetime = timedelta(days=settings.session_days)
+        secret = keys.redeem_login(session, token=token, lifetime=lifetime)
+        if secret is None:
+            page = LINK_USED.format(minutes=settings.login_link_minutes)
+            return HTMLResponse(page, status_code=401, headers={"Cache-Control": "no-store"})
+        response = RedirectResponse("/", status_code=303, headers={"Cache-Control": "no-store"})
+        # Secure when this request came over https (as the ASGI server reports it) or the public
+        # URL is https; X-Forwarded-Proto is not read here
+        secure = request.url.scheme == "https" or (settings.public_url or "").lower().startswith("https:")
+        max_age = int(lifetime.total_seconds())
+        response.set_cookie(COOKIE, secret, max_age=max_age, httponly=True, samesite="strict", secure=secure)
         return response
 
     web = settings.web_dir or WEB
@@ -83,6 +101,7 @@ def app_for_process() -> FastAPI:
     return create_app(get_settings(), apply_migrations=False)
 
 
-def login_url(settings: Settings, key: str) -> str:
+def login_url(settings: Settings, token: str) -> str:
+    """The login link of a one-time token (``keys.create_login``)."""
     base = settings.public_url or f"http://{settings.host}:{settings.port}"
-    return f"{base.rstrip('/')}/login?token={key}"
+    return f"{base.rstrip('/')}/login?token={token}"

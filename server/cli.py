@@ -1,7 +1,8 @@
 """``roundhouse``: the engine's commands plus ``serve``, ``worker`` and ``keys``.
 
 ``roundhouse serve --with-worker --demo`` is what ``make run`` starts: the API, a worker in a
-child process on the no-server broker, the demo model and dataset ready, and a login URL.
+child process on the no-server broker, the demo model and dataset ready, and a one-time login link
+(``roundhouse login-url`` prints another; ``roundhouse keys create | list | revoke`` for scripts).
 """
 
 from __future__ import annotations
@@ -13,13 +14,21 @@ import socket
 import subprocess
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.cli import build_parser as engine_parser
 from engine.cli import main as engine_main
-from server.settings import get_settings
+from server.settings import Settings, get_settings
+
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session, sessionmaker
+
+    from server.tables import ApiKey
 
 DEMO_DATASETS = (("demo: inventory (train)", "TRAIN"), ("demo: inventory (held-out)", "HELDOUT"))
+# how long uvicorn lets requests finish once asked to stop (the event streams end at once);
+# `docker compose stop` waits 10 s before it kills
+SHUTDOWN_GRACE_S = 5
 
 
 def _prepare_demo(settings: Any, sessions: Any) -> None:
@@ -46,32 +55,33 @@ def _prepare_demo(settings: Any, sessions: Any) -> None:
                     )
 
 
+def _stopped(signum: int, frame: Any) -> None:
+    raise SystemExit(0)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from server.app import create_app, login_url
+    from server.app import create_app
     from server.services import keys
 
+    # SIGTERM is a request to stop: uvicorn handles it while it serves, then raises it again once
+    # it has stopped, which by default would kill this process before the worker below is stopped
+    signal.signal(signal.SIGTERM, _stopped)
     settings = get_settings().model_copy(update={"host": args.host, "port": args.port})
     app = create_app(settings)
     if args.demo:
         _prepare_demo(settings, app.state.sessions)
-    key = app.state.first_key
-    if key is None and args.new_login_key:
-        with app.state.sessions() as session:
-            key = keys.create_key(session, name="login")
+    with app.state.sessions() as session:
+        key_id = None  # the first key
+        if args.new_login_key and app.state.first_key is None:
+            key_id = keys.create_key(session, name="login")[0].id
+        link = _login_link(session, settings, key_id=key_id)
     worker = None
     if args.with_worker:
         env = {**os.environ, **settings.child_environment()}
         worker = subprocess.Popen([sys.executable, "-m", "server.cli", "worker"], env=env)
-    if key is not None:
-        print(f"\nRoundhouse is up. Open: {login_url(settings, key)}\n", flush=True)
-    else:
-        print(
-            f"\nRoundhouse is up at http://{settings.host}:{settings.port} (log in with your key, or create"
-            " one: roundhouse keys create)\n",
-            flush=True,
-        )
+    print(f"\nRoundhouse is up. Open: {link}\n{_link_note(settings)}\n", flush=True)
     try:
         if args.processes > 1:  # each process builds its own app from the same environment
             os.environ.update(settings.child_environment())
@@ -82,9 +92,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 host=settings.host,
                 port=settings.port,
                 log_level="warning",
+                timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
             )
         else:
-            uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning")
+            uvicorn.run(
+                app,
+                host=settings.host,
+                port=settings.port,
+                log_level="warning",
+                timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+            )
     finally:
         if worker is not None:
             worker.send_signal(signal.SIGTERM)
@@ -120,18 +137,99 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_keys_create(args: argparse.Namespace) -> int:
-    from server.app import login_url
+def _database(settings: Settings) -> sessionmaker[Session]:
+    """The sessions of the settings' database, migrated first."""
     from server.db import make_engine, migrate, session_factory
+
+    engine = make_engine(settings.url)
+    migrate(engine)
+    return session_factory(engine)
+
+
+def _login_link(session: Session, settings: Settings, *, key_id: int | None) -> str:
+    """A new one-time login link for the key ``key_id`` (None: the first key)."""
+    from datetime import timedelta
+
+    from server.app import login_url
+    from server.services import keys
+
+    lifetime = timedelta(minutes=settings.login_link_minutes)
+    return login_url(settings, keys.create_login(session, key_id=key_id, lifetime=lifetime))
+
+
+def _link_note(settings: Settings) -> str:
+    return (
+        f"(the link works once, for {settings.login_link_minutes:g} minutes;"
+        " `roundhouse login-url` prints a new one)"
+    )
+
+
+def _one_key(session: Session, ref: str) -> ApiKey | None:
+    """The key ``ref`` names (an id or a prefix), or None after saying why on stderr."""
+    from server.services import keys
+
+    found = keys.find_keys(session, ref=ref)
+    if len(found) != 1:
+        why = "no key" if not found else f"{len(found)} keys ({', '.join(str(k.id) for k in found)})"
+        print(f"{why} with the id or prefix {ref!r}: see `roundhouse keys list`", file=sys.stderr)
+        return None
+    return found[0]
+
+
+def cmd_keys_create(args: argparse.Namespace) -> int:
     from server.services import keys
 
     settings = get_settings()
-    engine = make_engine(settings.url)
-    migrate(engine)
-    with session_factory(engine)() as session:
-        key = keys.create_key(session, name=args.name)
+    with _database(settings)() as session:
+        row, key = keys.create_key(session, name=args.name)
+        link = _login_link(session, settings, key_id=row.id)
     print(key)
-    print(f"login URL: {login_url(settings, key)}", file=sys.stderr)
+    print(f"login URL: {link}\n{_link_note(settings)}", file=sys.stderr)
+    return 0
+
+
+def cmd_keys_list(args: argparse.Namespace) -> int:
+    from server.services import keys
+
+    def when(stamp: Any) -> str:
+        return stamp.strftime("%Y-%m-%d %H:%M UTC") if stamp else "never"
+
+    with _database(get_settings())() as session:
+        rows = [
+            (str(k.id), k.name, k.prefix, when(k.created_at), when(k.last_used_at), str(n))
+            for k, n in keys.list_keys(session)
+        ]
+    header = ("ID", "NAME", "PREFIX", "CREATED", "LAST USED", "SESSIONS")
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    for r in [header, *rows]:
+        print("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())
+    return 0
+
+
+def cmd_keys_revoke(args: argparse.Namespace) -> int:
+    from server.services import keys
+
+    with _database(get_settings())() as session:
+        row = _one_key(session, args.key)
+        if row is None:
+            return 1
+        ended = keys.revoke_key(session, key_id=row.id)
+    print(f"revoked key {row.id} ({row.name}, {row.prefix}); {ended} browser session(s) ended")
+    return 0
+
+
+def cmd_login_url(args: argparse.Namespace) -> int:
+    settings = get_settings()
+    with _database(settings)() as session:
+        key_id = None
+        if args.key is not None:
+            row = _one_key(session, args.key)
+            if row is None:
+                return 1
+            key_id = row.id
+        link = _login_link(session, settings, key_id=key_id)
+    print(link)
+    print(_link_note(settings), file=sys.stderr)
     return 0
 
 
@@ -144,7 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=settings.port)
     s.add_argument("--with-worker", action="store_true", help="also start a worker in a child process")
     s.add_argument("--demo", action="store_true", help="prepare the demo model and datasets first")
-    s.add_argument("--new-login-key", action="store_true", help="print a login URL with a new key")
+    s.add_argument(
+        "--new-login-key", action="store_true", help="bind the login link to a new key, not the first"
+    )
     s.add_argument("--processes", type=int, default=1, help="server processes (one core of Python each)")
     s.set_defaults(func=cmd_serve)
     w = sub.add_parser("worker", help="run the GPU worker (a Celery worker that owns every GPU here)")
@@ -156,6 +256,14 @@ def build_parser() -> argparse.ArgumentParser:
     kc = ks.add_parser("create", help="create an API key and print it with its login URL")
     kc.add_argument("--name", default="cli")
     kc.set_defaults(func=cmd_keys_create)
+    kl = ks.add_parser("list", help="every key: id, name, prefix, created, last used (never the key)")
+    kl.set_defaults(func=cmd_keys_list)
+    kr = ks.add_parser("revoke", help="delete a key and end its browser sessions")
+    kr.add_argument("key", metavar="ID_OR_PREFIX", help="the key's id or prefix, as `keys list` shows")
+    kr.set_defaults(func=cmd_keys_revoke)
+    lu = sub.add_parser("login-url", help="print a new one-time login link for the browser")
+    lu.add_argument("--key", metavar="ID_OR_PREFIX", help="the session's key (default: the first key)")
+    lu.set_defaults(func=cmd_login_url)
     return parser
 
 

@@ -1,13 +1,30 @@
 """The Celery app: Redis when ``ROUNDHOUSE_REDIS_URL`` is set, else a no-server folder transport.
 
 The API only sends job ids; the worker (``server/worker/``) runs them. Nothing here imports torch.
+
+The database, not the broker, says which jobs must run: a job records when its message was sent,
+and ``reconcile`` (every worker's housekeeping) sends again each claimable job whose message is
+pending (the broker was down) or is no longer in the broker's queue (Redis restarted or flushed)
+a while after it was sent. The claim makes a duplicate message harmless.
 """
 
 from __future__ import annotations
 
-from celery import Celery
+import base64
+import json
+import logging
+from datetime import datetime, timedelta
+from typing import Any
 
+from celery import Celery
+from sqlalchemy.orm import Session
+
+from server.kinds import EventKind, JobStatus
+from server.services import jobs
 from server.settings import Settings
+from server.tables import now
+
+log = logging.getLogger("roundhouse.queue")
 
 TASK = "roundhouse.run_job"
 
@@ -59,3 +76,86 @@ def celery_for(settings: Settings) -> Celery:
 def enqueue(settings: Settings, job_id: str) -> None:
     """Send a job id to the workers."""
     celery_for(settings).send_task(TASK, args=[job_id], queue=settings.queue)
+
+
+def _send(settings: Settings, session: Session, *, job_id: str, stale_before: datetime, note: str) -> bool:
+    """Send a due job's message and record it as a log event, unless another sender just did or a
+    worker claimed it. On a broker error the job's send is pending again, and the error raised."""
+    sends = jobs.take_send(session, job_id=job_id, stale_before=stale_before)
+    if sends is None:
+        return False
+    try:
+        enqueue(settings, job_id)
+    except Exception:
+        jobs.send_failed(session, job_id=job_id)
+        raise
+    message = f"{note} (send {sends})"
+    jobs.add_event(session, job_id=job_id, kind=EventKind.LOG, message=message, data={"sends": sends})
+    return True
+
+
+def _job_of(raw: bytes | str) -> str | None:
+    """The job id a Celery message carries (protocol 2: the body is ``[args, kwargs, embed]``)."""
+    try:
+        message = json.loads(raw)
+        body = message["body"]
+        if message.get("properties", {}).get("body_encoding") == "base64":
+            body = base64.b64decode(body)
+        args = json.loads(body)[0]
+        return str(args[0])
+    except (ValueError, KeyError, IndexError, TypeError):
+        return None
+
+
+def waiting(settings: Settings) -> set[str]:
+    """The jobs whose message waits in the broker's queue (not yet taken by a worker)."""
+    raws: list[Any] = []
+    if settings.redis_url:
+        import redis
+
+        client = redis.Redis.from_url(settings.redis_url, socket_timeout=5)
+        try:
+            raws = list(client.lrange(settings.queue, 0, -1))
+        finally:
+            client.close()
+    else:
+        for path in (settings.broker_dir / "queue").glob(f"*.{settings.queue}.msg"):
+            try:
+                raws.append(path.read_bytes())
+            except OSError:  # taken by a worker meanwhile
+                continue
+    return {job for job in map(_job_of, raws) if job is not None}
+
+
+def _note(status: str, sent_at: datetime | None, settings: Settings) -> str:
+    if status == JobStatus.INTERRUPTED:
+        return "requeued: sent to the job queue"
+    if sent_at is None:
+        return "sent to the job queue, which was unreachable before"
+    return (
+        f"sent to the job queue again: no worker claimed it within {settings.requeue_after_seconds:g} s"
+        " and the broker no longer holds its message"
+    )
+
+
+def reconcile(settings: Settings, session: Session) -> list[str]:
+    """Send every claimable job whose send is pending (the broker was down, or the job was just
+    requeued), and again every one sent more than ``requeue_after_seconds`` ago that no worker
+    claimed and whose message is not waiting in the broker (it lost it). Returns the ids sent.
+
+    Raises:
+        Exception: the broker's error, at the first send that fails (the rest stay due).
+    """
+    stale_before = now() - timedelta(seconds=settings.requeue_after_seconds)
+    due = jobs.due_sends(session, stale_before=stale_before)
+    if not due:
+        return []
+    present = waiting(settings) if any(sent_at is not None for _, _, sent_at in due) else set()
+    sent = []
+    for job_id, status, sent_at in due:
+        if job_id in present:  # queued behind other jobs: its message is still there
+            continue
+        note = _note(status, sent_at, settings)
+        if _send(settings, session, job_id=job_id, stale_before=stale_before, note=note):
+            sent.append(job_id)
+    return sent

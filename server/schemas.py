@@ -3,11 +3,42 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, StringConstraints
 
 from engine.config import CheckpointSpec, EngineSpec, EvalSpec, HyperSpec, MethodSpec
+from engine.planner import HARDWARE_RANGES
+from server.kinds import JobStatus
+
+# One line of text: no control character, NUL above all (PostgreSQL can neither store nor compare
+# it). Every id, name and path or query parameter is one (``server.deps.plain_parameters``).
+LINE_PATTERN = r"^[^\x00-\x1f\x7f]*$"
+Line = Annotated[str, StringConstraints(max_length=255, pattern=LINE_PATTERN)]
+# The largest INTEGER (event ids, step numbers) on PostgreSQL: a larger number in a path or query
+# could match no row, and the database refuses to compare with it.
+MAX_INT = 2**31 - 1
+# the 200 answers that are not JSON (``responses=`` of the routes): for the OpenAPI schema
+EVENT_STREAM = {
+    "description": "server-sent events, each with its name (a job event's kind), JSON data and an id",
+    "content": {
+        "text/event-stream": {
+            "schema": {
+                "type": "object",
+                "properties": {
+                    "event": {"type": "string"},
+                    "data": {"type": "string", "contentMediaType": "application/json"},
+                    "id": {"type": "string"},
+                },
+                "required": ["data"],
+            }
+        }
+    },
+}
+TAR_FILE = {
+    "description": "a tar archive",
+    "content": {"application/x-tar": {"schema": {"type": "string", "format": "binary"}}},
+}
 
 
 class ErrorDetail(BaseModel):
@@ -17,6 +48,10 @@ class ErrorDetail(BaseModel):
     details: list[dict[str, Any]] | None = Field(
         None, description="every problem, when there are several (e.g. one per invalid dataset row)"
     )
+    errors_total: int | None = Field(
+        None, description="how many problems there are; details lists only the first 100 of them"
+    )
+    errors_truncated: bool | None = Field(None, description="whether details leaves some problems out")
 
 
 class ErrorBody(BaseModel):
@@ -56,34 +91,38 @@ class ModelsPublic(BaseModel):
 
 
 class DataOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     format: Literal["auto", "chat", "instruction", "prompt_completion", "text"] = "auto"
-    max_length: int = 1024
+    max_length: int = Field(1024, ge=8, le=1_048_576)  # the bounds of engine.config.DataSpec
     packing: bool = False
-    validation_fraction: float = 0.0
+    validation_fraction: float = Field(0.0, ge=0.0, le=0.5)
+
+
+# a TrainConfig section: JSON values (no inf or NaN, which no database column can hold either)
+Section = dict[str, JsonValue]
 
 
 class JobBase(BaseModel):
     """The fields a job request and a plan request share: the engine's TrainConfig sections."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    name: str | None = Field(None, max_length=255)
-    validation_dataset_id: str | None = None
+    name: Line | None = None
+    validation_dataset_id: Line | None = None
     data: DataOptions = Field(default_factory=lambda: DataOptions())
-    method: dict[str, Any] = Field(default_factory=dict, description=MethodSpec.__doc__ or "LoRA or full")
-    hyper: dict[str, Any] = Field(default_factory=dict, description=HyperSpec.__doc__ or "hyperparameters")
-    engine: dict[str, Any] = Field(default_factory=dict, description=EngineSpec.__doc__ or "engine")
-    checkpoint: dict[str, Any] = Field(default_factory=dict, description=CheckpointSpec.__doc__ or "")
-    eval: dict[str, Any] = Field(default_factory=dict, description=EvalSpec.__doc__ or "")
+    method: Section = Field(default_factory=dict, description=MethodSpec.__doc__ or "LoRA or full")
+    hyper: Section = Field(default_factory=dict, description=HyperSpec.__doc__ or "hyperparameters")
+    engine: Section = Field(default_factory=dict, description=EngineSpec.__doc__ or "engine")
+    checkpoint: Section = Field(default_factory=dict, description=CheckpointSpec.__doc__ or "")
+    eval: Section = Field(default_factory=dict, description=EvalSpec.__doc__ or "")
 
 
 class JobCreate(JobBase):
     """A fine-tune: the base model and dataset by name/id, and the engine's TrainConfig sections."""
 
-    base_model: str = Field(..., description='a name from GET /api/models, or "demo"')
-    dataset_id: str
+    base_model: Line = Field(..., description='a name from GET /api/models, or "demo"')
+    dataset_id: Line
 
 
 class JobPublic(BaseModel):
@@ -91,7 +130,7 @@ class JobPublic(BaseModel):
 
     id: str
     name: str
-    status: str
+    status: JobStatus
     base_model: str
     dataset_id: str
     validation_dataset_id: str | None
@@ -214,15 +253,25 @@ class StatsPublic(BaseModel):
     histogram: list[HistogramBin]
 
 
-class HardwareSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+def _hardware(name: str, description: str) -> Any:
+    """A hardware field within the planner's range for it (``engine.planner.HARDWARE_RANGES``)."""
+    low, high = HARDWARE_RANGES[name]
+    return Field(None, ge=low, le=high, description=f"{description}; from {low:g} to {high:g}")
 
-    num_gpus: int | None = Field(None, ge=1, le=64)
-    gpu_memory_gb: float | None = Field(None, gt=0)
-    gpu_tflops: float | None = Field(None, gt=0, description="peak bf16 rate per GPU (RTX 4090: 165)")
-    efficiency: float | None = Field(None, gt=0, le=1, description="achieved fraction of the peak")
-    link_gb_s: float | None = Field(None, gt=0, description="host <-> GPU bandwidth per GPU")
-    host_ram_gb: float | None = Field(None, gt=0)
+
+class HardwareSpec(BaseModel):
+    """The box to plan for; each field left out is read off the workers, else a default."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    num_gpus: int | None = _hardware("num_gpus", "GPUs the pipeline runs on")
+    gpu_memory_gb: float | None = _hardware(
+        "gpu_memory_gb", "memory of each GPU in GB (less than 1 cannot hold the CUDA context and a layer)"
+    )
+    gpu_tflops: float | None = _hardware("gpu_tflops", "peak bf16 rate per GPU in TFLOPS (RTX 4090: 165)")
+    efficiency: float | None = _hardware("efficiency", "achieved fraction of the peak rate")
+    link_gb_s: float | None = _hardware("link_gb_s", "host <-> GPU bandwidth per GPU in GB/s (PCIe 4.0: 25)")
+    host_ram_gb: float | None = _hardware("host_ram_gb", "host RAM in GB")
 
 
 class PlanRequest(JobBase):
@@ -230,8 +279,10 @@ class PlanRequest(JobBase):
     the base model allowed), the hardware (detected from the workers where left out) and a past
     job to calibrate the rate by."""
 
-    base_model: str | None = Field(None, description='a name from GET /api/models (default "demo")')
-    dataset_id: str | None = Field(None, description="its row count turns hyper.epochs into steps")
-    config: dict[str, Any] | None = Field(None, description="a config.json instead of a base model name")
+    base_model: Line | None = Field(None, description='a name from GET /api/models (default "demo")')
+    dataset_id: Line | None = Field(None, description="its row count turns hyper.epochs into steps")
+    config: dict[str, JsonValue] | None = Field(
+        None, description="a config.json instead of a base model name"
+    )
     hardware: HardwareSpec = Field(default_factory=lambda: HardwareSpec())
-    calibrate_job_id: str | None = Field(None, description="scale the rate by this job's measured tokens/s")
+    calibrate_job_id: Line | None = Field(None, description="scale the rate by this job's measured tokens/s")

@@ -31,6 +31,14 @@ class Settings(BaseSettings):
     web_dir: Path | None = Field(
         None, description="the web UI's folder (default: web/ of the source tree; the image sets it)"
     )
+    login_link_minutes: float = Field(10.0, gt=0, description="how long a one-time login link works")
+    session_days: float = Field(30.0, gt=0, description="how long a browser stays logged in")
+    requeue_after_seconds: float = Field(
+        300.0, gt=0, description="a queued job no worker claimed this long is sent to the broker again"
+    )
+    max_retries: int = Field(
+        2, ge=0, description="restarts of a training process killed by a signal, from its last checkpoint"
+    )
 
     @property
     def broker_dir(self) -> Path:

@@ -1,19 +1,42 @@
-"""Server-sent event streams: a job's events (replayable by id) and the GPU hosts' telemetry."""
+"""Server-sent event streams: a job's events (replayable by id) and the GPU hosts' telemetry.
+
+A waiting stream holds no database connection and no thread. One ``Hub`` per app polls for all
+of them: one query per interval reads the new events of every job that has a stream open, one
+reads the GPU hosts for every GPU stream, and the streams with news are woken. A job stream
+first replays the job's history with short-lived sessions of its own, then takes the hub's rows.
+
+Streams end when the server is asked to stop (``Hub.stop``; ``lifespan`` chains it to the
+server's SIGTERM and SIGINT handlers): uvicorn waits for every open connection before it stops.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
+import signal
+import threading
 from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi import Request
+from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
+from sqlalchemy.orm import Session, sessionmaker
 
+from server.deps import IdPath, current_key, found_job
+from server.kinds import EventKind
 from server.services import gpus, jobs
+from server.tables import JobEvent
 
 POLL_S = 0.5
 KEEPALIVE_S = 15.0
+PAGE = 500  # events per replay query
+BATCH = 2000  # events per query of the hub (it polls again at once when one is full)
+JOBS_PER_QUERY = 200  # jobs per query (SQLite limits an expression's depth to 1000)
+log = logging.getLogger(__name__)
 
 
 def frame(*, data: Any, event: str | None = None, ident: int | None = None) -> str:
@@ -26,16 +49,17 @@ def frame(*, data: Any, event: str | None = None, ident: int | None = None) -> s
     return "\n".join(lines) + "\n\n"
 
 
-def _with_session(request: Request, fn: Callable[..., Any], **kwargs: Any) -> Any:
-    with request.app.state.sessions() as session:
-        return fn(session, **kwargs)
+@dataclass(frozen=True)
+class Row:
+    """An event as a stream sends it: its id, its frame, and the final state it put the job in."""
 
+    id: int
+    text: str
+    final: str | None
 
-def _job_page(session: Any, *, job_id: str, after: int) -> tuple[list[dict[str, Any]], str | None]:
-    page = jobs.events(session, job_id=job_id, after=after, limit=500)
-    job = jobs.get_job(session, job_id=job_id)
-    rows = [
-        {
+    @classmethod
+    def of(cls, e: JobEvent) -> Row:
+        data = {
             "id": e.id,
             "kind": e.kind,
             "step": e.step,
@@ -43,48 +67,264 @@ def _job_page(session: Any, *, job_id: str, after: int) -> tuple[list[dict[str, 
             "data": e.data,
             "created_at": e.created_at.isoformat(),
         }
-        for e in page
-    ]
-    return rows, (job.status if job is not None else None)
+        to = (e.data or {}).get("to") if e.kind == EventKind.STATE else None
+        return cls(e.id, frame(data=data, event=e.kind, ident=e.id), to if to in jobs.TERMINAL else None)
 
 
-async def job_stream(request: Request, *, job_id: str, after: int) -> AsyncIterator[str]:
+@dataclass(eq=False)
+class Follower:
+    """One job stream as the hub sees it: the last event id handed to it, and the rows since."""
+
+    job_id: str
+    last: int
+    live: bool = False  # False while the stream replays with its own sessions
+    rows: list[Row] = field(default_factory=list)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class Hub:
+    """The one poller behind every open stream of an app (``app.state.streams``)."""
+
+    def __init__(self, sessions: sessionmaker[Session], *, stale_after: float, gpu_every: float) -> None:
+        self.sessions = sessions
+        self.stale_after, self.gpu_every = stale_after, gpu_every
+        self.stopping = False
+        self.snapshot: str | None = None  # the GPU hosts as JSON, as the last poll read them
+        self._snapshot_at = float("-inf")
+        self._followers: dict[str, set[Follower]] = {}
+        self._watchers: set[asyncio.Event] = set()
+        self._task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._kick = asyncio.Event()
+
+    def stop(self) -> None:
+        """End every stream (within ``POLL_S``). Only sets a flag: safe in a signal handler."""
+        self.stopping = True
+
+    # -- subscriptions ---------------------------------------------------------------------------
+    def follow(self, job_id: str, after: int) -> Follower:
+        self._start()
+        follower = Follower(job_id, after)
+        self._followers.setdefault(job_id, set()).add(follower)
+        return follower
+
+    def unfollow(self, follower: Follower) -> None:
+        group = self._followers.get(follower.job_id, set())
+        group.discard(follower)
+        if not group:
+            self._followers.pop(follower.job_id, None)
+
+    def watch(self) -> asyncio.Event:
+        """Subscribe to the GPU hosts: the event is set each time ``snapshot`` changes."""
+        self._start()
+        woken = asyncio.Event()
+        self._watchers.add(woken)
+        if self._loop is not None and self._loop.time() - self._snapshot_at > self.gpu_every:
+            self.snapshot = None  # too old: the next poll, at once, reads a fresh one
+            self._kick.set()
+        return woken
+
+    def unwatch(self, woken: asyncio.Event) -> None:
+        self._watchers.discard(woken)
+
+    def replay_page(self, *, job_id: str, after: int) -> tuple[list[Row], str | None]:
+        """Up to ``PAGE`` events of a job after ``after``, with a session of its own (in a thread),
+        and the job's status read just before them (None: no such job)."""
+        with self.sessions() as session:
+            status = jobs.status_of(session, job_id=job_id)  # first: a final one has all its events
+            page = jobs.events(session, job_id=job_id, after=after, limit=PAGE)
+            return [Row.of(e) for e in page], status
+
+    # -- the poller ------------------------------------------------------------------------------
+    def _start(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:  # a new event loop (a test client's): the old loop's streams are gone
+            self._followers, self._watchers, self._task = {}, set(), None
+            self._loop, self._kick = loop, asyncio.Event()
+        if self._task is None or self._task.done():
+            self._task = loop.create_task(self._run(), name="roundhouse-streams")
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        next_gpu = 0.0
+        while (self._followers or self._watchers) and not self.stopping:
+            full = False
+            try:
+                full = await self._poll_jobs()
+                if self._watchers and loop.time() >= next_gpu:
+                    next_gpu = loop.time() + self.gpu_every
+                    await self._poll_gpus()
+            except Exception:  # the database is away: the streams wait, the next tick tries again
+                log.exception("event streams: polling the database failed")
+            if not full:
+                self._kick.clear()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(POLL_S):
+                        await self._kick.wait()
+        for group in self._followers.values():  # stopping: every stream sees it and ends
+            for follower in group:
+                follower.wake.set()
+        for woken in self._watchers:
+            woken.set()
+
+    async def _poll_jobs(self) -> bool:
+        """Hand each live follower the rows after its last; True when the poll was full."""
+        after = {}
+        for job_id, group in self._followers.items():
+            lasts = [f.last for f in group if f.live]
+            if lasts:
+                after[job_id] = min(lasts)
+        if not after:
+            return False
+        by_job, full = await asyncio.to_thread(self._read_events, after)
+        for job_id, since in after.items():
+            for follower in self._followers.get(job_id, ()):
+                # the poll read every row after ``since``; a follower further behind went live
+                # during the poll, and the next one reads from its last
+                if follower.live and follower.last >= since:
+                    news = [r for r in by_job.get(job_id, ()) if r.id > follower.last]
+                    if news:
+                        follower.rows += news
+                        follower.last = news[-1].id
+                        follower.wake.set()
+        return full
+
+    def _read_events(self, after: dict[str, int]) -> tuple[dict[str, list[Row]], bool]:
+        """Each job's new rows, and whether a query was full (more rows wait)."""
+        by_job: dict[str, list[Row]] = {}
+        full = False
+        items = list(after.items())
+        with self.sessions() as session:
+            for i in range(0, len(items), JOBS_PER_QUERY):
+                chunk = dict(items[i : i + JOBS_PER_QUERY])
+                events = jobs.events_of_jobs(session, after=chunk, limit=BATCH)
+                for e in events:
+                    by_job.setdefault(e.job_id, []).append(Row.of(e))
+                full = full or len(events) == BATCH
+        return by_job, full
+
+    async def _poll_gpus(self) -> None:
+        snapshot = await asyncio.to_thread(self._read_hosts)
+        self._snapshot_at = asyncio.get_running_loop().time()
+        if snapshot != self.snapshot:
+            self.snapshot = snapshot
+            for woken in self._watchers:
+                woken.set()
+
+    def _read_hosts(self) -> str:
+        with self.sessions() as session:
+            hosts = gpus.hosts(session, stale_after=self.stale_after)
+        return json.dumps(hosts, default=str, sort_keys=True)
+
+
+@asynccontextmanager
+async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    """The app's lifespan: its hub runs, and a SIGTERM or SIGINT to the server ends the streams.
+
+    uvicorn (one process or several) handles those signals itself and then waits for every open
+    connection, streams included, before the app shuts down; so, in the main thread, its handlers
+    are chained with the hub's ``stop`` for the app's life."""
+    hub: Hub = app.state.streams
+    hub.stopping = False
+    restore = _chain_signals(hub.stop)
+    try:
+        yield
+    finally:
+        restore()
+        hub.stop()
+
+
+def _chain_signals(stop: Callable[[], None]) -> Callable[[], None]:
+    """Call ``stop`` before the current SIGTERM and SIGINT handlers; returns the undo."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    installed = {}
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        handler = signal.getsignal(sig)
+        if callable(handler):
+
+            def chained(signum: int, frame: Any, handler: Callable[..., Any] = handler) -> None:
+                stop()
+                handler(signum, frame)
+
+            signal.signal(sig, chained)
+            installed[sig] = (chained, handler)
+
+    def restore() -> None:
+        for sig, (chained, handler) in installed.items():
+            if signal.getsignal(sig) is chained:
+                signal.signal(sig, handler)
+
+    return restore
+
+
+# -- the routes' side --------------------------------------------------------------------------------
+def stream_key(request: Request) -> None:
+    """``current_key`` for a stream route, with a session closed before the stream starts (the
+    routers' ``SessionDep`` would live, connection and all, as long as the stream)."""
+    with request.app.state.sessions() as session:
+        current_key(request, session)
+
+
+def stream_job(request: Request, job_id: IdPath) -> str:
+    """``current_key`` and ``JobDep`` for a job's stream, with a short-lived session: the job's id."""
+    with request.app.state.sessions() as session:
+        current_key(request, session)
+        return found_job(session, job_id).id
+
+
+async def job_stream(hub: Hub, *, job_id: str, after: int) -> AsyncIterator[str]:
     """Every event after ``after``, then new ones as they are written; ends after a final state.
 
     Each event is sent under its kind (``event: metrics``, ``event: telemetry``...: ``EventKind``)."""
     yield "retry: 2000\n\n"
-    idle = 0.0
-    while not await request.is_disconnected():
-        rows, status = await run_in_threadpool(_with_session, request, _job_page, job_id=job_id, after=after)
-        for row in rows:
-            after = row["id"]
-            yield frame(data=row, event=row["kind"], ident=row["id"])
-        if rows:
-            idle = 0.0
-            continue
-        if status is None or status in jobs.TERMINAL:
-            yield frame(data={"status": status}, event="end")
+    follower = hub.follow(job_id, after)
+    try:
+        final = None
+        while True:  # the history, with sessions of its own
+            rows, status = await run_in_threadpool(hub.replay_page, job_id=job_id, after=follower.last)
+            for row in rows:
+                follower.last, final = row.id, row.final or final
+                yield row.text
+            if len(rows) < PAGE or hub.stopping:
+                break
+        if final or status is None or status in jobs.TERMINAL:
+            yield frame(data={"status": final or status}, event="end")
             return
-        await asyncio.sleep(POLL_S)
-        idle += POLL_S
-        if idle >= KEEPALIVE_S:
-            idle = 0.0
-            yield ": keep-alive\n\n"
+        follower.live = True
+        while not hub.stopping:  # then what the hub hands over
+            follower.wake.clear()
+            rows, follower.rows = follower.rows, []
+            for row in rows:
+                yield row.text
+                final = row.final or final
+            if final:
+                yield frame(data={"status": final}, event="end")
+                return
+            try:
+                async with asyncio.timeout(KEEPALIVE_S):
+                    await follower.wake.wait()
+            except TimeoutError:
+                yield ": keep-alive\n\n"
+    finally:
+        hub.unfollow(follower)
 
 
-async def gpu_stream(request: Request, *, interval: float) -> AsyncIterator[str]:
+async def gpu_stream(hub: Hub) -> AsyncIterator[str]:
     """A snapshot of every worker host's devices, each time the worker samples them."""
     yield "retry: 2000\n\n"
+    woken = hub.watch()
     last = None
-    idle = 0.0
-    while not await request.is_disconnected():
-        hosts = await run_in_threadpool(_with_session, request, gpus.hosts, stale_after=interval * 5)
-        snapshot = json.dumps(hosts, default=str, sort_keys=True)
-        if snapshot != last:
-            last, idle = snapshot, 0.0
-            yield f"event: gpus\ndata: {snapshot}\n\n"
-        await asyncio.sleep(interval / 2)
-        idle += interval / 2
-        if idle >= KEEPALIVE_S:
-            idle = 0.0
-            yield ": keep-alive\n\n"
+    try:
+        while not hub.stopping:
+            woken.clear()
+            if hub.snapshot is not None and hub.snapshot != last:
+                last = hub.snapshot
+                yield f"event: gpus\ndata: {last}\n\n"
+            try:
+                async with asyncio.timeout(KEEPALIVE_S):
+                    await woken.wait()
+            except TimeoutError:
+                yield ": keep-alive\n\n"
+    finally:
+        hub.unwatch(woken)

@@ -69,6 +69,10 @@ class Job(Base):
     worker_id: Mapped[str | None] = mapped_column(String(255), nullable=True)
     lease_until: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
     attempts: Mapped[int] = mapped_column(Integer, default=0)
+    # the last time its message went to the broker (None: a send is pending), and how many went
+    sent_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    sends: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    retries: Mapped[int] = mapped_column(Integer, default=0, server_default="0")  # training restarts
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=now, index=True)
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
@@ -119,3 +123,19 @@ class ApiKey(Base):
     hash: Mapped[str] = mapped_column(String(128))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=now)
     last_used_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+
+
+class BrowserSession(Base):
+    """A one-time login link and, once it was used, the browser session it started; both belong to
+    an API key and end with it. Only hashes of the link's token and the cookie are stored."""
+
+    __tablename__ = "browser_sessions"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    key_id: Mapped[int] = mapped_column(ForeignKey("api_keys.id", ondelete="CASCADE"), index=True)
+    link_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    link_expires_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    used_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    session_hash: Mapped[str | None] = mapped_column(String(64), unique=True, nullable=True)
+    expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=now)

@@ -17,7 +17,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.data.read import Example, RowError, read_examples
+from engine.data.read import Example, RowError, check_rows, read_examples
 from engine.errors import ConfigError
 
 FALLBACK_CHAT_TEMPLATE = (
@@ -101,7 +101,8 @@ class Report:
     path: str
     format: str | None
     rows: int
-    errors: list[RowError] = field(default_factory=list)
+    errors: list[RowError] = field(default_factory=list)  # the first ``max_errors`` of them
+    errors_total: int = 0
     tokens: dict[str, float] = field(default_factory=dict)
     truncated_share: float = 0.0
     max_length: int | None = None
@@ -117,33 +118,55 @@ class Report:
             "rows": self.rows,
             "ok": self.ok,
             "errors": [{"line": e.line, "unit": e.unit, "message": e.message} for e in self.errors],
+            "errors_total": self.errors_total,
             "tokens": self.tokens,
             "truncated_share": self.truncated_share,
             "max_length": self.max_length,
         }
 
 
-def validate(path: str, *, tokenizer: Any = None, fmt: str = "auto", max_length: int = 1024) -> Report:
-    """Read every row of a dataset file and report its format, errors and token lengths."""
-    chosen, rows, examples, errors = read_examples(path, fmt, keep=tokenizer is not None)
-    report = Report(path, chosen, rows, errors, max_length=max_length)
-    if rows == 0:
-        report.errors.append(RowError(1, "the file holds no rows"))
-    if tokenizer is None or not examples:
+def validate(
+    path: str,
+    *,
+    tokenizer: Any = None,
+    fmt: str = "auto",
+    max_length: int = 1024,
+    max_errors: int | None = None,
+) -> Report:
+    """Read every row of a dataset file and report its format, errors and token lengths.
+
+    Args:
+        tokenizer: also encode every row (and report token lengths); without one the rows are
+            only checked, one at a time.
+        max_errors: report only the first errors (``errors_total`` counts all); None reports all.
+
+    Raises:
+        ValueError: an unsupported file type.
+    """
+    found = check_rows(path, fmt, keep=tokenizer is not None, max_errors=max_errors)
+    report = Report(path, found.format, found.rows, found.errors, found.errors_total, max_length=max_length)
+
+    def fail(line: int, message: str) -> None:
+        report.errors.append(RowError(line, message))
+        report.errors_total += 1
+
+    if found.rows == 0:
+        fail(1, "the file holds no rows")
+    if tokenizer is None or not found.examples:
         return report  # without a tokenizer the rows were only checked, not kept
     ensure_chat_template(tokenizer)
     encoded = []
-    for ex in examples:
+    for ex in found.examples:
         try:
             encoded.append(encode(ex, tokenizer, max_length))
         except ValueError as exc:
-            report.errors.append(RowError(ex.line, str(exc)))
+            fail(ex.line, str(exc))
     for e in encoded:
         if e.trained_tokens == 0:
-            report.errors.append(
-                RowError(e.line, f"no token left to train on within max_length={max_length}")
-            )
+            fail(e.line, f"no token left to train on within max_length={max_length}")
     report.errors.sort(key=lambda e: e.line)
+    if max_errors is not None:  # the first ones: every read error check_rows dropped lies past them
+        del report.errors[max_errors:]
     lengths = sorted(e.length for e in encoded)
     if lengths:
         report.tokens = {
@@ -170,12 +193,13 @@ def load_encoded(
         ConfigError: for ``field``: an unsupported file type, or invalid rows listed by line.
     """
     try:
-        report = validate(path, tokenizer=tokenizer, fmt=fmt, max_length=max_length)
+        report = validate(path, tokenizer=tokenizer, fmt=fmt, max_length=max_length, max_errors=20)
     except ValueError as exc:  # an unsupported file type
         raise ConfigError(field, str(exc), value=path) from exc
     if not report.ok:
-        shown = "; ".join(str(e) for e in report.errors[:20])
-        more = f" (and {len(report.errors) - 20} more)" if len(report.errors) > 20 else ""
-        raise ConfigError(field, f"{path}: {len(report.errors)} invalid rows: {shown}{more}", value=path)
+        total = report.errors_total
+        shown = "; ".join(str(e) for e in report.errors)
+        more = f" (and {total - len(report.errors)} more)" if total > len(report.errors) else ""
+        raise ConfigError(field, f"{path}: {total} invalid rows: {shown}{more}", value=path)
     _, _, examples, _ = read_examples(path, fmt)
     return [encode(ex, tokenizer, max_length) for ex in examples]

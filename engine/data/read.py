@@ -15,7 +15,6 @@ In CSV files a ``messages`` cell holds the JSON-encoded list.
 from __future__ import annotations
 
 import csv
-import io
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,6 +24,8 @@ from typing import Any
 FORMATS = ("chat", "instruction", "prompt_completion", "text")
 ROLES = ("system", "user", "assistant")
 SUFFIXES = (".jsonl", ".csv", ".parquet")
+PARQUET_BATCH = 1024  # rows converted to Python at a time
+MAX_MESSAGE = 300  # characters of one error message: a hostile row cannot make its error large
 
 
 @dataclass(frozen=True)
@@ -91,42 +92,42 @@ def _jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any] | RowError]]:
 
 
 def _csv(path: Path) -> Iterator[tuple[int, dict[str, Any] | RowError]]:
-    raw = path.read_bytes()
-    text = raw.decode("utf-8", errors="surrogateescape")
-    reader = csv.reader(io.StringIO(text, newline=""))
-    try:
-        header = next(reader)
-    except StopIteration:
-        return
-    except csv.Error as exc:
-        yield 1, RowError(1, f"invalid CSV: {exc}")
-        return
-    header = [h.strip().lstrip("\ufeff") for h in header]
-    while True:
-        start = reader.line_num + 1
+    # read as it goes; undecodable bytes become surrogates, reported per row below
+    with path.open(encoding="utf-8", errors="surrogateescape", newline="") as f:
+        reader = csv.reader(f)
         try:
-            cells = next(reader)
+            header = next(reader)
         except StopIteration:
             return
         except csv.Error as exc:
-            yield start, RowError(start, f"invalid CSV: {exc}")
+            yield 1, RowError(1, f"invalid CSV: {exc}")
             return
-        if not any(c.strip() for c in cells):
-            continue
-        if any(_has_surrogate(c) for c in cells):
-            yield start, RowError(start, "not valid UTF-8")
-            continue
-        if len(cells) != len(header):
-            yield start, RowError(start, f"{len(cells)} cells, the header has {len(header)} columns")
-            continue
-        record: dict[str, Any] = dict(zip(header, cells, strict=True))
-        if "messages" in record:
+        header = [h.strip().lstrip("\ufeff") for h in header]
+        while True:
+            start = reader.line_num + 1
             try:
-                record["messages"] = json.loads(record["messages"])
-            except json.JSONDecodeError as exc:
-                yield start, RowError(start, f"column 'messages' is not valid JSON: {exc.msg}")
+                cells = next(reader)
+            except StopIteration:
+                return
+            except csv.Error as exc:
+                yield start, RowError(start, f"invalid CSV: {exc}")
+                return
+            if not any(c.strip() for c in cells):
                 continue
-        yield start, record
+            if any(_has_surrogate(c) for c in cells):
+                yield start, RowError(start, "not valid UTF-8")
+                continue
+            if len(cells) != len(header):
+                yield start, RowError(start, f"{len(cells)} cells, the header has {len(header)} columns")
+                continue
+            record: dict[str, Any] = dict(zip(header, cells, strict=True))
+            if "messages" in record:
+                try:
+                    record["messages"] = json.loads(record["messages"])
+                except json.JSONDecodeError as exc:
+                    yield start, RowError(start, f"column 'messages' is not valid JSON: {exc.msg}")
+                    continue
+            yield start, record
 
 
 def _has_surrogate(s: str) -> bool:
@@ -136,12 +137,17 @@ def _has_surrogate(s: str) -> bool:
 def _parquet(path: Path) -> Iterator[tuple[int, dict[str, Any] | RowError]]:
     import pyarrow.parquet as pq
 
+    row = 0
     try:
-        table = pq.read_table(path)
+        # a file object, not the path: pyarrow's messages then name no server folder
+        with path.open("rb") as f:
+            for batch in pq.ParquetFile(f).iter_batches(batch_size=PARQUET_BATCH):
+                for record in batch.to_pylist():
+                    row += 1
+                    yield row, record
     except Exception as exc:  # pyarrow raises several types for a damaged file
-        yield 1, RowError(1, f"not a readable Parquet file: {exc}", unit="row")
-        return
-    yield from enumerate(table.to_pylist(), start=1)
+        what = "not a readable Parquet file" if row == 0 else "the rest of the Parquet file is unreadable"
+        yield row + 1, RowError(row + 1, f"{what}: {exc}", unit="row")
 
 
 def detect_format(record: dict[str, Any]) -> str | None:
@@ -223,33 +229,69 @@ def to_example(line: int, record: dict[str, Any], fmt: str) -> Example:
     raise ValueError(f"unknown format {fmt!r}; use auto or one of {', '.join(FORMATS)}")
 
 
+@dataclass
+class Checked:
+    """What ``check_rows`` found: the row format, the row count, the valid examples (when kept) and
+    the first errors, with the count of all of them."""
+
+    format: str | None
+    rows: int
+    examples: list[Example]
+    errors: list[RowError]
+    errors_total: int
+
+
+def _clip(message: str) -> str:
+    return message if len(message) <= MAX_MESSAGE else message[: MAX_MESSAGE - 1] + "…"
+
+
+def check_rows(
+    path: str | Path, fmt: str = "auto", *, keep: bool = True, max_errors: int | None = None
+) -> Checked:
+    """Read and check every row of a file, holding one row at a time unless ``keep``.
+
+    Args:
+        fmt: a row shape of ``FORMATS``, or ``auto`` to detect it from the first row.
+        keep: keep the valid examples (else they are checked and dropped).
+        max_errors: keep only the first errors (all are counted); None keeps all.
+
+    Raises:
+        ValueError: an unsupported file type.
+    """
+    unit = "row" if file_kind(path) == "parquet" else "line"
+    found = Checked(None if fmt == "auto" else fmt, 0, [], [], 0)
+
+    def fail(error: RowError) -> None:
+        found.errors_total += 1
+        if max_errors is None or len(found.errors) < max_errors:
+            found.errors.append(RowError(error.line, _clip(error.message), error.unit))
+
+    for n, rec in read_records(path):
+        found.rows += 1
+        if isinstance(rec, RowError):
+            fail(rec)
+            continue
+        if found.format is None:
+            found.format = detect_format(rec)
+            if found.format is None:
+                keys = ", ".join(sorted(rec)) or "none"
+                fail(RowError(n, f"cannot tell the row format from its fields ({keys})", unit))
+                continue
+        try:
+            example = to_example(n, rec, found.format)
+            if keep:
+                found.examples.append(example)
+        except ValueError as exc:
+            fail(RowError(n, str(exc), unit))
+    return found
+
+
 def read_examples(
     path: str | Path, fmt: str = "auto", *, keep: bool = True
 ) -> tuple[str | None, int, list[Example], list[RowError]]:
-    """Read and check every row. Returns (format, rows, valid examples, errors).
+    """Read and check every row. Returns (format, rows, valid examples, every error).
 
     With ``keep=False`` the valid examples are checked and dropped (an upload's validation of a
-    large JSONL or CSV file then holds one row at a time)."""
-    unit = "row" if file_kind(path) == "parquet" else "line"
-    examples: list[Example] = []
-    errors: list[RowError] = []
-    rows = 0
-    chosen = None if fmt == "auto" else fmt
-    for n, rec in read_records(path):
-        rows += 1
-        if isinstance(rec, RowError):
-            errors.append(rec)
-            continue
-        if chosen is None:
-            chosen = detect_format(rec)
-            if chosen is None:
-                keys = ", ".join(sorted(rec)) or "none"
-                errors.append(RowError(n, f"cannot tell the row format from its fields ({keys})", unit))
-                continue
-        try:
-            example = to_example(n, rec, chosen)
-            if keep:
-                examples.append(example)
-        except ValueError as exc:
-            errors.append(RowError(n, str(exc), unit))
-    return chosen, rows, examples, errors
+    large file then holds one row at a time); ``check_rows`` also bounds the errors kept."""
+    found = check_rows(path, fmt, keep=keep)
+    return found.format, found.rows, found.examples, found.errors

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 from typing import Annotated, Any
 
+import anyio
 from fastapi import APIRouter, Depends, Query
+from fastapi import Path as PathParam
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import FileResponse
+from starlette.datastructures import Headers
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 
 from server.deps import JobDep, SessionDep, SettingsDep, current_key
 from server.errors import ApiError, documented
-from server.schemas import CheckpointsPublic
+from server.schemas import MAX_INT, TAR_FILE, CheckpointsPublic
 from server.services import checkpoints
 
 router = APIRouter(
@@ -22,20 +28,89 @@ router = APIRouter(
 )
 
 
+def byte_range(header: str | None, size: int) -> tuple[int, int] | None:
+    """The one range ``bytes=A-B``, ``bytes=A-`` or ``bytes=-N`` a Range header asks of ``size``
+    bytes, as ``(start, end)`` with ``end`` excluded; None for the whole file (a server may ignore
+    a Range it does not serve, and this one serves no other kind)."""
+    found = re.fullmatch(r"bytes=(\d*)-(\d*)", header or "")
+    if found is None or found[1] == found[2] == "":
+        return None
+    if found[1] == "":
+        start, end = max(0, size - int(found[2])), size
+    else:
+        start, end = int(found[1]), min(size, int(found[2]) + 1) if found[2] else size
+    return (start, end) if start < end else None
+
+
+class WholeFileResponse(Response):
+    """A file (or the one range of it asked for) sent whole or not at all.
+
+    Starlette's ``FileResponse`` takes the Content-Length from a ``stat`` made before it opens the
+    file and ends the body cleanly wherever the file ends. This one sends the length of the file
+    it opened and raises if that file ends early, so the server drops the connection and the
+    client sees an incomplete body rather than a complete-looking short one."""
+
+    chunk_size = 1 << 20
+
+    def __init__(self, path: Path, *, filename: str, media_type: str) -> None:
+        self.path, self.status_code, self.media_type, self.background = path, 200, media_type, None
+        self.init_headers(
+            {"content-disposition": f'attachment; filename="{filename}"', "accept-ranges": "bytes"}
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async with anyio.create_task_group() as group:
+
+            async def stop_on_disconnect() -> None:  # an ASGI 2.3 server ignores sends after it
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+                group.cancel_scope.cancel()
+
+            group.start_soon(stop_on_disconnect)
+            await self._send_file(Headers(scope=scope).get("range"), send)
+            group.cancel_scope.cancel()
+
+    async def _send_file(self, range_header: str | None, send: Send) -> None:
+        async with await anyio.open_file(self.path, "rb") as f:
+            size = os.fstat(f.wrapped.fileno()).st_size
+            start, end = byte_range(range_header, size) or (0, size)
+            if (start, end) != (0, size):
+                self.status_code = 206
+                self.headers["content-range"] = f"bytes {start}-{end - 1}/{size}"
+                await f.seek(start)
+            left = end - start
+            self.headers["content-length"] = str(left)
+            await send(
+                {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+            )
+            while True:
+                chunk = await f.read(min(self.chunk_size, left))
+                left -= len(chunk)
+                if not chunk and left:
+                    raise RuntimeError(f"{self.path.name} ended {left} bytes short of its Content-Length")
+                await send({"type": "http.response.body", "body": chunk, "more_body": left > 0})
+                if not left:
+                    return
+
+
 @router.get("/{job_id}/checkpoints", response_model=CheckpointsPublic)
 def list_checkpoints(session: SessionDep, job: JobDep) -> Any:
     """The job's checkpoints on disk: step, kind (adapter or full) and the metrics at that step."""
     return {"data": checkpoints.list_for(session, job_id=job.id)}
 
 
-@router.get("/{job_id}/checkpoints/{step}/download")
+@router.get(
+    "/{job_id}/checkpoints/{step}/download",
+    response_class=Response,
+    responses={200: TAR_FILE, 206: TAR_FILE | {"description": "the one byte range asked for (Range)"}},
+)
 async def download_checkpoint(
     session: SessionDep,
     settings: SettingsDep,
     job: JobDep,
-    step: int,
+    step: Annotated[int, PathParam(ge=0, le=MAX_INT)],
     merged: Annotated[bool, Query(description="LoRA only: merge the adapter into its base model")] = False,
-) -> FileResponse:
+) -> Response:
     """A .tar of the checkpoint's export with a SHA-256 manifest (optionally merged into the base)."""
     checkpoint = checkpoints.get(session, job_id=job.id, step=step)
     if checkpoint is None:
@@ -56,4 +131,4 @@ async def download_checkpoint(
     else:
         name += f"-{checkpoint.kind}"
     archive = await run_in_threadpool(checkpoints.build_archive, folder, exports / f"{name}.tar")
-    return FileResponse(archive, media_type="application/x-tar", filename=f"{name}.tar")
+    return WholeFileResponse(archive, media_type="application/x-tar", filename=f"{name}.tar")

@@ -3,22 +3,79 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Coroutine
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, File, Form, Query, Request, UploadFile
+from fastapi import APIRouter, Depends, File, Form, Query, Request, Response, UploadFile
 from fastapi.concurrency import run_in_threadpool
+from fastapi.routing import APIRoute
+from starlette.types import Message
 
-from server.deps import SessionDep, SettingsDep, current_key
+from server.deps import IdPath, SessionDep, SettingsDep, app_settings, caller, current_key
 from server.errors import ApiError, documented
 from server.schemas import DatasetPublic, DatasetsPublic, PreviewPublic, StatsPublic
 from server.services import datasets, models
 from server.settings import Settings
+
+MULTIPART_OVERHEAD = 65536  # allowed past the file limit for the form's name field, part headers, boundaries
+
+
+def _too_large(settings: Settings) -> ApiError:
+    limit = settings.max_upload_bytes
+    return ApiError(413, "too_large", f"the upload exceeds the limit of {limit} bytes", param="file")
+
+
+def _anonymous(request: Request) -> bool:
+    with request.app.state.sessions() as session:
+        return caller(request, session) is None
+
+
+class LimitedBodyRoute(APIRoute):
+    """A route whose request body is refused once it passes the upload limit, while it arrives:
+    by its Content-Length before any of it is read, and by counting a chunked body as it is read.
+    (FastAPI parses a multipart form, spooling the whole file to disk, before the route runs.)"""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def limited(request: Request) -> Response:
+            settings = app_settings(request)
+            # the caller's key before any of the body: a stranger must not make the server take in
+            # (and spool) up to the limit (the route's own key check runs only after the form is read)
+            if request.method == "POST" and await run_in_threadpool(_anonymous, request):
+                raise ApiError(
+                    401, "unauthorized", "a valid API key is required (Authorization: Bearer <key>)"
+                )
+            limit = settings.max_upload_bytes + MULTIPART_OVERHEAD
+            length = request.headers.get("content-length", "")
+            if length.isdigit() and int(length) > limit:
+                raise _too_large(settings)
+            received = 0
+
+            async def receive() -> Message:
+                nonlocal received
+                message = await request.receive()
+                received += len(message.get("body", b""))
+                if received > limit:  # the form parser stops, closes (and so deletes) its temp file
+                    raise _too_large(settings)
+                return message
+
+            try:
+                return await handler(Request(request.scope, receive))
+            except Exception:
+                if received > limit:  # FastAPI turns any error of the form parser into a 400
+                    raise _too_large(settings) from None
+                raise
+
+        return limited
+
 
 router = APIRouter(
     prefix="/api/datasets",
     tags=["datasets"],
     dependencies=[Depends(current_key)],
     responses=documented(401, 422),
+    route_class=LimitedBodyRoute,
 )
 
 
@@ -49,18 +106,17 @@ def _tokenizer(settings: Settings, model: str) -> Any:
         return _tokenizers[key]
 
 
-@router.post("", response_model=DatasetPublic, status_code=201, responses=documented(413))
+@router.post("", response_model=DatasetPublic, status_code=201, responses=documented(400, 413))
 async def upload_dataset(
-    request: Request,
     session: SessionDep,
     settings: SettingsDep,
     file: Annotated[UploadFile, File(description="JSONL, CSV or Parquet")],
     name: Annotated[str | None, Form(max_length=255)] = None,
 ) -> Any:
     """Upload a dataset file; it is validated row by row and kept only if every row is valid."""
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > settings.max_upload_bytes + 65536:
-        raise ApiError(413, "too_large", f"the upload exceeds the limit of {settings.max_upload_bytes} bytes")
+    for param, value in (("file", file.filename), ("name", name)):
+        if value is not None and "\x00" in value:
+            raise ApiError(422, "invalid_request", f"{param}: a NUL byte is not allowed in it", param=param)
     try:
         stored, report = await run_in_threadpool(
             datasets.store_upload,
@@ -76,11 +132,13 @@ async def upload_dataset(
     except ValueError as exc:
         raise ApiError(422, "invalid_dataset", str(exc), param="file") from exc
     if stored is None:
-        errors = report.to_dict()["errors"]
+        errors = report.to_dict()["errors"]  # the first MAX_REPORTED_ERRORS
+        total = report.errors_total
         head = "; ".join(f"{e['unit']} {e['line']}: {e['message']}" for e in errors[:3])
-        more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
-        message = f"{len(errors)} invalid row(s), nothing was stored: {head}{more}"
-        raise ApiError(422, "invalid_dataset", message, param="file", details=errors)
+        more = f" (and {total - 3} more)" if total > 3 else ""
+        message = f"{total} invalid row(s), nothing was stored: {head}{more}"
+        extra = {"errors_total": total, "errors_truncated": total > len(errors)}
+        raise ApiError(422, "invalid_dataset", message, param="file", details=errors, extra=extra)
     return stored
 
 
@@ -91,7 +149,7 @@ def list_datasets(session: SessionDep) -> Any:
 
 
 @router.get("/{dataset_id}", response_model=DatasetPublic, responses=documented(404))
-def get_dataset(session: SessionDep, dataset_id: str) -> Any:
+def get_dataset(session: SessionDep, dataset_id: IdPath) -> Any:
     """One dataset."""
     return _found(session, dataset_id)
 
@@ -100,7 +158,7 @@ def get_dataset(session: SessionDep, dataset_id: str) -> Any:
 def preview_dataset(
     session: SessionDep,
     settings: SettingsDep,
-    dataset_id: str,
+    dataset_id: IdPath,
     model: Annotated[str, Query(description="base model whose chat template renders the rows")] = "demo",
     limit: Annotated[int, Query(ge=1, le=50)] = 5,
     max_length: Annotated[int, Query(ge=8, le=1 << 17)] = 1024,
@@ -116,7 +174,7 @@ def preview_dataset(
 def dataset_stats(
     session: SessionDep,
     settings: SettingsDep,
-    dataset_id: str,
+    dataset_id: IdPath,
     model: Annotated[str, Query(description="base model whose tokenizer counts the tokens")] = "demo",
     max_length: Annotated[int, Query(ge=8, le=1 << 20)] = 1024,
     limit: Annotated[int, Query(ge=1, le=100_000)] = 2000,
@@ -128,7 +186,7 @@ def dataset_stats(
 
 
 @router.delete("/{dataset_id}", status_code=204, responses=documented(404, 409))
-def delete_dataset(session: SessionDep, dataset_id: str) -> None:
+def delete_dataset(session: SessionDep, dataset_id: IdPath) -> None:
     """Delete a dataset that no job uses."""
     dataset = _found(session, dataset_id)
     user = datasets.in_use(session, dataset_id=dataset_id)

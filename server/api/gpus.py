@@ -9,12 +9,16 @@ from fastapi.responses import StreamingResponse
 
 from server.deps import SessionDep, SettingsDep, current_key
 from server.errors import documented
-from server.schemas import HostsPublic
+from server.schemas import EVENT_STREAM, HostsPublic
 from server.services import gpus
-from server.streams import gpu_stream
+from server.streams import gpu_stream, stream_key
 
 router = APIRouter(
-    prefix="/api/gpus", tags=["gpus"], dependencies=[Depends(current_key)], responses=documented(401)
+    prefix="/api/gpus", tags=["gpus"], dependencies=[Depends(current_key)], responses=documented(401, 422)
+)
+# the stream checks the key with a session of its own: an open stream holds no database connection
+stream_router = APIRouter(
+    prefix="/api/gpus", tags=["gpus"], dependencies=[Depends(stream_key)], responses=documented(401, 422)
 )
 
 
@@ -24,11 +28,11 @@ def list_gpus(session: SessionDep, settings: SettingsDep) -> Any:
     return {"data": gpus.hosts(session, stale_after=settings.telemetry_seconds * 5)}
 
 
-@router.get("/stream")
-def stream_gpus(request: Request, settings: SettingsDep) -> StreamingResponse:
+@stream_router.get("/stream", response_class=StreamingResponse, responses={200: EVENT_STREAM})
+def stream_gpus(request: Request) -> StreamingResponse:
     """Server-sent events: a new snapshot of every host each time a worker samples."""
     return StreamingResponse(
-        gpu_stream(request, interval=settings.telemetry_seconds),
+        gpu_stream(request.app.state.streams),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )

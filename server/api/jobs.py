@@ -11,16 +11,28 @@ from engine.errors import ConfigError
 from server import queue
 from server.deps import JobDep, SessionDep, SettingsDep, current_key
 from server.errors import ApiError, documented
-from server.schemas import EventsPublic, JobCreate, JobPublic, JobsPublic, MetricsPublic
+from server.kinds import EventKind, JobStatus
+from server.schemas import (
+    EVENT_STREAM,
+    MAX_INT,
+    EventsPublic,
+    JobCreate,
+    JobPublic,
+    JobsPublic,
+    MetricsPublic,
+)
 from server.services import datasets, jobs, models
-from server.streams import job_stream
+from server.streams import job_stream, stream_job
 
 router = APIRouter(
     prefix="/api/jobs", tags=["jobs"], dependencies=[Depends(current_key)], responses=documented(401, 422)
 )
+# the stream checks the key and the job with a session of its own (``stream_job``), not the
+# router's: an open stream holds no database connection
+stream_router = APIRouter(prefix="/api/jobs", tags=["jobs"], responses=documented(401, 422))
 
 
-@router.post("", response_model=JobPublic, status_code=201, responses=documented(404, 503))
+@router.post("", response_model=JobPublic, status_code=201, responses=documented(400, 404))
 def create_job(session: SessionDep, settings: SettingsDep, body: JobCreate) -> Any:
     """Start a fine-tune: a base model, a dataset, and the TrainConfig sections."""
     model = models.find(body.base_model, settings.models_dir, settings.hf_cache_dir)
@@ -61,22 +73,26 @@ def create_job(session: SessionDep, settings: SettingsDep, body: JobCreate) -> A
     )
     try:
         queue.enqueue(settings, job.id)
-    except Exception as exc:  # the broker is down: the job would never run, so it is not kept
-        jobs.delete_job(session, job=job)
-        raise ApiError(503, "broker_unavailable", f"the job queue is unreachable ({exc}); try again") from exc
+    except Exception as exc:  # the broker is down: the job is kept, a worker's reconcile sends it
+        jobs.send_failed(session, job_id=job.id)
+        jobs.add_event(
+            session,
+            job_id=job.id,
+            kind=EventKind.LOG,
+            message=f"the job queue is unreachable ({exc}); the job is sent when it answers",
+            data={"send_pending": True},
+        )
     return job
 
 
 @router.get("", response_model=JobsPublic)
 def list_jobs(
     session: SessionDep,
-    status: Annotated[str | None, Query(description="only jobs in this state")] = None,
+    status: Annotated[JobStatus | None, Query(description="only jobs in this state")] = None,
     cursor: Annotated[str | None, Query(description="next_cursor of the previous page")] = None,
     limit: Annotated[int, Query(ge=1, le=200)] = 50,
 ) -> Any:
     """Jobs, newest first, paged by cursor."""
-    if status is not None and status not in jobs.STATUSES:
-        raise ApiError(422, "invalid_request", f"status: unknown state {status!r}", param="status")
     try:
         page, next_cursor = jobs.list_jobs(session, status=status, cursor=cursor, limit=limit)
     except ValueError as exc:
@@ -104,7 +120,7 @@ def cancel_job(session: SessionDep, job: JobDep) -> Any:
 def list_events(
     session: SessionDep,
     job: JobDep,
-    after: Annotated[int, Query(ge=0, description="only events with a larger id")] = 0,
+    after: Annotated[int, Query(ge=0, le=MAX_INT, description="only events with a larger id")] = 0,
     limit: Annotated[int, Query(ge=1, le=1000)] = 200,
 ) -> Any:
     """The job's events (state changes, metrics, telemetry, log lines, checkpoints) in id order."""
@@ -112,17 +128,30 @@ def list_events(
     return {"data": page, "next_after": page[-1].id if len(page) == limit else None}
 
 
-@router.get("/{job_id}/stream", responses=documented(404))
+def resume_after(last_event_id: str | None, after: int) -> int:
+    """Where a stream starts: the ``Last-Event-ID`` an ``EventSource`` sends back when it is an id
+    this API could have sent (ASCII digits, within the id column's range), else ``after``."""
+    given = last_event_id or ""
+    if given.isascii() and given.isdigit() and len(given) <= len(str(MAX_INT)) and int(given) <= MAX_INT:
+        return int(given)
+    return after
+
+
+@stream_router.get(
+    "/{job_id}/stream",
+    response_class=StreamingResponse,
+    responses={200: EVENT_STREAM, **documented(404)},
+)
 def stream_events(
     request: Request,
-    job: JobDep,
+    job_id: Annotated[str, Depends(stream_job)],
     last_event_id: Annotated[str | None, Header()] = None,
-    after: Annotated[int, Query(ge=0)] = 0,
+    after: Annotated[int, Query(ge=0, le=MAX_INT)] = 0,
 ) -> StreamingResponse:
     """Server-sent events of the job, replayed from ``Last-Event-ID`` (or ``after``), then live."""
-    start = int(last_event_id) if last_event_id and last_event_id.isdigit() else after
+    start = resume_after(last_event_id, after)
     return StreamingResponse(
-        job_stream(request, job_id=job.id, after=start),
+        job_stream(request.app.state.streams, job_id=job_id, after=start),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
@@ -132,7 +161,7 @@ def stream_events(
 def get_metrics(
     session: SessionDep,
     job: JobDep,
-    keys: Annotated[list[str] | None, Query(description="metric names, e.g. loss/train")] = None,
+    keys: Annotated[list[str], Query(default_factory=list, description="metric names, e.g. loss/train")],
 ) -> Any:
     """Every logged value of each metric, in step order."""
-    return {"data": jobs.metric_series(session, job_id=job.id, keys=keys)}
+    return {"data": jobs.metric_series(session, job_id=job.id, keys=keys or None)}

@@ -12,7 +12,7 @@ from server.schemas import ModelsPublic
 from server.services import models
 
 router = APIRouter(
-    prefix="/api/models", tags=["models"], dependencies=[Depends(current_key)], responses=documented(401)
+    prefix="/api/models", tags=["models"], dependencies=[Depends(current_key)], responses=documented(401, 422)
 )
 
 

@@ -11,7 +11,7 @@ from sqlalchemy.orm import Session
 
 from engine.config import TrainConfig
 from engine.errors import ConfigError
-from engine.planner import Hardware, Shape, Workload, calibrate, plan_job
+from engine.planner import HARDWARE_RANGES, Hardware, Shape, Workload, calibrate, plan_job
 from server.deps import SessionDep, SettingsDep, current_key
 from server.errors import ApiError, documented
 from server.schemas import PlanRequest
@@ -64,7 +64,7 @@ def _calibrated(session: Session, settings: Settings, job_id: str, hardware: Har
         raise ApiError(422, "invalid_request", str(exc), param="calibrate_job_id") from exc
 
 
-@router.post("/plan", responses=documented(404, 409))
+@router.post("/plan", responses=documented(400, 404, 409))
 def plan(session: SessionDep, settings: SettingsDep, body: PlanRequest) -> dict[str, Any]:
     """Per-stage GPU memory, host RAM, fit (and what to change), predicted tokens/s and ETA of a job."""
     model_config = body.config if body.config is not None else _config_of(body.base_model or "demo", settings)
@@ -85,6 +85,9 @@ def plan(session: SessionDep, settings: SettingsDep, body: PlanRequest) -> dict[
         hardware = _calibrated(session, settings, body.calibrate_job_id, hardware)
     try:
         report = plan_job(model_config, hardware, workload)
-    except ConfigError as exc:
-        raise ApiError(422, "invalid_request", str(exc), param=exc.field) from exc
+    except ValueError as exc:  # a ConfigError names the field; the partitioner's own checks do not
+        param = exc.field if isinstance(exc, ConfigError) else None
+        if param in HARDWARE_RANGES:  # given, detected on a worker, or calibrated
+            param = f"hardware.{param}"
+        raise ApiError(422, "invalid_request", str(exc), param=param) from exc
     return report.to_dict() | {"calibrated_from": body.calibrate_job_id}

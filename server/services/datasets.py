@@ -18,6 +18,8 @@ from engine.data.read import SUFFIXES
 from server.tables import Dataset, Job
 
 CHUNK = 1 << 20
+MAX_NAME = 120  # characters of a stored file name
+MAX_REPORTED_ERRORS = 100  # invalid rows listed in an upload's report; the rest are counted
 
 
 class TooLarge(Exception):
@@ -30,7 +32,11 @@ def safe_name(filename: str) -> str:
     """A file name that cannot leave its folder: the last path part, odd characters replaced."""
     base = re.split(r"[\\/]", filename or "")[-1]
     base = re.sub(r"[^A-Za-z0-9._-]", "_", base).lstrip(".")
-    return base[:120] or "dataset"
+    if len(base) > MAX_NAME:  # shortened before its suffix, which tells the file type
+        suffix = Path(base).suffix
+        keep = suffix if len(suffix) <= 16 else ""  # one that long is no file type
+        base = base[: MAX_NAME - len(keep)] + keep
+    return base or "dataset"
 
 
 def store_upload(
@@ -44,7 +50,8 @@ def store_upload(
 ) -> tuple[Dataset | None, Report]:
     """Copy an upload to disk in chunks, validate every row, and keep it only if it is valid.
 
-    Returns the stored dataset (None when invalid) and the validation report.
+    Returns the stored dataset (None when invalid) and the validation report (its first
+    ``MAX_REPORTED_ERRORS`` errors, and the count of all).
 
     Raises:
         TooLarge: more than ``max_bytes`` arrived (nothing is kept).
@@ -67,7 +74,7 @@ def store_upload(
                     raise TooLarge(max_bytes)
                 digest.update(chunk)
                 out.write(chunk)
-        report = validate(str(incoming))
+        report = validate(str(incoming), max_errors=MAX_REPORTED_ERRORS)
         report.path = clean
         if not report.ok:
             return None, report
@@ -86,8 +93,13 @@ def store_upload(
         size_bytes=size,
         sha256=digest.hexdigest(),
     )
-    session.add(dataset)
-    session.commit()
+    try:
+        session.add(dataset)
+        session.commit()
+    except Exception:
+        session.rollback()
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
     return dataset, report
 
 

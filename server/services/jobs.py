@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import base64
 import uuid
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import delete, func, select, update
+from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from engine.config import TrainConfig
@@ -121,7 +121,8 @@ def create_job(
     validation_dataset_id: str | None,
     config: TrainConfig,
 ) -> Job:
-    """Insert a job (validating), then queue it: both transitions recorded."""
+    """Insert a job (validating), then queue it: both transitions recorded. It counts as sent:
+    the caller sends its message next, or calls ``send_failed`` (the reconcile sends it later)."""
     job = Job(
         id=ident,
         name=name or f"{base_model} on {dataset_id[:8]}",
@@ -131,6 +132,8 @@ def create_job(
         validation_dataset_id=validation_dataset_id,
         config=config.model_dump(mode="json"),
         output_dir=config.output_dir,
+        sent_at=now(),
+        sends=1,
     )
     session.add(job)
     session.flush()
@@ -151,13 +154,6 @@ def get_job(session: Session, *, job_id: str) -> Job | None:
     return session.get(Job, job_id)
 
 
-def delete_job(session: Session, *, job: Job) -> None:
-    """Remove a job that never reached a worker, with its events."""
-    session.execute(delete(JobEvent).where(JobEvent.job_id == job.id))
-    session.delete(job)
-    session.commit()
-
-
 def _cursor(job: Job) -> str:
     return base64.urlsafe_b64encode(f"{job.created_at.isoformat()}|{job.id}".encode()).decode()
 
@@ -165,8 +161,12 @@ def _cursor(job: Job) -> str:
 def _decode(cursor: str) -> tuple[datetime, str]:
     try:
         stamp, ident = base64.urlsafe_b64decode(cursor.encode()).decode().split("|", 1)
-        return datetime.fromisoformat(stamp), ident
-    except (ValueError, UnicodeDecodeError) as exc:
+        when = datetime.fromisoformat(stamp)
+        if not ident.isprintable():  # a NUL (no id has one) would reach PostgreSQL, which refuses it
+            raise ValueError(f"id {ident!r}")
+        # in UTC here, as the column stores it: a stamp at the ends of the calendar overflows now
+        return (when.astimezone(UTC) if when.tzinfo is not None else when), ident
+    except (ValueError, UnicodeDecodeError, OverflowError) as exc:
         raise ValueError(f"cursor {cursor!r} is not one this API returned") from exc
 
 
@@ -202,6 +202,13 @@ def events(session: Session, *, job_id: str, after: int, limit: int) -> list[Job
         .limit(limit)
     )
     return list(session.scalars(q))
+
+
+def events_of_jobs(session: Session, *, after: dict[str, int], limit: int) -> list[JobEvent]:
+    """The events of several jobs in one query, each job's after its own id (``after``: job id ->
+    event id), in id order: what the event streams' shared poller reads."""
+    where = or_(*(and_(JobEvent.job_id == job_id, JobEvent.id > last) for job_id, last in after.items()))
+    return list(session.scalars(select(JobEvent).where(where).order_by(JobEvent.id).limit(limit)))
 
 
 def metric_series(
@@ -321,6 +328,7 @@ def sweep(session: Session) -> list[str]:
                 session, job=job, to=JobStatus.CANCELLED, message=f"worker {worker} vanished while cancelling"
             )
         else:
+            job.sent_at = None  # it needs a new message: the reconcile sends it
             transition(
                 session, job=job, to=JobStatus.INTERRUPTED, message=f"worker {worker} vanished; requeued"
             )
@@ -333,3 +341,54 @@ def measured_rates(session: Session, *, job_id: str) -> list[float]:
     key = "throughput/tokens_per_s"
     q = select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.kind == EventKind.METRICS)
     return [float(ev.data[key]) for ev in session.scalars(q.order_by(JobEvent.id)) if key in ev.data]
+
+
+# -- the broker side: every claimable job has a message on its way (server.queue sends it) ---------
+def due_sends(session: Session, *, stale_before: datetime) -> list[tuple[str, str, datetime | None]]:
+    """Claimable jobs whose message may be lost: never sent (a send is pending), or last sent
+    before ``stale_before`` and still not claimed; as (id, status, sent_at), oldest first."""
+    q = (
+        select(Job.id, Job.status, Job.sent_at)
+        .where(Job.status.in_(CLAIMABLE), Job.sent_at.is_(None) | (Job.sent_at < stale_before))
+        .order_by(Job.created_at)
+    )
+    return [(ident, status, sent_at) for ident, status, sent_at in session.execute(q)]
+
+
+def take_send(session: Session, *, job_id: str, stale_before: datetime) -> int | None:
+    """Take the turn to send a claimable job's message, with one conditional update, so two
+    senders (the API, each worker's reconcile) never both send it. Returns the number of this
+    send, or None when the job is not due (just sent by another, claimed, finished)."""
+    taken = session.execute(
+        update(Job)
+        .where(
+            Job.id == job_id,
+            Job.status.in_(CLAIMABLE),
+            Job.sent_at.is_(None) | (Job.sent_at < stale_before),
+        )
+        .values(sent_at=now(), sends=Job.sends + 1)
+    )
+    session.commit()
+    if taken.rowcount != 1:  # type: ignore[attr-defined]
+        return None
+    return session.scalar(select(Job.sends).where(Job.id == job_id))
+
+
+def send_failed(session: Session, *, job_id: str) -> None:
+    """The send taken with ``take_send`` did not reach the broker: the job's send is pending."""
+    session.execute(update(Job).where(Job.id == job_id).values(sent_at=None, sends=Job.sends - 1))
+    session.commit()
+
+
+def record_retry(session: Session, *, job_id: str, worker_id: str) -> int | None:
+    """Count one more restart of a running job's training process, if this worker holds it and
+    it is not being cancelled. Returns how many restarts the job has had, None if not counted."""
+    held = session.execute(
+        update(Job)
+        .where(Job.id == job_id, Job.worker_id == worker_id, Job.status == JobStatus.RUNNING)
+        .values(retries=Job.retries + 1)
+    )
+    session.commit()
+    if held.rowcount != 1:  # type: ignore[attr-defined]
+        return None
+    return session.scalar(select(Job.retries).where(Job.id == job_id))

@@ -21,9 +21,9 @@ from pathlib import Path
 from sqlalchemy.orm import Session, sessionmaker
 
 from server.kinds import EventKind, JobStatus
-from server.services import gpus, jobs
+from server.services import checkpoints, gpus, jobs
 from server.settings import Settings
-from server.worker.trainer import ERROR_FILE, EXIT_CANCELLED, EXIT_OK
+from server.worker.trainer import ERROR_FILE, EXIT_CANCELLED, EXIT_FAILED, EXIT_OK
 
 log = logging.getLogger("roundhouse.worker")
 POLL_S = 0.5
@@ -38,103 +38,196 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+def _crashed(rc: int) -> bool:
+    """Killed by a signal (the out-of-memory killer's SIGKILL, a segfault) or an exit code the
+    trainer never uses: worth a restart. ``EXIT_FAILED`` is an exception inside the run (bad data,
+    a bad config), which would only happen again."""
+    return rc < 0 or rc not in (EXIT_OK, EXIT_FAILED, EXIT_CANCELLED)
+
+
+def _death(rc: int) -> str:
+    if rc < 0:
+        hint = " (out of host memory?)" if -rc == signal.SIGKILL else ""
+        return f"killed by {signal.Signals(-rc).name}{hint}"
+    return f"exited with code {rc}"
+
+
 def _failure(folder: Path, rc: int) -> str:
     reason = folder / ERROR_FILE
     if reason.is_file():
         return reason.read_text().strip()
+    return f"the training process {_death(rc)}; see train.log"
+
+
+def _last_checkpoint(session: Session, job_id: str) -> int | None:
+    saved = checkpoints.list_for(session, job_id=job_id)
+    return saved[-1].step if saved else None
+
+
+class _Stopped(Exception):
+    """The supervisor stopped the child: its lease was lost, or the worker's main process died."""
+
+
+class _Child:
+    """One training process of a job, watched until it exits: the lease renewed, a cancel relayed
+    (SIGTERM, then a kill after the grace period), the host's telemetry recorded."""
+
+    def __init__(self, settings: Settings, folder: Path, *, job_id: str) -> None:
+        env = {**os.environ, **settings.child_environment()}
+        with (folder / "train.log").open("ab") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "server.worker.trainer", job_id],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                preexec_fn=_die_with_parent,
+            )
+        self.cancel_sent: float | None = None
+        self.killed_for_cancel = False
+
+    def stop(self, why: str) -> _Stopped:
+        self.proc.kill()
+        self.proc.wait()
+        return _Stopped(why)
+
+    def watch(
+        self, settings: Settings, sessions: sessionmaker[Session], *, job_id: str, worker_id: str
+    ) -> int:
+        """Wait for the exit code.
+
+        Raises:
+            _Stopped: the lease was lost or the worker's main process died; the child is killed.
+        """
+        parent = os.getppid()
+        renew_every = settings.lease_seconds / 3
+        next_renew = next_telemetry = 0.0
+        while (rc := self.proc.poll()) is None:
+            now = time.monotonic()
+            if os.getppid() != parent:  # the worker's main process died: stop, the sweep requeues
+                raise self.stop("worker main process gone; child stopped")
+            with sessions() as session:
+                if now >= next_renew:
+                    status = jobs.renew(
+                        session, job_id=job_id, worker_id=worker_id, lease_seconds=settings.lease_seconds
+                    )
+                    next_renew = now + renew_every
+                    if status is None:
+                        raise self.stop("lease lost; child stopped")
+                else:
+                    status = jobs.status_of(session, job_id=job_id)
+                if status == JobStatus.CANCELLING and self.cancel_sent is None:
+                    self.proc.send_signal(signal.SIGTERM)
+                    self.cancel_sent = now
+                    jobs.add_event(
+                        session,
+                        job_id=job_id,
+                        kind=EventKind.LOG,
+                        message="cancel relayed to the training process",
+                    )
+                if now >= next_telemetry:
+                    next_telemetry = now + TELEMETRY_S
+                    sample = gpus.job_sample(session, worker_id=worker_id)
+                    if sample:
+                        jobs.add_event(
+                            session, job_id=job_id, kind=EventKind.TELEMETRY, data=sample, step=None
+                        )
+            if (
+                self.cancel_sent is not None
+                and not self.killed_for_cancel
+                and now - self.cancel_sent > settings.cancel_grace_seconds
+            ):
+                self.proc.kill()
+                self.killed_for_cancel = True
+            time.sleep(POLL_S)
+        return rc
+
+
+def _restart(settings: Settings, session: Session, *, job_id: str, worker_id: str, rc: int) -> str | None:
+    """After a crash: count a restart and record it, or, past ``max_retries`` (or when the job is
+    no longer this worker's to run), return why the job fails."""
+    session.expire_all()
+    job = jobs.get_job(session, job_id=job_id)
+    step = _last_checkpoint(session, job_id)
+    done = job.retries if job is not None else 0
+    retry = (
+        jobs.record_retry(session, job_id=job_id, worker_id=worker_id)
+        if done < settings.max_retries
+        else None
+    )
+    if retry is None:
+        times = f"{done + 1} time{'s' if done else ''}"
+        where = f"last checkpoint step {step}" if step is not None else "no checkpoint yet"
+        return f"the training process was {_death(rc)} {times}; {where}; see train.log"
+    start = f"the checkpoint at step {step}" if step is not None else "the start (no checkpoint yet)"
+    data: dict[str, object] = {
+        "retry": retry,
+        "max_retries": settings.max_retries,
+        "exit_code": rc,
+        "checkpoint_step": step,
+    }
     if rc < 0:
-        name = signal.Signals(-rc).name
-        hint = " (out of host memory?)" if -rc == signal.SIGKILL else ""
-        return f"the training process was killed by {name}{hint}; see train.log"
-    return f"the training process exited with code {rc}; see train.log"
+        data["signal"] = signal.Signals(-rc).name
+    jobs.add_event(
+        session,
+        job_id=job_id,
+        kind=EventKind.LOG,
+        message=f"the training process was {_death(rc)}: restarted from {start}"
+        f" (retry {retry} of {settings.max_retries})",
+        data=data,
+    )
+    log.warning("job %s: training process %s; retry %d from step %s", job_id, _death(rc), retry, step)
+    return None
 
 
 def supervise(settings: Settings, sessions: sessionmaker[Session], *, job_id: str, worker_id: str) -> str:
-    """Run one job to its outcome. Returns what happened (for the worker's log)."""
+    """Run one job to its outcome. Returns what happened (for the worker's log).
+
+    A training process that crashes (killed by a signal: the out-of-memory killer) is started
+    again, up to ``max_retries`` times per job; it resumes from the job's latest checkpoint."""
     with sessions() as session:
         if not jobs.claim(session, job_id=job_id, worker_id=worker_id, lease_seconds=settings.lease_seconds):
             return "not claimable (taken, finished or cancelled)"
         job = jobs.get_job(session, job_id=job_id)
         folder = Path(job.output_dir) if job is not None else settings.runs_dir / job_id
     folder.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, **settings.child_environment()}
-    with (folder / "train.log").open("ab") as out:
-        child = subprocess.Popen(
-            [sys.executable, "-m", "server.worker.trainer", job_id],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-            preexec_fn=_die_with_parent,
-        )
-    parent = os.getppid()
-    renew_every = settings.lease_seconds / 3
-    next_renew = next_telemetry = 0.0
-    cancel_sent: float | None = None
-    killed_for_cancel = False
-    while (rc := child.poll()) is None:
-        now = time.monotonic()
-        if os.getppid() != parent:  # the worker's main process died: stop, the sweep requeues
-            child.kill()
-            child.wait()
-            return "worker main process gone; child stopped"
-        with sessions() as session:
-            if now >= next_renew:
-                status = jobs.renew(
-                    session, job_id=job_id, worker_id=worker_id, lease_seconds=settings.lease_seconds
-                )
-                next_renew = now + renew_every
-                if status is None:
-                    child.kill()
-                    child.wait()
-                    return "lease lost; child stopped"
-            else:
-                status = jobs.status_of(session, job_id=job_id)
-            if status == JobStatus.CANCELLING and cancel_sent is None:
-                child.send_signal(signal.SIGTERM)
-                cancel_sent = now
-                jobs.add_event(
-                    session,
-                    job_id=job_id,
-                    kind=EventKind.LOG,
-                    message="cancel relayed to the training process",
-                )
-            if now >= next_telemetry:
-                next_telemetry = now + TELEMETRY_S
-                sample = gpus.job_sample(session, worker_id=worker_id)
-                if sample:
-                    jobs.add_event(session, job_id=job_id, kind=EventKind.TELEMETRY, data=sample, step=None)
-        if (
-            cancel_sent is not None
-            and not killed_for_cancel
-            and now - cancel_sent > settings.cancel_grace_seconds
-        ):
-            child.kill()
-            killed_for_cancel = True
-        time.sleep(POLL_S)
-    with sessions() as session:
+    while True:
+        child = _Child(settings, folder, job_id=job_id)
+        try:
+            rc = child.watch(settings, sessions, job_id=job_id, worker_id=worker_id)
+        except _Stopped as stopped:
+            return str(stopped)
         error = None
         if rc == EXIT_OK:
             to, message = JobStatus.SUCCEEDED, "training finished"
         elif rc == EXIT_CANCELLED:
             to, message = JobStatus.CANCELLED, "stopped at a step boundary with a checkpoint"
-        elif killed_for_cancel:
+        elif child.killed_for_cancel:
             to, message = (
                 JobStatus.CANCELLED,
                 "killed after the cancel grace period; resumes from its last checkpoint",
             )
+        elif _crashed(rc) and child.cancel_sent is None:
+            with sessions() as session:
+                error = _restart(settings, session, job_id=job_id, worker_id=worker_id, rc=rc)
+            if error is None:
+                continue
+            to, message = JobStatus.FAILED, "training failed"
         else:
             to, message, error = JobStatus.FAILED, "training failed", _failure(folder, rc)
-        recorded = jobs.finish(
-            session, job_id=job_id, worker_id=worker_id, to=to, message=message, error=error
-        )
-    return f"{to} (exit code {rc})" if recorded else f"outcome {to} not recorded: the job moved on"
+        with sessions() as session:
+            recorded = jobs.finish(
+                session, job_id=job_id, worker_id=worker_id, to=to, message=message, error=error
+            )
+        return f"{to} (exit code {rc})" if recorded else f"outcome {to} not recorded: the job moved on"
 
 
 def telemetry_loop(
     settings: Settings, sessions: sessionmaker[Session], *, worker_id: str, stop: threading.Event
 ) -> None:
-    """The worker's housekeeping thread: sample devices, and requeue jobs of vanished workers."""
-    from server.queue import enqueue
+    """The worker's housekeeping thread: sample devices, requeue jobs of vanished workers, and
+    send every claimable job whose message is pending or the broker lost (``queue.reconcile``):
+    a worker that starts picks up everything queued, whatever the broker kept."""
+    from server.queue import reconcile
     from server.worker.telemetry import Sampler
 
     sampler = Sampler()
@@ -157,7 +250,8 @@ def telemetry_loop(
                         next_sweep = time.monotonic() + settings.lease_seconds / 2
                         for job_id in jobs.sweep(session):
                             log.warning("job %s lost its worker: requeued", job_id)
-                            enqueue(settings, job_id)
+                        for job_id in reconcile(settings, session):
+                            log.warning("job %s sent to the queue by the reconcile", job_id)
             except Exception:  # the database may be briefly unavailable; try again next tick
                 log.exception("telemetry/sweep tick failed")
             stop.wait(settings.telemetry_seconds)

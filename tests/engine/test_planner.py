@@ -144,3 +144,39 @@ def test_workload_steps_from_epochs_count_whole_batches_like_the_run() -> None:
     assert Workload.from_train_config(config).steps is None  # rows unknown
     assert Workload.from_train_config(config, num_sequences=100).steps == 18  # ceil(1.5 * (100 // 8))
     assert Workload.from_train_config(config, num_sequences=5).steps == 1  # less than one batch
+
+
+def test_numbers_out_of_range_raise_config_error_not_arithmetic_errors() -> None:
+    from engine.errors import ConfigError
+    from engine.planner import HARDWARE_RANGES
+
+    for bad, field in (
+        (Hardware(gpu_memory_gb=5e-324, gpu_tflops=5e-324, efficiency=5e-324), "gpu_memory_gb"),
+        (Hardware(link_gb_s=1e-300), "link_gb_s"),
+        (Hardware(efficiency=5e-324), "efficiency"),
+        (Hardware(gpu_tflops=float("inf")), "gpu_tflops"),
+        (Hardware(gpu_memory_gb=float("nan")), "gpu_memory_gb"),
+        (Hardware(host_ram_gb=0.0), "host_ram_gb"),
+        (Hardware(num_gpus=65), "num_gpus"),
+    ):
+        with pytest.raises(ConfigError) as info:
+            plan_job(QWEN3_1_7B, bad, Workload())
+        assert info.value.field == field
+    for key, value in (
+        ("hidden_size", 10**400),
+        ("num_hidden_layers", 10**6),
+        ("head_dim", "x"),
+        ("num_key_value_heads", 2.5),
+        ("vocab_size", True),
+    ):
+        with pytest.raises(ConfigError) as info:
+            plan_job(QWEN3_1_7B | {key: value}, Hardware(), Workload())
+        assert info.value.field == key
+    with pytest.raises(ConfigError, match="text_config"):
+        Shape.from_config({"text_config": [1]})
+    with pytest.raises(ConfigError, match="seq_len"):
+        plan_job(QWEN3_1_7B, Hardware(), Workload(seq_len=2**40))
+    # a measurement far below the prediction: the efficiency stays at the bottom of its range
+    tuned = calibrate(Hardware(), predicted_tokens_per_s=1e9, measured_tokens_per_s=1.0)
+    assert tuned.efficiency == HARDWARE_RANGES["efficiency"][0]
+    assert plan_job(QWEN3_1_7B, tuned, Workload()).tokens_per_s > 0

@@ -95,6 +95,8 @@ class WorkerProcess(Process):
             ROUNDHOUSE_LEASE_SECONDS=str(s.lease_seconds),
             ROUNDHOUSE_TELEMETRY_SECONDS=str(s.telemetry_seconds),
             ROUNDHOUSE_CANCEL_GRACE_SECONDS=str(s.cancel_grace_seconds),
+            ROUNDHOUSE_REQUEUE_AFTER_SECONDS=str(s.requeue_after_seconds),
+            ROUNDHOUSE_MAX_RETRIES=str(s.max_retries),
         )
         if s.redis_url:
             env["ROUNDHOUSE_REDIS_URL"] = s.redis_url

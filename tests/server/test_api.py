@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +11,7 @@ from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
 
 from server.kinds import EventKind
-from server.services import gpus, jobs
+from server.services import gpus, jobs, keys
 from server.settings import Settings
 
 CHAT = [
@@ -72,9 +73,10 @@ def test_health_is_public_and_every_other_route_needs_a_key(client: TestClient) 
     assert checked == 2 * 21  # 21 routes behind a key (the OpenAPI page and schema included)
     # the login page rejects a wrong token and turns a good one into a cookie
     assert anonymous.get("/login", params={"token": "rh_wrong"}).status_code == 401
-    key = client.headers["Authorization"].removeprefix("Bearer ")
-    r = anonymous.get("/login", params={"token": key}, follow_redirects=False)
-    assert r.status_code == 303 and "roundhouse_key" in r.headers["set-cookie"]
+    with client.app.state.sessions() as session:  # type: ignore[attr-defined]
+        token = keys.create_login(session, key_id=None, lifetime=timedelta(minutes=10))
+    r = anonymous.get("/login", params={"token": token}, follow_redirects=False)
+    assert r.status_code == 303 and "roundhouse_session" in r.headers["set-cookie"]
     assert anonymous.get("/api/jobs").status_code == 200  # the cookie now authenticates
 
 
@@ -316,7 +318,7 @@ def test_openapi_documents_the_one_error_shape(client: TestClient) -> None:
     get_job = schema["paths"]["/api/jobs/{job_id}"]["get"]["responses"]
     assert get_job["404"]["content"] == error and get_job["401"]["content"] == error
     create = schema["paths"]["/api/jobs"]["post"]["responses"]
-    assert create["422"]["content"] == error and create["503"]["content"] == error
+    assert create["422"]["content"] == error and create["404"]["content"] == error
     upload_ = schema["paths"]["/api/datasets"]["post"]["responses"]
     assert upload_["413"]["content"] == error and upload_["422"]["content"] == error
     assert set(schema["components"]["schemas"]["ErrorBody"]["properties"]) == {"error"}
@@ -375,7 +377,7 @@ def test_gpus_reports_hosts_and_says_no_gpu_honestly(client: TestClient) -> None
     assert host["sampled_at"] is not None
 
 
-def test_a_job_the_broker_cannot_take_is_refused_and_not_kept(settings: Settings) -> None:
+def test_a_job_the_broker_cannot_take_is_kept_with_its_send_pending(settings: Settings) -> None:
     from server.app import create_app
 
     broken = settings.model_copy(update={"redis_url": "redis://127.0.0.1:1/0"})  # nothing listens there
@@ -384,9 +386,10 @@ def test_a_job_the_broker_cannot_take_is_refused_and_not_kept(settings: Settings
         client.headers["Authorization"] = f"Bearer {app.state.first_key}"
         ds = upload(client, jsonl(CHAT)).json()
         r = make_job(client, ds["id"])
-        assert r.status_code == 503 and r.json()["error"]["code"] == "broker_unavailable"
-        assert client.get("/api/jobs").json()["data"] == []
-        assert client.get(f"/api/datasets/{ds['id']}").status_code == 200  # the dataset stays
+        assert r.status_code == 201 and r.json()["status"] == "queued"  # a worker's reconcile sends it
+        assert [j["id"] for j in client.get("/api/jobs").json()["data"]] == [r.json()["id"]]
+        events = client.get(f"/api/jobs/{r.json()['id']}/events").json()["data"]
+        assert events[-1]["kind"] == "log" and events[-1]["data"] == {"send_pending": True}
 
 
 def test_plan_reads_the_workers_gpus_and_calibrates_from_a_job(client: TestClient) -> None:

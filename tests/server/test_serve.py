@@ -26,12 +26,11 @@ def test_serve_with_worker_prints_a_login_url_and_runs_a_job(tmp_path: Path, pro
     try:
         found = serve.wait_for_line(LOGIN_LINE, timeout=60)
         assert found is not None, serve.log.read_text()
-        url, key = found.group(1), found.group(2)
+        url = found.group(1)  # a one-time login link: the client goes on with its session cookie
         serve.wait_for_http(f"http://127.0.0.1:{port}/api/health", timeout=60)
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
             r = client.get(url, follow_redirects=False)
-            assert r.status_code == 303 and "roundhouse_key" in r.headers["set-cookie"]
-            client.headers["Authorization"] = f"Bearer {key}"
+            assert r.status_code == 303 and "roundhouse_session" in r.headers["set-cookie"]
             rows = [{"text": f"line {i} of a small corpus"} for i in range(16)]
             content = "".join(json.dumps(x) + "\n" for x in rows).encode()
             ds = client.post("/api/datasets", files={"file": ("t.jsonl", content)}).json()

@@ -221,7 +221,9 @@ def test_a_crashed_training_process_fails_its_job_and_the_worker_runs_the_next(
     if worker_settings.redis_url is None:
         pytest.skip("independent of the broker; run once, with Redis")
     client = worker_client
-    worker = WorkerProcess(worker_settings, tmp_path / "worker.log").start()
+    # no restarts (tests/server/test_durability.py covers those)
+    no_retries = worker_settings.model_copy(update={"max_retries": 0})
+    worker = WorkerProcess(no_retries, tmp_path / "worker.log").start()
     workers.append(worker)
     ds = dataset(client)
     # a training process killed from outside (as the kernel's out-of-memory killer does)

@@ -20,8 +20,8 @@ import httpx
 import psutil
 
 ROOT = Path(__file__).resolve().parents[2]
-# what ``roundhouse serve --new-login-key`` prints: the login URL and, in it, the key
-LOGIN_LINE = r"Open: (http://\S+/login\?token=(rh_\S+))"
+# what ``roundhouse serve`` prints: the one-time login link and, in it, its token (not a key)
+LOGIN_LINE = r"Open: (http://\S+/login\?token=(rhl_\S+))"
 
 
 def free_port() -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import signal
+import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +16,7 @@ import httpx
 import psutil
 import pytest
 
+from server.deps import COOKIE
 from tests.engine.tiny import tiny_model_folder
 from tests.utils import LOGIN_LINE, ROOT, Process, child_env, free_port, roundhouse
 
@@ -37,7 +39,8 @@ VIEWPORT: ViewportSize = {"width": 1280, "height": 800}
 
 @dataclass
 class Server:
-    """The running service: where it answers, its login link and key, its home and its process."""
+    """The running service: where it answers, the one-time login link it printed, a key made with
+    ``roundhouse keys create``, its home and its process."""
 
     base_url: str
     login_url: str
@@ -48,11 +51,22 @@ class Server:
     def log_tail(self, chars: int = 4000) -> str:
         return self.process.tail(chars)
 
+    def new_login_url(self) -> str:
+        """A fresh one-time login link, from ``roundhouse login-url`` (each link works once)."""
+        return run_cli(self.process, "login-url")
+
     def client(self) -> httpx.Client:
         """An API client with the login key (for setup shortcuts, never for what is under test)."""
         return httpx.Client(
             base_url=self.base_url, timeout=30, headers={"Authorization": f"Bearer {self.key}"}
         )
+
+
+def run_cli(process: Process, *args: str) -> str:
+    """What ``roundhouse ARGS`` prints on stdout, run with the server's environment."""
+    done = subprocess.run(roundhouse(*args), env=process.env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, f"roundhouse {' '.join(args)}:\n{done.stderr}"
+    return done.stdout.strip()
 
 
 @pytest.fixture(scope="session")
@@ -73,9 +87,10 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     try:
         found = process.wait_for_line(LOGIN_LINE, timeout=90)
         assert found is not None, f"no login URL printed:\n{process.tail()}"
-        login_url, key = found.group(1), found.group(2)
+        login_url = found.group(1)
         base_url = login_url.split("/login?", 1)[0]
         process.wait_for_http(f"{base_url}/api/health", timeout=60)
+        key = run_cli(process, "keys", "create", "--name", "web-tests")
         yield Server(base_url=base_url, login_url=login_url, key=key, home=home, process=process)
         children = process.descendants()
     finally:
@@ -105,13 +120,13 @@ def browser() -> Iterator[Browser]:
 
 @pytest.fixture(scope="session")
 def logged_in(browser: Browser, server: Server) -> Iterator[BrowserContext]:
-    """A browser context holding the login cookie (set by opening the printed login link)."""
+    """A browser context holding the session cookie (set by opening a fresh login link)."""
     context = browser.new_context(viewport=VIEWPORT, accept_downloads=True)
     context.set_default_timeout(15_000)
     page = context.new_page()
-    page.goto(server.login_url)
+    page.goto(server.new_login_url())
     page.close()
-    assert any(c["name"] == "roundhouse_key" for c in context.cookies()), context.cookies()
+    assert any(c["name"] == COOKIE for c in context.cookies()), context.cookies()
     try:
         yield context
     finally:

@@ -152,8 +152,14 @@ def test_not_logged_in_then_login_through_the_token_url(browser: Browser, server
         expect(page.locator("#login-needed")).to_be_hidden()
         expect(page.get_by_role("link", name="New job").first).to_be_visible()
         screenshot(page, "jobs-after-login")
-        page.close()
         assert not console.unexpected(), console.unexpected()
+        # the link works once: opened again it says so, and how to get a new one
+        page.goto(server.login_url)
+        expect(page.locator("h1")).to_contain_text("already used or has expired")
+        expect(page.locator("body")).to_contain_text("roundhouse login-url")
+        page.close()
+        bad = [m for m in console.unexpected() if not re.search(r"status of 401\b", m)]
+        assert not bad, bad
     finally:
         context.close()
 

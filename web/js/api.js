@@ -1,5 +1,6 @@
-// The public JSON API, as the pages use it: fetch with the login cookie, one error type,
-// uploads with progress, and server-sent event streams.
+// The public JSON API, as the pages use it: fetch with the session cookie (set by a one-time login
+// link; the page never sees a key), one error type, uploads with progress, and server-sent event
+// streams (same-origin EventSource sends the cookie too: no ?token= in URLs).
 
 export class ApiError extends Error {
   constructor(status, body) {
@@ -9,6 +10,7 @@ export class ApiError extends Error {
     this.code = e.code || "http_error";
     this.param = e.param || null;
     this.details = e.details || [];
+    this.detailsTotal = e.errors_total ?? this.details.length; // details may list only the first ones
   }
 }
 

@@ -1,5 +1,6 @@
-// The shell: checks the login, then renders one page per hash route. Each page module exports
-// render(main, params) and may return a cleanup function (closing its streams and timers).
+// The shell: checks the login (the session cookie), then renders one page per hash route. Each page
+// module exports render(main, params) and may return a cleanup function (closing its streams and
+// timers). A 401 (the session expired, or its key was revoked) shows the login notice.
 
 import { api } from "./api.js";
 import * as datasets from "./pages/datasets.js";
@@ -34,20 +35,22 @@ async function route() {
   try {
     cleanup = (await page.render(main, ...params)) || null;
   } catch (error) {
+    if (error.status === 401) return loginNeeded();
     main.replaceChildren(
       Object.assign(document.createElement("p"), { className: "error", textContent: error.message }),
     );
   }
 }
 
+function loginNeeded() {
+  document.getElementById("app").hidden = true;
+  document.querySelector("header nav").hidden = true;
+  document.getElementById("login-needed").hidden = false;
+}
+
 async function start() {
   const health = await api("/health");
-  if (!health.authenticated) {
-    document.getElementById("app").hidden = true;
-    document.querySelector("header nav").hidden = true;
-    document.getElementById("login-needed").hidden = false;
-    return;
-  }
+  if (!health.authenticated) return loginNeeded();
   window.addEventListener("hashchange", route);
   await route();
 }

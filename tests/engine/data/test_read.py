@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
+import tracemalloc
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from engine.data.read import detect_format, read_examples
+from engine.data.encode import validate
+from engine.data.read import MAX_MESSAGE, detect_format, read_examples, read_records
 
 
 def jsonl(tmp_path: Path, lines: list[str | bytes]) -> Path:
@@ -148,6 +152,7 @@ def test_parquet_rows(tmp_path: Path) -> None:
     (tmp_path / "broken.parquet").write_bytes(b"PAR1 not really")
     _, _, _, errors = read_examples(tmp_path / "broken.parquet")
     assert str(errors[0]).startswith("row 1: not a readable Parquet file")
+    assert str(tmp_path) not in str(errors[0])  # pyarrow's message names no server folder
 
 
 def test_unsupported_suffix(tmp_path: Path) -> None:
@@ -161,3 +166,50 @@ def test_detect_format() -> None:
     assert detect_format({"prompt": "", "completion": ""}) == "prompt_completion"
     assert detect_format({"text": ""}) == "text"
     assert detect_format({"question": ""}) is None
+
+
+def peak_python_bytes(work: Callable[[], Any]) -> int:
+    """The most memory Python objects took while ``work()`` ran."""
+    tracemalloc.start()
+    try:
+        work()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_csv_is_read_row_by_row(tmp_path: Path) -> None:
+    p = tmp_path / "big.csv"
+    p.write_text("prompt,completion\n" + "a prompt,a completion\n" * 400_000)  # 9 MB
+    assert sum(1 for _ in read_records(p)) == 400_000
+    assert peak_python_bytes(lambda: sum(1 for _ in read_records(p))) < 2 << 20
+
+
+def test_parquet_is_read_by_batches(tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    p = tmp_path / "big.parquet"
+    rows = 200_000
+    table = pa.table({"prompt": [f"p{i}" for i in range(rows)], "completion": ["c"] * rows})
+    pq.write_table(table, p, row_group_size=20_000)
+    del table
+    locations = [n for n, _ in read_records(p)]
+    assert locations == list(range(1, rows + 1))
+    assert peak_python_bytes(lambda: sum(1 for _ in read_records(p))) < 4 << 20
+
+
+def test_errors_are_all_counted_but_only_the_first_kept(tmp_path: Path) -> None:
+    p = jsonl(tmp_path, [json.dumps({"k" * 5000: 1})] + ['{"text": 5}'] * 50_000)
+    report = validate(str(p), max_errors=100)
+    assert not report.ok and report.rows == 50_001
+    assert report.errors_total == 50_001 and [e.line for e in report.errors] == list(range(1, 101))
+    assert report.to_dict()["errors_total"] == 50_001 and len(report.to_dict()["errors"]) == 100
+    # no message is longer than MAX_MESSAGE, however long the offending value
+    first = report.errors[0].message
+    assert (
+        first.startswith("cannot tell the row format") and len(first) == MAX_MESSAGE and first.endswith("…")
+    )
+    # memory stays flat: the errors past the first 100 are counted, not kept
+    assert peak_python_bytes(lambda: validate(str(p), max_errors=100)) < 2 << 20
+    assert len(validate(str(p)).errors) == 50_001  # without max_errors, every error is kept

@@ -21,6 +21,7 @@ export async function render(main) {
   });
   const status = el("p", { id: "upload-status", "aria-live": "polite" });
   const errors = el("ul", { id: "upload-errors", class: "errors" });
+  const moreErrors = el("p", { id: "upload-errors-more", class: "muted small" });
   const drop = el(
     "div",
     { id: "drop-zone", class: "drop-zone" },
@@ -45,6 +46,7 @@ export async function render(main) {
       progress,
       status,
       errors,
+      moreErrors,
     ),
     el(
       "div",
@@ -94,6 +96,7 @@ export async function render(main) {
 
   async function send(file) {
     errors.replaceChildren();
+    moreErrors.textContent = "";
     progress.hidden = false;
     progress.value = 0;
     status.textContent = `Uploading ${file.name}…`;
@@ -109,8 +112,10 @@ export async function render(main) {
     } catch (error) {
       status.textContent = error.message;
       errors.replaceChildren(
-        ...error.details.slice(0, 200).map((e) => el("li", { text: `${e.unit || "line"} ${e.line}: ${e.message}` })),
+        ...error.details.map((e) => el("li", { text: `${e.unit || "line"} ${e.line}: ${e.message}` })),
       );
+      const more = error.detailsTotal - error.details.length;
+      if (more > 0) moreErrors.textContent = `and ${more.toLocaleString("en-US")} more`;
     } finally {
       progress.hidden = true;
       input.value = "";

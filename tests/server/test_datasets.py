@@ -1,0 +1,210 @@
+"""Dataset uploads under hostile input: the size limit holds while the body arrives, the error
+report is bounded, odd file names are kept or refused cleanly, and no answer shows a server path.
+Each refusal is a 4xx in the one error shape and leaves nothing behind."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, MutableMapping
+from typing import Any
+
+import anyio
+import pytest
+from fastapi.testclient import TestClient
+
+from server.services import datasets
+from server.settings import Settings
+
+LIMIT_OVERHEAD = 65536  # what the server allows past max_upload_bytes for the multipart framing
+BOUNDARY = "roundhouse-test-boundary"
+
+
+def left_behind(settings: Settings) -> list[str]:
+    """Everything under the datasets folder (files and folders)."""
+    folder = settings.datasets_dir
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*")) if folder.exists() else []
+
+
+def multipart(filename: bytes, content: Iterator[bytes], *, name: bytes | None = None) -> Iterator[bytes]:
+    """A multipart/form-data body, produced lazily (``content`` may be endless)."""
+    b = BOUNDARY.encode()
+    if name is not None:
+        yield b"--" + b + b'\r\nContent-Disposition: form-data; name="name"\r\n\r\n' + name + b"\r\n"
+    yield b"--" + b + b'\r\nContent-Disposition: form-data; name="file"; filename="' + filename + b'"\r\n\r\n'
+    yield from content
+    yield b"\r\n--" + b + b"--\r\n"
+
+
+def post_asgi(
+    client: TestClient, chunks: Iterator[bytes], *, content_length: int | None = None
+) -> tuple[int, dict[str, Any], int]:
+    """POST /api/datasets straight into the app, the body in ``chunks`` (chunked unless
+    ``content_length``). Returns the status, the JSON answer and how many body bytes the app read."""
+    headers = [
+        (b"host", b"testserver"),
+        (b"authorization", client.headers["Authorization"].encode()),
+        (b"content-type", f"multipart/form-data; boundary={BOUNDARY}".encode()),
+    ]
+    headers.append(
+        (b"content-length", str(content_length).encode())
+        if content_length is not None
+        else (b"transfer-encoding", b"chunked")
+    )
+    scope = {
+        "type": "http",
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/api/datasets",
+        "raw_path": b"/api/datasets",
+        "query_string": b"",
+        "root_path": "",
+        "headers": headers,
+        "client": ("127.0.0.1", 1),
+        "server": ("testserver", 80),
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "extensions": {},
+        "state": {},
+    }
+    read = 0
+    sent: list[MutableMapping[str, Any]] = []
+
+    async def receive() -> MutableMapping[str, Any]:
+        nonlocal read
+        chunk = next(chunks, None)
+        if chunk is None:
+            return {"type": "http.request", "body": b"", "more_body": False}
+        read += len(chunk)
+        return {"type": "http.request", "body": chunk, "more_body": True}
+
+    async def send(message: MutableMapping[str, Any]) -> None:
+        sent.append(message)
+
+    async def call() -> None:
+        await client.app(scope, receive, send)  # type: ignore[arg-type, call-arg]
+
+    anyio.run(call)
+    answer = json.loads(b"".join(m.get("body", b"") for m in sent[1:]))
+    return sent[0]["status"], answer, read
+
+
+def endless_jsonl(total: int) -> Iterator[bytes]:
+    line = b'{"text": "' + b"x" * 1000 + b'"}\n'
+    block = line * 64
+    for _ in range(total // len(block)):
+        yield block
+
+
+def test_a_chunked_upload_is_refused_as_it_passes_the_limit(client: TestClient, settings: Settings) -> None:
+    limit = settings.max_upload_bytes
+    status, answer, read = post_asgi(client, multipart(b"big.jsonl", endless_jsonl(40 << 20)))
+    assert status == 413 and answer["error"]["code"] == "too_large", answer
+    assert answer["error"]["param"] == "file" and str(limit) in answer["error"]["message"]
+    # the app stopped reading about where the limit lies, not 40 MB later
+    assert read <= limit + LIMIT_OVERHEAD + (64 << 10), read
+    assert left_behind(settings) == []
+
+
+def test_an_upload_whose_content_length_is_over_the_limit_is_refused_unread(
+    client: TestClient, settings: Settings
+) -> None:
+    announced = settings.max_upload_bytes + LIMIT_OVERHEAD + 1
+    status, answer, read = post_asgi(
+        client, multipart(b"big.jsonl", endless_jsonl(4 << 20)), content_length=announced
+    )
+    assert status == 413 and answer["error"]["code"] == "too_large", answer
+    assert read == 0
+    assert left_behind(settings) == []
+
+
+def test_an_upload_without_a_valid_key_is_refused_unread(client: TestClient, settings: Settings) -> None:
+    client.headers["Authorization"] = "Bearer rh_not_a_key"
+    status, answer, read = post_asgi(client, multipart(b"big.jsonl", endless_jsonl(4 << 20)))
+    assert status == 401 and answer["error"]["code"] == "unauthorized", answer
+    assert read == 0
+    assert left_behind(settings) == []
+
+
+def test_the_error_report_is_capped(client: TestClient, settings: Settings) -> None:
+    bad = b'{"text": 5}\n' * 5000  # 60 kB, under the limit: 5000 invalid lines
+    r = client.post("/api/datasets", files={"file": ("bad.jsonl", bad)})
+    assert r.status_code == 422
+    error = r.json()["error"]
+    assert error["code"] == "invalid_dataset" and error["param"] == "file"
+    assert [d["line"] for d in error["details"]] == list(range(1, 101))
+    assert error["errors_total"] == 5000 and error["errors_truncated"] is True
+    assert error["message"].startswith("5000 invalid row(s)") and "(and 4997 more)" in error["message"]
+    assert len(r.content) < 20_000
+    assert left_behind(settings) == []
+    few = client.post("/api/datasets", files={"file": ("bad.jsonl", b'{"text": 5}\n' * 2)}).json()["error"]
+    assert few["errors_total"] == 2 and few["errors_truncated"] is False and len(few["details"]) == 2
+
+
+@pytest.mark.parametrize("field", ["file", "name"])
+def test_a_nul_byte_in_the_file_name_or_name_is_refused_and_nothing_is_left(
+    client: TestClient, settings: Settings, field: str
+) -> None:
+    """On PostgreSQL a NUL in a text column fails the INSERT: it was a 500 and an orphan folder."""
+    content = iter([b'{"text": "fine"}\n'])
+    if field == "file":
+        body = multipart(b"train\x00.jsonl", content)
+    else:
+        body = multipart(b"train.jsonl", content, name=b"my\x00set")
+    status, answer, _ = post_asgi(client, body)
+    assert status == 422, answer
+    assert answer["error"]["param"] == field and "NUL" in answer["error"]["message"]
+    assert left_behind(settings) == []
+    assert client.get("/api/datasets").json()["data"] == []
+
+
+def test_a_failed_insert_leaves_no_folder(client: TestClient, settings: Settings) -> None:
+    with client.app.state.sessions() as session:  # type: ignore[attr-defined]
+
+        def refuse() -> None:
+            raise RuntimeError("the database refused the row")
+
+        session.commit = refuse  # type: ignore[method-assign]
+        with pytest.raises(RuntimeError):
+            datasets.store_upload(
+                session,
+                source=iter_file(b'{"text": "fine"}\n'),
+                filename="train.jsonl",
+                name=None,
+                datasets_dir=settings.datasets_dir,
+                max_bytes=settings.max_upload_bytes,
+            )
+    assert left_behind(settings) == []
+
+
+def iter_file(content: bytes) -> Any:
+    import io
+
+    return io.BytesIO(content)
+
+
+def test_a_long_file_name_keeps_its_suffix(client: TestClient, settings: Settings) -> None:
+    long = "a" * 200 + ".jsonl"
+    r = client.post("/api/datasets", files={"file": (long, b'{"text": "fine"}\n')})
+    assert r.status_code == 201, r.text
+    filename = r.json()["filename"]
+    assert filename.endswith(".jsonl") and len(filename) <= 120
+    assert datasets.safe_name("b" * 300 + ".parquet") == "b" * 112 + ".parquet"
+    assert datasets.safe_name("c" * 200 + "." + "d" * 200) == "c" * 120  # no real suffix: just cut
+
+
+@pytest.mark.parametrize(
+    ("filename", "content"),
+    [
+        ("broken.parquet", b"PAR1 not really a parquet file PAR1"),
+        ("broken.csv", b'text\n"a","b"\n'),
+        ("broken.jsonl", b"{not json\n"),
+    ],
+)
+def test_no_error_shows_a_server_path(
+    client: TestClient, settings: Settings, filename: str, content: bytes
+) -> None:
+    r = client.post("/api/datasets", files={"file": (filename, content)})
+    assert r.status_code == 422, r.text
+    for leak in (str(settings.home.resolve()), str(settings.datasets_dir), ".incoming"):
+        assert leak not in r.text, (leak, r.text)
+    assert left_behind(settings) == []
