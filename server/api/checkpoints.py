@@ -32,7 +32,9 @@ def byte_range(header: str | None, size: int) -> tuple[int, int] | None:
     """The one range ``bytes=A-B``, ``bytes=A-`` or ``bytes=-N`` a Range header asks of ``size``
     bytes, as ``(start, end)`` with ``end`` excluded; None for the whole file (a server may ignore
     a Range it does not serve, and this one serves no other kind)."""
-    found = re.fullmatch(r"bytes=(\d*)-(\d*)", header or "")
+    # at most 18 digits a side: past that no file is that large, and int() of thousands of
+    # digits is refused by Python (a 500); such a header is ignored like any other we do not serve
+    found = re.fullmatch(r"bytes=(\d{0,18})-(\d{0,18})", header or "")
     if found is None or found[1] == found[2] == "":
         return None
     if found[1] == "":

@@ -13,7 +13,7 @@ from starlette.types import Message
 
 from server.deps import IdPath, SessionDep, SettingsDep, app_settings, caller, current_key
 from server.errors import ApiError, documented
-from server.schemas import DatasetPublic, DatasetsPublic, PreviewPublic, StatsPublic
+from server.schemas import LINE_PATTERN, DatasetPublic, DatasetsPublic, PreviewPublic, StatsPublic
 from server.services import datasets, models
 from server.settings import Settings
 
@@ -111,7 +111,7 @@ async def upload_dataset(
     session: SessionDep,
     settings: SettingsDep,
     file: Annotated[UploadFile, File(description="JSONL, CSV or Parquet")],
-    name: Annotated[str | None, Form(max_length=255)] = None,
+    name: Annotated[str | None, Form(max_length=255, pattern=LINE_PATTERN)] = None,
 ) -> Any:
     """Upload a dataset file; it is validated row by row and kept only if every row is valid."""
     for param, value in (("file", file.filename), ("name", name)):

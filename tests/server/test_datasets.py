@@ -157,6 +157,13 @@ def test_a_nul_byte_in_the_file_name_or_name_is_refused_and_nothing_is_left(
     assert client.get("/api/datasets").json()["data"] == []
 
 
+def test_a_dataset_name_is_one_line(client: TestClient, settings: Settings) -> None:
+    body = multipart(b"train.jsonl", iter([b'{"text": "fine"}\n']), name=b"two\nlines")
+    status, answer, _ = post_asgi(client, body)
+    assert status == 422 and answer["error"]["param"] == "name", answer
+    assert left_behind(settings) == []
+
+
 def test_a_failed_insert_leaves_no_folder(client: TestClient, settings: Settings) -> None:
     with client.app.state.sessions() as session:  # type: ignore[attr-defined]
 
