@@ -6,7 +6,7 @@ and, once used, its session; only SHA-256 hashes of the token and the session co
 
 Revision ID: 0003
 Revises: 0002
-Create Date: 2026-12-04 09:00:00.000000
+Create Date: 2026-12-03 13:00:00.000000
 """
 
 from __future__ import annotations

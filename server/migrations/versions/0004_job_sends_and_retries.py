@@ -8,7 +8,7 @@ sends them once more (a job already claimed ignores the duplicate).
 
 Revision ID: 0004
 Revises: 0003
-Create Date: 2026-12-04 12:00:00.000000
+Create Date: 2026-12-03 13:10:00.000000
 """
 
 from __future__ import annotations
