@@ -241,6 +241,8 @@ class EngineConfig:
         seed: seeds the dropout masks (per iteration, micro-batch and layer).
         initial_loss_scale: float16 compute only: the starting dynamic loss scale (halved on
             an overflow, which skips that step; doubled after 1000 good steps).
+        loss_chunk_tokens: token positions per chunk of the output layer's loss: its logits
+            (forward and backward) never exceed ``loss_chunk_tokens x vocab``.
     """
 
     devices: list[str] = dataclass_field(default_factory=lambda: ["cpu"])
@@ -260,6 +262,7 @@ class EngineConfig:
     calibration_steps: int = 2
     seed: int = 0
     initial_loss_scale: float = 2.0**16
+    loss_chunk_tokens: int = 4096  # engine.model.loss.DEFAULT_LOSS_CHUNK_TOKENS (no torch here)
 
     def __post_init__(self) -> None:
         def bad(name: str, value: Any, want: str) -> ConfigError:
@@ -287,3 +290,7 @@ class EngineConfig:
             raise bad("compute_dtype", self.compute_dtype, f"must be one of {sorted(COMPUTE_DTYPES)}")
         if self.calibration_steps < 0:
             raise bad("calibration_steps", self.calibration_steps, "must be >= 0")
+        if isinstance(self.loss_chunk_tokens, bool) or not (
+            isinstance(self.loss_chunk_tokens, int) and self.loss_chunk_tokens >= 1
+        ):
+            raise bad("loss_chunk_tokens", self.loss_chunk_tokens, "must be an integer >= 1")

@@ -57,7 +57,7 @@ class RoundPipe:
         self.config = config
         self.sink: Sink = sink or NullSink()
         self._sink_lock = threading.Lock()
-        self.adapted = AdaptedModel(hf_model)
+        self.adapted = AdaptedModel(hf_model, loss_chunk_tokens=config.loss_chunk_tokens)
         dropout = uses_dropout(hf_model, self.adapted.config)
         self.devices = [resolve_device(d) for d in config.devices]
         self.dtype = DTYPES[config.compute_dtype]

@@ -22,8 +22,14 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.func import functional_call
 
 from engine.model.families import FAMILIES, FamilySpec, family_for
+from engine.model.loss import (
+    DEFAULT_LOSS_CHUNK_TOKENS,
+    check_chunk_tokens,
+    chunked_causal_lm_loss_sum,
+)
 
 
 class InputLayer(nn.Module):
@@ -38,15 +44,41 @@ class InputLayer(nn.Module):
 
 
 class OutputLayer(nn.Module):
-    """Final norm and LM head: ``hidden [b, s, d] -> logits [b, s, vocab]``."""
+    """Final norm, LM head and the loss: ``hidden [b, s, d], labels [b, s] -> loss sum``.
 
-    def __init__(self, norm: nn.Module, lm_head: nn.Module) -> None:
+    With labels the layer returns the fp32 sum of the next-token cross entropy, computed
+    ``chunk_tokens`` positions at a time (``engine.model.loss``), so no ``[tokens, vocab]``
+    logits are ever held; without labels it returns the logits ``[b, s, vocab]``.
+    """
+
+    def __init__(
+        self, norm: nn.Module, lm_head: nn.Module, *, chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS
+    ) -> None:
         super().__init__()
         self.norm = norm
         self.lm_head = lm_head
+        self.chunk_tokens = check_chunk_tokens(chunk_tokens)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(hidden))  # type: ignore[no-any-return]
+    def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        normed = self.norm(hidden)
+        if labels is None:
+            return self.lm_head(normed)  # type: ignore[no-any-return]
+        # The head runs again in backward (per chunk), after a caller's functional_call has put
+        # the module's own tensors back: bind the ones this forward sees.
+        tensors: dict[str, torch.Tensor] = dict(self.lm_head.named_parameters(remove_duplicate=False))
+        tensors.update(self.lm_head.named_buffers(remove_duplicate=False))
+        lm_head = self.lm_head
+
+        def head(h: torch.Tensor) -> torch.Tensor:
+            return functional_call(lm_head, tensors, (h,), tie_weights=False, strict=False)  # type: ignore[no-any-return]
+
+        return chunked_causal_lm_loss_sum(
+            normed,
+            labels,
+            head,
+            chunk_tokens=self.chunk_tokens,
+            preserve_rng_state=uses_dropout(lm_head, None),
+        )
 
 
 @dataclass
@@ -102,7 +134,7 @@ class AdaptedModel:
         ConfigError: the architecture is not supported (a ``ValueError``).
     """
 
-    def __init__(self, hf_model: nn.Module) -> None:
+    def __init__(self, hf_model: nn.Module, *, loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS) -> None:
         causal_lm, family = _unwrap(hf_model)
         self.hf_model = hf_model
         self.family = family
@@ -115,7 +147,8 @@ class AdaptedModel:
         for i, block in enumerate(blocks):
             self.layers.append(Layer(i + 1, "block", block, family.attention_type(self.config, i)))
         lm_head = attrgetter(family.lm_head)(causal_lm)
-        self.layers.append(Layer(len(blocks) + 1, "output", OutputLayer(norm, lm_head)))
+        output = OutputLayer(norm, lm_head, chunk_tokens=loss_chunk_tokens)
+        self.layers.append(Layer(len(blocks) + 1, "output", output))
         for layer in self.layers:
             for name, p in layer.module.named_parameters(remove_duplicate=False):
                 layer.tensors[name] = p
@@ -163,8 +196,19 @@ class AdaptedModel:
         return Context(masks, position_ids, position_embeddings)
 
 
-def run_layer(layer: Layer, call: Callable[..., Any], x: torch.Tensor, ctx: Context | None) -> torch.Tensor:
-    """Run one layer on ``x``; ``call(*args, **kwargs)`` invokes (a copy of) ``layer.module``."""
+def run_layer(
+    layer: Layer,
+    call: Callable[..., Any],
+    x: torch.Tensor,
+    ctx: Context | None,
+    labels: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Run one layer on ``x``; ``call(*args, **kwargs)`` invokes (a copy of) ``layer.module``.
+
+    The output layer given ``labels`` returns the loss sum, not the logits.
+    """
+    if layer.kind == "output":
+        return call(x) if labels is None else call(x, labels)  # type: ignore[no-any-return]
     if layer.kind != "block":
         return call(x)  # type: ignore[no-any-return]
     if ctx is None:
@@ -178,16 +222,6 @@ def run_layer(layer: Layer, call: Callable[..., Any], x: torch.Tensor, ctx: Cont
         use_cache=False,
     )
     return out[0] if isinstance(out, tuple) else out
-
-
-def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum of the next-token cross entropy over label tokens != -100 (fp32).
-
-    ``logits [b, s, vocab]`` predict ``labels`` shifted by one, as the model's own loss does.
-    """
-    shift_logits = logits[:, :-1, :].float().reshape(-1, logits.shape[-1])
-    shift_labels = labels[:, 1:].reshape(-1).to(shift_logits.device)
-    return nn.functional.cross_entropy(shift_logits, shift_labels, ignore_index=-100, reduction="sum")
 
 
 def count_label_tokens(labels: torch.Tensor) -> int:

@@ -29,7 +29,7 @@ import torch
 from torch.func import functional_call
 
 from engine.errors import Cancelled, EngineError
-from engine.model.adapter import AdaptedModel, Layer, causal_lm_loss_sum, run_layer
+from engine.model.adapter import AdaptedModel, Layer, run_layer
 from engine.parallel.board import Board, Iteration
 from engine.parallel.host import HostState
 from engine.parallel.partition import Stage
@@ -342,15 +342,23 @@ class Worker:
             yield
 
     def _call(
-        self, it: Iteration, mb: int, layer: Layer, params: Params, x: torch.Tensor, ctx: Any
+        self,
+        it: Iteration,
+        mb: int,
+        layer: Layer,
+        params: Params,
+        x: torch.Tensor,
+        ctx: Any,
+        labels: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """Run one layer; the output layer given ``labels`` returns the loss sum (chunked)."""
         module, tensors = self.modules[layer.index], params[layer.index]
 
         def call(*args: Any, **kwargs: Any) -> Any:
             return functional_call(module, tensors, args, kwargs, tie_weights=False, strict=False)
 
         with self._rng(it, mb, layer.index):
-            return run_layer(layer, call, x, ctx)
+            return run_layer(layer, call, x, ctx, labels)
 
     def _context(self, it: Iteration, mb: int, hidden: torch.Tensor) -> Any:
         am = it.microbatches[mb].attention_mask
@@ -377,12 +385,16 @@ class Worker:
         """The fused stage of an evaluation: its layers and the loss, no backward."""
         layers = self.context.model.layers
         ctx = None if stage.start == 0 else self._context(it, mb, x)
+        labels = self.link.upload(it.microbatches[mb].labels)
         with torch.no_grad():
             for i in stage.layers:
-                x = self._call(it, mb, layers[i], params, x, ctx)
+                # the output layer (last) returns the loss sum
+                x = self._call(
+                    it, mb, layers[i], params, x, ctx, labels if layers[i].kind == "output" else None
+                )
                 if ctx is None:
                     ctx = self._context(it, mb, x)
-            return causal_lm_loss_sum(x, self.link.upload(it.microbatches[mb].labels))
+            return x
 
     def _backward(
         self,
@@ -396,11 +408,15 @@ class Worker:
         layers = self.context.model.layers
         ctx = None if stage.start == 0 else self._context(it, mb, x)
         saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+        labels = self.link.upload(it.microbatches[mb].labels) if stage.kind == "fused" else None
         with torch.enable_grad():
             for i in stage.layers:
                 t0 = time.perf_counter() if it.profile else 0.0
                 inp = x if i == 0 else x.detach().requires_grad_(self._needs_input_grad(i))
-                x = self._call(it, mb, layers[i], params, inp, ctx)
+                # the fused stage's output layer (last) returns the loss sum, chunk by chunk
+                x = self._call(
+                    it, mb, layers[i], params, inp, ctx, labels if layers[i].kind == "output" else None
+                )
                 if it.profile:
                     self._record(it.layer_fwd_s, i, self._elapsed(t0))
                 if ctx is None:
@@ -408,8 +424,7 @@ class Worker:
                 saved.append((inp, x))
             loss_sum = None
             if stage.kind == "fused":
-                labels = self.link.upload(it.microbatches[mb].labels)
-                loss_sum = causal_lm_loss_sum(x, labels)
+                loss_sum = x
                 top: torch.Tensor | None = loss_sum * (self.board.scale_for(it) / it.total_tokens)
                 grad: torch.Tensor | None = None
             else:

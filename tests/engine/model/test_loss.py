@@ -1,0 +1,163 @@
+"""The chunked output-layer loss: the unchunked loss and gradients, without full logits."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch.func import functional_call
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from engine import EngineConfig
+from engine.errors import ConfigError
+from engine.model.adapter import AdaptedModel, OutputLayer
+from engine.model.loss import (
+    DEFAULT_LOSS_CHUNK_TOKENS,
+    causal_lm_loss_sum,
+    check_chunk_tokens,
+    chunked_causal_lm_loss_sum,
+)
+from tests.engine.tiny import tiny_model
+
+TOL = 1e-5
+
+
+class LargestOutput(TorchDispatchMode):
+    """Records the largest numel of any tensor an op produces."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, tuple | list) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def _inputs(
+    b: int, s: int, d: int, vocab: int, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.nn.Linear]:
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(b, s, d, generator=g)
+    labels = torch.randint(0, vocab, (b, s), generator=g)
+    labels[0, : s // 2] = -100  # a prompt
+    labels[-1, -3:] = -100  # padding
+    head = torch.nn.Linear(d, vocab, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(vocab, d, generator=g) * 0.1)
+    return hidden, labels, head
+
+
+def _loss_and_grads(
+    hidden: torch.Tensor, labels: torch.Tensor, head: torch.nn.Linear, chunk: int | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    head.zero_grad()
+    h = hidden.clone().requires_grad_(True)
+    if chunk is None:
+        loss = causal_lm_loss_sum(head(h), labels)
+    else:
+        loss = chunked_causal_lm_loss_sum(h, labels, head, chunk_tokens=chunk)
+    loss.backward()
+    assert h.grad is not None and head.weight.grad is not None
+    return loss.detach(), h.grad, head.weight.grad.clone()
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 11, 22, 7, 1000])  # 2 x 11 = 22 positions
+def test_chunked_equals_unchunked(chunk: int) -> None:
+    hidden, labels, head = _inputs(2, 12, 16, 50)
+    ref = _loss_and_grads(hidden, labels, head, None)
+    got = _loss_and_grads(hidden, labels, head, chunk)
+    assert torch.allclose(got[0], ref[0], rtol=TOL, atol=TOL), (got[0], ref[0])
+    for a, b in zip(got[1:], ref[1:], strict=True):
+        assert (a - b).abs().max().item() < TOL
+
+
+def test_all_ignored_and_single_position() -> None:
+    hidden, labels, head = _inputs(2, 6, 8, 20)
+    labels[:] = -100
+    assert chunked_causal_lm_loss_sum(hidden, labels, head, chunk_tokens=4).item() == 0.0
+    one = chunked_causal_lm_loss_sum(hidden[:, :1], labels[:, :1], head, chunk_tokens=4)
+    assert one.item() == 0.0
+
+
+def test_no_grad_matches() -> None:
+    hidden, labels, head = _inputs(3, 9, 8, 30)
+    with torch.no_grad():
+        ref = causal_lm_loss_sum(head(hidden), labels)
+        got = chunked_causal_lm_loss_sum(hidden, labels, head, chunk_tokens=4)
+    assert torch.allclose(got, ref, rtol=TOL, atol=TOL)
+
+
+def test_peak_intermediate_is_bounded_by_the_chunk() -> None:
+    b, s, d, vocab, chunk = 2, 64, 8, 1000, 16
+    hidden, labels, head = _inputs(b, s, d, vocab)
+
+    def largest(chunk_tokens: int | None) -> int:
+        h = hidden.clone().requires_grad_(True)
+        with LargestOutput() as mode:
+            if chunk_tokens is None:
+                loss = causal_lm_loss_sum(head(h), labels)
+            else:
+                loss = chunked_causal_lm_loss_sum(h, labels, head, chunk_tokens=chunk_tokens)
+            loss.backward()
+        return mode.largest
+
+    assert largest(None) >= b * (s - 1) * vocab
+    assert largest(chunk) <= chunk * vocab
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_output_layer_matches_the_model(tied: bool) -> None:
+    model = tiny_model("llama", tied=tied)
+    adapted = AdaptedModel(model, loss_chunk_tokens=5)
+    out = adapted.layers[-1].module
+    assert isinstance(out, OutputLayer) and out.chunk_tokens == 5
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(2, 7, model.config.hidden_size, generator=g)
+    labels = torch.randint(0, model.config.vocab_size, (2, 7), generator=g)
+    labels[1, :3] = -100
+
+    def run(chunked: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        model.zero_grad()
+        h = hidden.clone().requires_grad_(True)
+        loss = out(h, labels) if chunked else causal_lm_loss_sum(out(h), labels)
+        loss.backward()
+        assert h.grad is not None and model.lm_head.weight.grad is not None
+        return loss.detach(), h.grad, model.lm_head.weight.grad.clone()
+
+    ref, got = run(False), run(True)
+    for a, b in zip(got, ref, strict=True):
+        assert (a - b).abs().max().item() < TOL
+
+
+def test_chunk_size_is_validated() -> None:
+    assert EngineConfig().loss_chunk_tokens == DEFAULT_LOSS_CHUNK_TOKENS
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ConfigError) as err:
+            EngineConfig(loss_chunk_tokens=bad)  # type: ignore[arg-type]
+        assert err.value.field == "EngineConfig.loss_chunk_tokens"
+        assert "loss_chunk_tokens" in str(err.value)
+        with pytest.raises(ConfigError, match="loss_chunk_tokens"):
+            check_chunk_tokens(bad)  # type: ignore[arg-type]
+
+
+def test_backward_after_functional_call_uses_the_bound_tensors() -> None:
+    # the executor calls the output layer through functional_call on a meta-tensor copy; the
+    # chunks' recompute runs in backward, after functional_call has put the meta tensors back
+    model = tiny_model("llama", tied=False)
+    out = AdaptedModel(model, loss_chunk_tokens=4).layers[-1].module
+    meta = copy.deepcopy(out).to("meta")
+    tensors = {k: v.detach().clone().requires_grad_(True) for k, v in out.state_dict(keep_vars=True).items()}
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn(2, 6, model.config.hidden_size, generator=g, requires_grad=True)
+    labels = torch.randint(0, model.config.vocab_size, (2, 6), generator=g)
+    loss = functional_call(meta, tensors, (hidden, labels), tie_weights=False, strict=False)
+    loss.backward()
+    ref = causal_lm_loss_sum(functional_call(out, tensors, (hidden.detach(),)), labels)
+    assert torch.allclose(loss, ref, rtol=TOL, atol=TOL)
+    assert tensors["lm_head.weight"].grad is not None and hidden.grad is not None
