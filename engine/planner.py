@@ -143,7 +143,16 @@ class Shape:
 
     def lora_params(self, rank: int, targets: tuple[str, ...]) -> int:
         """Trainable parameters of one block's LoRA adapters."""
-        return sum(rank * (a + b) for name, (a, b) in self.linears().items() if name in targets)
+        h, q, kv, i = (
+            self.hidden,
+            self.heads * self.head_dim,
+            self.kv_heads * self.head_dim,
+            self.intermediate,
+        )
+        # families that fuse projections (Phi3: qkv_proj and gate_up_proj; GLM-4: gate_up_proj)
+        fused = {"qkv_proj": (h, q + 2 * kv), "gate_up_proj": (h, 2 * i)}
+        sizes = self.linears() | fused
+        return sum(rank * (a + b) for name, (a, b) in sizes.items() if name in targets)
 
 
 def _size(key: str, value: Any) -> int:

@@ -25,6 +25,7 @@ from engine.data.encode import Encoded, load_encoded
 from engine.errors import Cancelled, ConfigError
 from engine.metrics import NullSink, Sink
 from engine.model.export import save_export
+from engine.model.families import DEFAULT_LORA_TARGETS, family_for
 from engine.model.loading import load_model, load_tokenizer, resolve_model_path
 from engine.roundpipe import RoundPipe
 
@@ -148,17 +149,19 @@ class Run:
             return model
         from peft import LoraConfig, get_peft_model
 
+        targets = list(m.target_modules)
+        if tuple(targets) == tuple(DEFAULT_LORA_TARGETS):  # the default: the family's own linears
+            targets = list(family_for(type(model).__name__).lora_targets)
         lora = LoraConfig(
             r=m.lora_r,
             lora_alpha=m.lora_alpha,  # type: ignore[arg-type]  # peft accepts floats
             lora_dropout=m.lora_dropout,
-            target_modules=list(m.target_modules),
+            target_modules=targets,
             task_type="CAUSAL_LM",
         )
         try:
             return get_peft_model(model, lora)
         except ValueError as exc:
-            targets = list(m.target_modules)
             raise ConfigError(
                 "method.target_modules", f"method.target_modules={targets}: {exc}", value=targets
             ) from exc

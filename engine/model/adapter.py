@@ -33,14 +33,19 @@ from engine.model.loss import (
 
 
 class InputLayer(nn.Module):
-    """Token embeddings: ``input_ids [b, s] -> hidden [b, s, d]``."""
+    """Token embeddings: ``input_ids [b, s] -> hidden [b, s, d]``.
 
-    def __init__(self, embed_tokens: nn.Module) -> None:
+    With a ``multiplier`` (Granite) the embeddings are multiplied by it, as the model does.
+    """
+
+    def __init__(self, embed_tokens: nn.Module, *, multiplier: float | None = None) -> None:
         super().__init__()
         self.embed_tokens = embed_tokens
+        self.multiplier = multiplier
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)  # type: ignore[no-any-return]
+        hidden: torch.Tensor = self.embed_tokens(input_ids)
+        return hidden if self.multiplier is None else hidden * self.multiplier
 
 
 class OutputLayer(nn.Module):
@@ -48,21 +53,31 @@ class OutputLayer(nn.Module):
 
     With labels the layer returns the fp32 sum of the next-token cross entropy, computed
     ``chunk_tokens`` positions at a time (``engine.model.loss``), so no ``[tokens, vocab]``
-    logits are ever held; without labels it returns the logits ``[b, s, vocab]``.
+    logits are ever held; without labels it returns the logits ``[b, s, vocab]``. With a
+    ``logits_divisor`` (Granite's ``logits_scaling``) the logits are divided by it, as the model
+    does.
     """
 
     def __init__(
-        self, norm: nn.Module, lm_head: nn.Module, *, chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS
+        self,
+        norm: nn.Module,
+        lm_head: nn.Module,
+        *,
+        chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS,
+        logits_divisor: float | None = None,
     ) -> None:
         super().__init__()
         self.norm = norm
         self.lm_head = lm_head
         self.chunk_tokens = check_chunk_tokens(chunk_tokens)
+        self.logits_divisor = logits_divisor
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         normed = self.norm(hidden)
+        divisor = self.logits_divisor
         if labels is None:
-            return self.lm_head(normed)  # type: ignore[no-any-return]
+            logits: torch.Tensor = self.lm_head(normed)
+            return logits if divisor is None else logits / divisor
         # The head runs again in backward (per chunk), after a caller's functional_call has put
         # the module's own tensors back: bind the ones this forward sees.
         tensors: dict[str, torch.Tensor] = dict(self.lm_head.named_parameters(remove_duplicate=False))
@@ -70,7 +85,8 @@ class OutputLayer(nn.Module):
         lm_head = self.lm_head
 
         def head(h: torch.Tensor) -> torch.Tensor:
-            return functional_call(lm_head, tensors, (h,), tie_weights=False, strict=False)  # type: ignore[no-any-return]
+            logits: torch.Tensor = functional_call(lm_head, tensors, (h,), tie_weights=False, strict=False)
+            return logits if divisor is None else logits / divisor
 
         return chunked_causal_lm_loss_sum(
             normed,
@@ -143,11 +159,13 @@ class AdaptedModel:
         self.rotary: nn.Module = attrgetter(family.rotary)(causal_lm)
         blocks = list(attrgetter(family.blocks)(causal_lm)[: self.config.num_hidden_layers])
         embeddings, norm = attrgetter(family.embeddings, family.norm)(causal_lm)
-        self.layers: list[Layer] = [Layer(0, "input", InputLayer(embeddings))]
+        multiplier = self._config_float(family.embedding_multiplier)
+        self.layers: list[Layer] = [Layer(0, "input", InputLayer(embeddings, multiplier=multiplier))]
         for i, block in enumerate(blocks):
             self.layers.append(Layer(i + 1, "block", block, family.attention_type(self.config, i)))
         lm_head = attrgetter(family.lm_head)(causal_lm)
-        output = OutputLayer(norm, lm_head, chunk_tokens=loss_chunk_tokens)
+        divisor = self._config_float(family.logits_divisor)
+        output = OutputLayer(norm, lm_head, chunk_tokens=loss_chunk_tokens, logits_divisor=divisor)
         self.layers.append(Layer(len(blocks) + 1, "output", output))
         for layer in self.layers:
             for name, p in layer.module.named_parameters(remove_duplicate=False):
@@ -155,6 +173,15 @@ class AdaptedModel:
             for name, b in layer.module.named_buffers(remove_duplicate=False):
                 layer.tensors[name] = b
         self.attention_types = sorted({layer.attention_type for layer in self.layers[1:-1]})
+
+    def _config_float(self, attribute: str | None) -> float | None:
+        """The value of a config attribute a family's spec names (None when it names none)."""
+        if attribute is None:
+            return None
+        value = getattr(self.config, attribute, None)
+        if not isinstance(value, int | float):
+            raise RuntimeError(f"{self.architecture}: config.{attribute}={value!r} is not a number")
+        return value
 
     @property
     def num_layers(self) -> int:

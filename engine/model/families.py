@@ -3,7 +3,9 @@
 A spec says where the adapter finds the parts of a ``*ForCausalLM`` (embeddings, decoder
 blocks, final norm, rotary embedding, LM head), which attention mask each block gets, and which
 linear layers LoRA adapts by default. The families supported today share the Llama skeleton,
-so adding another Llama-shaped family is one line in ``FAMILIES``. No torch import here.
+so adding another Llama-shaped family is one line in ``FAMILIES``; what a family does outside
+its decoder blocks besides the Llama steps (Granite scales the embeddings and divides the
+logits) is a config attribute named in its spec. No torch import here.
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ from engine.errors import ConfigError
 
 # the attention and MLP projections of a Llama-shaped decoder block
 LLAMA_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# GLM-4 fuses the MLP's gate and up projections; Phi-3 also fuses q/k/v
+GLM4_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj")
+PHI3_LINEAR = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 def config_attention_type(config: Any, block_index: int) -> str:
@@ -44,6 +49,10 @@ class FamilySpec:
         lora_targets: the module names LoRA adapts when a run names none.
         attention_type: ``attention_type(config, block_index)``: the attention kind
             (``"full_attention"`` or ``"sliding_attention"``) of a block, which picks its mask.
+        embedding_multiplier: the config attribute the token embeddings are multiplied by
+            before the first block (Granite's ``embedding_multiplier``), or None.
+        logits_divisor: the config attribute the LM head's logits are divided by (Granite's
+            ``logits_scaling``), or None.
     """
 
     architecture: str
@@ -54,6 +63,8 @@ class FamilySpec:
     lm_head: str = "lm_head"
     lora_targets: tuple[str, ...] = LLAMA_LINEAR
     attention_type: Callable[[Any, int], str] = config_attention_type
+    embedding_multiplier: str | None = None
+    logits_divisor: str | None = None
 
 
 FAMILIES: dict[str, FamilySpec] = {
@@ -63,11 +74,19 @@ FAMILIES: dict[str, FamilySpec] = {
         FamilySpec("Qwen2ForCausalLM"),
         FamilySpec("Qwen3ForCausalLM"),
         FamilySpec("MistralForCausalLM"),
+        FamilySpec("SmolLM3ForCausalLM"),
+        FamilySpec("Glm4ForCausalLM", lora_targets=GLM4_LINEAR),
+        FamilySpec("Olmo2ForCausalLM"),
+        FamilySpec("Phi3ForCausalLM", lora_targets=PHI3_LINEAR),
+        FamilySpec(
+            "GraniteForCausalLM", embedding_multiplier="embedding_multiplier", logits_divisor="logits_scaling"
+        ),
     )
 }
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 # LoRA's default targets in a run configuration, before the model (and its family) is known:
-# every supported family has the Llama block layout
+# the Llama block layout (a family with fused projections, GLM-4 or Phi-3, has its own
+# ``lora_targets``)
 DEFAULT_LORA_TARGETS = LLAMA_LINEAR
 
 

@@ -232,6 +232,30 @@ def test_lora_trains_only_the_adapter_like_the_plain_loop(batches) -> None:
             assert changed == ("lora_" in k), k
 
 
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f not in ("llama", "qwen2", "qwen3", "mistral")])
+def test_lora_on_the_family_default_targets_matches_the_plain_loop(family: str, batches) -> None:
+    from peft import LoraConfig, get_peft_model
+
+    from engine.model.families import family_for
+
+    base = tiny_model(family)
+    targets = list(family_for(type(base).__name__).lora_targets)
+    lora = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets))
+    adapted = {n.split(".lora_A")[0].rsplit(".", 1)[-1] for n, _ in lora.named_parameters() if "lora_A" in n}
+    assert adapted == set(targets)
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.02, generator=torch.Generator().manual_seed(len(name)))
+    ref_losses, ref_state = plain_loop(lora, batches, sgd)
+    config = EngineConfig(
+        devices=["cpu", "cpu"], num_microbatches=3, optimizer="sgd", lr=0.1, partition=SPLIT_PLAN
+    )
+    losses, state, _ = engine_loop(lora, batches, config)
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)) < SGD_TOL
+    assert max_diff(state, ref_state) < SGD_TOL
+
+
 def test_bf16_compute_stays_close_to_fp32(batches) -> None:
     model = tiny_model("qwen3")
     fp32 = EngineConfig(devices=["cpu", "cpu"], num_microbatches=3, optimizer="sgd", lr=0.1)

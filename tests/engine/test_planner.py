@@ -44,6 +44,20 @@ def test_lora_trainable_count_matches_peft() -> None:
     assert shape.layers * shape.lora_params(4, targets) == trainable
 
 
+@pytest.mark.parametrize("family", ["phi3", "glm4"])
+def test_lora_count_of_fused_projections_matches_peft(family: str) -> None:
+    from peft import LoraConfig, get_peft_model
+
+    from engine.model.families import family_for
+
+    model = tiny_model(family)
+    shape = Shape.from_config(model.config.to_dict())
+    targets = family_for(type(model).__name__).lora_targets
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=list(targets)))
+    trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+    assert shape.layers * shape.lora_params(4, tuple(targets)) == trainable
+
+
 def test_host_optimizer_bytes_match_the_engine_after_a_step() -> None:
     model = tiny_model("llama")
     config = model.config.to_dict()

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import torch
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "smollm3", "glm4", "olmo2", "phi3", "granite")
 VOCAB = 96
 # a hand-made plan for 3 blocks (5 layers): two forward stages, a fused stage of two layers
 # (top block + output layer) and two backward stages that recompute
@@ -17,14 +17,24 @@ SPLIT_PLAN = {"forward": [2, 1], "fused": 2, "backward": [1, 2]}
 def tiny_model(family: str, *, blocks: int = 3, tied: bool | None = None, seed: int = 0, **extra: object):
     """A ~100k-parameter model of one family (dim 32, 4 heads, 2 KV heads)."""
     from transformers import (
+        Glm4Config,
+        Glm4ForCausalLM,
+        GraniteConfig,
+        GraniteForCausalLM,
         LlamaConfig,
         LlamaForCausalLM,
         MistralConfig,
         MistralForCausalLM,
+        Olmo2Config,
+        Olmo2ForCausalLM,
+        Phi3Config,
+        Phi3ForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
         Qwen3Config,
         Qwen3ForCausalLM,
+        SmolLM3Config,
+        SmolLM3ForCausalLM,
     )
 
     common: dict[str, object] = dict(
@@ -36,19 +46,43 @@ def tiny_model(family: str, *, blocks: int = 3, tied: bool | None = None, seed: 
         num_key_value_heads=2,
         max_position_embeddings=64,
     )
-    # tie the embeddings of the Qwen families (as their small checkpoints do) unless told
-    common["tie_word_embeddings"] = tied if tied is not None else family in ("qwen2", "qwen3")
+    if family in ("smollm3", "glm4", "olmo2", "phi3", "granite"):
+        # their configs' default special token ids lie outside the tiny vocabulary
+        common.update(pad_token_id=None, bos_token_id=1, eos_token_id=2)
+    # tie the embeddings of the families whose small checkpoints do, unless told
+    tied_families = ("qwen2", "qwen3", "smollm3", "granite")
+    common["tie_word_embeddings"] = tied if tied is not None else family in tied_families
     if family == "mistral":
         common["sliding_window"] = 8  # shorter than the test sequences: exercises the sliding mask
     if family == "qwen2":
         # alternate attention types: the lowest block full, the others with a sliding window
         common.update(use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    if family == "smollm3":
+        # the top block without rotary embedding (NoPE) and, as SmolLM3 pairs them, sliding
+        common.update(no_rope_layers=[1, 1, 0][:blocks], use_sliding_window=True, sliding_window=8)
+    if family == "glm4":
+        # head_dim: the config's default is 128. No attention bias: with GLM-4's half rotary the
+        # unrotated half of k_proj.bias has a gradient that is exactly zero but for rounding
+        # (~1e-11), which AdamW blows up into steps of lr; q/k/v biases are covered by qwen2.
+        common.update(head_dim=8, attention_bias=False)
+    if family == "phi3":
+        common["sliding_window"] = 8  # every block sliding
+    if family == "granite":
+        # away from 1.0, so a scale the engine forgot shows up in the weights
+        common.update(
+            embedding_multiplier=2.5, residual_multiplier=0.5, attention_multiplier=0.3, logits_scaling=4.0
+        )
     common.update(extra)
     cls = {
         "llama": (LlamaConfig, LlamaForCausalLM),
         "qwen2": (Qwen2Config, Qwen2ForCausalLM),
         "qwen3": (Qwen3Config, Qwen3ForCausalLM),
         "mistral": (MistralConfig, MistralForCausalLM),
+        "smollm3": (SmolLM3Config, SmolLM3ForCausalLM),
+        "glm4": (Glm4Config, Glm4ForCausalLM),
+        "olmo2": (Olmo2Config, Olmo2ForCausalLM),
+        "phi3": (Phi3Config, Phi3ForCausalLM),
+        "granite": (GraniteConfig, GraniteForCausalLM),
     }[family]
     torch.manual_seed(seed)
     model = cls[1](cls[0](**common))
