@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -84,6 +85,14 @@ def evaluate(engine: RoundPipe, examples: list[Encoded], batch_size: int, pad_id
     return total / max(tokens, 1)
 
 
+def lora_targets(configured: Sequence[str], architecture: str) -> list[str]:
+    """The modules LoRA adapts: those configured, or the family's own when the run kept the
+    default (families that fuse projections, e.g. Phi-3's ``qkv_proj``, name them differently)."""
+    if tuple(configured) == tuple(DEFAULT_LORA_TARGETS):
+        return list(family_for(architecture).lora_targets)
+    return list(configured)
+
+
 class Run:
     """The objects of one run; ``train()`` drives it."""
 
@@ -149,9 +158,7 @@ class Run:
             return model
         from peft import LoraConfig, get_peft_model
 
-        targets = list(m.target_modules)
-        if tuple(targets) == tuple(DEFAULT_LORA_TARGETS):  # the default: the family's own linears
-            targets = list(family_for(type(model).__name__).lora_targets)
+        targets = lora_targets(m.target_modules, type(model).__name__)
         lora = LoraConfig(
             r=m.lora_r,
             lora_alpha=m.lora_alpha,  # type: ignore[arg-type]  # peft accepts floats

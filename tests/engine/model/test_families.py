@@ -90,3 +90,13 @@ def test_a_llama_shaped_family_is_one_entry(monkeypatch: pytest.MonkeyPatch) -> 
     adapted = AdaptedModel(model)
     assert adapted.architecture == "HouseForCausalLM"
     assert [layer.kind for layer in adapted.layers] == ["input", "block", "block", "block", "output"]
+
+
+def test_a_run_with_the_default_targets_adapts_its_family_s_linears() -> None:
+    from engine.model.families import DEFAULT_LORA_TARGETS, FAMILIES
+    from engine.run import lora_targets
+
+    phi3 = FAMILIES["Phi3ForCausalLM"].lora_targets
+    assert "qkv_proj" in phi3 and lora_targets(DEFAULT_LORA_TARGETS, "Phi3ForCausalLM") == list(phi3)
+    assert lora_targets(DEFAULT_LORA_TARGETS, "LlamaForCausalLM") == list(DEFAULT_LORA_TARGETS)
+    assert lora_targets(["o_proj"], "Phi3ForCausalLM") == ["o_proj"]  # what a run names is kept
