@@ -42,7 +42,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from importlib import metadata
@@ -57,7 +56,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.utils import Process, answers, child_env, free_port, roundhouse  # noqa: E402
+from tests.utils import Process, answers, child_env, free_port, postgres_database, roundhouse  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 POSTGRES_ADMIN = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
@@ -237,20 +236,8 @@ def database(kind: str, folder: Path) -> Iterator[str]:
     if kind == "sqlite":
         yield f"sqlite:///{folder / 'roundhouse.db'}"
         return
-    from sqlalchemy import create_engine, text
-    from sqlalchemy.engine import make_url
-
-    admin_url = make_url(POSTGRES_ADMIN)
-    name = f"roundhouse_bench_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(admin_url, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    try:
-        yield admin_url.set(database=name).render_as_string(hide_password=False)
-    finally:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
+    with postgres_database(POSTGRES_ADMIN, prefix="roundhouse_bench") as url:
+        yield url
 
 
 def run(kind: str, folder: Path, n: int) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from server.app import create_app
 from server.settings import Settings
 from tests.engine.tiny import tiny_model_folder
 from tests.utils import Process, answers, child_env, roundhouse
+from tests.utils import postgres_database as temporary_postgres
 
 POSTGRES_ADMIN = os.environ.get(
     "ROUNDHOUSE_TEST_POSTGRES", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
@@ -24,23 +25,14 @@ POSTGRES_ADMIN = os.environ.get(
 
 @contextlib.contextmanager
 def postgres_database() -> Iterator[str]:
-    """A fresh PostgreSQL database for one test, dropped afterwards."""
-    from sqlalchemy import create_engine, text
+    """A fresh PostgreSQL database for one test, dropped afterwards (skips without a server)."""
     from sqlalchemy.engine import make_url
 
     admin_url = make_url(POSTGRES_ADMIN)
     if not answers(admin_url.host or "127.0.0.1", admin_url.port or 5432):
         pytest.skip(f"no PostgreSQL server at {admin_url.host}:{admin_url.port}")
-    name = f"roundhouse_test_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(admin_url, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    try:
-        yield admin_url.set(database=name).render_as_string(hide_password=False)
-    finally:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
+    with temporary_postgres(POSTGRES_ADMIN) as url:
+        yield url
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

@@ -1,5 +1,6 @@
 """Helpers shared by the tests and the benchmarks (``bench/`` imports them too)."""
 
+from tests.utils.databases import postgres_database
 from tests.utils.processes import (
     LOGIN_LINE,
     ROOT,
@@ -10,4 +11,13 @@ from tests.utils.processes import (
     roundhouse,
 )
 
-__all__ = ["LOGIN_LINE", "ROOT", "Process", "answers", "child_env", "free_port", "roundhouse"]
+__all__ = [
+    "LOGIN_LINE",
+    "ROOT",
+    "Process",
+    "answers",
+    "child_env",
+    "free_port",
+    "postgres_database",
+    "roundhouse",
+]
