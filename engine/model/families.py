@@ -37,6 +37,26 @@ def config_attention_type(config: Any, block_index: int) -> str:
     return "full_attention"
 
 
+def qwen3_moe_dense_blocks(config: Any) -> frozenset[int]:
+    """Qwen3-MoE: blocks in ``mlp_only_layers`` or off the ``decoder_sparse_step`` are dense."""
+    step = int(_get(config, "decoder_sparse_step", 1) or 1)
+    only = set(_get(config, "mlp_only_layers", None) or ())
+    blocks = int(_get(config, "num_hidden_layers", 0))
+    return frozenset(i for i in range(blocks) if i in only or (i + 1) % step != 0)
+
+
+def deepseek_dense_blocks(config: Any) -> frozenset[int]:
+    """DeepSeek-V3: the first ``first_k_dense_replace`` blocks are dense."""
+    return frozenset(range(int(_get(config, "first_k_dense_replace", 0) or 0)))
+
+
+def _get(config: Any, name: str, default: Any = None) -> Any:
+    """An attribute of a config object or a key of a ``config.json`` dict."""
+    if isinstance(config, dict):
+        return config.get(name, default)
+    return getattr(config, name, default)
+
+
 @dataclass(frozen=True)
 class FamilySpec:
     """What the adapter needs to know about one family of causal LMs.
@@ -65,6 +85,33 @@ class FamilySpec:
     attention_type: Callable[[Any, int], str] = config_attention_type
     embedding_multiplier: str | None = None
     logits_divisor: str | None = None
+    moe: MoeSpec | None = None
+
+
+@dataclass(frozen=True)
+class MoeSpec:
+    """Where a mixture-of-experts family keeps its expert facts.
+
+    Attributes:
+        experts: the config attribute with the number of routed experts per MoE block.
+        active: the config attribute with the experts each token is routed to.
+        expert_intermediate: the config attribute with one expert's MLP width.
+        router: the class name of the router module; its forward returns the router logits
+            first (what the auxiliary load-balancing loss is computed from).
+        aux_loss: whether the family's ``*ForCausalLM`` adds the load-balancing loss
+            (``router_aux_loss_coef``) when asked for router logits.
+        shared_experts: the config attribute with the number of always-active shared experts
+            (DeepSeek-V3), or None.
+        dense_blocks: ``dense_blocks(config)``: indexes of the decoder blocks whose MLP is dense.
+    """
+
+    experts: str
+    active: str = "num_experts_per_tok"
+    expert_intermediate: str = "moe_intermediate_size"
+    router: str = ""
+    aux_loss: bool = True
+    shared_experts: str | None = None
+    dense_blocks: Callable[[Any], frozenset[int]] = lambda config: frozenset()
 
 
 FAMILIES: dict[str, FamilySpec] = {
@@ -81,6 +128,26 @@ FAMILIES: dict[str, FamilySpec] = {
         FamilySpec(
             "GraniteForCausalLM", embedding_multiplier="embedding_multiplier", logits_divisor="logits_scaling"
         ),
+        FamilySpec(
+            "Qwen3MoeForCausalLM",
+            moe=MoeSpec("num_experts", router="Qwen3MoeTopKRouter", dense_blocks=qwen3_moe_dense_blocks),
+        ),
+        FamilySpec(
+            "GptOssForCausalLM",
+            moe=MoeSpec(
+                "num_local_experts", expert_intermediate="intermediate_size", router="GptOssTopKRouter"
+            ),
+        ),
+        FamilySpec(
+            "DeepseekV3ForCausalLM",
+            moe=MoeSpec(
+                "n_routed_experts",
+                router="DeepseekV3TopkRouter",
+                aux_loss=False,
+                shared_experts="n_shared_experts",
+                dense_blocks=deepseek_dense_blocks,
+            ),
+        ),
     )
 }
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
@@ -88,6 +155,64 @@ SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 # the Llama block layout (a family with fused projections, GLM-4 or Phi-3, has its own
 # ``lora_targets``)
 DEFAULT_LORA_TARGETS = LLAMA_LINEAR
+
+
+# a Qwen3-MoE config.json may name its expert count either way (``num_experts`` is an alias)
+_ALIASES = {"num_experts": "num_local_experts"}
+
+
+@dataclass(frozen=True)
+class ModelKind:
+    """What a model folder's ``config.json`` says about its family, for listings and planning.
+
+    ``supported`` is False with a ``reason`` when the engine cannot train it.
+    """
+
+    architecture: str | None
+    supported: bool
+    reason: str | None = None
+    moe: bool = False
+    experts: int | None = None
+    active_experts: int | None = None
+    shared_experts: int = 0
+    expert_intermediate: int | None = None
+    dense_blocks: frozenset[int] = frozenset()
+
+
+def model_kind(config: Any) -> ModelKind:
+    """The family facts of a model config (a ``config.json`` dict or a config object)."""
+    archs = _get(config, "architectures", None) or []
+    if not archs:
+        return ModelKind(None, False, "config.json names no architecture")
+    spec = FAMILIES.get(archs[0])
+    if spec is None:
+        return ModelKind(
+            archs[0],
+            False,
+            f"unsupported architecture {archs[0]}: the engine supports {', '.join(SUPPORTED_ARCHITECTURES)}",
+        )
+    moe = spec.moe
+    if moe is None:
+        return ModelKind(spec.architecture, True)
+
+    def number(name: str | None) -> int | None:
+        if name is None:
+            return None
+        value = _get(config, name, None)
+        if value is None and name in _ALIASES:
+            value = _get(config, _ALIASES[name], None)
+        return None if value is None else int(value)
+
+    return ModelKind(
+        spec.architecture,
+        True,
+        moe=True,
+        experts=number(moe.experts),
+        active_experts=number(moe.active),
+        shared_experts=number(moe.shared_experts) or 0,
+        expert_intermediate=number(moe.expert_intermediate),
+        dense_blocks=moe.dense_blocks(config),
+    )
 
 
 def family_for(architecture: str) -> FamilySpec:
