@@ -72,6 +72,12 @@ class HyperSpec(_Strict):
     weight_decay: float = Field(0.0, ge=0, le=10)
     max_grad_norm: float | None = Field(1.0, gt=0, le=1e6)
     optimizer: str = Field("adamw", json_schema_extra={"enum": list(optimizer_names())})
+    router_aux_loss: bool = Field(
+        False, description="mixture-of-experts models: add the routers' load-balancing loss"
+    )
+    router_aux_loss_coef: float | None = Field(
+        None, ge=0, le=1000, description="its weight (default: the model config's router_aux_loss_coef)"
+    )
     seed: int = Field(0, ge=0, le=MAX_SEED)
 
     @field_validator("optimizer", mode="before")
@@ -243,6 +249,10 @@ class EngineConfig:
             an overflow, which skips that step; doubled after 1000 good steps).
         loss_chunk_tokens: token positions per chunk of the output layer's loss: its logits
             (forward and backward) never exceed ``loss_chunk_tokens x vocab``.
+        router_aux_loss: a mixture-of-experts model adds its routers' load-balancing loss, as
+            its own ``forward`` does when asked for router logits (``engine.model.router``).
+        router_aux_loss_coef: that loss's weight (None: the model config's
+            ``router_aux_loss_coef``).
     """
 
     devices: list[str] = dataclass_field(default_factory=lambda: ["cpu"])
@@ -263,6 +273,8 @@ class EngineConfig:
     seed: int = 0
     initial_loss_scale: float = 2.0**16
     loss_chunk_tokens: int = 4096  # engine.model.loss.DEFAULT_LOSS_CHUNK_TOKENS (no torch here)
+    router_aux_loss: bool = False
+    router_aux_loss_coef: float | None = None
 
     def __post_init__(self) -> None:
         def bad(name: str, value: Any, want: str) -> ConfigError:
@@ -294,3 +306,8 @@ class EngineConfig:
             isinstance(self.loss_chunk_tokens, int) and self.loss_chunk_tokens >= 1
         ):
             raise bad("loss_chunk_tokens", self.loss_chunk_tokens, "must be an integer >= 1")
+        coef = self.router_aux_loss_coef
+        if coef is not None and not (
+            isinstance(coef, int | float) and not isinstance(coef, bool) and math.isfinite(coef) and coef >= 0
+        ):
+            raise bad("router_aux_loss_coef", coef, "must be a finite number >= 0 or None")

@@ -19,6 +19,7 @@ from engine.config import EngineConfig
 from engine.errors import Cancelled, ConfigError, EngineError
 from engine.metrics import NullSink, Sink
 from engine.model.adapter import AdaptedModel, uses_dropout
+from engine.model.router import RouterLoss
 from engine.parallel.board import Board, Iteration, MicroBatch, split_batch
 from engine.parallel.executor import Worker, WorkerContext
 from engine.parallel.host import DTYPES, HostState
@@ -90,6 +91,11 @@ class RoundPipe:
             cancel=cancel,
             dropout=dropout,
             fp32_accumulate=self.dtype != torch.float32,
+            router_loss=(
+                RouterLoss.for_model(self.adapted, config.router_aux_loss_coef)
+                if config.router_aux_loss
+                else None
+            ),
         )
         try:
             self.workers = [Worker(i, d, context) for i, d in enumerate(self.devices)]

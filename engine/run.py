@@ -138,6 +138,8 @@ class Run:
                 compute_dtype=dtype,
                 partition=config.engine.partition,
                 seed=h.seed,
+                router_aux_loss=h.router_aux_loss,
+                router_aux_loss_coef=h.router_aux_loss_coef,
             ),
             sink=sink,
             cancel=cancel,

@@ -82,6 +82,10 @@ class Iteration:
     act_uses: dict[tuple[int, int], int] = field(default_factory=dict)
     grads: dict[tuple[int, int], tuple[Any, Any]] = field(default_factory=dict)
     loss_sums: dict[int, float] = field(default_factory=dict)
+    # MoE router loss: (micro-batch, forward stage start) -> that stage's summed (counts, probs),
+    # and per micro-batch the weight of each expert's probability sum (set by the fused stage)
+    router_sums: dict[tuple[int, int], tuple[Any, Any]] = field(default_factory=dict)
+    router_weights: dict[tuple[int, int], tuple[Any, Any]] = field(default_factory=dict)
     remaining: int = 0
     aborted: BaseException | None = None
     busy_s: dict[int, float] = field(default_factory=dict)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import itertools
 import threading
 import time
 from collections import deque
@@ -30,36 +29,16 @@ from torch.func import functional_call
 
 from engine.errors import Cancelled, EngineError
 from engine.model.adapter import AdaptedModel, Layer, run_layer
+from engine.model.router import RouterLoss
 from engine.parallel.board import Board, Iteration
 from engine.parallel.host import HostState
 from engine.parallel.partition import Stage
+from engine.parallel.replica import meta_copy, rng_lock
+from engine.parallel.routing import RouterAccounting
 from engine.parallel.schedule import SlotRun
 from engine.parallel.transfer import DeviceLink, plan_windows
 
-# A device's generator is shared by every worker thread on that device (all CPU workers, or
-# two workers listed on one GPU): seeding and drawing must not interleave between threads, so a
-# layer that uses dropout runs under its device's lock.
-_RNG_LOCKS: dict[str, threading.Lock] = {}
-_RNG_LOCKS_GUARD = threading.Lock()
-
-
-def _rng_lock(device: torch.device) -> threading.Lock:
-    with _RNG_LOCKS_GUARD:
-        return _RNG_LOCKS.setdefault(str(device), threading.Lock())
-
-
 Params = dict[int, dict[str, torch.Tensor]]  # layer -> local name -> device tensor
-
-
-def _meta_copy(module: torch.nn.Module) -> torch.nn.Module:
-    """A structural copy of ``module`` whose tensors take no memory (filled per stage)."""
-    memo: dict[int, Any] = {}
-    for t in itertools.chain(module.parameters(), module.buffers()):
-        stand_in = torch.empty_like(t, device="meta")
-        memo[id(t)] = (
-            torch.nn.Parameter(stand_in, t.requires_grad) if isinstance(t, torch.nn.Parameter) else stand_in
-        )
-    return copy.deepcopy(module, memo)
 
 
 @dataclass(frozen=True)
@@ -75,6 +54,7 @@ class WorkerContext:
         dropout: the model draws random numbers in training (dropout is seeded per layer).
         fp32_accumulate: sum micro-batch weight gradients in fp32 on the device (a low-precision
             compute dtype) before they go down to the host.
+        router_loss: the MoE routers' auxiliary loss, when the run adds it.
     """
 
     model: AdaptedModel
@@ -83,6 +63,7 @@ class WorkerContext:
     cancel: threading.Event | None
     dropout: bool
     fp32_accumulate: bool
+    router_loss: RouterLoss | None = None
 
 
 class Worker:
@@ -95,8 +76,9 @@ class Worker:
         self.host = context.host
         self.board = context.board
         self.link = DeviceLink(device)
-        self.modules = [_meta_copy(layer.module) for layer in context.model.layers]
+        self.modules = [meta_copy(layer.module) for layer in context.model.layers]
         self.rotary = copy.deepcopy(context.model.rotary).to(device)
+        self.routing = RouterAccounting(context.router_loss, self.modules, self.link, self.board)
         self.queue: deque[tuple[Iteration, SlotRun]] = deque()
         self.prefetched: dict[int, tuple[Params, Any]] = {}
         self.stopping = False
@@ -334,7 +316,7 @@ class Worker:
             return
         seed = (it.seed * 1_000_003 + it.serial) * 1_000_003 + mb * 1_009 + layer
         seed &= (1 << 62) - 1
-        with _rng_lock(self.device):
+        with rng_lock(self.device):
             if self.link.is_cuda:
                 torch.cuda.default_generators[self.device.index or 0].manual_seed(seed)
             else:
@@ -368,16 +350,21 @@ class Worker:
     def _forward(self, it: Iteration, stage: Stage, mb: int, params: Params, x: torch.Tensor) -> None:
         layers = self.context.model.layers
         ctx = None if stage.start == 0 else self._context(it, mb, x)
+        sums: list[torch.Tensor] | None = None
         with torch.no_grad():
             for i in stage.layers:
                 t0 = time.perf_counter() if it.profile else 0.0
                 x = self._call(it, mb, layers[i], params, x, ctx)
                 if it.profile:
                     self._record(it.layer_fwd_s, i, self._elapsed(t0))
+                if (stats := self.routing.statistics(it, mb, i)) is not None:
+                    sums = list(stats) if sums is None else [sums[0] + stats[0], sums[1] + stats[1]]
                 if ctx is None:
                     ctx = self._context(it, mb, x)
                 if i + 1 in it.checkpoints:
                     self._publish(it.acts, (mb, i + 1), x)
+        if sums is not None:
+            self._publish(it.router_sums, (mb, stage.start), torch.stack(sums))  # to the fused stage
 
     def _evaluate(
         self, it: Iteration, stage: Stage, mb: int, params: Params, x: torch.Tensor
@@ -392,6 +379,7 @@ class Worker:
                 x = self._call(
                     it, mb, layers[i], params, x, ctx, labels if layers[i].kind == "output" else None
                 )
+                self.routing.statistics(it, mb, i)  # an evaluation adds no router loss
                 if ctx is None:
                     ctx = self._context(it, mb, x)
             return x
@@ -408,6 +396,8 @@ class Worker:
         layers = self.context.model.layers
         ctx = None if stage.start == 0 else self._context(it, mb, x)
         saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+        routed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        weights: torch.Tensor | None = None  # the router loss's per-expert weights
         labels = self.link.upload(it.microbatches[mb].labels) if stage.kind == "fused" else None
         with torch.enable_grad():
             for i in stage.layers:
@@ -419,14 +409,20 @@ class Worker:
                 )
                 if it.profile:
                     self._record(it.layer_fwd_s, i, self._elapsed(t0))
+                if (stats := self.routing.statistics(it, mb, i)) is not None:
+                    routed[i] = stats
                 if ctx is None:
                     ctx = self._context(it, mb, x)
                 saved.append((inp, x))
             loss_sum = None
             if stage.kind == "fused":
                 loss_sum = x
-                top: torch.Tensor | None = loss_sum * (self.board.scale_for(it) / it.total_tokens)
+                scale = self.board.scale_for(it) / it.total_tokens
+                top: torch.Tensor | None = loss_sum * scale
                 grad: torch.Tensor | None = None
+                if self.routing.active:
+                    extra, weights = self.routing.fused(it, mb, routed, scale)
+                    loss_sum = loss_sum + extra
             else:
                 key = (mb, stage.stop)
                 self.board.wait_for(lambda: key in it.grads, it)
@@ -434,10 +430,17 @@ class Worker:
                     host, event = it.grads.pop(key)
                 self.link.wait(self.link.act_up, event)
                 top, grad = None, None if host is None else self.link.upload(host)
+            if routed and weights is None:
+                weights = self.routing.weights(it, mb)
             for i, (inp, out) in zip(reversed(stage.layers), reversed(saved), strict=True):
                 t0 = time.perf_counter() if it.profile else 0.0
                 if top is not None:
                     torch.autograd.backward(top)
+                elif i in routed and weights is not None:
+                    # the block's share of the router loss, with T held fixed (engine.model.router)
+                    surrogate = (weights * routed[i][1]).sum()
+                    pairs = [(out, grad), (surrogate, None)] if out.requires_grad else [(surrogate, None)]
+                    torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
                 elif out.requires_grad:
                     torch.autograd.backward(out, grad)
                 if it.profile:
