@@ -52,7 +52,10 @@ def load_export(folder: str | Path, *, base: str | Path | None = None) -> Any:
         raise ValueError(f"{folder} is a LoRA adapter: give the base model folder")
     from peft import PeftModel
 
-    base_model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    from engine.model.loading import load_model
+
+    base_model = load_model(base)  # dense weights, also from a quantized base (GPT-OSS's MXFP4)
+    base_model.eval()
     return PeftModel.from_pretrained(base_model, folder)
 
 

