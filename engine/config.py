@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
 from pathlib import Path
@@ -33,6 +34,8 @@ MAX_STEPS = 2**31 - 1
 # Seeds stay within 32 bits: numpy's and most samplers' range; the engine derives per-epoch
 # seeds as ``seed * 1_000_003 + epoch``, which then stays inside torch's 64-bit seed range.
 MAX_SEED = 2**32 - 1
+# a LoRA target parameter: a dotted path suffix ending in the parameter's name
+_PARAMETER_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*")
 
 
 class _Strict(BaseModel):
@@ -60,6 +63,37 @@ class MethodSpec(_Strict):
     lora_alpha: float = Field(32.0, gt=0, le=1e6)
     lora_dropout: float = Field(0.0, ge=0.0, lt=1.0)
     target_modules: list[str] = Field(default_factory=lambda: list(DEFAULT_LORA_TARGETS), min_length=1)
+    target_parameters: list[str] = Field(
+        default_factory=list,
+        description=(
+            "weights LoRA adapts directly (peft target_parameters), e.g. a mixture-of-experts model's "
+            '"mlp.experts.gate_up_proj"; "experts" stands for its family\'s expert weights'
+        ),
+    )
+
+    @field_validator("target_parameters")
+    @classmethod
+    def _parameter_names(cls, names: list[str]) -> list[str]:
+        bad = [n for n in names if not (isinstance(n, str) and _PARAMETER_NAME.fullmatch(n))]
+        if bad:
+            raise PydanticCustomError(
+                "parameter_name",
+                "{bad}: each entry must be a dotted parameter name such as 'mlp.experts.down_proj', or "
+                "'experts'",
+                {"bad": ", ".join(repr(b) for b in bad)},
+            )
+        return names
+
+    @model_validator(mode="after")
+    def _parameter_lora_has_no_dropout(self) -> MethodSpec:
+        if self.kind == "lora" and self.target_parameters and self.lora_dropout:
+            raise ConfigError(
+                "lora_dropout",
+                f"method.lora_dropout={self.lora_dropout}: LoRA on parameters (method.target_parameters) "
+                "cannot apply dropout; set it to 0",
+                value=self.lora_dropout,
+            )
+        return self
 
 
 class HyperSpec(_Strict):
@@ -103,6 +137,7 @@ class EngineSpec(_Strict):
     async_optimizer: bool = False
     compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     partition: dict[str, Any] | None = None
+    tf32: bool = Field(True, description="float32 compute on GPUs: let matmuls use TensorFloat-32")
 
 
 def resolve_compute_dtype(dtype: str, *, on_gpu: bool) -> str:
@@ -253,6 +288,10 @@ class EngineConfig:
             its own ``forward`` does when asked for router logits (``engine.model.router``).
         router_aux_loss_coef: that loss's weight (None: the model config's
             ``router_aux_loss_coef``).
+        max_skipped_steps: float16 compute only: fail after this many consecutive steps
+            skipped for overflowing gradients (the loss scale cannot recover).
+        tf32: float32 compute on GPUs with TensorFloat-32 lets matmuls and convolutions use it
+            (about 10 mantissa bits in the products; off gives exact fp32 arithmetic).
     """
 
     devices: list[str] = dataclass_field(default_factory=lambda: ["cpu"])
@@ -275,6 +314,8 @@ class EngineConfig:
     loss_chunk_tokens: int = 4096  # engine.model.loss.DEFAULT_LOSS_CHUNK_TOKENS (no torch here)
     router_aux_loss: bool = False
     router_aux_loss_coef: float | None = None
+    max_skipped_steps: int = 50
+    tf32: bool = True
 
     def __post_init__(self) -> None:
         def bad(name: str, value: Any, want: str) -> ConfigError:
@@ -285,6 +326,9 @@ class EngineConfig:
         for d in self.devices:
             if not (d == "cpu" or d == "cuda" or (d.startswith("cuda:") and d[5:].isdigit())):
                 raise bad("devices", d, 'each device must be "cpu" or "cuda:N"')
+        if "cpu" in self.devices and any(d != "cpu" for d in self.devices):
+            # CPU workers read host buffers a GPU worker's asynchronous copies may still write
+            raise bad("devices", self.devices, "mixes CPU and GPU workers: list only CPUs or only GPUs")
         if self.num_microbatches < 1:
             raise bad("num_microbatches", self.num_microbatches, "must be >= 1")
         if self.round_size is not None and self.round_size < 1:
@@ -302,6 +346,10 @@ class EngineConfig:
             raise bad("compute_dtype", self.compute_dtype, f"must be one of {sorted(COMPUTE_DTYPES)}")
         if self.calibration_steps < 0:
             raise bad("calibration_steps", self.calibration_steps, "must be >= 0")
+        if isinstance(self.max_skipped_steps, bool) or not (
+            isinstance(self.max_skipped_steps, int) and self.max_skipped_steps >= 1
+        ):
+            raise bad("max_skipped_steps", self.max_skipped_steps, "must be an integer >= 1")
         if isinstance(self.loss_chunk_tokens, bool) or not (
             isinstance(self.loss_chunk_tokens, int) and self.loss_chunk_tokens >= 1
         ):

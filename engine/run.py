@@ -87,10 +87,58 @@ def evaluate(engine: RoundPipe, examples: list[Encoded], batch_size: int, pad_id
 
 def lora_targets(configured: Sequence[str], architecture: str) -> list[str]:
     """The modules LoRA adapts: those configured, or the family's own when the run kept the
-    default (families that fuse projections, e.g. Phi-3's ``qkv_proj``, name them differently)."""
+    default (families that fuse projections, e.g. Phi-3's ``qkv_proj``, name them differently;
+    the mixture-of-experts families adapt their attention, their experts through
+    ``lora_target_parameters``)."""
     if tuple(configured) == tuple(DEFAULT_LORA_TARGETS):
         return list(family_for(architecture).lora_targets)
     return list(configured)
+
+
+# in ``method.target_parameters``: the expert weights of the model's family
+EXPERTS = "experts"
+
+
+def lora_target_parameters(configured: Sequence[str], model: Any) -> list[str]:
+    """The weights LoRA adapts directly (peft ``target_parameters``, e.g. the fused 3-D expert
+    weights of a mixture-of-experts block): those configured, ``"experts"`` standing for the
+    family's expert weights (``FamilySpec.expert_parameters``).
+
+    A name matches the parameters whose full name is it or ends with ``"." + name``, as in peft.
+
+    Raises:
+        ConfigError: (field ``method.target_parameters``) ``"experts"`` for a family without
+            experts, or a name that matches no parameter of ``model``, or one that is not a
+            matrix or a stack of expert matrices (peft adapts 2-D and 3-D parameters).
+    """
+    field = "method.target_parameters"
+    architecture = type(model).__name__
+    experts = family_for(architecture).expert_parameters if configured else ()
+    names: list[str] = []
+    for name in configured:
+        if name == EXPERTS and not experts:
+            raise ConfigError(
+                field, f"{field}: {EXPERTS!r}: {architecture} has no expert weights", value=list(configured)
+            )
+        for one in experts if name == EXPERTS else (name,):
+            if one not in names:
+                names.append(one)
+    shapes = {n: p.dim() for n, p in model.named_parameters()}
+    hint = f" (its expert weights: {', '.join(experts)})" if experts else ""
+    for name in names:
+        dims = {d for n, d in shapes.items() if n == name or n.endswith("." + name)}
+        if not dims:
+            raise ConfigError(
+                field, f"{field}: {name!r} names no parameter of {architecture}{hint}", value=list(configured)
+            )
+        if not dims <= {2, 3}:
+            raise ConfigError(
+                field,
+                f"{field}: {name!r} is not a weight matrix or a stack of expert matrices "
+                f"({'/'.join(str(d) for d in sorted(dims))}-D)",
+                value=list(configured),
+            )
+    return names
 
 
 class Run:
@@ -139,6 +187,7 @@ class Run:
                 partition=config.engine.partition,
                 seed=h.seed,
                 router_aux_loss=h.router_aux_loss,
+                tf32=config.engine.tf32,
                 router_aux_loss_coef=h.router_aux_loss_coef,
             ),
             sink=sink,
@@ -161,11 +210,13 @@ class Run:
         from peft import LoraConfig, get_peft_model
 
         targets = lora_targets(m.target_modules, type(model).__name__)
+        parameters = lora_target_parameters(m.target_parameters, model)
         lora = LoraConfig(
             r=m.lora_r,
             lora_alpha=m.lora_alpha,  # type: ignore[arg-type]  # peft accepts floats
             lora_dropout=m.lora_dropout,
             target_modules=targets,
+            target_parameters=parameters or None,
             task_type="CAUSAL_LM",
         )
         try:

@@ -10,7 +10,8 @@ Layer 0 is the input layer (token embeddings), layers 1..B are the decoder block
 B+1 is the output layer (final norm + LM head; the loss is computed next to it). The per
 micro-batch context every block needs — rotary tables, causal/padding masks, position ids — is
 rebuilt by each stage from the micro-batch's attention mask, so only hidden states travel
-between stages.
+between stages. Masks and rotary tables are kept per attention type (full or sliding window):
+a block gets those of its type, as the model's own forward hands them out.
 """
 
 from __future__ import annotations
@@ -24,11 +25,13 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from engine.errors import ConfigError
 from engine.model.families import FAMILIES, FamilySpec, family_for
 from engine.model.loss import (
     DEFAULT_LOSS_CHUNK_TOKENS,
     check_chunk_tokens,
     chunked_causal_lm_loss_sum,
+    finish_logits,
 )
 
 
@@ -54,8 +57,9 @@ class OutputLayer(nn.Module):
     With labels the layer returns the fp32 sum of the next-token cross entropy, computed
     ``chunk_tokens`` positions at a time (``engine.model.loss``), so no ``[tokens, vocab]``
     logits are ever held; without labels it returns the logits ``[b, s, vocab]``. With a
-    ``logits_divisor`` (Granite's ``logits_scaling``) the logits are divided by it, as the model
-    does.
+    ``logits_divisor`` (Granite's ``logits_scaling``) the logits are divided by it and with a
+    ``logit_softcap`` (Gemma 3's ``final_logit_softcapping``) they are soft-capped, as the model
+    does; in the loss this happens chunk by chunk, inside the head.
     """
 
     def __init__(
@@ -65,19 +69,20 @@ class OutputLayer(nn.Module):
         *,
         chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS,
         logits_divisor: float | None = None,
+        logit_softcap: float | None = None,
     ) -> None:
         super().__init__()
         self.norm = norm
         self.lm_head = lm_head
         self.chunk_tokens = check_chunk_tokens(chunk_tokens)
         self.logits_divisor = logits_divisor
+        self.logit_softcap = logit_softcap
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         normed = self.norm(hidden)
-        divisor = self.logits_divisor
+        divisor, cap = self.logits_divisor, self.logit_softcap
         if labels is None:
-            logits: torch.Tensor = self.lm_head(normed)
-            return logits if divisor is None else logits / divisor
+            return finish_logits(self.lm_head(normed), divisor=divisor, softcap=cap)
         # The head runs again in backward (per chunk), after a caller's functional_call has put
         # the module's own tensors back: bind the ones this forward sees.
         tensors: dict[str, torch.Tensor] = dict(self.lm_head.named_parameters(remove_duplicate=False))
@@ -86,7 +91,7 @@ class OutputLayer(nn.Module):
 
         def head(h: torch.Tensor) -> torch.Tensor:
             logits: torch.Tensor = functional_call(lm_head, tensors, (h,), tie_weights=False, strict=False)
-            return logits if divisor is None else logits / divisor
+            return finish_logits(logits, divisor=divisor, softcap=cap)
 
         return chunked_causal_lm_loss_sum(
             normed,
@@ -114,11 +119,15 @@ class Layer:
 
 @dataclass
 class Context:
-    """What every decoder block of one micro-batch needs besides its hidden input."""
+    """What every decoder block of one micro-batch needs besides its hidden input.
+
+    ``masks`` and ``position_embeddings`` (the rotary ``(cos, sin)``) are keyed by attention
+    type; a family with one rotary table has the same tables under every type.
+    """
 
     masks: dict[str, Any]
     position_ids: torch.Tensor
-    position_embeddings: tuple[torch.Tensor, torch.Tensor]
+    position_embeddings: dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
 def _unwrap(hf_model: nn.Module) -> tuple[Any, FamilySpec]:
@@ -147,7 +156,8 @@ class AdaptedModel:
         hf_model: a supported ``*ForCausalLM``, possibly wrapped by ``peft.get_peft_model``.
 
     Raises:
-        ConfigError: the architecture is not supported (a ``ValueError``).
+        ConfigError: the architecture is not supported, or its config sets a flag the engine
+            cannot train with (Gemma 3's ``use_bidirectional_attention``); field ``model.path``.
     """
 
     def __init__(self, hf_model: nn.Module, *, loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS) -> None:
@@ -156,6 +166,9 @@ class AdaptedModel:
         self.family = family
         self.architecture = family.architecture
         self.config: Any = causal_lm.config
+        refusal = family.refusal(self.config)
+        if refusal is not None:
+            raise ConfigError("model.path", refusal, value=self.architecture)
         self.rotary: nn.Module = attrgetter(family.rotary)(causal_lm)
         blocks = list(attrgetter(family.blocks)(causal_lm)[: self.config.num_hidden_layers])
         embeddings, norm = attrgetter(family.embeddings, family.norm)(causal_lm)
@@ -165,7 +178,10 @@ class AdaptedModel:
             self.layers.append(Layer(i + 1, "block", block, family.attention_type(self.config, i)))
         lm_head = attrgetter(family.lm_head)(causal_lm)
         divisor = self._config_float(family.logits_divisor)
-        output = OutputLayer(norm, lm_head, chunk_tokens=loss_chunk_tokens, logits_divisor=divisor)
+        cap = self._config_float(family.logit_softcap, optional=True)
+        output = OutputLayer(
+            norm, lm_head, chunk_tokens=loss_chunk_tokens, logits_divisor=divisor, logit_softcap=cap
+        )
         self.layers.append(Layer(len(blocks) + 1, "output", output))
         for layer in self.layers:
             for name, p in layer.module.named_parameters(remove_duplicate=False):
@@ -174,12 +190,15 @@ class AdaptedModel:
                 layer.tensors[name] = b
         self.attention_types = sorted({layer.attention_type for layer in self.layers[1:-1]})
 
-    def _config_float(self, attribute: str | None) -> float | None:
-        """The value of a config attribute a family's spec names (None when it names none)."""
+    def _config_float(self, attribute: str | None, *, optional: bool = False) -> float | None:
+        """The value of a config attribute a family's spec names (None when it names none, or
+        when the attribute is ``optional`` and the config sets it to None)."""
         if attribute is None:
             return None
         value = getattr(self.config, attribute, None)
-        if not isinstance(value, int | float):
+        if value is None and optional:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int | float):
             raise RuntimeError(f"{self.architecture}: config.{attribute}={value!r} is not a number")
         return value
 
@@ -201,8 +220,10 @@ class AdaptedModel:
     ) -> Context:
         """Masks, position ids and rotary tables for one micro-batch, on ``hidden``'s device.
 
-        Uses the same mask functions as the model's own forward, so the engine attends exactly
-        like the unsplit model.
+        Uses the same mask functions and rotary calls as the model's own forward, so the engine
+        attends exactly like the unsplit model: one mask per attention type of the blocks, and
+        the rotary tables once (or, for a family whose rotary embedding takes the attention type,
+        once per type).
         """
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
@@ -219,8 +240,12 @@ class AdaptedModel:
         for kind in self.attention_types:
             fn = create_sliding_window_causal_mask if kind == "sliding_attention" else create_causal_mask
             masks[kind] = fn(**kwargs)
-        position_embeddings = rotary(hidden, position_ids)
-        return Context(masks, position_ids, position_embeddings)
+        if self.family.rotary_per_attention_type:
+            tables = {kind: rotary(hidden, position_ids, kind) for kind in self.attention_types}
+        else:
+            shared = rotary(hidden, position_ids)
+            tables = dict.fromkeys(self.attention_types, shared)
+        return Context(masks, position_ids, tables)
 
 
 def run_layer(
@@ -243,7 +268,7 @@ def run_layer(
     out = call(
         x,
         attention_mask=ctx.masks[layer.attention_type],
-        position_embeddings=ctx.position_embeddings,
+        position_embeddings=ctx.position_embeddings[layer.attention_type],
         position_ids=ctx.position_ids,
         cache=None,
         use_cache=False,

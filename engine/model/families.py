@@ -5,7 +5,10 @@ blocks, final norm, rotary embedding, LM head), which attention mask each block 
 linear layers LoRA adapts by default. The families supported today share the Llama skeleton,
 so adding another Llama-shaped family is one line in ``FAMILIES``; what a family does outside
 its decoder blocks besides the Llama steps (Granite scales the embeddings and divides the
-logits) is a config attribute named in its spec. No torch import here.
+logits, Gemma 3 soft-caps the logits and has one rotary table per attention type) is a config
+attribute or a flag named in its spec. Whatever differs inside the blocks (Gemma 3's extra
+norms, GPT-OSS's attention sinks, DeepSeek-V3's latent attention, the experts and routers of
+the mixture-of-experts families) runs in the model's own block modules. No torch import here.
 """
 
 from __future__ import annotations
@@ -21,6 +24,26 @@ LLAMA_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 # GLM-4 fuses the MLP's gate and up projections; Phi-3 also fuses q/k/v
 GLM4_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj")
 PHI3_LINEAR = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+# The mixture-of-experts families adapt their attention by default. Their MLP names are no
+# default: on Qwen3-MoE and DeepSeek-V3 peft rewrites ``gate_proj``/``up_proj``/``down_proj`` in
+# target_modules into the fused expert weights (its transformers 4 -> 5 conversion), which also
+# drops the dense blocks' and shared experts' MLPs; LoRA on the experts is asked for with
+# ``method.target_parameters`` (``EXPERT_PARAMETERS``).
+ATTENTION_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj")
+# DeepSeek-V3's multi-head latent attention: low-rank q and kv projections
+DEEPSEEK_ATTENTION = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+# the fused 3-D expert weights of the transformers 5 mixture-of-experts blocks, in peft's
+# ``target_parameters`` naming (module path suffix + parameter name)
+EXPERT_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+# Gemma 3: bidirectional attention (its embedding variant) would let each position see the
+# token it is trained to predict
+GEMMA3_REFUSED = (
+    (
+        "use_bidirectional_attention",
+        "bidirectional attention lets every position see the token the next-token loss asks it "
+        "to predict; the engine trains causal LMs",
+    ),
+)
 
 
 def config_attention_type(config: Any, block_index: int) -> str:
@@ -73,6 +96,15 @@ class FamilySpec:
             before the first block (Granite's ``embedding_multiplier``), or None.
         logits_divisor: the config attribute the LM head's logits are divided by (Granite's
             ``logits_scaling``), or None.
+        logit_softcap: the config attribute with the final logit soft-cap ``c`` (Gemma 3's
+            ``final_logit_softcapping``: ``logits = tanh(logits / c) * c``), or None; a config
+            value of None means no cap.
+        rotary_per_attention_type: the rotary embedding takes the block's attention type
+            (Gemma 3: local and global ``rope_theta``) and is called once per type.
+        refused: ``(attribute, why)`` pairs: config flags the engine cannot train with when set.
+        moe: the expert facts of a mixture-of-experts family, or None.
+        expert_parameters: the expert weights LoRA can adapt (peft ``target_parameters``
+            names): what ``"experts"`` stands for in a run's ``method.target_parameters``.
     """
 
     architecture: str
@@ -85,7 +117,19 @@ class FamilySpec:
     attention_type: Callable[[Any, int], str] = config_attention_type
     embedding_multiplier: str | None = None
     logits_divisor: str | None = None
+    logit_softcap: str | None = None
+    rotary_per_attention_type: bool = False
+    refused: tuple[tuple[str, str], ...] = ()
     moe: MoeSpec | None = None
+    expert_parameters: tuple[str, ...] = ()
+
+    def refusal(self, config: Any) -> str | None:
+        """Why the engine cannot train a model with ``config`` (None when it can)."""
+        for attribute, why in self.refused:
+            value = _get(config, attribute, None)
+            if value:
+                return f"{self.architecture}: config.{attribute}={value!r} is not supported: {why}"
+        return None
 
 
 @dataclass(frozen=True)
@@ -129,17 +173,29 @@ FAMILIES: dict[str, FamilySpec] = {
             "GraniteForCausalLM", embedding_multiplier="embedding_multiplier", logits_divisor="logits_scaling"
         ),
         FamilySpec(
+            "Gemma3ForCausalLM",
+            logit_softcap="final_logit_softcapping",
+            rotary_per_attention_type=True,
+            refused=GEMMA3_REFUSED,
+        ),
+        FamilySpec(
             "Qwen3MoeForCausalLM",
+            lora_targets=ATTENTION_LINEAR,
             moe=MoeSpec("num_experts", router="Qwen3MoeTopKRouter", dense_blocks=qwen3_moe_dense_blocks),
+            expert_parameters=EXPERT_PARAMETERS,
         ),
         FamilySpec(
             "GptOssForCausalLM",
+            lora_targets=ATTENTION_LINEAR,
+            expert_parameters=EXPERT_PARAMETERS,
             moe=MoeSpec(
                 "num_local_experts", expert_intermediate="intermediate_size", router="GptOssTopKRouter"
             ),
         ),
         FamilySpec(
             "DeepseekV3ForCausalLM",
+            lora_targets=DEEPSEEK_ATTENTION,
+            expert_parameters=EXPERT_PARAMETERS,
             moe=MoeSpec(
                 "n_routed_experts",
                 router="DeepseekV3TopkRouter",
@@ -152,8 +208,8 @@ FAMILIES: dict[str, FamilySpec] = {
 }
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 # LoRA's default targets in a run configuration, before the model (and its family) is known:
-# the Llama block layout (a family with fused projections, GLM-4 or Phi-3, has its own
-# ``lora_targets``)
+# the Llama block layout (a family that names its projections otherwise, GLM-4 or Phi-3, and
+# the mixture-of-experts families have their own ``lora_targets``)
 DEFAULT_LORA_TARGETS = LLAMA_LINEAR
 
 
@@ -191,6 +247,9 @@ def model_kind(config: Any) -> ModelKind:
             False,
             f"unsupported architecture {archs[0]}: the engine supports {', '.join(SUPPORTED_ARCHITECTURES)}",
         )
+    refusal = spec.refusal(config)
+    if refusal is not None:
+        return ModelKind(spec.architecture, False, refusal)
     moe = spec.moe
     if moe is None:
         return ModelKind(spec.architecture, True)

@@ -34,6 +34,23 @@ def check_chunk_tokens(chunk_tokens: int, *, field: str = "loss_chunk_tokens") -
     return chunk_tokens
 
 
+def finish_logits(
+    logits: torch.Tensor, *, divisor: float | None = None, softcap: float | None = None
+) -> torch.Tensor:
+    """What a family's ``*ForCausalLM`` does to the LM head's output, with the same operations.
+
+    ``divisor`` (Granite's ``logits_scaling``): ``logits / divisor``. ``softcap`` (Gemma 3's
+    ``final_logit_softcapping``): ``tanh(logits / softcap) * softcap``.
+    """
+    if divisor is not None:
+        logits = logits / divisor
+    if softcap is not None:
+        logits = logits / softcap
+        logits = torch.tanh(logits)
+        logits = logits * softcap
+    return logits
+
+
 def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Sum of the next-token cross entropy over label tokens != -100 (fp32), from full logits.
 

@@ -10,6 +10,7 @@ import torch
 from engine import EngineConfig, RoundPipe
 from tests.engine.tiny import (
     FAMILIES,
+    MOE_FAMILIES,
     SPLIT_PLAN,
     bitwise_equal,
     engine_loop,
@@ -254,6 +255,70 @@ def test_lora_on_the_family_default_targets_matches_the_plain_loop(family: str, 
     losses, state, _ = engine_loop(lora, batches, config)
     assert max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)) < SGD_TOL
     assert max_diff(state, ref_state) < SGD_TOL
+
+
+def test_gpt_oss_attention_sinks_train_like_the_plain_loop(batches) -> None:
+    # the sinks are parameters of the attention module, a block tensor like any other
+    model = tiny_model("gpt_oss")
+    _, ref_state = plain_loop(model, batches, sgd)
+    config = EngineConfig(
+        devices=["cpu", "cpu"], num_microbatches=3, optimizer="sgd", lr=0.1, partition=SPLIT_PLAN
+    )
+    _, state, _ = engine_loop(model, batches, config)
+    sinks = [k for k in state if k.endswith("self_attn.sinks")]
+    assert len(sinks) == model.config.num_hidden_layers
+    initial = model.state_dict()
+    for k in sinks:
+        assert (state[k] - ref_state[k]).abs().max() < SGD_TOL
+        assert (ref_state[k] - initial[k]).abs().max() > 1e-6, k  # they moved (by 5e-5 to 1e-4)
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_lora_on_attention_and_experts_matches_the_plain_loop(family: str, batches) -> None:
+    # peft adapts the fused 3-D expert weights through target_parameters (a ParamWrapper that
+    # parametrizes the weight during its forward); the engine runs it on each stage's tensors
+    from peft import LoraConfig, get_peft_model
+    from peft.tuners.lora import ParamWrapper
+
+    from engine.model.families import family_for
+
+    base = tiny_model(family)
+    spec = family_for(type(base).__name__)
+    lora = get_peft_model(
+        base,
+        LoraConfig(
+            r=4,
+            lora_alpha=8,
+            lora_dropout=0.0,
+            target_modules=list(spec.lora_targets),
+            target_parameters=list(spec.expert_parameters),
+        ),
+    )
+    assert {m.parameter_name for m in lora.modules() if isinstance(m, ParamWrapper)} == {
+        "gate_up_proj",
+        "down_proj",
+    }
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.02, generator=torch.Generator().manual_seed(len(name)))
+    before = {k: v.detach().clone() for k, v in lora.state_dict().items()}
+    ref_losses, ref_state = plain_loop(lora, batches, sgd)
+    results = []
+    for workers, plan in ((1, None), (3, SPLIT_PLAN)):
+        config = EngineConfig(
+            devices=["cpu"] * workers, num_microbatches=3, optimizer="sgd", lr=0.1, partition=plan
+        )
+        losses, state, _ = engine_loop(lora, batches, config)
+        assert max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)) < SGD_TOL
+        assert max_diff(state, ref_state) < SGD_TOL
+        results.append((losses, state))
+    assert results[0][0] == results[1][0] and bitwise_equal(results[0][1], results[1][1])
+    # the expert adapters trained, and only the adapters
+    experts = [k for k in before if ".experts." in k and "lora_" in k]
+    assert experts and all(not torch.equal(ref_state[k], before[k].float()) for k in experts)
+    for k, v in before.items():
+        assert (not torch.equal(results[0][1][k], v.float())) == ("lora_" in k), k
 
 
 def test_bf16_compute_stays_close_to_fp32(batches) -> None:

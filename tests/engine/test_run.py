@@ -194,3 +194,85 @@ def test_config_errors_name_the_field_and_value(tmp_path: Path) -> None:
     c = TrainConfig.load(p)
     assert c.data.train == str(tmp_path / "d" / "train.jsonl") and c.output_dir == str(tmp_path / "out")
     assert c.model.path == "demo"
+
+
+def test_a_run_puts_lora_on_the_experts_and_exports_an_adapter_peft_loads(workspace: Path) -> None:
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    folder = tiny_model_folder(workspace / "moe-model", "qwen3_moe")
+    cfg = config(
+        workspace,
+        "moe-lora",
+        model={"path": str(folder), "name": "tiny-qwen3-moe"},
+        method={"lora_dropout": 0.0, "target_parameters": ["experts"]},
+        hyper={"max_steps": 2},
+        checkpoint={"every_steps": 2},
+    )
+    result = train(cfg)
+    assert result.status == "succeeded" and result.step == 2
+    adapter_cfg = json.loads((result.checkpoint / "adapter_config.json").read_text())
+    # the family's attention projections (the run kept the default targets) and its experts
+    assert set(adapter_cfg["target_modules"]) == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    assert set(adapter_cfg["target_parameters"]) == {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"}
+    state = masters(result.checkpoint)
+    assert any(".experts." in k and "lora_" in k for k in state)
+    ids = torch.tensor([[3, 17, 42, 8, 99, 5]])
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(folder), result.checkpoint)
+    ref = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(folder),
+        LoraConfig(
+            r=4,
+            lora_alpha=8,
+            target_modules=adapter_cfg["target_modules"],
+            target_parameters=adapter_cfg["target_parameters"],
+        ),
+    )
+    ref.load_state_dict(state | {k: v for k, v in ref.state_dict().items() if "lora_" not in k})
+    assert torch.equal(logits_of(loaded, ids), logits_of(ref, ids))
+
+
+def test_lora_target_parameters_are_checked_against_the_model() -> None:
+    from engine.errors import ConfigError
+    from engine.run import lora_target_parameters
+    from tests.engine.tiny import tiny_model
+
+    moe = tiny_model("qwen3_moe")
+    experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    assert lora_target_parameters(["experts"], moe) == experts
+    assert lora_target_parameters(["experts", "experts.down_proj"], moe) == [*experts, "experts.down_proj"]
+    assert lora_target_parameters([], tiny_model("llama")) == []
+    cases = [
+        (
+            ["experts"],
+            tiny_model("llama"),
+            "method.target_parameters: 'experts': LlamaForCausalLM has no expert weights",
+        ),
+        (
+            ["mlp.experts.up_proj"],
+            moe,
+            "method.target_parameters: 'mlp.experts.up_proj' names no parameter of Qwen3MoeForCausalLM "
+            "(its expert weights: mlp.experts.gate_up_proj, mlp.experts.down_proj)",
+        ),
+        (
+            ["input_layernorm.weight"],
+            moe,
+            "method.target_parameters: 'input_layernorm.weight' is not a weight matrix or a stack of "
+            "expert matrices (1-D)",
+        ),
+    ]
+    for names, model, message in cases:
+        with pytest.raises(ConfigError) as exc:
+            lora_target_parameters(names, model)
+        assert str(exc.value) == message and exc.value.field == "method.target_parameters"
+    # in the run configuration: the names' spelling, and no dropout (peft cannot apply it there)
+    with pytest.raises(ConfigError) as exc:
+        TrainConfig.parse({"data": {"train": "x.jsonl"}, "method": {"target_parameters": ["mlp experts"]}})
+    assert exc.value.field == "method.target_parameters" and "'mlp experts': each entry must be" in str(
+        exc.value
+    )
+    with pytest.raises(ConfigError) as exc:
+        TrainConfig.parse(
+            {"data": {"train": "x.jsonl"}, "method": {"target_parameters": ["experts"], "lora_dropout": 0.1}}
+        )
+    assert exc.value.field == "method.lora_dropout"

@@ -111,12 +111,17 @@ def test_peak_intermediate_is_bounded_by_the_chunk() -> None:
     assert largest(chunk) <= chunk * vocab
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_output_layer_matches_the_model(tied: bool) -> None:
-    model = tiny_model("llama", tied=tied)
+# Granite divides its logits and Gemma 3 (tied) soft-caps them: inside every chunk's head
+@pytest.mark.parametrize(
+    ("family", "tied"), [("llama", False), ("llama", True), ("granite", None), ("gemma3", None)]
+)
+def test_output_layer_matches_the_model(family: str, tied: bool | None) -> None:
+    model = tiny_model(family, tied=tied)
     adapted = AdaptedModel(model, loss_chunk_tokens=5)
     out = adapted.layers[-1].module
     assert isinstance(out, OutputLayer) and out.chunk_tokens == 5
+    assert (out.logit_softcap is not None) == (family == "gemma3")
+    assert (out.logits_divisor is not None) == (family == "granite")
     g = torch.Generator().manual_seed(3)
     hidden = torch.randn(2, 7, model.config.hidden_size, generator=g)
     labels = torch.randint(0, model.config.vocab_size, (2, 7), generator=g)
