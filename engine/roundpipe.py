@@ -63,6 +63,11 @@ class RoundPipe:
         self.devices = [resolve_device(d) for d in config.devices]
         self.dtype = DTYPES[config.compute_dtype]
         is_cuda = any(d.type == "cuda" for d in self.devices)
+        # TensorFloat-32 for fp32 compute on GPUs (process-wide: restored by close())
+        self.tf32 = is_cuda and config.tf32 and self.dtype == torch.float32
+        self._tf32_before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+        if is_cuda and self.dtype == torch.float32:
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = self.tf32
         self.host = HostState(
             self.adapted, compute_dtype=self.dtype, pin=is_cuda, double_buffer=config.async_optimizer
         )
@@ -127,7 +132,9 @@ class RoundPipe:
             Cancelled: the cancel flag was set.
         """
         self._check_open()
-        mbs, total = split_batch(input_ids, labels, attention_mask, self.config.num_microbatches)
+        mbs, total = split_batch(
+            input_ids, labels, attention_mask, self.config.num_microbatches, pin=self.host.pinned
+        )
         it = self._launch(mbs, total, train=True)
         m = len(mbs)
         try:
@@ -143,7 +150,7 @@ class RoundPipe:
             # the optimizer discards every gradient accumulated since the last step
             self._pending = []
             raise
-        return sum(it.loss_sums[i] for i in range(m)) / total
+        return it.loss_sum() / total
 
     def evaluate(
         self,
@@ -161,10 +168,12 @@ class RoundPipe:
         """
         self._check_open()
         m = min(self.config.num_microbatches, int(input_ids.shape[0])) if input_ids.dim() == 2 else 1
-        mbs, total = split_batch(input_ids, labels, attention_mask, m or self.config.num_microbatches)
+        mbs, total = split_batch(
+            input_ids, labels, attention_mask, m or self.config.num_microbatches, pin=self.host.pinned
+        )
         it = self._launch(mbs, total, train=False)
         self.board.wait_for(lambda: it.remaining == 0, it)
-        return sum(it.loss_sums[i] for i in range(len(mbs))) / total
+        return it.loss_sum() / total
 
     def _launch(self, mbs: list[MicroBatch], total: int, *, train: bool) -> Iteration:
         """Schedule one iteration on the workers (and its gradient fold, when training)."""
@@ -251,6 +260,10 @@ class RoundPipe:
         self.optimizer.drain()
         with self.board.cv:
             self.board.check()
+            uploads = [e for events in self.board.upload_events.values() for e in events]
+            self.board.upload_events.clear()
+        for event in uploads:  # the host copies are free to rewrite (a resume) or read
+            event.synchronize()
 
     # -- state ---------------------------------------------------------------------------------
     def master_state_dict(self, *, trainable_only: bool = False) -> dict[str, torch.Tensor]:
@@ -356,8 +369,12 @@ class RoundPipe:
         self.optimizer.stop()
         self.workers = []
         self._pending, self._inflight, self._calibration = [], [], []
+        for d in self.devices:
+            if d.type == "cuda":  # no copy from or to host memory is still in flight
+                torch.cuda.synchronize(d)
         self.host.release()
         if any(d.type == "cuda" for d in self.devices):
+            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = self._tf32_before
             torch.cuda.empty_cache()
 
     def __enter__(self) -> RoundPipe:
@@ -384,6 +401,8 @@ class RoundPipe:
             microbatch_tokens=max(int(mb.input_ids.numel()) for mb in mbs),
             hidden_size=int(self.adapted.config.hidden_size),
             dtype_bytes=torch.finfo(self.dtype).bits // 8,
+            vocab_size=int(self.adapted.config.vocab_size),
+            loss_chunk_tokens=self.config.loss_chunk_tokens,
         )
         measured = False
         if self._replan_due():
@@ -409,7 +428,12 @@ class RoundPipe:
         grid = plan_grid(
             plan, num_workers=len(self.devices), num_microbatches=len(mbs), round_size=round_size
         )
-        data: dict[str, Any] = {**plan.to_counts(), "grid": grid}
+        data: dict[str, Any] = {
+            **plan.to_counts(),
+            "grid": grid,
+            "compute_dtype": self.config.compute_dtype,
+            "tf32": self.tf32,
+        }
         if measured:
             same = " (unchanged)" if plan == self.plan else ""
             self._event("repartition", f"partition from measured layer times: {plan.describe()}{same}", data)

@@ -216,7 +216,11 @@ class AdaptedModel:
         return names
 
     def build_context(
-        self, rotary: nn.Module, hidden: torch.Tensor, attention_mask: torch.Tensor | None
+        self,
+        rotary: nn.Module,
+        hidden: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        upload: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> Context:
         """Masks, position ids and rotary tables for one micro-batch, on ``hidden``'s device.
 
@@ -224,14 +228,24 @@ class AdaptedModel:
         attends exactly like the unsplit model: one mask per attention type of the blocks, and
         the rotary tables once (or, for a family whose rotary embedding takes the attention type,
         once per type).
+
+        With ``upload`` (a GPU worker's host-to-device copy) ``attention_mask`` is the host copy:
+        the masks and position ids are built on the host and copied up, because the mask
+        functions inspect the mask's values (is there padding?), which on the device would make
+        the host wait for the GPU at every micro-batch of every stage.
         """
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-        seq = hidden.shape[1]
-        position_ids = torch.arange(seq, device=hidden.device).unsqueeze(0)
+        batch, seq = hidden.shape[0], hidden.shape[1]
+        on_host = upload is not None and hidden.device.type != "cpu"
+        where = torch.device("cpu") if on_host else hidden.device
+        position_ids = torch.arange(seq, device=where).unsqueeze(0)
         kwargs = {
             "config": self.config,
-            "inputs_embeds": hidden,
+            # the mask functions read only the shape, dtype and device of the embeddings
+            "inputs_embeds": torch.empty((batch, seq, 1), dtype=hidden.dtype, device=where)
+            if on_host
+            else hidden,
             "attention_mask": attention_mask,
             "cache": None,
             "position_ids": position_ids,
@@ -240,6 +254,15 @@ class AdaptedModel:
         for kind in self.attention_types:
             fn = create_sliding_window_causal_mask if kind == "sliding_attention" else create_causal_mask
             masks[kind] = fn(**kwargs)
+        if on_host:
+            assert upload is not None
+            if not all(m is None or isinstance(m, torch.Tensor) for m in masks.values()):
+                # a mask object that cannot be copied (flex attention's): build it on the device
+                return self.build_context(
+                    rotary, hidden, None if attention_mask is None else upload(attention_mask)
+                )
+            masks = {k: None if m is None else upload(m) for k, m in masks.items()}
+            position_ids = upload(position_ids)
         if self.family.rotary_per_attention_type:
             tables = {kind: rotary(hidden, position_ids, kind) for kind in self.attention_types}
         else:

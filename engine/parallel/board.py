@@ -8,7 +8,7 @@ left blocked on an error elsewhere.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -28,9 +28,16 @@ class MicroBatch:
 
 
 def split_batch(
-    input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None, num_microbatches: int
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    num_microbatches: int,
+    *,
+    pin: bool = False,
 ) -> tuple[list[MicroBatch], int]:
     """Check a batch and cut it into ``num_microbatches`` micro-batches in host memory.
+
+    With ``pin`` the micro-batches are pinned (GPU workers upload them asynchronously).
 
     Returns:
         The micro-batches and the number of label tokens of the whole batch.
@@ -58,7 +65,15 @@ def split_batch(
     ids = input_ids.detach().cpu().tensor_split(m)
     lab = labels.detach().cpu().tensor_split(m)
     am = attention_mask.detach().cpu().tensor_split(m) if attention_mask is not None else [None] * m
-    mbs = [MicroBatch(i.contiguous(), t.contiguous(), a) for i, t, a in zip(ids, lab, am, strict=True)]
+
+    def host(t: torch.Tensor) -> torch.Tensor:
+        # GPU workers upload with non_blocking copies, which are asynchronous only from pinned memory
+        return t.contiguous().pin_memory() if pin else t.contiguous()
+
+    mbs = [
+        MicroBatch(host(i), host(t), None if a is None else host(a))
+        for i, t, a in zip(ids, lab, am, strict=True)
+    ]
     return mbs, total
 
 
@@ -81,7 +96,10 @@ class Iteration:
     acts: dict[tuple[int, int], tuple[Any, Any]] = field(default_factory=dict)
     act_uses: dict[tuple[int, int], int] = field(default_factory=dict)
     grads: dict[tuple[int, int], tuple[Any, Any]] = field(default_factory=dict)
-    loss_sums: dict[int, float] = field(default_factory=dict)
+    # per micro-batch: (host tensor, index, copy event) of its loss sum (read with ``loss_sum``)
+    loss_sums: dict[int, tuple[Any, int, Any]] = field(default_factory=dict)
+    # busy spans (worker, stage name, start, end): clock readings, or CUDA timing events
+    spans: list[tuple[int, str, Any, Any]] = field(default_factory=list)
     # MoE router loss: (micro-batch, forward stage start) -> that stage's summed (counts, probs),
     # and per micro-batch the weight of each expert's probability sum (set by the fused stage)
     router_sums: dict[tuple[int, int], tuple[Any, Any]] = field(default_factory=dict)
@@ -94,6 +112,28 @@ class Iteration:
     layer_bwd_s: dict[int, float] = field(default_factory=dict)
     started: float = 0.0
     finished: float = 0.0
+
+    def loss_sum(self, microbatches: Iterable[int] | None = None) -> float:
+        """The summed loss of some micro-batches (all by default), waiting for their copies."""
+        total = 0.0
+        for mb in range(len(self.microbatches)) if microbatches is None else microbatches:
+            host, j, event = self.loss_sums[mb]
+            if event is not None:
+                event.synchronize()
+            total += float(host[j])
+        return total
+
+    def settle_times(self) -> None:
+        """Turn the busy spans into seconds per worker (``busy_s``) and per stage (``stage_s``)."""
+        spans, self.spans = self.spans, []
+        for worker, stage, a, b in spans:
+            if isinstance(a, float):
+                seconds = float(b - a)
+            else:
+                b.synchronize()
+                seconds = float(a.elapsed_time(b)) / 1000.0
+            self.busy_s[worker] = self.busy_s.get(worker, 0.0) + seconds
+            self.stage_s[stage] = self.stage_s.get(stage, 0.0) + seconds
 
 
 class Board:
@@ -109,7 +149,24 @@ class Board:
         # an iteration on version v scales by loss_scales[v], whatever the timing of its launch
         self.loss_scales: dict[int, float] = {}
         # gradient contributions: (iteration serial, round, layer) -> {tensor key: (grad, event)}
-        self.deposits: dict[tuple[int, int, int], dict[int, tuple[Any, Any]]] = {}
+        # (host flat fp32 tensor, copy event, [(tensor key, offset, numel)], buffer reusable)
+        self.deposits: dict[tuple[int, int, int], tuple[Any, Any, list[tuple[int, int, int]], bool]] = {}
+        # pinned gradient buffers handed back by the optimizer, by number of elements
+        self.buffers: dict[int, list[Any]] = {}
+        # the copy events of finished uploads per (optimizer unit, version): waited for before
+        # the unit's host copy is rewritten
+        self.upload_events: dict[tuple[int, int], list[Any]] = {}
+
+    def take_buffer(self, numel: int) -> Any:
+        """A pinned fp32 buffer of ``numel`` elements handed back earlier, or None."""
+        with self.cv:
+            free = self.buffers.get(numel)
+            return free.pop() if free else None
+
+    def give_buffer(self, buffer: Any) -> None:
+        """Hand a gradient buffer back once its contents were consumed."""
+        with self.cv:
+            self.buffers.setdefault(buffer.numel(), []).append(buffer)
 
     def fail(self, exc: BaseException) -> None:
         with self.cv:
@@ -147,15 +204,22 @@ class Board:
             for o in owners:
                 self.outstanding[(o, version)] = self.outstanding.get((o, version), 0) + 1
 
-    def release_uploads(self, owners: set[int], version: int) -> None:
+    def release_uploads(self, owners: set[int], version: int, event: Any = None) -> None:
+        """An upload of ``version`` was queued; ``event`` (None on the CPU) marks its end."""
         with self.cv:
             for o in owners:
+                if event is not None:
+                    self.upload_events.setdefault((o, version), []).append(event)
                 n = self.outstanding[(o, version)] - 1
                 if n:
                     self.outstanding[(o, version)] = n
                 else:
                     del self.outstanding[(o, version)]
             self.cv.notify_all()
+
+    def published(self, owners: set[int], version: int) -> Callable[[], bool]:
+        """A test (for ``wait_for``) that every unit in ``owners`` published weights ``version``."""
+        return lambda: all(self.version[o] >= version for o in owners)
 
     def versions_ready(self, owners: set[int], version: int) -> bool:
         with self.cv:

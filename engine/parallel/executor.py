@@ -19,6 +19,7 @@ import contextlib
 import copy
 import threading
 import time
+import traceback
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from engine.errors import Cancelled, EngineError
 from engine.model.adapter import AdaptedModel, Layer, run_layer
 from engine.model.router import RouterLoss
 from engine.parallel.board import Board, Iteration
+from engine.parallel.gradients import send_gradients
 from engine.parallel.host import HostState
 from engine.parallel.partition import Stage
 from engine.parallel.replica import meta_copy, rng_lock
@@ -81,6 +83,7 @@ class Worker:
         self.routing = RouterAccounting(context.router_loss, self.modules, self.link, self.board)
         self.queue: deque[tuple[Iteration, SlotRun]] = deque()
         self.prefetched: dict[int, tuple[Params, Any]] = {}
+        self.prefetch_oom = 0  # prefetches given up for want of device memory
         self.stopping = False
         self.thread = threading.Thread(target=self._loop, name=f"roundpipe-worker-{index}", daemon=True)
         self.thread.start()
@@ -120,11 +123,13 @@ class Worker:
                     self.board.check(it)
                 self._run(it, run, stage, owners, released)
             except Cancelled as exc:
+                # kept without its traceback: the frames would keep the stage's device tensors
                 with self.board.cv:
-                    it.aborted = it.aborted or exc
+                    it.aborted = it.aborted or exc.with_traceback(None)
             except BaseException as exc:
                 what = f"stage {stage.name} (layers {stage.start}-{stage.stop - 1}) on {self}"
                 self.board.fail(EngineError(f"{what}, iteration {it.serial}: {type(exc).__name__}: {exc}"))
+                traceback.clear_frames(exc.__traceback__)
             finally:
                 if it.aborted is not None or self.board.error is not None:
                     self.prefetched.clear()
@@ -167,7 +172,10 @@ class Worker:
         return out
 
     def _start_prefetch(self, num_windows: int) -> tuple[Any, Params, list[list[Any]], int] | None:
-        """Plan the next queued stage's upload if its weights are ready (never blocks)."""
+        """Plan the next queued stage's upload if its weights are ready (never blocks).
+
+        Out of device memory for it, the next stage is uploaded when it starts instead.
+        """
         with self.board.cv:
             if not self.queue:
                 return None
@@ -177,7 +185,11 @@ class Worker:
         stage = it.plan.slots[run.slot]
         if not self.board.versions_ready(self._owners(stage), it.version):
             return None
-        params, sizes = self._allocate(stage)
+        try:
+            params, sizes = self._allocate(stage)
+        except torch.OutOfMemoryError:
+            self.prefetch_oom += 1
+            return None
         return run, params, plan_windows(sizes, num_windows), it.version
 
     def _weights(
@@ -188,12 +200,21 @@ class Worker:
         if id(run) in self.prefetched:
             params, event = self.prefetched.pop(id(run))
         else:
-            board.wait_for(lambda: all(board.version[o] >= it.version for o in owners), it)
-            params, sizes = self._allocate(stage)
-            event = self.link.copy_pieces(self._pieces(params, plan_windows(sizes, 1)[0], it.version), None)
+            # layer by layer, each as soon as the optimizer published its weights: the first
+            # layers' copies overlap the optimizer still updating the last ones
+            params, _ = self._allocate(stage)
+            event = None
+            for i in stage.layers:
+                board.wait_for(board.published(self.host.layer_owners[i], it.version), it)
+                pieces = [
+                    (self.host.tensors[self.host.layer_keys[i][local]].source(it.version), t, 0, t.numel())
+                    for local, t in params[i].items()
+                ]
+                event = self.link.copy_pieces(pieces, None)
         self.link.wait(self.link.compute, event)
-        DeviceLink.host_wait(event)
-        board.release_uploads(owners, it.version)
+        # the host copy may change once the upload finished: the optimizer waits for ``event``
+        # before it rewrites it, and this thread goes on queueing work
+        board.release_uploads(owners, it.version, event)
         released[0] = True
         host = self.host
         for i in stage.layers:
@@ -226,12 +247,16 @@ class Worker:
         spans: list[tuple[Any, Any]] = []
         with self.link.on(self.link.compute):
             params = self._weights(it, run, stage, owners, released)
-            prefetch = self._start_prefetch(len(run.microbatches))
+            n = len(run.microbatches)
+            prefetch, first = None, 0
             for w, mb in enumerate(run.microbatches):
                 self._check_cancel(it, stage, mb)
                 x, after = self._stage_input(it, stage, mb)
+                if prefetch is None:  # tried again at every micro-batch: the weights may be ready now
+                    prefetch, first = self._start_prefetch(n - w), w
                 if prefetch is not None:
-                    self.link.copy_pieces(self._pieces(prefetch[1], prefetch[2][w], prefetch[3]), after)
+                    window = prefetch[2][w - first]
+                    self.link.copy_pieces(self._pieces(prefetch[1], window, prefetch[3]), after)
                 t0 = self._mark()
                 if stage.kind == "forward":
                     self._forward(it, stage, mb, params, x)
@@ -244,16 +269,19 @@ class Worker:
                 spans.append((t0, self._mark()))
             if prefetch is not None:
                 self.prefetched[id(prefetch[0])] = (prefetch[1], self.link.record(self.link.param_up))
-            loss_values = [float(v) for v in losses]  # read on the compute stream
-            busy = sum(self._span(a, b) for a, b in spans)
+            if stage.kind != "forward" and it.train:  # the gradients go down before anything waits
+                summed = accum if self.context.fp32_accumulate else None
+                send_gradients(
+                    self.link, self.board, self.host, (it.serial, run.round), stage, params, summed
+                )
+            # the losses go down in one copy and are read, with the times, once per iteration
+            sent = self.link.download(torch.stack(losses)) if losses else None
             with self.board.cv:
-                for mb, v in zip(run.microbatches, loss_values, strict=False):
-                    it.loss_sums[mb] = v
-                it.busy_s[self.index] = it.busy_s.get(self.index, 0.0) + busy
-                it.stage_s[stage.name] = it.stage_s.get(stage.name, 0.0) + busy
+                if sent is not None:
+                    for j, mb in enumerate(run.microbatches):
+                        it.loss_sums[mb] = (sent[0], j, sent[1])
+                it.spans.extend((self.index, stage.name, a, b) for a, b in spans)
                 self.board.cv.notify_all()
-            if stage.kind != "forward" and it.train:
-                self._deposit(it, run, stage, params, accum)
 
     def _check_cancel(self, it: Iteration, stage: Stage, mb: int) -> None:
         """Honour the cancel flag, unless the caller already received this iteration's loss
@@ -269,16 +297,18 @@ class Worker:
         """A point in time on the compute stream (an event on CUDA, a clock reading on the CPU)."""
         return self.link.record(self.link.compute, timing=True) if self.link.is_cuda else time.perf_counter()
 
-    @staticmethod
-    def _span(a: Any, b: Any) -> float:
-        if isinstance(a, float):
-            return float(b - a)
-        b.synchronize()
-        return float(a.elapsed_time(b)) / 1000.0
-
     def _record(self, table: dict[int, float], layer: int, seconds: float) -> None:
         with self.board.cv:
             table[layer] = table.get(layer, 0.0) + seconds
+
+    def _clock(self, it: Iteration) -> float:
+        """Start timing a layer (profiling only): the compute queued before it finishes first,
+        so the time is the layer's own, not waits on copies queued ahead of it."""
+        if not it.profile:
+            return 0.0
+        if self.link.is_cuda:
+            self.link.compute.synchronize()
+        return time.perf_counter()
 
     def _elapsed(self, t0: float) -> float:
         """Seconds since ``t0`` after the queued compute finished (profiling only)."""
@@ -344,8 +374,12 @@ class Worker:
 
     def _context(self, it: Iteration, mb: int, hidden: torch.Tensor) -> Any:
         am = it.microbatches[mb].attention_mask
-        am_dev = None if am is None else self.link.upload(am)
-        return self.context.model.build_context(self.rotary, hidden, am_dev)
+        if not self.link.is_cuda:
+            return self.context.model.build_context(self.rotary, hidden, am)
+        # built from the host copy of the mask and copied up: no wait for the GPU
+        return self.context.model.build_context(
+            self.rotary, hidden, am, lambda t: self.link.upload(t.pin_memory())
+        )
 
     def _forward(self, it: Iteration, stage: Stage, mb: int, params: Params, x: torch.Tensor) -> None:
         layers = self.context.model.layers
@@ -353,7 +387,7 @@ class Worker:
         sums: list[torch.Tensor] | None = None
         with torch.no_grad():
             for i in stage.layers:
-                t0 = time.perf_counter() if it.profile else 0.0
+                t0 = self._clock(it)
                 x = self._call(it, mb, layers[i], params, x, ctx)
                 if it.profile:
                     self._record(it.layer_fwd_s, i, self._elapsed(t0))
@@ -401,7 +435,7 @@ class Worker:
         labels = self.link.upload(it.microbatches[mb].labels) if stage.kind == "fused" else None
         with torch.enable_grad():
             for i in stage.layers:
-                t0 = time.perf_counter() if it.profile else 0.0
+                t0 = self._clock(it)
                 inp = x if i == 0 else x.detach().requires_grad_(self._needs_input_grad(i))
                 # the fused stage's output layer (last) returns the loss sum, chunk by chunk
                 x = self._call(
@@ -433,7 +467,7 @@ class Worker:
             if routed and weights is None:
                 weights = self.routing.weights(it, mb)
             for i, (inp, out) in zip(reversed(stage.layers), reversed(saved), strict=True):
-                t0 = time.perf_counter() if it.profile else 0.0
+                t0 = self._clock(it)
                 if top is not None:
                     torch.autograd.backward(top)
                 elif i in routed and weights is not None:
@@ -464,26 +498,3 @@ class Worker:
         """Whether the gradient of a block's input is needed: always, except for the block right
         above a frozen input layer (a LoRA base), where nothing below would use it."""
         return layer > 1 or bool(self.host.layer_owners[0])
-
-    def _deposit(
-        self,
-        it: Iteration,
-        run: SlotRun,
-        stage: Stage,
-        params: Params,
-        accum: dict[tuple[int, str], torch.Tensor],
-    ) -> None:
-        host = self.host
-        for i in stage.layers:
-            contribution: dict[int, tuple[Any, Any]] = {}
-            for local, k in host.layer_keys[i].items():
-                if not host.tensors[k].trainable:
-                    continue
-                g = accum.pop((i, local), None) if self.context.fp32_accumulate else params[i][local].grad
-                if g is None:
-                    g = torch.zeros_like(params[i][local], dtype=torch.float32)
-                contribution[k] = self.link.download(g, self.link.grad_down)
-            if contribution:
-                with self.board.cv:
-                    self.board.deposits[(it.serial, run.round, i)] = contribution
-                    self.board.cv.notify_all()

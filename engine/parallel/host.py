@@ -5,13 +5,19 @@ Each distinct tensor of the model (a tied embedding is one tensor used by two la
 gradient buffer; frozen parameters (a LoRA base) have only their compute copy, no optimizer
 state and no gradient traffic. The optimizer updates tensors in *units*: one per layer, owning
 the trainable tensors that layer is the lowest user of.
+
+For GPU workers the compute copies are pinned as one block per dtype with a view per tensor
+(pinning each tensor alone rounds every allocation up to a power of two, nearly doubling the
+pinned memory); ``release`` hands the blocks back and leaves the model on plain memory.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from engine.config import COMPUTE_DTYPES
 from engine.model.adapter import AdaptedModel
@@ -41,7 +47,8 @@ class HostState:
 
     Args:
         adapted: the model as layers.
-        compute_dtype: dtype of the copy stages upload (floating parameters are cast to it).
+        compute_dtype: dtype of the copy stages upload (floating parameters are cast to it, but
+            for those the model keeps in fp32: its ``_keep_in_fp32_modules(_strict)``).
         pin: pin the compute copies (CUDA workers copy from them asynchronously).
         double_buffer: give trainable tensors a second compute buffer (async mode).
     """
@@ -50,23 +57,53 @@ class HostState:
         self, adapted: AdaptedModel, *, compute_dtype: torch.dtype, pin: bool, double_buffer: bool
     ) -> None:
         full = adapted.full_names()
+        keep = [
+            *(getattr(adapted.hf_model, "_keep_in_fp32_modules", None) or ()),
+            *(getattr(adapted.hf_model, "_keep_in_fp32_modules_strict", None) or ()),
+        ]
+
+        def keep_fp32(names: list[str]) -> bool:
+            # the modules a family computes in fp32 whatever the model's dtype (GPT-OSS's norms,
+            # DeepSeek-V3's router), matched as whole dotted components of the name
+            return any(f".{k}." in f".{n}." for n in names for k in keep)
+
         self.tensors: list[HostTensor] = []
         by_id: dict[int, int] = {}
+        originals: list[torch.Tensor] = []
         self.layer_keys: list[dict[str, int]] = []
         for layer in adapted.layers:
             keys: dict[str, int] = {}
             for local, t in layer.tensors.items():
                 if id(t) not in by_id:
                     by_id[id(t)] = len(self.tensors)
-                    self.tensors.append(
-                        self._make(len(self.tensors), t, full, layer.index, compute_dtype, pin)
-                    )
+                    names = full.get(id(t), [])
+                    dtype = torch.float32 if keep_fp32(names) else compute_dtype
+                    self.tensors.append(self._make(len(self.tensors), t, names, layer.index, dtype))
+                    originals.append(t)
                 keys[local] = by_id[id(t)]
             self.layer_keys.append(keys)
+        self.pinned = pin
+        self.blocks: list[torch.Tensor] = []
+        if pin:
+            views, self.blocks = self._blocks([ht.compute for ht in self.tensors], pin=True)
+            for ht, view in zip(self.tensors, views, strict=True):
+                ht.compute = view
+        # the model's parameters become the compute copy: host memory holds one copy, not two
+        self._params = [
+            (t, ht) for t, ht in zip(originals, self.tensors, strict=True) if isinstance(t, nn.Parameter)
+        ]
+        for t, ht in self._params:
+            if ht.compute.data_ptr() != t.data_ptr():
+                t.data = ht.compute
         if double_buffer:
-            for ht in self.tensors:
-                if ht.trainable:
-                    ht.compute_alt = ht.compute.clone().pin_memory() if pin else ht.compute.clone()
+            alts = [ht.compute for ht in self.tensors if ht.trainable]
+            if pin:
+                alts, more = self._blocks(alts, pin=True)
+                self.blocks += more
+            else:
+                alts = [c.clone() for c in alts]
+            for ht, alt in zip([ht for ht in self.tensors if ht.trainable], alts, strict=True):
+                ht.compute_alt = alt
         self.num_layers = len(adapted.layers)
         self.owned: list[list[int]] = [[] for _ in range(self.num_layers)]
         for ht in self.tensors:
@@ -79,13 +116,50 @@ class HostState:
         ]
 
     @staticmethod
+    def _blocks(
+        tensors: Sequence[torch.Tensor], *, pin: bool
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Copies of ``tensors`` as views into one block per dtype (pinned with ``pin``).
+
+        Returns:
+            The views, in order, and the blocks.
+        """
+        by_dtype: dict[torch.dtype, int] = {}
+        for t in tensors:
+            by_dtype[t.dtype] = by_dtype.get(t.dtype, 0) + t.numel()
+        blocks = {dt: torch.empty(n, dtype=dt, pin_memory=pin) for dt, n in by_dtype.items()}
+        offsets = dict.fromkeys(by_dtype, 0)
+        views = []
+        for t in tensors:
+            a = offsets[t.dtype]
+            view = blocks[t.dtype][a : a + t.numel()].view(t.shape)
+            view.copy_(t)
+            offsets[t.dtype] = a + t.numel()
+            views.append(view)
+        return views, list(blocks.values())
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Bytes of pinned host memory the compute copies occupy (0 without GPU workers)."""
+        return sum(b.numel() * b.element_size() for b in self.blocks)
+
+    @property
+    def compute_bytes(self) -> int:
+        """Bytes of the compute copies (both buffers in async mode)."""
+        total = 0
+        for t in self.tensors:
+            for c in (t.compute, t.compute_alt):
+                if c is not None:
+                    total += c.numel() * c.element_size()
+        return total
+
+    @staticmethod
     def _make(
         key: int,
         t: torch.Tensor,
-        full: dict[int, list[str]],
+        names: list[str],
         layer: int,
         dtype: torch.dtype,
-        pin: bool,
     ) -> HostTensor:
         trainable = isinstance(t, torch.nn.Parameter) and t.requires_grad
         data = t.detach()
@@ -94,16 +168,11 @@ class HostState:
         if data.is_floating_point() and isinstance(t, torch.nn.Parameter):
             data = data.to(dtype)
         data = data.contiguous()
-        if pin and not data.is_pinned():
-            data = data.pin_memory()
-        ht = HostTensor(key, full.get(id(t), []), data, trainable, layer)
+        ht = HostTensor(key, names, data, trainable, layer)
         if trainable:
             master = torch.nn.Parameter(t.detach().to("cpu", torch.float32, copy=True).contiguous())
             master.grad = torch.zeros_like(master)
             ht.master = master
-        if isinstance(t, torch.nn.Parameter) and data.data_ptr() != t.data_ptr():
-            # the model's parameter becomes the compute copy: host memory holds one copy, not two
-            t.data = data
         return ht
 
     @property
@@ -138,6 +207,13 @@ class HostState:
         )
 
     def release(self) -> None:
+        """Drop the host state; the model's parameters move off the pinned blocks first."""
+        if self.blocks:
+            for t, ht in self._params:
+                if t.data_ptr() == ht.compute.data_ptr():
+                    t.data = torch.empty(ht.compute.shape, dtype=ht.compute.dtype).copy_(ht.compute)
+        self._params.clear()
+        self.blocks.clear()
         self.tensors.clear()
         self.layer_keys.clear()
         self.owned.clear()

@@ -29,6 +29,7 @@ from engine.config import EngineConfig
 from engine.errors import Cancelled, EngineError
 from engine.optimizers import optimizer_spec
 from engine.parallel.board import Board, Iteration
+from engine.parallel.gradients import add_gradients
 from engine.parallel.host import HostState
 from engine.parallel.transfer import DeviceLink
 
@@ -49,9 +50,11 @@ class StepJob:
         its = self.iterations
         wall = max(time.perf_counter() - its[0].started, 1e-9)
         span = max(max(it.finished for it in its) - its[0].started, 1e-9)
+        for it in its:
+            it.settle_times()
         busy = sum(sum(it.busy_s.values()) for it in its)
         tokens = sum(it.total_tokens for it in its)
-        loss = sum(sum(it.loss_sums.values()) for it in its) / tokens
+        loss = sum(it.loss_sum() for it in its) / tokens
         metrics = {
             "loss/train": loss,
             "tokens/label": float(tokens),
@@ -102,6 +105,7 @@ class OptimizerWorker:
         self.dynamic_scaling = cfg.compute_dtype == "float16"
         self.loss_scale = float(cfg.initial_loss_scale) if self.dynamic_scaling else 1.0
         self._good_steps = 0
+        self._skipped_in_a_row = 0
         board.loss_scales[0] = self.loss_scale
         self.jobs: queue.Queue[Any] = queue.Queue()
         self.thread = threading.Thread(target=self._loop, name="roundpipe-optimizer", daemon=True)
@@ -158,15 +162,7 @@ class OptimizerWorker:
                     self.board.wait_for(self._arrived(key), it)
                     with self.board.cv:
                         contribution = self.board.deposits.pop(key)
-                    for k, (grad, event) in contribution.items():
-                        DeviceLink.host_wait(event)
-                        master = self.host.tensors[k].master
-                        if master is None or master.grad is None:
-                            raise RuntimeError(f"gradient for frozen tensor {self.host.tensors[k].names}")
-                        if unscale == 1.0:
-                            master.grad.add_(grad)
-                        else:
-                            master.grad.add_(grad, alpha=unscale)
+                    add_gradients(self.host, self.board, contribution, unscale)
         except Cancelled:
             pass
         # every worker left the iteration: its bookkeeping is complete (metrics read it), and a
@@ -213,9 +209,17 @@ class OptimizerWorker:
     def _rescale(self, *, overflow: bool) -> None:
         """float16 dynamic loss scaling: halve on overflow, double after a run of good steps."""
         if overflow:
+            self._skipped_in_a_row += 1
+            if self._skipped_in_a_row >= self.cfg.max_skipped_steps:
+                raise EngineError(
+                    f"float16: {self._skipped_in_a_row} steps in a row had non-finite gradients "
+                    f"(loss scale now {self.loss_scale:g}) and were skipped: the model diverged or "
+                    "overflows float16 even unscaled; lower the learning rate or train in bfloat16"
+                )
             self.loss_scale = max(self.loss_scale / 2.0, 1.0)
             self._good_steps = 0
             return
+        self._skipped_in_a_row = 0
         self._good_steps += 1
         if self._good_steps >= GROWTH_INTERVAL:
             self.loss_scale *= 2.0
@@ -231,6 +235,10 @@ class OptimizerWorker:
         board = self.board
         lag = 2 if self.cfg.async_optimizer else 1
         board.wait_for(lambda: board.outstanding.get((owner, version - lag), 0) == 0)
+        with board.cv:
+            uploads = board.upload_events.pop((owner, version - lag), [])
+        for event in uploads:
+            DeviceLink.host_wait(event)
         self.host.refresh_compute(owner, version)
         board.set_version(owner, version)
 

@@ -2,15 +2,20 @@
 measured times), the per-stage memory budget, the partition chosen from them, and its
 step x worker grid.
 
-Memory per layer is an estimate: the weights in the compute dtype (twice in a fused/backward
-stage for trainable weights: their fp32 gradient accumulators), plus activations of one
-micro-batch — the hidden state for a forward stage, and for a block trained with recompute
-about 16 hidden-sized tensors (attention and MLP intermediates kept for its backward).
+Memory per layer is an estimate of what one worker holds while it runs the layer's stage:
+the weights in the compute dtype, the same again for the next stage's weights it prefetches
+meanwhile, and activations of one micro-batch — the hidden state for a forward stage, and for a
+block trained with recompute about 16 hidden-sized tensors (attention and MLP intermediates kept
+for its backward). A fused or backward stage adds, per trainable weight, the micro-batch's
+gradient in the compute dtype and its fp32 accumulator; the output layer adds one chunk of the
+loss's logits (fp32 logits and their gradient, plus the head's output in the compute dtype).
+The budget a stage must fit is a share of the smallest GPU divided among the workers that
+share a GPU.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -26,17 +31,34 @@ REPLAN_EVALUATIONS = 100  # simulations the re-plan from measured times may spen
 
 
 def memory_costs(
-    host: HostState, *, microbatch_tokens: int, hidden_size: int, dtype_bytes: int
+    host: HostState,
+    *,
+    microbatch_tokens: int,
+    hidden_size: int,
+    dtype_bytes: int,
+    vocab_size: int = 0,
+    loss_chunk_tokens: int = 4096,
 ) -> list[LayerCost]:
-    """Proxy costs (parameter bytes) with memory estimates for one micro-batch size."""
+    """Proxy costs (parameter bytes) with memory estimates for one micro-batch size.
+
+    Args:
+        vocab_size, loss_chunk_tokens: the output layer's logits chunk is
+            ``min(loss_chunk_tokens, microbatch_tokens) x vocab_size``.
+    """
     act = microbatch_tokens * hidden_size * dtype_bytes
+    logits = min(loss_chunk_tokens, microbatch_tokens) * vocab_size * (4 + 4 + dtype_bytes)
     param = [float(host.param_bytes(i)) for i in range(host.num_layers)]
     proxies = proxy_costs(param)
     costs = []
+    last = host.num_layers - 1
     for i, c in enumerate(proxies):
-        grads = 4.0 * host.trainable_numel(i)
-        kept = act * (ACTIVATIONS_PER_BLOCK_BACKWARD if 0 < i < host.num_layers - 1 else 2)
-        costs.append(LayerCost(c.forward, c.backward, param[i] + 2 * act, param[i] + grads + kept))
+        weights = 2 * param[i]  # this stage's and the prefetched next stage's
+        grads = (4.0 + dtype_bytes) * host.trainable_numel(i)
+        kept = act * (ACTIVATIONS_PER_BLOCK_BACKWARD if 0 < i < last else 2)
+        head = logits if i == last else 0
+        costs.append(
+            LayerCost(c.forward, c.backward, weights + 2 * act + head, weights + grads + kept + head)
+        )
     return costs
 
 
@@ -67,8 +89,19 @@ def measured_costs(iterations: Sequence[Iteration], memory: Sequence[LayerCost])
     ]
 
 
-def memory_budget(devices: Sequence[torch.device], budget_bytes: int | None) -> float | None:
-    """Bytes one stage may use: ``budget_bytes`` when given, else a share of the smallest GPU.
+def memory_budget(
+    devices: Sequence[torch.device],
+    budget_bytes: int | None,
+    *,
+    total_memory: Callable[[torch.device], int] | None = None,
+) -> float | None:
+    """Bytes one stage (on one worker) may use.
+
+    ``budget_bytes`` when given; else a share of the smallest GPU, divided among the workers
+    listed on one GPU (they hold their stages at the same time).
+
+    Args:
+        total_memory: a GPU's memory in bytes (default: what CUDA reports).
 
     Returns:
         None (unlimited) when every worker is a CPU thread and no budget is given.
@@ -78,7 +111,9 @@ def memory_budget(devices: Sequence[torch.device], budget_bytes: int | None) -> 
     cuda = [d for d in devices if d.type == "cuda"]
     if not cuda:
         return None
-    return GPU_MEMORY_SHARE * min(torch.cuda.get_device_properties(d).total_memory for d in cuda)
+    total = total_memory or (lambda d: int(torch.cuda.get_device_properties(d).total_memory))
+    sharing = max(cuda.count(d) for d in cuda)
+    return GPU_MEMORY_SHARE * min(total(d) for d in cuda) / sharing
 
 
 def choose_plan(

@@ -125,7 +125,9 @@ class DeviceLink:
         """An event marking the work queued on ``stream`` so far (None on the CPU)."""
         if stream is None:
             return None
-        event = torch.cuda.Event(enable_timing=timing)
+        # blocking: a host thread waiting on it sleeps instead of spinning a core the CPU
+        # optimizer needs
+        event = torch.cuda.Event(enable_timing=timing, blocking=True)
         event.record(stream)
         return event
 
@@ -154,8 +156,14 @@ class DeviceLink:
         dev.record_stream(self.compute)
         return dev
 
-    def download(self, dev: torch.Tensor, stream: Any = None) -> tuple[torch.Tensor, Any]:
+    def download(
+        self, dev: torch.Tensor, stream: Any = None, *, into: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, Any]:
         """Copy a device tensor to host memory after the compute queued so far.
+
+        Args:
+            into: a pinned host buffer of ``dev``'s size and dtype to copy into (default: a new
+                one).
 
         Returns the host tensor and an event the consumer must wait for (None on the CPU).
         """
@@ -164,7 +172,11 @@ class DeviceLink:
         stream = stream or self.act_down
         stream.wait_stream(self.compute)
         with self.on(stream):
-            host = torch.empty(dev.shape, dtype=dev.dtype, pin_memory=True)
+            host = (
+                torch.empty(dev.shape, dtype=dev.dtype, pin_memory=True)
+                if into is None
+                else into.view(dev.shape)
+            )
             host.copy_(dev, non_blocking=True)
         dev.record_stream(stream)
         return host, self.record(stream)

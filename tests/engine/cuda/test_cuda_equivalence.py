@@ -41,7 +41,12 @@ def test_cuda_sync_sgd_equals_plain_loop(family: str, workers: int, batches) -> 
     model = tiny_model(family)
     ref_losses, ref_state = plain_loop(model, batches, lambda p: torch.optim.SGD(p, lr=0.1))
     config = EngineConfig(
-        devices=devices(workers), num_microbatches=workers + 1, optimizer="sgd", lr=0.1, partition=SPLIT_PLAN
+        devices=devices(workers),
+        num_microbatches=workers + 1,
+        optimizer="sgd",
+        lr=0.1,
+        partition=SPLIT_PLAN,
+        tf32=False,  # exact fp32, like the CPU reference
     )
     losses, state, _ = engine_loop(model, batches, config)
     assert max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)) < CUDA_SGD_TOL
@@ -53,7 +58,12 @@ def test_cuda_same_bits_for_any_worker_count(batches) -> None:
     states = []
     for workers in (1, 2, 3):
         config = EngineConfig(
-            devices=devices(workers), num_microbatches=5, optimizer="sgd", lr=0.1, partition=SPLIT_PLAN
+            devices=devices(workers),
+            num_microbatches=5,
+            optimizer="sgd",
+            lr=0.1,
+            partition=SPLIT_PLAN,
+            tf32=False,
         )
         states.append(engine_loop(model, batches, config)[1])
     assert all(bitwise_equal(s, states[0]) for s in states[1:])
