@@ -9,7 +9,7 @@ PRETTIER := node_modules/.bin/prettier
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install services test lint lint-js fmt-js types unit bench run demo plan clean
+.PHONY: install services test lint lint-js fmt-js types unit bench gpu-check run demo plan clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -65,6 +65,11 @@ test: lint types unit
 
 bench: install
 	$(PY) bench/engine_overhead.py
+
+# on a machine with NVIDIA GPUs: the CUDA tests, then equivalence, race injection, memory, host
+# syncs and throughput checks, a PASS/WARN/FAIL table (`python bench/gpu_check.py --cpu` without one)
+gpu-check: install
+	$(PY) bench/gpu_check.py
 
 # the service on this machine: API + worker on SQLite and the no-server broker, demo model and
 # datasets prepared once, a login URL printed

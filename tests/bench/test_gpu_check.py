@@ -1,0 +1,109 @@
+"""`bench/gpu_check.py --cpu`, the CPU mode of `make gpu-check`, runs clean: so the GPU check
+cannot rot on machines without a GPU. Every check is reported, none FAILs, the figures are
+written."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+CHECKS = (
+    "cuda_tests",
+    "equivalence",
+    "race_injection",
+    "adamw_clipping",
+    "low_precision",
+    "dropout",
+    "cancel_close",
+    "memory",
+    "host_syncs",
+    "throughput",
+)
+# what needs CUDA itself; every other check must really run on CPU workers
+SKIPPED_ON_CPU = {"cuda_tests", "host_syncs"}
+
+pytestmark = pytest.mark.slow
+
+
+def test_gpu_check_runs_clean_on_cpu_workers(tmp_path: Path) -> None:
+    out = tmp_path / "gpu_check.json"
+    res = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--cpu", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=os.environ | {"HF_HUB_OFFLINE": "1"},
+    )
+    log = res.stdout[-6000:] + res.stderr[-6000:]
+    assert res.returncode == 0, log
+    # the last lines are the summary table: a header, one row per check, the verdict
+    lines = res.stdout.strip().splitlines()
+    table = lines[-len(CHECKS) - 2 :]
+    assert table[0].split()[:3] == ["check", "status", "seconds"], log
+    rows = {line.split()[0]: line.split()[1] for line in table[1:-1]}
+    assert tuple(rows) == CHECKS, log
+    assert "FAIL" not in rows.values(), log
+    assert table[-1].startswith("gpu-check:") and "0 FAIL" in table[-1], log
+    assert {name for name, status in rows.items() if status == "SKIP"} == SKIPPED_ON_CPU, log
+
+    report = json.loads(out.read_text())
+    assert report["mode"] == "cpu" and report["exit_code"] == 0
+    assert report["versions"]["torch"] and report["machine"]["cpu_count"]
+    checks = report["checks"]
+    assert tuple(checks) == CHECKS
+    for name, check in checks.items():
+        assert check["status"] == rows[name]
+        if name not in SKIPPED_ON_CPU:
+            assert check["figures"], name
+    eq = checks["equivalence"]["figures"]
+    assert eq["sync_bitwise_for_1_2_3_workers"] is True
+    assert max(eq[f"sync_{n}w_weight_diff"] for n in (1, 2, 3)) < 1e-5
+    assert checks["race_injection"]["figures"]["sync_fp32_adamw"]["injected_bitwise"] is True
+    assert checks["dropout"]["figures"]["3w_split_bitwise"] is True
+    backoff = checks["low_precision"]["figures"]["float16_backoff"]
+    assert backoff["skipped"][0] is True and backoff["halving_rule_held"] is True
+    assert checks["cancel_close"]["figures"]["threads_left"] == []
+    assert checks["memory"]["figures"]["growth_after_warmup_bytes"] <= 0
+    assert checks["throughput"]["figures"]["engine_sync"]["tokens_per_s"] > 0
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "bench" / "gpu_check.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_watchdog_prints_every_stack_and_fails_a_hung_check(capsys: pytest.CaptureFixture[str]) -> None:
+    gpu_check = load_script()
+    release = threading.Event()
+
+    def hangs():
+        release.wait(30)
+        return gpu_check.Result("PASS", "released")
+
+    try:
+        result, hung = gpu_check.run_check("stuck", hangs, timeout=0.5)
+    finally:
+        release.set()
+    assert hung and result.status == "FAIL" and "still running after" in result.message
+    err = capsys.readouterr().err
+    assert "check stuck still running after" in err
+    assert "--- thread gpu-check-stuck" in err and "release.wait(30)" in err
+
+    def breaks():
+        raise RuntimeError("simulated device fault")
+
+    result, hung = gpu_check.run_check("broken", breaks, timeout=10)
+    assert not hung and result.status == "FAIL" and "simulated device fault" in result.message
