@@ -53,7 +53,8 @@ def memory_costs(
     last = host.num_layers - 1
     for i, c in enumerate(proxies):
         weights = 2 * param[i]  # this stage's and the prefetched next stage's
-        grads = (4.0 + dtype_bytes) * host.trainable_numel(i)
+        # the fp32 accumulator, plus the micro-batch's gradient when it comes in a lower dtype
+        grads = (4.0 + (dtype_bytes if dtype_bytes < 4 else 0)) * host.trainable_numel(i)
         kept = act * (ACTIVATIONS_PER_BLOCK_BACKWARD if 0 < i < last else 2)
         head = logits if i == last else 0
         costs.append(

@@ -35,6 +35,7 @@ def test_plan_prints_partition_and_grid(capsys) -> None:
     assert "plan: " in out and "B1[" in out
     assert "step  w0" in out and "F1.m0" in out
     assert "fits: yes" in out and "tokens/s" in out and "host RAM:" in out
+    assert "longest sequence that fits: " in out and "(limited by " in out
 
 
 def test_plan_rejects_an_impossible_budget(capsys) -> None:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
 
 from engine import EngineConfig, RoundPipe
 from engine.config import TrainConfig, resolve_compute_dtype
-from engine.planner import Hardware, Shape, Workload, calibrate, plan_job
+from engine.planner import SEQ_LEN_STEP, Hardware, Shape, Workload, calibrate, plan_job
 from tests.engine.tiny import tiny_batch, tiny_model
 
 QWEN3_1_7B = {
@@ -22,40 +23,107 @@ QWEN3_1_7B = {
     "vocab_size": 151936,
     "tie_word_embeddings": True,
 }
+# Qwen3-30B-A3B's config.json: 128 experts of width 768, 8 active, every block sparse
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "max_position_embeddings": 40960,
+    "tie_word_embeddings": False,
+}
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
-@pytest.mark.parametrize("tied", [False, True])
-def test_parameter_counts_match_the_model(family: str, tied: bool) -> None:
-    model = tiny_model(family, tied=tied)
-    shape = Shape.from_config(model.config.to_dict())
-    biases = sum(p.numel() for n, p in model.named_parameters() if n.endswith(".bias"))  # qwen2 q/k/v bias
-    assert sum(shape.layer_params()) + biases == sum(p.numel() for p in model.parameters())
+DENSE = ["llama", "qwen2", "qwen3", "mistral", "phi3", "glm4", "olmo2", "granite", "smollm3", "gemma3"]
+MOE = ["qwen3_moe", "gpt_oss", "deepseek_v3"]
+# Llama-3.1-8B's config.json (the sizes; 128k context)
+LLAMA_3_8B = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "max_position_embeddings": 131072,
+    "tie_word_embeddings": False,
+}
 
 
-def test_lora_trainable_count_matches_peft() -> None:
-    from peft import LoraConfig, get_peft_model
-
-    model = tiny_model("llama")
-    shape = Shape.from_config(model.config.to_dict())
-    targets = ("q_proj", "v_proj", "down_proj")
-    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=list(targets)))
-    trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
-    assert shape.layers * shape.lora_params(4, targets) == trainable
+def config_of(model: torch.nn.Module) -> dict:
+    """The model's config.json as the folder has it (``architectures`` included)."""
+    return model.config.to_dict() | {"architectures": [type(model).__name__]}
 
 
-@pytest.mark.parametrize("family", ["phi3", "glm4"])
-def test_lora_count_of_fused_projections_matches_peft(family: str) -> None:
+@pytest.mark.parametrize("family", DENSE + MOE)
+def test_parameter_counts_match_the_model_block_by_block(family: str) -> None:
+    model = tiny_model(family)
+    shape = Shape.from_config(config_of(model))
+    blocks = [sum(p.numel() for p in block.parameters()) for block in model.model.layers]
+    assert [shape.block_params(b) for b in range(shape.layers)] == blocks
+    assert sum(shape.layer_params()) == sum(p.numel() for p in model.parameters())  # a tied head once
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_active_parameters_count_the_experts_a_token_visits(family: str) -> None:
+    model = tiny_model(family)
+    shape = Shape.from_config(config_of(model))
+    moe = shape.moe
+    assert moe is not None and shape.is_moe_block(shape.layers - 1)
+    top = model.model.layers[-1].mlp
+    per_expert = sum(p[0].numel() for n, p in top.experts.named_parameters())  # expert 0's slices
+    inactive = (moe.experts - moe.active) * per_expert
+    assert shape.active_block_params(shape.layers - 1) == shape.block_params(shape.layers - 1) - inactive
+    for dense in moe.dense_blocks:  # every weight of a dense block is active
+        assert shape.active_block_params(dense) == shape.block_params(dense)
+
+
+@pytest.mark.parametrize("family", ["llama", "phi3", "glm4", *MOE])
+@pytest.mark.parametrize(
+    "targets", [None, ("q_proj", "v_proj", "o_proj"), ("o_proj",), ("gate_proj", "up_proj", "down_proj")]
+)
+def test_lora_trainable_count_matches_peft(family: str, targets: tuple[str, ...] | None) -> None:
     from peft import LoraConfig, get_peft_model
 
     from engine.model.families import family_for
 
     model = tiny_model(family)
-    shape = Shape.from_config(model.config.to_dict())
-    targets = family_for(type(model).__name__).lora_targets
-    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=list(targets)))
+    targets = targets or tuple(family_for(type(model).__name__).lora_targets)
+    shape = Shape.from_config(config_of(model))
+    try:
+        peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=list(targets)))
+    except ValueError:  # none of them in this family (Phi-3 has no q_proj): the run refuses it too
+        return
     trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
-    assert shape.layers * shape.lora_params(4, tuple(targets)) == trainable
+    assert shape.lora_params(4, targets) == trainable
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_lora_on_expert_parameters_adds_rank_times_in_plus_out_per_expert(family: str) -> None:
+    from peft import LoraConfig, get_peft_model
+
+    model = tiny_model(family)
+    shape = Shape.from_config(config_of(model))
+    experts = ("experts.gate_up_proj", "experts.down_proj")
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["o_proj"], target_parameters=list(experts))
+    trainable = sum(p.numel() for p in get_peft_model(model, lora).parameters() if p.requires_grad)
+    assert shape.lora_params(4, ("o_proj",), experts) == trainable
+    moe = shape.moe
+    assert moe is not None
+    per_block = 4 * moe.experts * ((shape.hidden + 2 * moe.intermediate) + (moe.intermediate + shape.hidden))
+    moe_blocks = shape.layers - len(moe.dense_blocks)
+    assert trainable == shape.lora_params(4, ("o_proj",)) + moe_blocks * per_block
 
 
 def test_host_optimizer_bytes_match_the_engine_after_a_step() -> None:
@@ -97,9 +165,10 @@ def test_a_plan_that_fits_and_one_that_does_not() -> None:
     small_host = plan_job(QWEN3_1_7B, Hardware(num_gpus=4, host_ram_gb=16.0), Workload(method="full"))
     assert not small_host.fits and "host RAM" in small_host.problems[0]
     assert any("LoRA" in s for s in small_host.suggestions)
-    # one micro-batch of 64k tokens: the output layer's logits alone do not fit a 24 GB GPU
-    long = plan_job(QWEN3_1_7B, box, Workload(seq_len=65536, batch_size=2, num_microbatches=1))
-    assert not long.fits and "micro-batch" in long.problems[0] and long.suggestions
+    # one micro-batch of 512k tokens: one block's activations alone do not fit a 24 GB GPU
+    long = plan_job(QWEN3_1_7B, box, Workload(seq_len=262144, batch_size=2, num_microbatches=1))
+    assert not long.fits and "micro-batch" in long.problems[0]
+    assert f"seq_len {long.max_seq_len} or shorter" in long.suggestions[0]
 
 
 def test_bad_settings_name_the_field() -> None:
@@ -194,3 +263,129 @@ def test_numbers_out_of_range_raise_config_error_not_arithmetic_errors() -> None
     tuned = calibrate(Hardware(), predicted_tokens_per_s=1e9, measured_tokens_per_s=1.0)
     assert tuned.efficiency == HARDWARE_RANGES["efficiency"][0]
     assert plan_job(QWEN3_1_7B, tuned, Workload()).tokens_per_s > 0
+
+
+def test_the_longest_sequence_that_fits_llama_3_8b_on_one_24_gb_gpu() -> None:
+    job = Workload(seq_len=2048, batch_size=1, num_microbatches=1, lora_r=16, compute_dtype="bfloat16")
+    report = plan_job(LLAMA_3_8B, Hardware(num_gpus=1, gpu_memory_gb=24.0), job)
+    assert (report.max_seq_len, report.max_seq_len_limit) == (86848, "gpu_memory")
+    assert plan_job(LLAMA_3_8B, Hardware(num_gpus=1, gpu_memory_gb=24.0), replace(job, seq_len=86848)).fits
+    assert not plan_job(
+        LLAMA_3_8B, Hardware(num_gpus=1, gpu_memory_gb=24.0), replace(job, seq_len=86912)
+    ).fits
+
+
+@pytest.mark.parametrize(
+    ("config", "job"),
+    [
+        (LLAMA_3_8B, Workload(batch_size=1, num_microbatches=1)),
+        (LLAMA_3_8B, Workload(batch_size=8, num_microbatches=2, method="full", compute_dtype="float16")),
+        (QWEN3_1_7B, Workload(batch_size=4, num_microbatches=4, devices=("cuda:0", "cuda:0"))),
+        (QWEN3_30B_A3B, Workload(batch_size=16, num_microbatches=1)),
+    ],
+)
+def test_the_longest_sequence_grows_with_memory_and_is_the_edge_of_the_fit(
+    config: dict, job: Workload
+) -> None:
+    longest = []
+    for gb in (12.0, 16.0, 24.0, 32.0, 48.0, 80.0):
+        box = Hardware(num_gpus=2, gpu_memory_gb=gb)
+        report = plan_job(config, box, job)
+        longest.append(report.max_seq_len)
+        if report.max_seq_len_limit == "gpu_memory" and report.max_seq_len:
+            assert plan_job(config, box, replace(job, seq_len=report.max_seq_len)).fits
+            assert not plan_job(config, box, replace(job, seq_len=report.max_seq_len + SEQ_LEN_STEP)).fits
+    assert longest == sorted(longest) and longest[-1] > longest[0]
+
+
+def test_the_host_ram_can_be_what_limits_the_sequence() -> None:
+    box = Hardware(num_gpus=8, gpu_memory_gb=80.0, host_ram_gb=24.0)
+    job = Workload(batch_size=64, num_microbatches=64)
+    report = plan_job(QWEN3_1_7B, box, job)
+    assert report.max_seq_len_limit == "host_ram" and report.max_seq_len > 0
+    assert plan_job(QWEN3_1_7B, box, replace(job, seq_len=report.max_seq_len)).fits
+    over = plan_job(QWEN3_1_7B, box, replace(job, seq_len=report.max_seq_len + SEQ_LEN_STEP))
+    assert not over.fits and "host RAM" in over.problems[0]
+
+
+def test_workers_sharing_a_gpu_divide_its_memory() -> None:
+    box = Hardware(num_gpus=1, gpu_memory_gb=24.0)
+    alone = plan_job(QWEN3_1_7B, box, Workload(batch_size=2, num_microbatches=2, devices=("cuda:0",)))
+    shared = plan_job(QWEN3_1_7B, box, Workload(batch_size=2, num_microbatches=2, devices=("cuda:0",) * 2))
+    assert shared.workers_per_gpu == 2 and shared.fits
+    assert shared.max_seq_len < alone.max_seq_len
+    assert all(s["gpu_memory_gb"] <= 12.0 for s in shared.stages)  # each worker within half the GPU
+    assert shared.gpu_memory_needed_gb <= 24.0
+
+
+def test_stage_memory_terms_add_up_and_the_logits_are_one_chunk() -> None:
+    from engine.planner import CUDA_OVERHEAD_BYTES, GB
+
+    job = Workload(seq_len=16384, batch_size=1, num_microbatches=1)
+    report = plan_job(LLAMA_3_8B, Hardware(num_gpus=2, gpu_memory_gb=48.0), job)
+    fused = next(s for s in report.stages if s["kind"] == "fused")
+    terms = fused["memory_gb"]
+    assert terms["total"] == pytest.approx(sum(v for k, v in terms.items() if k != "total"))
+    assert fused["gpu_memory_gb"] == pytest.approx(terms["total"] + CUDA_OVERHEAD_BYTES / GB)
+    # [4096, vocab] in fp32 and its gradient, and the bf16 head output; not [16384, vocab]
+    assert terms["logits"] * GB == pytest.approx(4096 * 128256 * (4 + 4 + 2))
+    chunked = plan_job(
+        LLAMA_3_8B, Hardware(num_gpus=2, gpu_memory_gb=48.0), replace(job, loss_chunk_tokens=1024)
+    )
+    assert (
+        next(s for s in chunked.stages if s["kind"] == "fused")["memory_gb"]["logits"] == terms["logits"] / 4
+    )
+    assert all(s["memory_gb"]["logits"] == 0 for s in report.stages if s["kind"] != "fused")
+    assert all(s["memory_gb"]["activations"] == 0 for s in report.stages if s["kind"] == "forward")
+
+
+def test_moe_uploads_every_expert_but_computes_with_the_active_ones() -> None:
+    dense_twin = QWEN3_30B_A3B | {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}
+    moe = plan_job(QWEN3_30B_A3B, Hardware(num_gpus=4, gpu_memory_gb=24.0), Workload())
+    shape = Shape.from_config(QWEN3_30B_A3B)
+    assert moe.parameters == sum(shape.layer_params())
+    assert 30e9 < moe.parameters < 31e9  # every expert's weights in host RAM
+    assert moe.host_ram["weights_gb"] == pytest.approx(moe.parameters * 2 / 1e9)
+    active = sum(shape.active_block_params(b) for b in range(shape.layers))
+    assert 2.5e9 < active + 2 * shape.vocab * shape.hidden < 3.5e9  # "A3B"
+    assert Shape.from_config(dense_twin).moe is None
+
+
+def test_memory_terms_agree_with_the_engines_estimate() -> None:
+    from engine.parallel.stages import ACTIVATIONS_PER_BLOCK_BACKWARD, memory_costs
+    from engine.planner import Memory, memory_model
+
+    model = tiny_model("llama")
+    tokens, vocab, chunk = 64, model.config.vocab_size, 16
+    with RoundPipe(copy.deepcopy(model), EngineConfig(devices=["cpu"], num_microbatches=1)) as rp:
+        host = rp.host
+        weights = [float(host.param_bytes(i)) for i in range(host.num_layers)]
+        trainable = [host.trainable_numel(i) for i in range(host.num_layers)]
+        sizes = {"microbatch_tokens": tokens, "hidden_size": 32, "dtype_bytes": 4, "loss_chunk_tokens": chunk}
+        head = memory_costs(host, vocab_size=vocab, **sizes)[-1]
+        headless = memory_costs(host, vocab_size=0, **sizes)[-1]
+    job = Workload(method="full", compute_dtype="float32", seq_len=tokens, batch_size=1, num_microbatches=1)
+    memory: Memory = memory_model(
+        Shape.from_config(config_of(model)), replace(job, loss_chunk_tokens=chunk), Hardware(), trainable
+    )
+    assert memory.weights == weights  # the upload: the compute copy of every layer
+    # the output layer's one chunk of logits
+    assert memory.logits[-1] == head.memory_backward - headless.memory_backward == chunk * vocab * 12
+    # a block's saved activations: about the engine's count of hidden-sized tensors a token
+    per_token = memory.activations[1] / tokens / 4 / 32
+    assert abs(per_token - ACTIVATIONS_PER_BLOCK_BACKWARD) <= 4
+    assert memory.gradients == [4.0 * n for n in trainable]  # fp32: one buffer, accumulated in place
+
+
+def test_bad_mixture_of_experts_sizes_name_the_field() -> None:
+    from engine.errors import ConfigError
+
+    for key, value, field in (
+        ("num_experts", 0, "experts"),
+        ("num_experts_per_tok", 129, "active_experts"),
+        ("moe_intermediate_size", None, "expert_intermediate"),
+        ("mlp_only_layers", 5, "architectures"),
+    ):
+        with pytest.raises(ConfigError) as info:
+            Shape.from_config(QWEN3_30B_A3B | {key: value})
+        assert info.value.field == field, (key, info.value)

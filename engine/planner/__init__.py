@@ -1,0 +1,53 @@
+"""Will a job fit, and how long will it take? A plan from a model's ``config.json`` and the hardware.
+
+Pure arithmetic on the model's shapes (no weights, no torch): parameter counts per engine layer
+(input layer, decoder blocks — dense or mixtures of experts — and output layer; ``shapes``), the
+host RAM RoundPipe needs (the compute copy of the weights, fp32 masters, gradients and optimizer
+state of the trainable parameters, the stage inputs kept for recompute), and per stage the GPU
+memory of its worker, term by term (``memory``: weights, the next stage's prefetched weights,
+activations, the loss's logits chunk, gradient buffers, workspace). Times come from FLOPs at an
+assumed fraction of the GPUs' peak rate; the engine's own partitioner picks the stages within the
+GPU memory, and the schedule simulator (physical mode, weight uploads over the host link) gives the
+iteration time. ``report`` puts it together, with the longest sequence that fits. A job that ran
+calibrates the rate: ``calibrate`` scales the assumed efficiency by measured over predicted
+throughput. The job comes in as the run's own ``TrainConfig`` (``Workload.from_train_config``),
+so the CLI, the service and the web form plan the same thing.
+
+The estimates are first-order: activation sizes assume fused (flash) attention, the optimizer is
+assumed hidden behind the next iteration unless it is slower than it, and communication other than
+weight uploads and stage-boundary hops is ignored.
+"""
+
+from engine.planner.memory import CUDA_OVERHEAD_BYTES, Memory, layer_times, memory_model
+from engine.planner.report import SEQ_LEN_STEP, PlanReport, calibrate, longest_sequence, plan_job
+from engine.planner.shapes import SHAPE_LIMITS, Shape
+from engine.planner.workload import (
+    DTYPE_BYTES,
+    GB,
+    HARDWARE_RANGES,
+    WORKLOAD_LIMITS,
+    Hardware,
+    Workload,
+    bytes_per_trainable_param,
+)
+
+__all__ = [
+    "CUDA_OVERHEAD_BYTES",
+    "DTYPE_BYTES",
+    "GB",
+    "HARDWARE_RANGES",
+    "SEQ_LEN_STEP",
+    "SHAPE_LIMITS",
+    "WORKLOAD_LIMITS",
+    "Hardware",
+    "Memory",
+    "PlanReport",
+    "Shape",
+    "Workload",
+    "bytes_per_trainable_param",
+    "calibrate",
+    "layer_times",
+    "longest_sequence",
+    "memory_model",
+    "plan_job",
+]

@@ -1,0 +1,216 @@
+"""GPU memory and time of one worker's stages, term by term, and the partition that fits them.
+
+A worker holds one stage at a time, for one micro-batch of ``t`` tokens at a time (``d`` is the
+compute dtype's bytes, ``h`` the hidden size). Its bytes are:
+
+- **weights**: the stage's parameters in the compute dtype — every expert's in a
+  mixture-of-experts block (the upload is the whole stage);
+- **prefetch**: the weights of the next stage queued on the worker (slot ``i + N`` of the round
+  for slot ``i`` and ``N`` workers), uploaded while this one computes;
+- **activations** (fused and backward stages): what autograd keeps of each block for its
+  backward: the norms' inputs, q/k/v, the attention output (fused attention, no scores), the
+  MLP's gate/up/activation outputs of the experts a token visits, the router's logits and the
+  tokens dispatched to experts — about 16 hidden-sized tensors a token for a Llama block, as the
+  engine's own estimate (``engine.parallel.stages.ACTIVATIONS_PER_BLOCK_BACKWARD``);
+- **logits** (the output layer, in the fused stage): the loss runs in chunks of
+  ``loss_chunk_tokens`` positions (``engine.model.loss``), so one chunk's ``[chunk, vocab]``
+  fp32 logits and their fp32 gradient, plus the head's output in the compute dtype, never the
+  whole micro-batch's logits (as ``engine.parallel.stages.memory_costs``);
+- **gradients** (trained weights, fused and backward stages): the fp32 accumulator the engine
+  sums micro-batches into (4 bytes a weight) and the current micro-batch's gradient in the
+  compute dtype, as ``engine.parallel.stages.memory_costs``; in fp32 the gradient accumulates
+  in place, one 4-byte buffer (the engine's estimate counts two);
+- **workspace**, once per stage: its input and output hidden states and the gradient arriving
+  from above (3 t h d), and the largest transient of one layer: the MLP intermediates of a
+  forward without autograd, or of a block's recompute (3 t x MLP width x d).
+
+Everything is per worker: the CUDA context (``CUDA_OVERHEAD_BYTES``) is per GPU, and when a run
+puts several workers on one GPU they divide what is left of its memory. The partition packs
+stages as the engine does (each layer's weights twice: its own and the prefetch), then checks
+every stage with its real successor (:func:`fitting_plan`); one layer per stage is the last
+resort, so a job fits the GPUs exactly when every single layer does (:func:`layers_fit`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engine.parallel.partition import LayerCost, Plan, auto_partition
+from engine.planner.shapes import Shape
+from engine.planner.workload import DTYPE_BYTES, GB, Hardware, Workload
+
+CUDA_OVERHEAD_BYTES = 0.8 * GB  # CUDA context, allocator slack and workspace per GPU
+PREFETCH_ROUNDS = 2  # partitions tried before one layer per stage (the second with a cut budget)
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Per-worker GPU bytes of one job on one box, by engine layer and per stage.
+
+    ``weights``, ``activations``, ``gradients`` and ``logits`` are per layer (what a fused or
+    backward stage holding the layer needs; a forward stage needs only the weights); ``workspace``
+    is once per stage; ``capacity`` is what one worker may use.
+    """
+
+    capacity: float
+    workspace: float
+    weights: list[float]
+    activations: list[float]
+    gradients: list[float]
+    logits: list[float]
+
+    def costs(self, times: Sequence[tuple[float, float]]) -> list[LayerCost]:
+        """Layer costs for the partitioner: ``times`` (forward, backward) per layer and the
+        additive memory terms (the once-per-stage ones come off the budget)."""
+        return [
+            LayerCost(
+                forward=f,
+                backward=b,
+                memory_forward=w,
+                memory_backward=w + a + g + x,
+            )
+            for (f, b), w, a, g, x in zip(
+                times, self.weights, self.activations, self.gradients, self.logits, strict=True
+            )
+        ]
+
+    def largest_layer(self) -> float:
+        """Bytes of the hungriest single-layer stage, with its workspace and the largest prefetch."""
+        terms = zip(self.weights, self.activations, self.gradients, self.logits, strict=True)
+        own = max(w + a + g + x for w, a, g, x in terms)
+        return own + self.workspace + max(self.weights)
+
+    def stage_terms(self, plan: Plan, slot: int, num_workers: int) -> dict[str, float]:
+        """The terms of one stage of ``plan``, in bytes (``total`` their sum)."""
+        stage = plan.slots[slot]
+        nxt = plan.slots[(slot + num_workers) % plan.num_slots]
+        backward = stage.kind != "forward"
+        terms = {
+            "weights": sum(self.weights[i] for i in stage.layers),
+            "prefetch": sum(self.weights[i] for i in nxt.layers),
+            "activations": sum(self.activations[i] for i in stage.layers) if backward else 0.0,
+            "gradients": sum(self.gradients[i] for i in stage.layers) if backward else 0.0,
+            "logits": sum(self.logits[i] for i in stage.layers) if backward else 0.0,
+            "workspace": self.workspace,
+        }
+        terms["total"] = sum(terms.values())
+        return terms
+
+
+def memory_model(shape: Shape, workload: Workload, hardware: Hardware, trainable: Sequence[int]) -> Memory:
+    """The memory terms of a job (see the module's docstring).
+
+    Args:
+        shape: the model's sizes.
+        workload: the job; its micro-batch is ``batch_size * seq_len / num_microbatches`` tokens.
+        hardware: the GPUs.
+        trainable: trainable parameters per engine layer.
+    """
+    w = workload
+    d = DTYPE_BYTES[w.compute_dtype]
+    t = w.batch_size * w.seq_len / w.num_microbatches
+    h = shape.hidden
+    weights = [float(p * d) for p in shape.layer_params()]
+    grad_bytes = 4 + (d if d < 4 else 0)
+    # widths of q, k, v and the attention output
+    if shape.mla is None:
+        q = out = shape.heads * shape.head_dim
+        k = v = shape.kv_heads * shape.head_dim
+    else:
+        m = shape.mla
+        q = k = shape.heads * (m.nope + m.rope)
+        v = out = shape.heads * m.v
+    widths = [shape.mlp_width(b) for b in range(shape.layers)]
+    acts = [0.0]
+    for b, width in enumerate(widths):
+        # two norm inputs, the residual, q, k, v, attention output and o_proj output, gate/up/act
+        per_token = d * (3 * h + q + k + v + out + h + 3 * width)
+        if shape.moe is not None and shape.is_moe_block(b):
+            per_token += d * shape.moe.active * h + 4 * shape.moe.experts  # dispatched tokens, router
+        if shape.mla is not None:
+            per_token += d * (shape.mla.q_rank + shape.mla.kv_rank + shape.mla.rope)  # the latents
+        acts.append(t * per_token)
+    acts.append(t * h * d)  # the final norm's input
+    chunk = min(float(w.loss_chunk_tokens), t)
+    logits = [0.0] * (shape.layers + 1) + [chunk * shape.vocab * (4 + 4 + d)]
+    workers_per_gpu = w.workers_per_gpu()
+    return Memory(
+        capacity=(hardware.gpu_memory_gb * GB - CUDA_OVERHEAD_BYTES) / workers_per_gpu,
+        workspace=t * d * (3 * h + 3 * max(widths)),
+        weights=weights,
+        activations=acts,
+        gradients=[float(n * grad_bytes) for n in trainable],
+        logits=logits,
+    )
+
+
+def layers_fit(memory: Memory) -> bool:
+    """Whether a plan of one layer per stage fits: then :func:`fitting_plan` finds a plan."""
+    return memory.largest_layer() <= memory.capacity
+
+
+def fitting_plan(
+    memory: Memory, costs: Sequence[LayerCost], *, num_workers: int, num_microbatches: int
+) -> Plan | None:
+    """The engine's partition within each worker's capacity, prefetch and workspace included.
+
+    The partitioner packs stages within ``capacity - workspace``, each layer counting its weights
+    twice: its own and, as the engine's estimate assumes, as much again prefetched. A stage
+    followed by a heavier one can then overshoot: another pass with the budget cut by the
+    overshoot, and a plan of one layer per stage as the last resort (it fits whenever every
+    layer does).
+
+    Returns:
+        None when not even one layer per stage fits (:func:`layers_fit`).
+    """
+    if not layers_fit(memory):
+        return None
+    doubled = [
+        LayerCost(c.forward, c.backward, c.memory_forward + w, c.memory_backward + w)
+        for c, w in zip(costs, memory.weights, strict=True)
+    ]
+    need = max(max(c.memory_forward, c.memory_backward) for c in doubled)
+    budget = memory.capacity - memory.workspace
+    for _ in range(PREFETCH_ROUNDS):
+        if budget < need:  # the cut leaves some layer no room
+            break
+        budget = max(budget, 1.0)
+        plan = auto_partition(
+            doubled, num_workers=num_workers, num_microbatches=num_microbatches, memory_budget=budget
+        )
+        over = peak(memory, plan, num_workers) - memory.capacity
+        if over <= 0:
+            return plan
+        budget -= over
+    n = len(costs)
+    return Plan.from_counts(n, forward=[1] * (n - 1), fused=1, backward=[1] * (n - 1))
+
+
+def peak(memory: Memory, plan: Plan, num_workers: int) -> float:
+    """The largest stage's bytes on a worker, prefetch and workspace included."""
+    return max(memory.stage_terms(plan, i, num_workers)["total"] for i in range(plan.num_slots))
+
+
+def layer_times(shape: Shape, workload: Workload, hardware: Hardware) -> list[tuple[float, float]]:
+    """Forward and backward seconds of one micro-batch through each engine layer.
+
+    FLOPs: two per active weight and token (a mixture-of-experts block counts the experts a token
+    visits), plus causal attention's scores and weighted sum; the backward is one forward's FLOPs
+    for the input gradients, and another for the weight gradients of a full fine-tune.
+    """
+    w = workload
+    t = w.batch_size * w.seq_len / w.num_microbatches
+    rate = hardware.gpu_tflops * 1e12 * hardware.efficiency
+    bwd_factor = 1.0 if w.method == "lora" else 2.0
+    if shape.mla is None:
+        score = shape.heads * shape.head_dim * 2
+    else:
+        score = shape.heads * (shape.mla.nope + shape.mla.rope + shape.mla.v)
+    times = [(0.0, 0.0)]  # the embedding lookup
+    for b in range(shape.layers):
+        fwd = (2.0 * shape.active_block_params(b) + w.seq_len * score) * t / rate
+        times.append((fwd, bwd_factor * fwd))
+    head = 2.0 * shape.hidden * shape.vocab * t / rate
+    times.append((head, bwd_factor * head))
+    return times

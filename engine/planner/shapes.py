@@ -1,0 +1,346 @@
+"""A model's sizes from its ``config.json``: parameters per engine layer, the parameters one token
+computes with, and the LoRA adapters a run adds.
+
+Dense Llama-shaped blocks, and the mixture-of-experts families of ``engine.model.families``
+(their expert facts come from ``model_kind``): Qwen3-MoE (routed experts, some blocks dense),
+GPT-OSS (experts and router with biases, attention sinks), DeepSeek-V3 (multi-head latent
+attention, shared experts, the first blocks dense). A block's weights are every expert's (what
+is uploaded and kept in host RAM); its *active* weights are the ones a token runs through (the
+routed experts it picks, the shared experts, the router, attention), which is what its FLOPs
+count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from engine.errors import ConfigError
+from engine.model.families import model_kind
+
+# The largest value of each size in a config.json a plan accepts: far above any real model (the
+# largest open ones have ~128 layers, hidden 16k, vocabularies of 256k, 384 experts), small
+# enough that the FLOP and byte counts stay finite floats. Depth is held closer: the partition
+# search grows fast with it (256 layers take seconds, 1024 minutes).
+SHAPE_LIMITS: dict[str, int] = {
+    "hidden_size": 1 << 20,
+    "intermediate_size": 1 << 22,
+    "num_hidden_layers": 256,
+    "num_attention_heads": 1 << 14,
+    "num_key_value_heads": 1 << 14,
+    "head_dim": 1 << 16,
+    "vocab_size": 1 << 24,
+    "experts": 1 << 14,
+    "active_experts": 1 << 14,
+    "shared_experts": 1 << 10,
+    "expert_intermediate": 1 << 22,
+    "q_lora_rank": 1 << 20,
+    "kv_lora_rank": 1 << 20,
+    "qk_rope_head_dim": 1 << 16,
+    "qk_nope_head_dim": 1 << 16,
+    "v_head_dim": 1 << 16,
+}
+# peft (>= 0.18, with transformers 5) rewrites LoRA targets of these families, whose experts are
+# stacked parameters: ``gate_proj``/``up_proj`` become the experts' ``gate_up_proj`` at twice the
+# rank, ``down_proj`` their ``down_proj``, ``gate`` the router's weight; the dense and shared MLPs
+# then carry no adapter
+PEFT_EXPERT_REMAP = frozenset({"Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM"})
+_REMAP = {
+    "gate_proj": "gate_up_proj",
+    "up_proj": "gate_up_proj",
+    "down_proj": "down_proj",
+    "gate": "gate.weight",
+}
+
+
+@dataclass(frozen=True)
+class Moe:
+    """The experts of a mixture-of-experts block (``engine.model.families.ModelKind``)."""
+
+    experts: int
+    active: int
+    shared: int
+    intermediate: int  # one expert's MLP width
+    dense_blocks: frozenset[int]
+    biases: bool = False  # GPT-OSS: expert and router biases
+
+
+@dataclass(frozen=True)
+class Mla:
+    """DeepSeek's multi-head latent attention: low-rank q (``q_lora_rank``, 0: a plain q_proj)
+    and a shared low-rank kv with a separate rotary key."""
+
+    q_rank: int
+    kv_rank: int
+    rope: int
+    nope: int
+    v: int
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What a decoder-only model's ``config.json`` says about its sizes."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+    architecture: str | None = None
+    qkv_bias: bool = False
+    o_bias: bool = False
+    block_extra: int = 0  # per block, beyond the two norms: q/k norms, attention sinks
+    moe: Moe | None = None
+    mla: Mla | None = None
+    context: int | None = None  # max_position_embeddings, when the config gives a sane one
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> Shape:
+        """Read the sizes of a Llama-shaped or mixture-of-experts config (text config of a
+        multimodal one).
+
+        Raises:
+            ConfigError: a size is missing or not a positive integer (``field`` is its key).
+        """
+        cfg = config.get("text_config") or config
+        if not isinstance(cfg, dict):
+            raise ConfigError("text_config", f"config.json: text_config={cfg!r} must be a mapping")
+        need = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+        sizes = {key: _size(key, cfg.get(key)) for key in need}
+        for key in ("num_key_value_heads", "head_dim"):  # optional: derived when absent
+            if cfg.get(key) is not None:
+                sizes[key] = _size(key, cfg[key])
+        heads, hidden = sizes["num_attention_heads"], sizes["hidden_size"]
+        head_dim = sizes.get("head_dim", hidden // heads)
+        if head_dim < 1:
+            raise ConfigError(
+                "num_attention_heads",
+                f"config.json: num_attention_heads={heads} exceeds hidden_size={hidden} (no head_dim given)",
+            )
+        kind = _kind(cfg | {"architectures": config.get("architectures") or cfg.get("architectures")})
+        moe = None
+        if kind.moe:
+            moe = Moe(
+                experts=_size("experts", kind.experts),
+                active=_size("active_experts", kind.active_experts),
+                shared=_size("shared_experts", kind.shared_experts) if kind.shared_experts else 0,
+                intermediate=_size("expert_intermediate", kind.expert_intermediate),
+                dense_blocks=kind.dense_blocks,
+                biases=kind.architecture == "GptOssForCausalLM",
+            )
+            if moe.active > moe.experts:
+                raise ConfigError(
+                    "active_experts",
+                    f"config.json: {moe.active} experts per token exceed the {moe.experts} experts",
+                    value=moe.active,
+                )
+        mla = None
+        if kind.architecture == "DeepseekV3ForCausalLM":
+            q_rank = cfg.get("q_lora_rank")
+            mla = Mla(
+                q_rank=0 if q_rank is None else _size("q_lora_rank", q_rank),
+                **{
+                    name: _size(key, cfg.get(key))
+                    for name, key in (
+                        ("kv_rank", "kv_lora_rank"),
+                        ("rope", "qk_rope_head_dim"),
+                        ("nope", "qk_nope_head_dim"),
+                        ("v", "v_head_dim"),
+                    )
+                },
+            )
+        model_type = cfg.get("model_type")
+        kv_heads = sizes.get("num_key_value_heads", heads)
+        # per block beyond the two norms: Qwen3's q/k norms (per head), OLMo 2's (whole width),
+        # GLM-4's two extra norms, Gemma 3's two and its q/k norms, GPT-OSS's attention sinks
+        extra = {
+            "qwen3": 2 * head_dim,
+            "qwen3_moe": 2 * head_dim,
+            "olmo2": (heads + kv_heads) * head_dim,
+            "glm4": 2 * hidden,
+            "gemma3_text": 2 * hidden + 2 * head_dim,
+            "gpt_oss": heads,
+        }.get(str(model_type), 0)
+        if mla is not None:  # the q and kv latents' norms
+            extra = mla.q_rank + mla.kv_rank
+        bias = bool(cfg.get("attention_bias", False))
+        context = cfg.get("max_position_embeddings")
+        if isinstance(context, bool) or not isinstance(context, int) or context < 1:
+            context = None
+        return cls(
+            hidden=hidden,
+            intermediate=sizes["intermediate_size"],
+            layers=sizes["num_hidden_layers"],
+            heads=heads,
+            kv_heads=kv_heads,
+            head_dim=head_dim,
+            vocab=sizes["vocab_size"],
+            tied=bool(cfg.get("tie_word_embeddings", False)),
+            architecture=kind.architecture,
+            qkv_bias=bias or model_type == "qwen2",  # Qwen2: q/k/v biases, always
+            o_bias=bias,
+            block_extra=extra,
+            moe=moe,
+            mla=mla,
+            context=context,
+        )
+
+    def is_moe_block(self, block: int) -> bool:
+        """Whether decoder block ``block`` (0-based) routes its tokens to experts."""
+        return self.moe_of(block) is not None
+
+    def moe_of(self, block: int) -> Moe | None:
+        """The experts of decoder block ``block`` (0-based); None in a dense block."""
+        return self.moe if self.moe is not None and block not in self.moe.dense_blocks else None
+
+    def linears(self, block: int = 0) -> dict[str, tuple[int, int]]:
+        """(in, out) features of each ``nn.Linear`` of one decoder block, by module path."""
+        h, q, kv, i = (
+            self.hidden,
+            self.heads * self.head_dim,
+            self.kv_heads * self.head_dim,
+            self.intermediate,
+        )
+        if self.architecture == "Phi3ForCausalLM":  # q/k/v fused into one projection
+            attn = {"qkv_proj": (h, q + 2 * kv), "o_proj": (q, h)}
+        elif self.mla is None:
+            attn = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h)}
+        else:
+            m, n = self.mla, self.heads
+            qk = m.nope + m.rope
+            attn = (
+                {"q_proj": (h, n * qk)}
+                if not m.q_rank
+                else {"q_a_proj": (h, m.q_rank), "q_b_proj": (m.q_rank, n * qk)}
+            )
+            attn |= {
+                "kv_a_proj_with_mqa": (h, m.kv_rank + m.rope),
+                "kv_b_proj": (m.kv_rank, n * (m.nope + m.v)),
+                "o_proj": (n * m.v, h),
+            }
+        attn = {f"self_attn.{k}": v for k, v in attn.items()}
+        if self.architecture in ("Phi3ForCausalLM", "Glm4ForCausalLM"):  # gate and up fused
+            return attn | {"mlp.gate_up_proj": (h, 2 * i), "mlp.down_proj": (i, h)}
+        moe = self.moe_of(block)
+        if moe is None:
+            return attn | {"mlp.gate_proj": (h, i), "mlp.up_proj": (h, i), "mlp.down_proj": (i, h)}
+        s = moe.shared * moe.intermediate
+        shared = {"gate_proj": (h, s), "up_proj": (h, s), "down_proj": (s, h)} if s else {}
+        return attn | {f"mlp.shared_experts.{k}": v for k, v in shared.items()}
+
+    def experts(self, block: int) -> dict[str, tuple[int, int, int]]:
+        """(experts, in, out) of each stacked expert parameter of a block (none in a dense one)."""
+        moe = self.moe_of(block)
+        if moe is None:
+            return {}
+        e, i, h = moe.experts, moe.intermediate, self.hidden
+        return {"mlp.experts.gate_up_proj": (e, h, 2 * i), "mlp.experts.down_proj": (e, i, h)}
+
+    def _biases(self, block: int) -> int:
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        n = (q + 2 * kv if self.qkv_bias else 0) + (self.hidden if self.o_bias else 0)
+        if self.moe is not None and self.moe.biases and self.is_moe_block(block):
+            n += self.moe.experts * (2 * self.moe.intermediate + self.hidden) + self.moe.experts  # + router
+        return n
+
+    def _router(self, block: int) -> int:
+        return self.moe.experts * self.hidden if self.moe is not None and self.is_moe_block(block) else 0
+
+    def block_params(self, block: int = 0) -> int:
+        """Parameters of decoder block ``block``: every expert's, the router, attention, norms."""
+        dense = sum(a * b for a, b in self.linears(block).values())
+        stacked = sum(e * a * b for e, a, b in self.experts(block).values())
+        return (
+            dense + stacked + self._router(block) + self._biases(block) + 2 * self.hidden + self.block_extra
+        )
+
+    def active_block_params(self, block: int = 0) -> int:
+        """Parameters one token of block ``block`` computes with: the routed experts it picks,
+        not all of them (equal to ``block_params`` for a dense block)."""
+        total = self.block_params(block)
+        moe = self.moe_of(block)
+        if moe is None:
+            return total
+        per_expert = sum(a * b for _, a, b in self.experts(block).values())
+        per_expert += (2 * moe.intermediate + self.hidden) if moe.biases else 0
+        return total - (moe.experts - moe.active) * per_expert
+
+    def layer_params(self) -> list[int]:
+        """Parameters per engine layer: input layer, each block, output layer (a tied head counts once)."""
+        embed = self.vocab * self.hidden
+        head = self.hidden + (0 if self.tied else embed)
+        return [embed, *[self.block_params(b) for b in range(self.layers)], head]
+
+    def mlp_width(self, block: int) -> int:
+        """The MLP intermediate width one token's activations have in a block (its routed and
+        shared experts' widths in a mixture-of-experts block)."""
+        moe = self.moe_of(block)
+        if moe is None:
+            return self.intermediate
+        return (moe.active + moe.shared) * moe.intermediate
+
+    def lora_block_params(
+        self, block: int, rank: int, targets: tuple[str, ...], parameters: tuple[str, ...] = ()
+    ) -> int:
+        """Trainable parameters of one block's LoRA adapters, as peft makes them.
+
+        Args:
+            block: the decoder block (0-based).
+            rank: the LoRA rank r; a linear (in, out) gets r * (in + out).
+            targets: ``target_modules``: a module matches when its path is a target or ends in
+                ``.target`` (peft's rule); the families that fuse projections have modules of
+                those names (Phi-3's ``qkv_proj``, Phi-3's and GLM-4's ``gate_up_proj``).
+            parameters: ``target_parameters``: stacked expert parameters (``experts.down_proj``),
+                each adding r * (in + out) per expert.
+        """
+        modules = self.linears(block)
+        params: dict[str, int] = {p: rank for p in parameters}
+        if self.architecture in PEFT_EXPERT_REMAP:
+            remapped = [t for t in targets if _leaf(t) in _REMAP]
+            targets = tuple(t for t in targets if t not in remapped)
+            for t in remapped:  # gate and up fuse: both or neither (peft refuses one alone)
+                params[_REMAP[_leaf(t)]] = rank * (2 if _leaf(t) in ("gate_proj", "up_proj") else 1)
+        count = sum(rank * (a + b) for name, (a, b) in modules.items() if _matches(name, targets))
+        stacked = self.experts(block)
+        moe = self.moe_of(block)
+        if moe is not None:  # the router's weight (peft's remap of a ``gate`` target)
+            stacked |= {"mlp.gate.weight": (1, self.hidden, moe.experts)}
+        for name, (e, a, b) in stacked.items():
+            ranks = [r for target, r in params.items() if _matches(name, (target,))]
+            count += sum(e * r * (a + b) for r in ranks[:1])
+        return count
+
+    def lora_params(self, rank: int, targets: tuple[str, ...], parameters: tuple[str, ...] = ()) -> int:
+        """Trainable parameters of the LoRA adapters of every block."""
+        return sum(self.lora_block_params(b, rank, targets, parameters) for b in range(self.layers))
+
+
+def _leaf(target: str) -> str:
+    return target.rsplit(".", 1)[-1]
+
+
+def _matches(name: str, targets: tuple[str, ...]) -> bool:
+    """peft's rule for a list of targets: the whole path, or its tail after a dot."""
+    return any(name == t or name.endswith(f".{t}") for t in targets)
+
+
+def _kind(config: dict[str, Any]) -> Any:
+    """``model_kind`` of a config dict; a malformed family number is a ``ConfigError``."""
+    try:
+        return model_kind(config)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ConfigError(
+            "architectures", f"config.json: unreadable mixture-of-experts sizes ({exc})"
+        ) from exc
+
+
+def _size(key: str, value: Any) -> int:
+    """A config.json size: a positive integer within ``SHAPE_LIMITS``, else ``ConfigError``."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= SHAPE_LIMITS[key]:
+        raise ConfigError(
+            key, f"config.json: {key}={value!r} must be an integer from 1 to {SHAPE_LIMITS[key]}", value=value
+        )
+    return value

@@ -1,0 +1,165 @@
+"""The planner's inputs besides the model: the box (``Hardware``) and the job (``Workload``), with
+the ranges a plan accepts for each number."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass
+
+from engine.config import EngineConfig, TrainConfig, resolve_compute_dtype
+from engine.errors import ConfigError
+from engine.model.families import DEFAULT_LORA_TARGETS
+from engine.optimizers import optimizer_spec
+
+GB = 1e9
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+MASTER_AND_GRAD_BYTES_PER_PARAM = 8  # fp32 master 4 + gradient 4; the optimizer state comes on top
+LOSS_CHUNK_TOKENS: int = EngineConfig.loss_chunk_tokens  # the engine's default chunk of the loss
+
+# The range of each hardware number a plan accepts: every real box lies well inside (an 8 GB
+# consumer card to a 1 TB accelerator, an old PCIe 1.0 x4 link to NVLink-C2C), and anywhere in it
+# the arithmetic neither divides by (almost) zero nor overflows. The API documents the same ranges.
+HARDWARE_RANGES: dict[str, tuple[float, float]] = {
+    "num_gpus": (1, 64),
+    "gpu_memory_gb": (1.0, 1024.0),  # a card with less cannot hold the CUDA context and a layer
+    "gpu_tflops": (1.0, 100_000.0),
+    "efficiency": (0.001, 1.0),
+    "link_gb_s": (0.1, 10_000.0),
+    "host_ram_gb": (1.0, 1_048_576.0),
+}
+# the workload's counts, likewise (TrainConfig has the same limits or tighter ones)
+WORKLOAD_LIMITS: dict[str, int] = {
+    "seq_len": 1 << 20,
+    "batch_size": 1 << 20,
+    "num_microbatches": 4096,
+    "lora_r": 4096,
+    "loss_chunk_tokens": 1 << 30,
+}
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """The box: GPUs, their memory and rate, the host link and RAM."""
+
+    num_gpus: int = 2
+    gpu_memory_gb: float = 24.0
+    gpu_tflops: float = 165.0  # dense bf16 tensor rate of an RTX 4090
+    link_gb_s: float = 25.0  # host <-> GPU, one direction, PCIe 4.0 x16 in practice
+    host_ram_gb: float | None = None
+    efficiency: float = 0.4  # achieved fraction of the peak rate
+    detected: tuple[str, ...] = ()  # which fields were read off the machine
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The job: sequence length, batch, method and engine settings.
+
+    ``devices`` are the run's GPU workers when it names them (``engine.devices``; a GPU named
+    twice holds two workers that share its memory); empty: one worker per GPU of the box.
+    """
+
+    seq_len: int = 2048
+    batch_size: int = 16
+    method: str = "lora"
+    lora_r: int = 16
+    target_modules: tuple[str, ...] = DEFAULT_LORA_TARGETS
+    target_parameters: tuple[str, ...] = ()
+    optimizer: str = "adamw"
+    num_microbatches: int = 16
+    compute_dtype: str = "bfloat16"
+    async_optimizer: bool = False
+    steps: int | None = None
+    devices: tuple[str, ...] = ()
+    loss_chunk_tokens: int = LOSS_CHUNK_TOKENS
+
+    @classmethod
+    def from_train_config(
+        cls, config: TrainConfig, *, on_gpu: bool = True, num_sequences: int | None = None
+    ) -> Workload:
+        """The workload of a run: the one place a ``TrainConfig`` becomes the planner's input.
+
+        Args:
+            config: the run (the CLI's file, a job's stored config, a job request's sections).
+            on_gpu: what ``compute_dtype="auto"`` resolves for (the planner plans GPU workers).
+            num_sequences: training sequences, when known; with ``hyper.epochs`` and no
+                ``hyper.max_steps`` they give the step count the run will take.
+
+        Returns:
+            The workload; ``steps`` is None when neither ``max_steps`` nor ``num_sequences`` is known.
+        """
+        h, e, m = config.hyper, config.engine, config.method
+        steps = h.max_steps
+        if steps is None and num_sequences is not None:
+            # the run's own count (engine/run.py): whole batches per epoch, at least one step
+            steps = max(1, math.ceil((h.epochs or 1.0) * (num_sequences // h.batch_size)))
+        named = [] if e.devices == "auto" else list(e.devices)
+        gpus = tuple("cuda:0" if d == "cuda" else d for d in named if d == "cuda" or _is_gpu(d))
+        return cls(
+            seq_len=config.data.max_length,
+            batch_size=h.batch_size,
+            method=m.kind,
+            lora_r=m.lora_r,
+            target_modules=tuple(m.target_modules),
+            target_parameters=tuple(m.target_parameters),
+            num_microbatches=e.num_microbatches,
+            compute_dtype=resolve_compute_dtype(e.compute_dtype, on_gpu=on_gpu),
+            async_optimizer=e.async_optimizer,
+            optimizer=h.optimizer,
+            steps=steps,
+            devices=gpus if len(gpus) == len(named) else (),  # CPU workers: plan the box's GPUs
+        )
+
+    def num_workers(self, hardware: Hardware) -> int:
+        """Pipeline workers: the named devices, else one per GPU."""
+        return len(self.devices) or hardware.num_gpus
+
+    def workers_per_gpu(self) -> int:
+        """The most workers that share one GPU's memory."""
+        return max(Counter(self.devices).values(), default=1)
+
+
+def _is_gpu(device: str) -> bool:
+    return device.startswith("cuda:") and device[5:].isdigit() and len(device) < 12
+
+
+def bytes_per_trainable_param(optimizer: str) -> int:
+    """Host bytes per trainable parameter: fp32 master and gradient, plus the optimizer's state."""
+    return (
+        MASTER_AND_GRAD_BYTES_PER_PARAM + optimizer_spec(optimizer, field="optimizer").state_bytes_per_param
+    )
+
+
+def check(workload: Workload, hardware: Hardware) -> None:
+    """Every number within its range, every choice one the planner knows.
+
+    Raises:
+        ConfigError: naming the field and the value.
+    """
+    w, h = workload, hardware
+    counts = {name: (1, top) for name, top in WORKLOAD_LIMITS.items()}
+    counts["num_gpus"] = (1, int(HARDWARE_RANGES["num_gpus"][1]))
+    for name, (low, high) in counts.items():
+        value = getattr(h if name == "num_gpus" else w, name)
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise ConfigError(name, f"{name}={value!r} must be an integer from {low} to {high}", value=value)
+    if w.num_microbatches > w.batch_size:
+        raise ConfigError(
+            "num_microbatches", f"num_microbatches={w.num_microbatches} exceeds batch_size={w.batch_size}"
+        )
+    if w.method not in ("lora", "full"):
+        raise ConfigError("method", f"method={w.method!r} must be 'lora' or 'full'")
+    if w.compute_dtype not in DTYPE_BYTES:
+        raise ConfigError(
+            "compute_dtype", f"compute_dtype={w.compute_dtype!r} must be one of {sorted(DTYPE_BYTES)}"
+        )
+    if len(w.devices) > 4096 or not all(_is_gpu(d) for d in w.devices):
+        raise ConfigError("devices", f"devices={list(w.devices)!r} must name GPUs as 'cuda:N'")
+    for label in ("gpu_memory_gb", "gpu_tflops", "link_gb_s", "efficiency", "host_ram_gb"):
+        rate, (least, most) = getattr(h, label), HARDWARE_RANGES[label]
+        if rate is None and label == "host_ram_gb":
+            continue
+        if isinstance(rate, bool) or not (isinstance(rate, int | float) and least <= rate <= most):
+            raise ConfigError(
+                label, f"{label}={rate!r} must be a number from {least:g} to {most:g}", value=rate
+            )
