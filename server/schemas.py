@@ -80,10 +80,16 @@ class DatasetsPublic(BaseModel):
 class ModelPublic(BaseModel):
     name: str
     source: Literal["demo", "models", "hf-cache"]
-    architecture: str | None
+    architecture: str | None = Field(description="the model class its config.json names")
     parameters: int | None
     size_bytes: int
-    ready: bool
+    ready: bool = Field(description="loadable now (false: the demo, prepared on first use)")
+    family: str | None = Field(description='readable family of the architecture, e.g. "Qwen3-MoE"')
+    moe: bool = Field(description="a mixture-of-experts model")
+    experts: int | None = Field(description="routed experts per MoE block (null: dense, or not given)")
+    active_experts: int | None = Field(description="experts each token is routed to (null: dense)")
+    supported: bool = Field(description="the engine can fine-tune it; a job or plan with it is a 422 if not")
+    unsupported_reason: str | None = Field(description="why it is not supported (null when it is)")
 
 
 class ModelsPublic(BaseModel):
@@ -286,3 +292,47 @@ class PlanRequest(JobBase):
     )
     hardware: HardwareSpec = Field(default_factory=lambda: HardwareSpec())
     calibrate_job_id: Line | None = Field(None, description="scale the rate by this job's measured tokens/s")
+
+
+class PlanStage(BaseModel):
+    """One stage of the planned partition and its worker's GPU memory."""
+
+    name: str = Field(description='"F1".. forward, "B1" fused, "B2".. backward')
+    kind: Literal["forward", "fused", "backward"]
+    layers: list[int] = Field(description="[start, stop) in engine layers (input, blocks, output layer)")
+    gpu_memory_gb: float = Field(description="its worker's GPU memory with its share of the CUDA context")
+    memory_gb: dict[str, float] = Field(
+        description="by term: weights, prefetch (the next stage's weights), activations, gradients, "
+        "logits (one loss chunk), workspace, and their total"
+    )
+
+
+class PlanPublic(BaseModel):
+    """The planner's answer (``engine.planner.PlanReport``); sizes in GB (1e9 bytes)."""
+
+    fits: bool
+    problems: list[str]
+    suggestions: list[str]
+    parameters: int = Field(description="every weight (all experts of a mixture-of-experts model)")
+    trainable: int
+    host_ram: dict[str, float] = Field(description="host RAM by term, and its total_gb")
+    stages: list[PlanStage]
+    partition: str
+    gpu_memory_needed_gb: float = Field(description="the largest stage on each worker of one GPU")
+    gpu_memory_gb: float
+    iteration_s: float
+    tokens_per_s: float
+    bubble: float
+    closed_form_bubble: float
+    eta_s: float | None
+    max_seq_len: int = Field(
+        description="the longest sequence (tokens, at this job's sequences per micro-batch) whose "
+        "plan fits; 0 when none does"
+    )
+    max_seq_len_limit: Literal["gpu_memory", "host_ram", "context", "planner"] = Field(
+        description="what stops a longer one: GPU memory, host RAM, the model's context length, "
+        "or the largest length a plan takes"
+    )
+    workers_per_gpu: int = Field(description="workers sharing one GPU's memory (engine.devices)")
+    assumptions: dict[str, Any]
+    calibrated_from: str | None

@@ -40,6 +40,13 @@ def create_job(session: SessionDep, settings: SettingsDep, body: JobCreate) -> A
         raise ApiError(
             404, "not_found", f"no base model {body.base_model!r} (see GET /api/models)", param="base_model"
         )
+    if not model.supported:  # refused now, not failed later by the worker
+        raise ApiError(
+            422,
+            "unsupported_model",
+            f"base model {body.base_model!r} cannot be fine-tuned: {model.unsupported_reason}",
+            param="base_model",
+        )
     train = datasets.get_dataset(session, dataset_id=body.dataset_id)
     if train is None:
         raise ApiError(404, "not_found", f"no dataset {body.dataset_id!r}", param="dataset_id")

@@ -18,6 +18,10 @@ router = APIRouter(
 
 @router.get("", response_model=ModelsPublic)
 def list_models(settings: SettingsDep) -> Any:
-    """Base models: the demo, the models folder, and the local Hugging Face cache."""
+    """Base models: the demo, the models folder, and the local Hugging Face cache.
+
+    Each says its family and, for a mixture of experts, its expert counts. A folder the engine
+    cannot train (an unknown architecture, a broken ``config.json``) is listed too, with
+    ``supported`` false and the reason; a job or plan with it is refused."""
     found = models.discover(settings.models_dir, settings.hf_cache_dir)
     return {"data": [vars(m) for m in found]}

@@ -14,7 +14,7 @@ from engine.errors import ConfigError
 from engine.planner import HARDWARE_RANGES, Hardware, Shape, Workload, calibrate, plan_job
 from server.deps import SessionDep, SettingsDep, current_key
 from server.errors import ApiError, documented
-from server.schemas import PlanRequest
+from server.schemas import PlanPublic, PlanRequest
 from server.services import datasets, jobs, models, plans
 from server.settings import Settings
 
@@ -27,6 +27,9 @@ def _config_of(name: str, settings: Settings) -> dict[str, Any]:
     found = models.find(name, settings.models_dir, settings.hf_cache_dir)
     if found is None:
         raise ApiError(404, "not_found", f"no base model {name!r} (see GET /api/models)", param="base_model")
+    if not found.supported:
+        reason = f"base model {name!r} cannot be fine-tuned: {found.unsupported_reason}"
+        raise ApiError(422, "unsupported_model", reason, param="base_model")
     if found.path is None:  # the demo before its first preparation: its config ships with the engine
         from engine.model.loading import demo_config
 
@@ -64,9 +67,9 @@ def _calibrated(session: Session, settings: Settings, job_id: str, hardware: Har
         raise ApiError(422, "invalid_request", str(exc), param="calibrate_job_id") from exc
 
 
-@router.post("/plan", responses=documented(400, 404, 409))
+@router.post("/plan", response_model=PlanPublic, responses=documented(400, 404, 409))
 def plan(session: SessionDep, settings: SettingsDep, body: PlanRequest) -> dict[str, Any]:
-    """Per-stage GPU memory, host RAM, fit (and what to change), predicted tokens/s and ETA of a job."""
+    """Fit (and what to change), memory by stage, host RAM, longest sequence, tokens/s and ETA of a job."""
     model_config = body.config if body.config is not None else _config_of(body.base_model or "demo", settings)
     try:
         Shape.from_config(model_config)

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import re
 import struct
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from engine.model.families import ModelKind, model_kind
 from engine.model.loading import DEMO_NAME, demo_source
 
 
@@ -20,6 +23,146 @@ class BaseModelInfo:
     parameters: int | None
     size_bytes: int
     ready: bool
+    family: str | None = None  # readable: "Llama", "Qwen3-MoE"
+    moe: bool = False
+    experts: int | None = None  # routed experts per MoE block
+    active_experts: int | None = None  # experts each token is routed to
+    supported: bool = True  # the engine can train it; else unsupported_reason says why
+    unsupported_reason: str | None = None
+
+
+# readable names of the model classes: the families the engine trains and a few common ones it
+# does not; any other class name is shortened to its stem ("BertForMaskedLM": "Bert")
+FAMILY_NAMES = {
+    "LlamaForCausalLM": "Llama",
+    "Qwen2ForCausalLM": "Qwen2",
+    "Qwen3ForCausalLM": "Qwen3",
+    "MistralForCausalLM": "Mistral",
+    "SmolLM3ForCausalLM": "SmolLM3",
+    "Glm4ForCausalLM": "GLM-4",
+    "Olmo2ForCausalLM": "OLMo 2",
+    "Phi3ForCausalLM": "Phi-3",
+    "GraniteForCausalLM": "Granite",
+    "Qwen3MoeForCausalLM": "Qwen3-MoE",
+    "GptOssForCausalLM": "GPT-OSS",
+    "DeepseekV3ForCausalLM": "DeepSeek-V3",
+    "Qwen2MoeForCausalLM": "Qwen2-MoE",
+    "MixtralForCausalLM": "Mixtral",
+    "GemmaForCausalLM": "Gemma",
+    "Gemma2ForCausalLM": "Gemma 2",
+    "Gemma3ForCausalLM": "Gemma 3",
+    "Gemma3ForConditionalGeneration": "Gemma 3",
+    "PhiForCausalLM": "Phi",
+    "GPT2LMHeadModel": "GPT-2",
+}
+_CLASS_SUFFIX = re.compile(r"(For[A-Z][A-Za-z0-9]*|LMHeadModel|Model)$")
+
+MAX_CONFIG_BYTES = 4 << 20  # a real config.json is a few KiB
+MAX_LAYERS = 100_000  # a larger block count in a config.json is not a model
+MAX_EXPERTS = 1 << 20
+MAX_REASON_CHARS = 1000  # the engine's reason lists every supported class
+
+
+def family_name(architecture: str | None) -> str | None:
+    """The readable family of a model class name: "Qwen3-MoE" for ``Qwen3MoeForCausalLM``."""
+    if not architecture:
+        return None
+    if architecture in FAMILY_NAMES:
+        return FAMILY_NAMES[architecture]
+    stem = _CLASS_SUFFIX.sub("", architecture).replace("Moe", "-MoE")
+    return stem or architecture
+
+
+def _short(value: Any, chars: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= chars else text[: chars - 1] + "…"
+
+
+_JSON_TYPES = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean"}
+
+
+def _read_config(folder: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """The folder's ``config.json`` as a dict, or None and what is wrong with it."""
+    try:
+        with (folder / "config.json").open("rb") as fh:
+            raw = fh.read(MAX_CONFIG_BYTES + 1)
+    except OSError as exc:
+        return None, f"config.json cannot be read: {exc.strerror or exc}"
+    if len(raw) > MAX_CONFIG_BYTES:
+        return None, f"config.json is larger than {MAX_CONFIG_BYTES >> 20} MiB"
+    try:
+        config = json.loads(raw)
+    except (ValueError, RecursionError) as exc:  # a UnicodeDecodeError is a ValueError too
+        return None, f"config.json is not valid JSON: {exc}"
+    if not isinstance(config, dict):
+        kind = "null" if config is None else _JSON_TYPES.get(type(config), type(config).__name__)
+        return None, f"config.json is not a JSON object: it is {kind}"
+    return config, None
+
+
+def _kind(config: dict[str, Any]) -> ModelKind:
+    """``model_kind`` of a parsed ``config.json`` of any content: a value of the wrong type makes
+    the model unsupported, with the reason, instead of raising."""
+    archs = config.get("architectures")
+    named = isinstance(archs, list) and archs and isinstance(archs[0], str)
+    if archs not in (None, []) and not (named and len(archs[0]) <= 200 and archs[0].isidentifier()):
+        return ModelKind(
+            None, False, f"config.json: architectures is not a list of class names: {_short(archs)}"
+        )
+    architecture = archs[0] if archs else None
+    # the engine counts blocks one by one: a hostile count must not hang the listing
+    for key in ("num_hidden_layers", "first_k_dense_replace"):
+        value = config.get(key)
+        if value is not None and not (type(value) is int and 0 <= value <= MAX_LAYERS):
+            return ModelKind(
+                architecture,
+                False,
+                f"config.json: {key} must be a whole number from 0 to {MAX_LAYERS}, not {_short(value)}",
+            )
+    try:
+        kind = model_kind(config)
+    except (TypeError, ValueError, OverflowError, KeyError, IndexError, AttributeError) as exc:
+        return ModelKind(architecture, False, f"config.json has a value of the wrong type: {exc}")
+    if kind.moe:
+        for label, count in (("expert count", kind.experts), ("active expert count", kind.active_experts)):
+            if count is not None and not 1 <= count <= MAX_EXPERTS:
+                reason = f"config.json: the {label} must be from 1 to {MAX_EXPERTS}, not {count}"
+                return ModelKind(architecture, False, reason)
+        active, experts = kind.active_experts, kind.experts
+        if active is not None and experts is not None and active > experts:
+            return ModelKind(
+                architecture, False, f"config.json routes each token to {active} experts of only {experts}"
+            )
+    return kind
+
+
+def _info(
+    name: str,
+    source: str,
+    path: Path | None,
+    kind: ModelKind,
+    parameters: int | None,
+    size: int,
+    ready: bool,
+) -> BaseModelInfo:
+    reason = kind.reason
+    if reason is not None and len(reason) > MAX_REASON_CHARS:
+        reason = reason[: MAX_REASON_CHARS - 1] + "…"
+    return BaseModelInfo(
+        name,
+        source,
+        path,
+        kind.architecture,
+        parameters,
+        size,
+        ready,
+        family=family_name(kind.architecture),
+        moe=kind.moe,
+        experts=kind.experts,
+        active_experts=kind.active_experts,
+        supported=kind.supported,
+        unsupported_reason=None if kind.supported else reason or "not supported",
+    )
 
 
 def _safetensors_parameters(folder: Path) -> int | None:
@@ -32,24 +175,71 @@ def _safetensors_parameters(folder: Path) -> int | None:
         with f.open("rb") as fh:
             (n,) = struct.unpack("<Q", fh.read(8))
             header = json.loads(fh.read(n))
-        for key, meta in header.items():
-            if key != "__metadata__":
-                count = 1
-                for d in meta["shape"]:
-                    count *= d
-                total += count
+        total += sum(_tensor_parameters(key, meta) for key, meta in header.items() if key != "__metadata__")
     return total
 
 
+def _tensor_parameters(name: str, meta: dict[str, Any]) -> int:
+    """The parameters one safetensors entry holds. MXFP4 checkpoints (GPT-OSS) pack two 4-bit
+    values in each byte of a uint8 ``*_blocks`` tensor, and their uint8 ``*_scales`` (one shared
+    exponent per 32 values) are not parameters."""
+    count = 1
+    for d in meta["shape"]:
+        count *= d
+    if meta.get("dtype") == "U8" and name.endswith("_blocks"):
+        return 2 * count
+    if meta.get("dtype") == "U8" and name.endswith("_scales"):
+        return 0
+    return count
+
+
+def _size(folder: Path) -> int:
+    try:
+        return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+    except OSError:  # a file went away, or a folder cannot be read: the size is unknown
+        return 0
+
+
+# what reading a truncated or hostile safetensors header raises (a header length of 2**62 bytes
+# fails to allocate at once: MemoryError)
+_BROKEN_HEADER = (
+    OSError,
+    ValueError,
+    KeyError,
+    TypeError,
+    AttributeError,
+    IndexError,
+    struct.error,
+    RecursionError,
+    OverflowError,
+    MemoryError,
+)
+
+
 def _describe(name: str, source: str, folder: Path) -> BaseModelInfo:
-    config = json.loads((folder / "config.json").read_text())
-    archs = config.get("architectures") or [None]
-    size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
-    return BaseModelInfo(name, source, folder, archs[0], _safetensors_parameters(folder), size, True)
+    """A model folder, whatever is in it: what its ``config.json`` says, or why it is unsupported."""
+    config, problem = _read_config(folder)
+    kind = ModelKind(None, False, problem) if config is None else _kind(config)
+    parameters: int | None = None
+    try:
+        parameters = _safetensors_parameters(folder)
+    except _BROKEN_HEADER as exc:
+        if kind.supported:
+            detail = str(exc)[:200] or type(exc).__name__
+            kind = ModelKind(kind.architecture, False, f"a .safetensors file has a broken header: {detail}")
+    if not isinstance(parameters, int) or parameters < 0:
+        parameters = None
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:  # not expressible in JSON as it is: shown, never startable
+        name = name.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+        kind = ModelKind(kind.architecture, False, "the folder name is not valid UTF-8: rename the folder")
+    return _info(name, source, folder, kind, parameters, _size(folder), True)
 
 
 def discover(models_dir: Path, hf_cache: Path | None) -> list[BaseModelInfo]:
-    """Every usable base model, the demo first."""
+    """Every base model, the demo first; a folder the engine cannot train too, marked unsupported
+    with the reason (whatever its ``config.json`` holds, listing it never raises)."""
     found: list[BaseModelInfo] = []
     demo_folder = models_dir / DEMO_NAME
     if (demo_folder / "config.json").is_file():
@@ -58,20 +248,23 @@ def discover(models_dir: Path, hf_cache: Path | None) -> list[BaseModelInfo]:
     else:
         try:
             gguf = next(demo_source().glob("*.gguf"))
-            found.append(
-                BaseModelInfo(
-                    "demo", "demo", None, "LlamaForCausalLM", 134_515_008, gguf.stat().st_size, False
-                )
-            )
+            demo = ModelKind("LlamaForCausalLM", True)  # SmolLM2, prepared from its GGUF on first use
+            found.append(_info("demo", "demo", None, demo, 134_515_008, gguf.stat().st_size, False))
         except (ValueError, StopIteration):
             pass
-    if models_dir.is_dir():
-        for child in sorted(models_dir.iterdir()):
-            if child.name != DEMO_NAME and (child / "config.json").is_file():
-                found.append(_describe(child.name, "models", child))
+    try:
+        children = sorted(models_dir.iterdir()) if models_dir.is_dir() else []
+    except OSError:  # an unreadable models folder lists nothing from it
+        children = []
+    for child in children:
+        if child.name != DEMO_NAME and (child / "config.json").is_file():
+            found.append(_describe(child.name, "models", child))
     if hf_cache is not None and hf_cache.is_dir():
         for repo in sorted(hf_cache.glob("models--*")):
-            snapshots = sorted((repo / "snapshots").glob("*"), key=lambda p: p.stat().st_mtime)
+            try:
+                snapshots = sorted((repo / "snapshots").glob("*"), key=lambda p: p.stat().st_mtime)
+            except OSError:  # a snapshot went away while it was looked at
+                continue
             if snapshots and (snapshots[-1] / "config.json").is_file():
                 name = repo.name.removeprefix("models--").replace("--", "/")
                 found.append(_describe(name, "hf-cache", snapshots[-1]))

@@ -367,6 +367,9 @@ def test_new_job_plans_the_very_request_it_would_send(
     plan = response.json()
     assert plan["eta_s"] == plan["iteration_s"] * max(1, 2 * (rows // 4))
     expect(page.locator("#plan-eta")).to_have_text(re.compile(r"\d+ (s|min|h)"))
+    # the longest sequence that fits this job on the box, and what limits it
+    longest = re.compile(rf"^{plan['max_seq_len']:,} tokens \((GPU memory|host RAM|model context)\)$")
+    expect(page.locator("#plan-max-seq-len")).to_have_text(longest)
 
 
 def test_new_job_form_shows_an_api_error(

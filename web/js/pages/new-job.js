@@ -27,14 +27,61 @@ function choice(options, selected) {
   );
 }
 
+// "name — Qwen3-MoE, MoE · 8 of 128 experts, 30.5B parameters"
+function modelLabel(m) {
+  let moe = "";
+  if (m.moe) {
+    if (m.experts === null) moe = ", MoE";
+    else if (m.active_experts === null) moe = `, MoE · ${m.experts} experts`;
+    else moe = `, MoE · ${m.active_experts} of ${m.experts} experts`;
+  }
+  const n = m.parameters;
+  const count = n >= 1e9 ? `${number(n / 1e9)}B` : n >= 1e6 ? `${number(n / 1e6)}M` : `${number(n / 1e3)}K`;
+  const size = n ? `${count} parameters` : bytes(m.size_bytes);
+  return `${m.name} — ${m.family || m.architecture || "?"}${moe}, ${size}`;
+}
+
+// The base model picker: the models the engine can fine-tune; the others (GET /api/models says
+// why) as disabled options, their reasons in a list under the picker.
+function modelPicker(models) {
+  const usable = models.filter((m) => m.supported);
+  const unusable = models.filter((m) => !m.supported);
+  const select = choice(usable.map((m) => [m.name, modelLabel(m)]));
+  if (!unusable.length) return [select, null];
+  select.append(
+    el(
+      "optgroup",
+      { label: "Not supported (see the list below)" },
+      unusable.map((m) =>
+        el("option", {
+          value: m.name,
+          text: `${m.name} — ${m.family || "unknown family"}: not supported`,
+          title: m.unsupported_reason,
+          disabled: true,
+        }),
+      ),
+    ),
+  );
+  const reasons = el(
+    "details",
+    { id: "unsupported-models", class: "small" },
+    el("summary", {
+      text: `${unusable.length} model folder${unusable.length === 1 ? "" : "s"} cannot be fine-tuned`,
+    }),
+    el(
+      "ul",
+      {},
+      unusable.map((m) =>
+        el("li", { dataset: { model: m.name } }, el("strong", { text: m.name }), `: ${m.unsupported_reason}`),
+      ),
+    ),
+  );
+  return [select, reasons];
+}
+
 export async function render(main) {
   const [models, datasets] = await Promise.all([api("/models"), api("/datasets")]);
-  const base = choice(
-    models.data.map((m) => [
-      m.name,
-      `${m.name} — ${m.architecture || "?"}, ${m.parameters ? `${number(m.parameters / 1e6)}M parameters` : bytes(m.size_bytes)}`,
-    ]),
-  );
+  const [base, unsupported] = modelPicker(models.data);
   const train = choice(datasets.data.map((d) => [d.id, `${d.name} (${d.rows} rows)`]));
   const validation = choice(
     [["", "none (hold out a fraction instead)"], ...datasets.data.map((d) => [d.id, d.name])],
@@ -80,6 +127,20 @@ export async function render(main) {
     "auto",
   );
   const devices = el("input", { type: "text", value: "auto", placeholder: "auto, or cuda:0,cuda:1" });
+  const tf32 = el("input", { type: "checkbox", checked: true });
+  // mixture-of-experts models: LoRA on the expert weights too (method.target_parameters), and
+  // the routers' load-balancing loss (hyper.router_aux_loss); shown only for such a model
+  const byName = new Map(models.data.map((m) => [m.name, m]));
+  const isMoe = () => Boolean(byName.get(base.value)?.moe);
+  const expertsLora = el("input", { type: "checkbox", id: "lora-experts" });
+  const routerLoss = el("input", { type: "checkbox", id: "router-aux-loss" });
+  const moeOptions = el(
+    "fieldset",
+    { id: "moe-options", hidden: true },
+    el("legend", { text: "Mixture of experts" }),
+    el("label", { for: "lora-experts" }, expertsLora, " LoRA on the experts too (not only on attention)"),
+    el("label", { for: "router-aux-loss" }, routerLoss, " Router load-balancing loss (the model's coefficient)"),
+  );
   const name = el("input", { type: "text", placeholder: "defaults to model on dataset", maxlength: 255 });
   const preview = el("pre", { id: "request-preview", class: "code" });
   const error = el("div", { id: "form-error", "aria-live": "polite" });
@@ -115,6 +176,7 @@ export async function render(main) {
         num_microbatches: Number(microbatches.value),
         async_optimizer: mode.value === "async",
         compute_dtype: dtype.value,
+        tf32: tf32.checked,
       },
       checkpoint: { every_steps: Number(every.value) },
     };
@@ -124,9 +186,20 @@ export async function render(main) {
     if (maxSteps.value) b.hyper.max_steps = Number(maxSteps.value);
     if (epochs.value) b.hyper.epochs = Number(epochs.value);
     if (evalEvery.value) b.eval = { every_steps: Number(evalEvery.value) };
+    if (isMoe()) {
+      if (lora.checked && expertsLora.checked) b.method.target_parameters = ["experts"];
+      if (routerLoss.checked) b.hyper.router_aux_loss = true;
+    }
     return b;
   }
 
+  // what stops a longer sequence (POST /api/plan's max_seq_len_limit)
+  const SEQ_LIMITS = {
+    gpu_memory: "GPU memory",
+    host_ram: "host RAM",
+    context: "model context",
+    planner: "planner range",
+  };
   let planTimer = null;
   let planTicket = 0;
   async function refreshPlan() {
@@ -174,6 +247,17 @@ export async function render(main) {
             el(
               "div",
               {},
+              el("dt", { text: "longest sequence that fits" }),
+              el("dd", {
+                id: "plan-max-seq-len",
+                text: `${p.max_seq_len.toLocaleString("en-US")} tokens (${SEQ_LIMITS[p.max_seq_len_limit] ?? p.max_seq_len_limit})`,
+                title:
+                  "the longest sequence whose plan fits, at this batch and micro-batch count, and what stops a longer one",
+              }),
+            ),
+            el(
+              "div",
+              {},
               el("dt", { text: "predicted tokens/s" }),
               el("dd", { id: "plan-tokens", text: number(p.tokens_per_s) }),
             ),
@@ -191,6 +275,7 @@ export async function render(main) {
   }
 
   function update() {
+    moeOptions.hidden = !isMoe();
     clearTimeout(planTimer);
     planTimer = setTimeout(refreshPlan, 300);
     const json = JSON.stringify(body(), null, 2);
@@ -202,6 +287,7 @@ export async function render(main) {
     { id: "new-job-form", class: "card" },
     field("job-name", "Name", name),
     field("base-model", "Base model", base),
+    unsupported,
     field("dataset", "Training data", train, datasets.data.length ? null : "upload a dataset first"),
     field("validation-dataset", "Validation data", validation),
     field("held-out", "Held-out fraction", heldOut, "used when no validation data is chosen"),
@@ -212,6 +298,7 @@ export async function render(main) {
       el("label", { for: "method-lora" }, lora, " LoRA (adapter; small download)"),
       el("label", { for: "method-full" }, full, " Full fine-tune"),
     ),
+    moeOptions,
     el(
       "div",
       { class: "grid" },
@@ -242,6 +329,7 @@ export async function render(main) {
         ),
         field("compute-dtype", "Compute dtype", dtype),
         field("devices", "Devices", devices),
+        field("tf32", "TF32 matmuls", tf32, "float32 compute on GPUs: faster, ~10-bit products"),
       ),
     ),
     error,
