@@ -5,6 +5,7 @@
     roundhouse export CHECKPOINT --out DIR [--merged]
     roundhouse generate CHECKPOINT_OR_MODEL --prompt TEXT
     roundhouse eval MODEL [--adapter CHECKPOINT] --data HELDOUT
+    roundhouse chat CHECKPOINT [--temperature T --top-p P --max-tokens N --base B]   (reads stdin)
     roundhouse prepare-demo                       convert the packaged demo model once
     roundhouse demo [--steps N]                   before/after accuracy of a short demo fine-tune
     roundhouse plan [--config CONFIG] ...         partition, schedule grid, fit and ETA of a run
@@ -23,6 +24,8 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
+
+from engine.chat_cli import add_chat_command
 
 if TYPE_CHECKING:
     from engine.config import TrainConfig
@@ -146,7 +149,10 @@ def _fit_report(
         efficiency=args.efficiency,
         detected=tuple(detected),
     )
-    workload = Workload.from_train_config(config, num_sequences=rows)
+    if args.cpu:  # this machine's cores, as ``devices: auto`` runs without a GPU
+        cores = psutil.cpu_count() or 1
+        hardware = Hardware.cpu_host(cores=cores, ram_gb=host_ram, detected=(*detected, "CPU cores"))
+    workload = Workload.from_train_config(config, num_sequences=rows, on_gpu=not args.cpu)
     return "\n" + plan_job(model_config, hardware, workload).describe()
 
 
@@ -389,6 +395,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--efficiency", type=float, default=0.4, help="achieved fraction of the peak rate")
     p.add_argument("--link-gb-s", type=float, default=25.0, help="host <-> GPU bandwidth, GB/s")
     p.add_argument("--host-ram-gb", type=float, default=None, help="default: this machine's RAM")
+    p.add_argument(
+        "--cpu", action="store_true", help="plan this machine's CPU as the one worker (no GPU; fit report)"
+    )
     p.add_argument("--seq-len", type=int, default=None, help="default 2048")
     p.add_argument("--batch-size", type=int, default=None, help="sequences per step (default max(M, 16))")
     p.add_argument("--method", choices=["lora", "full"], default=None, help="default lora")
@@ -452,6 +461,7 @@ def build_parser() -> argparse.ArgumentParser:
     dm.add_argument("--workers", type=int, default=1)
     dm.add_argument("--output-dir", default="runs/demo")
     dm.set_defaults(func=cmd_demo)
+    add_chat_command(sub, with_models)  # engine/chat_cli.py
     return parser
 
 

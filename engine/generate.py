@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from engine.data.read import read_examples
+from engine.data.read import Example, read_examples
 from engine.model.export import is_adapter, load_export
 from engine.model.loading import load_model, load_tokenizer
 
@@ -47,16 +47,32 @@ def generate(
     if isinstance(messages, str):
         messages = [{"role": "user", "content": messages}]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return complete(model, tokenizer, ids, max_new_tokens=max_new_tokens)
+
+
+def complete(model: Any, tokenizer: Any, ids: list[int], *, max_new_tokens: int = 64) -> str:
+    """Greedy continuation of prompt token ids (on the model's device), special tokens removed."""
+    prompt = torch.tensor([ids], device=next(model.parameters()).device)
     with torch.no_grad():
         out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
+            prompt,
+            attention_mask=torch.ones_like(prompt),
             max_new_tokens=max_new_tokens,
             do_sample=False,
             pad_token_id=tokenizer.pad_token_id,
         )
-    return str(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
+    return str(tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True))
+
+
+def prompt_and_reference(example: Example) -> tuple[list[dict[str, str]], str] | None:
+    """A row's prompt (every turn before the last assistant turn; a prompt/completion row's prompt
+    as a user turn) and its reference answer (that turn; the completion); None for a text row."""
+    if example.messages is not None:
+        return example.messages[:-1], example.messages[-1]["content"]
+    if example.prompt is not None and example.completion is not None:
+        return [{"role": "user", "content": example.prompt}], example.completion
+    return None
 
 
 def exact_match(model: Any, tokenizer: Any, path: str | Path, *, max_new_tokens: int = 32) -> dict[str, Any]:
@@ -70,12 +86,10 @@ def exact_match(model: Any, tokenizer: Any, path: str | Path, *, max_new_tokens:
     correct = 0
     samples: list[dict[str, Any]] = []
     for ex in examples:
-        if ex.messages is not None:
-            prompt, reference = ex.messages[:-1], ex.messages[-1]["content"]
-        elif ex.prompt is not None and ex.completion is not None:
-            prompt, reference = [{"role": "user", "content": ex.prompt}], ex.completion
-        else:
+        found = prompt_and_reference(ex)
+        if found is None:
             raise ValueError(f"{path}: line {ex.line}: text rows have no reference answer")
+        prompt, reference = found
         answer = generate(model, tokenizer, prompt, max_new_tokens=max_new_tokens)
         ok = answer.strip() == reference.strip()
         correct += ok

@@ -25,7 +25,7 @@ from engine.data.batches import Batcher, collate, pack
 from engine.data.encode import Encoded, load_encoded
 from engine.errors import Cancelled, ConfigError
 from engine.metrics import NullSink, Sink
-from engine.model.export import save_export
+from engine.model.export import base_model_name, save_export
 from engine.model.families import DEFAULT_LORA_TARGETS, family_for
 from engine.model.loading import load_model, load_tokenizer, resolve_model_path
 from engine.roundpipe import RoundPipe
@@ -151,7 +151,7 @@ class Run:
         self.sink = sink
         self.cancel = cancel
         self.folder = resolve_model_path(config.model.path, models_dir)
-        self.base_name = config.model.name or self.folder.name
+        self.base_name = base_model_name(config.model.name, self.folder)  # a hub id, never a path
         self.tokenizer = load_tokenizer(self.folder)
         data = config.data
         train = load_encoded(data.train, self.tokenizer, fmt=data.format, max_length=data.max_length)

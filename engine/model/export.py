@@ -8,12 +8,48 @@ Both carry the tokenizer and its chat template. The weights are the engine's fp3
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
+
+DEMO_HUB_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the demo model's name on the model hub
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # "org/name", as the hub names models
+_CACHE_REPO = re.compile(r"models--([\w.-]+)--([\w.-]+)")  # a Hugging Face cache folder
+
+
+def base_model_name(name: str | None, folder: str | Path) -> str:
+    """The name an export records for its base model, so that ``AutoPeftModelForCausalLM`` on
+    another machine finds the base: a hub id where one is known, never a path of this server.
+
+    In order: the demo's hub id; ``name`` when it is a hub id; the ``org/name`` of a Hugging Face
+    cache folder; the hub id in the folder's ``config.json`` (``_name_or_path``); ``name`` when it
+    is not a path; the folder's name.
+    """
+    from engine.model.loading import DEMO_NAME
+
+    folder = Path(folder)
+    if name == "demo" or folder.name == DEMO_NAME:
+        return DEMO_HUB_NAME
+    if name and _HUB_ID.fullmatch(name):
+        return name
+    for part in reversed(folder.parts):
+        found = _CACHE_REPO.fullmatch(part)
+        if found:
+            return f"{found[1]}/{found[2]}"
+    try:
+        recorded = json.loads((folder / "config.json").read_text()).get("_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        recorded = None
+    if isinstance(recorded, str) and _HUB_ID.fullmatch(recorded) and not Path(recorded).exists():
+        return recorded
+    if name and "/" not in name and "\\" not in name:
+        return name
+    return folder.name
 
 
 def is_adapter(folder: str | Path) -> bool:

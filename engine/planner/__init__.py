@@ -11,7 +11,9 @@ GPU memory, and the schedule simulator (physical mode, weight uploads over the h
 iteration time. ``report`` puts it together, with the longest sequence that fits. A job that ran
 calibrates the rate: ``calibrate`` scales the assumed efficiency by measured over predicted
 throughput. The job comes in as the run's own ``TrainConfig`` (``Workload.from_train_config``),
-so the CLI, the service and the web form plan the same thing.
+so the CLI, the service and the web form plan the same thing. A host whose workers report no GPU
+is planned as one CPU worker (``Hardware.cpu_host``) at an assumed, measured fp32 rate per core;
+the training data's token counts, when given, set the sequence length times are computed at.
 
 The estimates are first-order: activation sizes assume fused (flash) attention, the optimizer is
 assumed hidden behind the next iteration unless it is slower than it, and communication other than
@@ -19,19 +21,29 @@ weight uploads and stage-boundary hops is ignored.
 """
 
 from engine.planner.memory import CUDA_OVERHEAD_BYTES, Memory, layer_times, memory_model
-from engine.planner.report import SEQ_LEN_STEP, PlanReport, calibrate, longest_sequence, plan_job
+from engine.planner.report import (
+    SEQ_LEN_STEP,
+    PlanReport,
+    calibrate,
+    hardware_label,
+    longest_sequence,
+    plan_job,
+)
 from engine.planner.shapes import SHAPE_LIMITS, Shape
 from engine.planner.workload import (
+    CPU_GFLOPS_PER_CORE,
     DTYPE_BYTES,
     GB,
     HARDWARE_RANGES,
     WORKLOAD_LIMITS,
     Hardware,
     Workload,
+    batch_length,
     bytes_per_trainable_param,
 )
 
 __all__ = [
+    "CPU_GFLOPS_PER_CORE",
     "CUDA_OVERHEAD_BYTES",
     "DTYPE_BYTES",
     "GB",
@@ -44,8 +56,10 @@ __all__ = [
     "PlanReport",
     "Shape",
     "Workload",
+    "batch_length",
     "bytes_per_trainable_param",
     "calibrate",
+    "hardware_label",
     "layer_times",
     "longest_sequence",
     "memory_model",

@@ -200,7 +200,8 @@ def layer_times(shape: Shape, workload: Workload, hardware: Hardware) -> list[tu
     for the input gradients, and another for the weight gradients of a full fine-tune.
     """
     w = workload
-    t = w.batch_size * w.seq_len / w.num_microbatches
+    length = w.timed_seq_len  # the data's padded length when known (memory plans seq_len)
+    t = w.batch_size * length / w.num_microbatches
     rate = hardware.gpu_tflops * 1e12 * hardware.efficiency
     bwd_factor = 1.0 if w.method == "lora" else 2.0
     if shape.mla is None:
@@ -209,7 +210,7 @@ def layer_times(shape: Shape, workload: Workload, hardware: Hardware) -> list[tu
         score = shape.heads * (shape.mla.nope + shape.mla.rope + shape.mla.v)
     times = [(0.0, 0.0)]  # the embedding lookup
     for b in range(shape.layers):
-        fwd = (2.0 * shape.active_block_params(b) + w.seq_len * score) * t / rate
+        fwd = (2.0 * shape.active_block_params(b) + length * score) * t / rate
         times.append((fwd, bwd_factor * fwd))
     head = 2.0 * shape.hidden * shape.vocab * t / rate
     times.append((head, bwd_factor * head))

@@ -81,7 +81,11 @@ class PlanReport:
             + ", ".join(
                 f"{k.removesuffix('_gb').replace('_', ' ')} {v:.2f} GB" for k, v in self.host_ram.items()
             ),
-            f"GPU memory: {self.gpu_memory_needed_gb:.2f} GB of {self.gpu_memory_gb:g} GB per GPU"
+            (
+                f"worker memory (host RAM): {self.gpu_memory_needed_gb:.2f} GB of {self.gpu_memory_gb:.1f} GB"
+                if self.assumptions.get("device") == "cpu"
+                else f"GPU memory: {self.gpu_memory_needed_gb:.2f} GB of {self.gpu_memory_gb:g} GB per GPU"
+            )
             + (f" ({self.workers_per_gpu} workers per GPU)" if self.workers_per_gpu > 1 else ""),
             f"longest sequence that fits: {self.max_seq_len:,} tokens (limited by "
             f"{self.max_seq_len_limit.replace('_', ' ')})",
@@ -101,9 +105,15 @@ class PlanReport:
         if self.eta_s is not None:
             lines.append(f"ETA: {self.eta_s / 3600:.2f} h")
         a = self.assumptions
-        lines.append(
-            f"assumed: {a['gpu_tflops']:g} TFLOPS per GPU at {100 * a['efficiency']:.0f}% efficiency, "
+        rate = (
+            f"{1000 * a['gpu_tflops']:g} GFLOP/s fp32 achieved on the CPU"
+            if a["device"] == "cpu"
+            else f"{a['gpu_tflops']:g} TFLOPS per GPU at {100 * a['efficiency']:.0f}% efficiency, "
             f"{a['link_gb_s']:g} GB/s host link"
+        )
+        lines.append(
+            f"assumed: {a['hardware']}; {rate}; {a['tokens_per_sequence']:,.0f} tokens per sequence"
+            + (" (from the data)" if a["tokens_from_data"] else " (max_length)")
             + (f"; detected: {', '.join(a['detected'])}" if a["detected"] else "")
         )
         return "\n".join(lines)
@@ -317,7 +327,7 @@ def _report(shape: Shape, hardware: Hardware, workload: Workload) -> PlanReport:
                     "memory_gb": {k: v / GB for k, v in terms.items()},
                 }
             )
-        tokens = w.batch_size * w.seq_len
+        tokens = w.batch_size * w.timed_seq_len
         # async: the period of iterations chained without a flush; sync: one iteration, then the flush
         result = simulate(
             "roundpipe-async-steady" if w.async_optimizer else "roundpipe-sync",
@@ -348,7 +358,7 @@ def _report(shape: Shape, hardware: Hardware, workload: Workload) -> PlanReport:
         gpu_memory_needed_gb=worker * share,
         gpu_memory_gb=h.gpu_memory_gb,
         iteration_s=iteration,
-        tokens_per_s=w.batch_size * w.seq_len / iteration if iteration > 0 else 0.0,
+        tokens_per_s=w.batch_size * w.timed_seq_len / iteration if iteration > 0 else 0.0,
         bubble=bubble,
         closed_form_bubble=closed,
         eta_s=iteration * w.steps if (w.steps and iteration) else None,
@@ -356,6 +366,10 @@ def _report(shape: Shape, hardware: Hardware, workload: Workload) -> PlanReport:
         max_seq_len_limit=stop,
         workers_per_gpu=share,
         assumptions={
+            "device": h.device,
+            "hardware": hardware_label(h),
+            "tokens_per_sequence": w.timed_seq_len,
+            "tokens_from_data": w.mean_seq_len is not None,
             "gpu_tflops": h.gpu_tflops,
             "efficiency": h.efficiency,
             "link_gb_s": h.link_gb_s,
@@ -366,9 +380,17 @@ def _report(shape: Shape, hardware: Hardware, workload: Workload) -> PlanReport:
     )
 
 
+def hardware_label(hardware: Hardware) -> str:
+    """The box a plan is for, in words (the web's plan card shows it)."""
+    h = hardware
+    if h.device == "cpu":
+        return "CPU host (no GPU reported)"
+    return f"{h.num_gpus} GPU{'s' if h.num_gpus != 1 else ''} of {h.gpu_memory_gb:g} GB"
+
+
 def calibrate(hardware: Hardware, *, predicted_tokens_per_s: float, measured_tokens_per_s: float) -> Hardware:
     """The hardware with its efficiency scaled so a past job's prediction matches its measurement
-    (kept within ``HARDWARE_RANGES["efficiency"]``).
+    (kept within ``HARDWARE_RANGES["efficiency"]``; past its top, the rate is scaled instead).
 
     Raises:
         ValueError: a non-positive throughput.
@@ -380,4 +402,8 @@ def calibrate(hardware: Hardware, *, predicted_tokens_per_s: float, measured_tok
         )
     scaled = hardware.efficiency * measured_tokens_per_s / predicted_tokens_per_s
     low, high = HARDWARE_RANGES["efficiency"]
-    return replace(hardware, efficiency=min(high, max(low, scaled)))
+    if scaled <= high:
+        return replace(hardware, efficiency=max(low, scaled))
+    # faster than the peak assumed (a CPU host plans at efficiency 1): the rate itself goes up
+    tflops = min(HARDWARE_RANGES["gpu_tflops"][1], hardware.gpu_tflops * scaled / high)
+    return replace(hardware, efficiency=high, gpu_tflops=tflops)

@@ -4,7 +4,9 @@ the ranges a plan accepts for each number."""
 from __future__ import annotations
 
 import math
+import random
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.config import EngineConfig, TrainConfig, resolve_compute_dtype
@@ -23,7 +25,7 @@ LOSS_CHUNK_TOKENS: int = EngineConfig.loss_chunk_tokens  # the engine's default 
 HARDWARE_RANGES: dict[str, tuple[float, float]] = {
     "num_gpus": (1, 64),
     "gpu_memory_gb": (1.0, 1024.0),  # a card with less cannot hold the CUDA context and a layer
-    "gpu_tflops": (1.0, 100_000.0),
+    "gpu_tflops": (0.001, 100_000.0),  # from one slow CPU core to the largest accelerator
     "efficiency": (0.001, 1.0),
     "link_gb_s": (0.1, 10_000.0),
     "host_ram_gb": (1.0, 1_048_576.0),
@@ -37,10 +39,25 @@ WORKLOAD_LIMITS: dict[str, int] = {
     "loss_chunk_tokens": 1 << 30,
 }
 
+# A CPU host (no GPU): the engine's ``devices: "auto"`` runs one CPU worker thread (engine/run.py
+# ``devices_for``), whose matmuls use every core. Its fp32 rate, achieved, per core: measured on a
+# 2-core x86-64 host (torch 2.13 CPU wheel), where SmolLM2-135M-Instruct LoRA ran at ~190 tokens/s
+# on the demo's data and bench/results/engine_overhead.json's 6-block model (full fine-tune) at
+# ~2,100 tokens/s; at 50 GFLOP/s per core the planner predicts ~180 and ~2,300 tokens/s for them.
+# Calibrate with a finished job (``calibrate_job_id``).
+CPU_GFLOPS_PER_CORE = 50.0
+CPU_COPY_GB_S = 10.0  # a CPU worker's stage "upload" is a host memory copy
+CPU_DEFAULT_RAM_GB = 16.0  # when the worker reports no RAM figure
+
 
 @dataclass(frozen=True)
 class Hardware:
-    """The box: GPUs, their memory and rate, the host link and RAM."""
+    """The box: GPUs, their memory and rate, the host link and RAM.
+
+    ``device="cpu"`` is a host without a GPU: one CPU worker (``num_gpus`` 1) whose "GPU memory"
+    is the host's RAM and whose rate (``gpu_tflops`` at ``efficiency`` 1) is the cores' achieved
+    fp32 rate; see :meth:`cpu_host`.
+    """
 
     num_gpus: int = 2
     gpu_memory_gb: float = 24.0
@@ -49,6 +66,22 @@ class Hardware:
     host_ram_gb: float | None = None
     efficiency: float = 0.4  # achieved fraction of the peak rate
     detected: tuple[str, ...] = ()  # which fields were read off the machine
+    device: str = "gpu"  # "gpu", or "cpu": a host whose workers report no GPU
+
+    @classmethod
+    def cpu_host(cls, *, cores: int, ram_gb: float | None, detected: tuple[str, ...] = ()) -> Hardware:
+        """A host without GPUs: one CPU worker at ``CPU_GFLOPS_PER_CORE`` per core, in host RAM."""
+        ram = ram_gb if ram_gb is not None else CPU_DEFAULT_RAM_GB
+        return cls(
+            num_gpus=1,
+            gpu_memory_gb=ram,
+            gpu_tflops=max(1, cores) * CPU_GFLOPS_PER_CORE / 1000,
+            link_gb_s=CPU_COPY_GB_S,
+            host_ram_gb=ram_gb,
+            efficiency=1.0,
+            detected=detected,
+            device="cpu",
+        )
 
 
 @dataclass(frozen=True)
@@ -72,10 +105,22 @@ class Workload:
     steps: int | None = None
     devices: tuple[str, ...] = ()
     loss_chunk_tokens: int = LOSS_CHUNK_TOKENS
+    mean_seq_len: float | None = None  # tokens per sequence as batched (padded) from the data
+
+    @property
+    def timed_seq_len(self) -> float:
+        """The sequence length times are computed at: the data's when known, else ``seq_len``
+        (memory always plans the worst case, ``seq_len``)."""
+        return min(self.mean_seq_len, self.seq_len) if self.mean_seq_len else float(self.seq_len)
 
     @classmethod
     def from_train_config(
-        cls, config: TrainConfig, *, on_gpu: bool = True, num_sequences: int | None = None
+        cls,
+        config: TrainConfig,
+        *,
+        on_gpu: bool = True,
+        num_sequences: int | None = None,
+        token_lengths: Sequence[int] | None = None,
     ) -> Workload:
         """The workload of a run: the one place a ``TrainConfig`` becomes the planner's input.
 
@@ -84,11 +129,23 @@ class Workload:
             on_gpu: what ``compute_dtype="auto"`` resolves for (the planner plans GPU workers).
             num_sequences: training sequences, when known; with ``hyper.epochs`` and no
                 ``hyper.max_steps`` they give the step count the run will take.
+            token_lengths: training rows' tokens through the model's tokenizer (all, or a sample):
+                times use the padded batch length they give (``batch_length``), and with packing
+                they give the packed sequence count.
 
         Returns:
             The workload; ``steps`` is None when neither ``max_steps`` nor ``num_sequences`` is known.
         """
-        h, e, m = config.hyper, config.engine, config.method
+        h, e, m, d = config.hyper, config.engine, config.method, config.data
+        mean = None
+        if token_lengths:
+            mean = batch_length(
+                token_lengths, batch_size=h.batch_size, max_length=d.max_length, packing=d.packing
+            )
+            if d.packing:  # the packed sequences of the whole dataset (the lengths may be a sample)
+                rows = num_sequences if num_sequences is not None else len(token_lengths)
+                total = sum(min(n, d.max_length) for n in token_lengths) * rows / len(token_lengths)
+                num_sequences = max(1, math.ceil(total / d.max_length))
         steps = h.max_steps
         if steps is None and num_sequences is not None:
             # the run's own count (engine/run.py): whole batches per epoch, at least one step
@@ -108,6 +165,7 @@ class Workload:
             optimizer=h.optimizer,
             steps=steps,
             devices=gpus if len(gpus) == len(named) else (),  # CPU workers: plan the box's GPUs
+            mean_seq_len=mean,
         )
 
     def num_workers(self, hardware: Hardware) -> int:
@@ -117,6 +175,19 @@ class Workload:
     def workers_per_gpu(self) -> int:
         """The most workers that share one GPU's memory."""
         return max(Counter(self.devices).values(), default=1)
+
+
+def batch_length(lengths: Sequence[int], *, batch_size: int, max_length: int, packing: bool) -> float:
+    """Mean tokens per sequence as the engine batches them: rows cut at ``max_length``, shuffled,
+    cut into batches, each right-padded to its longest row (``engine.data.batches.collate``);
+    with packing every sequence is ``max_length`` long but the last. One fixed shuffle."""
+    cut = [max(1, min(n, max_length)) for n in lengths]
+    if packing:
+        return float(min(max_length, sum(cut)))
+    order = list(cut)
+    random.Random(0).shuffle(order)
+    batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+    return sum(max(b) * len(b) for b in batches) / len(order)
 
 
 def _is_gpu(device: str) -> bool:
