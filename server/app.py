@@ -7,12 +7,23 @@ from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Query, Request
-from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse
 from fastapi.staticfiles import StaticFiles
 
 from server import __version__, errors
-from server.api import checkpoints, datasets, gpus, health, jobs, models, plan
+from server.api import (
+    checkpoints,
+    datasets,
+    disk,
+    docs,
+    evaluations,
+    generate,
+    gpus,
+    health,
+    jobs,
+    models,
+    plan,
+)
 from server.db import make_engine, migrate, session_factory
 from server.deps import COOKIE, SessionDep, current_key, plain_parameters
 from server.services import keys
@@ -55,8 +66,10 @@ def create_app(settings: Settings | None = None, *, apply_migrations: bool = Tru
     tick = settings.telemetry_seconds
     app.state.streams = Hub(sessions, stale_after=tick * 5, gpu_every=tick / 2)
     errors.install(app)
-    for module in (health, datasets, models, jobs, checkpoints, gpus, plan):
+    for module in (health, datasets, models, jobs, checkpoints, gpus, plan, disk):
         app.include_router(module.router)
+    app.include_router(evaluations.router)
+    app.include_router(generate.router)  # the playground: a stream with no session held open
     for module in (jobs, gpus):  # the event streams: no database connection while open
         app.include_router(module.stream_router)
 
@@ -64,9 +77,7 @@ def create_app(settings: Settings | None = None, *, apply_migrations: bool = Tru
     def openapi() -> JSONResponse:
         return JSONResponse(app.openapi())
 
-    @app.get("/docs", include_in_schema=False, dependencies=[Depends(current_key)])
-    def docs() -> HTMLResponse:
-        return get_swagger_ui_html(openapi_url="/openapi.json", title="Roundhouse API")
+    app.include_router(docs.router)  # /docs, /redoc and their scripts, served from here
 
     @app.get("/login", include_in_schema=False)
     def login(request: Request, session: SessionDep, token: Annotated[str, Query(min_length=1)]) -> Any:
@@ -103,5 +114,6 @@ def app_for_process() -> FastAPI:
 
 def login_url(settings: Settings, token: str) -> str:
     """The login link of a one-time token (``keys.create_login``)."""
-    base = settings.public_url or f"http://{settings.host}:{settings.port}"
+    host = "127.0.0.1" if settings.host in ("0.0.0.0", "::", "") else settings.host  # a bind-all address
+    base = settings.public_url or f"http://{host}:{settings.port}"
     return f"{base.rstrip('/')}/login?token={token}"

@@ -8,11 +8,14 @@ child process on the no-server broker, the demo model and dataset ready, and a o
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +32,7 @@ DEMO_DATASETS = (("demo: inventory (train)", "TRAIN"), ("demo: inventory (held-o
 # how long uvicorn lets requests finish once asked to stop (the event streams end at once);
 # `docker compose stop` waits 10 s before it kills
 SHUTDOWN_GRACE_S = 5
+ANNOUNCE_WAIT_S = 120.0  # the longest the login link waits for the worker to come up
 
 
 def _prepare_demo(settings: Any, sessions: Any) -> None:
@@ -78,10 +82,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
             key_id = keys.create_key(session, name="login")[0].id
         link = _login_link(session, settings, key_id=key_id)
     worker = None
+    started = time.time()
     if args.with_worker:
         env = {**os.environ, **settings.child_environment()}
         worker = subprocess.Popen([sys.executable, "-m", "server.cli", "worker"], env=env)
-    print(f"\nRoundhouse is up. Open: {link}\n{_link_note(settings)}\n", flush=True)
+    # the link comes last, under the worker's banner and warnings: once the worker samples
+    announce = functools.partial(_announce, link, settings, app.state.sessions, started, worker)
+    threading.Thread(target=announce, name="announce-login", daemon=True).start()
     try:
         if args.processes > 1:  # each process builds its own app from the same environment
             os.environ.update(settings.child_environment())
@@ -155,6 +162,31 @@ def _login_link(session: Session, settings: Settings, *, key_id: int | None) -> 
 
     lifetime = timedelta(minutes=settings.login_link_minutes)
     return login_url(settings, keys.create_login(session, key_id=key_id, lifetime=lifetime))
+
+
+def _announce(
+    link: str, settings: Settings, sessions: Any, started: float, worker: subprocess.Popen[bytes] | None
+) -> None:
+    """Print the login link in a box, after the worker (when there is one) has started sampling,
+    so that its banner and warnings come before it; at most ``ANNOUNCE_WAIT_S`` later."""
+    from server.services import gpus
+
+    deadline = time.monotonic() + ANNOUNCE_WAIT_S
+    while worker is not None and worker.poll() is None and time.monotonic() < deadline:
+        with sessions() as session:
+            up = [h for h in gpus.hosts(session, stale_after=60) if h["heartbeat_at"].timestamp() >= started]
+        if up:
+            time.sleep(0.5)  # the worker's own last lines first
+            break
+        time.sleep(0.5)
+    print(boxed([f"Roundhouse is up. Open: {link}", _link_note(settings)]), flush=True)
+
+
+def boxed(lines: list[str]) -> str:
+    """Lines in a box of ``=`` and ``|``, with a blank line above and below."""
+    width = max(len(line) for line in lines)
+    rule = "+" + "=" * (width + 4) + "+"
+    return "\n".join(["", rule, *(f"|  {line.ljust(width)}  |" for line in lines), rule, ""])
 
 
 def _link_note(settings: Settings) -> str:

@@ -27,6 +27,7 @@ from server.tables import now
 log = logging.getLogger("roundhouse.queue")
 
 TASK = "roundhouse.run_job"
+EVALUATE = "roundhouse.run_evaluation"  # an evaluation id (server/worker/evaluator.py)
 
 
 def make_celery(settings: Settings) -> Celery:
@@ -76,6 +77,11 @@ def celery_for(settings: Settings) -> Celery:
 def enqueue(settings: Settings, job_id: str) -> None:
     """Send a job id to the workers."""
     celery_for(settings).send_task(TASK, args=[job_id], queue=settings.queue)
+
+
+def send_evaluation(settings: Settings, evaluation_id: str) -> None:
+    """Send an evaluation id to the workers (the same queue: a worker runs it between jobs)."""
+    celery_for(settings).send_task(EVALUATE, args=[evaluation_id], queue=settings.queue)
 
 
 def _send(settings: Settings, session: Session, *, job_id: str, stale_before: datetime, note: str) -> bool:

@@ -146,13 +146,26 @@ class JobPublic(BaseModel):
     attempts: int
     config: dict[str, Any]
     created_at: datetime
-    started_at: datetime | None
-    finished_at: datetime | None
+    started_at: datetime | None = Field(description="when a worker first started it")
+    finished_at: datetime | None = Field(
+        description="when it last reached a final state (a resume clears it)"
+    )
+    disk_bytes: int = Field(0, description="bytes of its folder: checkpoints, exports, merged builds, log")
 
 
 class JobsPublic(BaseModel):
     data: list[JobPublic]
     next_cursor: str | None
+
+
+class DiskPublic(BaseModel):
+    """Disk use of the jobs' folders and the datasets, and the space left where runs are written."""
+
+    jobs: int = Field(description="how many jobs there are")
+    jobs_bytes: int = Field(description="every job's folder together (the sum of their disk_bytes)")
+    datasets_bytes: int = Field(description="the stored dataset files")
+    free_bytes: int = Field(description="free space on the disk of the runs folder")
+    capacity_bytes: int = Field(description="size of the disk of the runs folder")
 
 
 class EventPublic(BaseModel):
@@ -336,3 +349,98 @@ class PlanPublic(BaseModel):
     workers_per_gpu: int = Field(description="workers sharing one GPU's memory (engine.devices)")
     assumptions: dict[str, Any]
     calibrated_from: str | None
+
+
+# -- the chat playground (POST /api/generate) -------------------------------------------------------
+GENERATION_STREAM = {
+    "description": "server-sent events: status (waiting, loading, generating), delta (new text), "
+    "then done (finish_reason, token counts) or error (the one error shape)",
+    "content": EVENT_STREAM["content"],
+}
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "user", "assistant"]
+    content: str = Field(max_length=100_000)
+
+
+class CheckpointRef(BaseModel):
+    """A job's checkpoint, as ``GET /api/jobs/{id}/checkpoints`` lists it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    job_id: Line
+    step: int = Field(ge=0, le=MAX_INT)
+
+
+class GenerationCreate(BaseModel):
+    """A chat turn to answer: a base model or a job's checkpoint (one of the two), the
+    conversation (ending with the user's turn) and the sampling settings."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    model: Line | None = Field(None, description="a base model name from GET /api/models")
+    checkpoint: CheckpointRef | None = Field(None, description="a job's checkpoint, instead of model")
+    messages: list[ChatMessage] = Field(min_length=1, max_length=200)
+    temperature: float = Field(0.7, ge=0.0, le=2.0, description="0: always the most likely token")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="sample among the likeliest tokens of this mass")
+    max_tokens: int = Field(256, ge=1, le=2048, description="the most new tokens of the answer")
+    seed: int | None = Field(None, ge=0, le=MAX_INT, description="the same seed gives the same answer")
+
+
+# -- evaluations (server/api/evaluations.py) -------------------------------------------------------
+class EvaluationCreate(BaseModel):
+    """A checkpoint of the job to score on a dataset (``engine.evaluate``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    checkpoint: Annotated[int, Field(ge=0, le=MAX_INT)] | Literal["latest"] = Field(
+        "latest", description='the step of a checkpoint the job has on disk, or "latest"'
+    )
+    dataset_id: Line
+    max_rows: int = Field(200, ge=1, le=100_000, description="the first rows of the dataset, in order")
+    max_new_tokens: int = Field(64, ge=1, le=2048, description="the longest generated answer")
+    num_samples: int = Field(5, ge=0, le=50, description="rows shown generated next to their reference")
+
+
+class EvaluationPublic(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    id: str
+    job_id: str
+    step: int
+    dataset_id: str
+    status: Literal["queued", "running", "succeeded", "failed"]
+    max_rows: int
+    max_new_tokens: int
+    num_samples: int
+    metrics: dict[str, Any] = Field(
+        description="when succeeded: loss, perplexity, token_accuracy, exact_match (null without a short "
+        "answer), rows, label_tokens, exact_match_rows, exact_match_correct, short_answer_tokens, device"
+    )
+    error: str | None
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+
+
+class EvaluationsPublic(BaseModel):
+    data: list[EvaluationPublic]
+
+
+class EvaluationSample(BaseModel):
+    line: int = Field(description="the row's line (a Parquet file's row) in the dataset")
+    prompt: str = Field(description="the last turn before the answer (a prompt/completion row's prompt)")
+    reference: str
+    output: str = Field(description="the checkpoint's greedy answer")
+    short: bool = Field(description="the reference is short enough for exact match")
+    match: bool | None = Field(description="output equals reference (whitespace-trimmed); null if not short")
+
+
+class EvaluationDetail(EvaluationPublic):
+    samples: list[EvaluationSample] = Field(
+        description="empty until it succeeded, or when its file went with a pruned checkpoint"
+    )
+    stored: bool = Field(description="the result file is still in the checkpoint folder")

@@ -19,8 +19,8 @@ class Settings(BaseSettings):
     hf_cache: Path | None = Field(
         None, description="Hugging Face hub cache (default: ~/.cache/huggingface/hub)"
     )
-    host: str = "127.0.0.1"
-    port: int = 8000
+    host: str = Field("127.0.0.1", description="the address `roundhouse serve` listens on")
+    port: int = Field(8000, description="the port `roundhouse serve` listens on, and login links name")
     queue: str = Field("roundhouse", description="the Celery queue jobs are sent to")
     lease_seconds: float = Field(
         30.0, gt=0, description="a job whose worker is silent this long is interrupted"
@@ -39,6 +39,11 @@ class Settings(BaseSettings):
     max_retries: int = Field(
         2, ge=0, description="restarts of a training process killed by a signal, from its last checkpoint"
     )
+    playground_max_params: int = Field(
+        4_000_000_000, ge=0, description="the largest model the chat playground runs (on the API host's CPU)"
+    )
+    playground_threads: int = Field(2, ge=1, le=64, description="playground generations running at once")
+    playground_cached_models: int = Field(2, ge=1, le=16, description="models the playground keeps loaded")
 
     @property
     def broker_dir(self) -> Path:

@@ -51,11 +51,17 @@ def frame(*, data: Any, event: str | None = None, ident: int | None = None) -> s
 
 @dataclass(frozen=True)
 class Row:
-    """An event as a stream sends it: its id, its frame, and the final state it put the job in."""
+    """An event as a stream sends it: its id, its frame, the state it moved the job to (a state
+    event) and whether that state is final (a resume moves a job out of one again)."""
 
     id: int
     text: str
     final: str | None
+    state: str | None = None
+
+    def settle(self, final: str | None) -> str | None:
+        """The job's final state after this row, given the one before it."""
+        return final if self.state is None else self.final
 
     @classmethod
     def of(cls, e: JobEvent) -> Row:
@@ -68,7 +74,10 @@ class Row:
             "created_at": e.created_at.isoformat(),
         }
         to = (e.data or {}).get("to") if e.kind == EventKind.STATE else None
-        return cls(e.id, frame(data=data, event=e.kind, ident=e.id), to if to in jobs.TERMINAL else None)
+        final = to if to in jobs.TERMINAL else None
+        return cls(
+            e.id, frame(data=data, event=e.kind, ident=e.id), final, to if isinstance(to, str) else None
+        )
 
 
 @dataclass(eq=False)
@@ -284,7 +293,7 @@ async def job_stream(hub: Hub, *, job_id: str, after: int) -> AsyncIterator[str]
         while True:  # the history, with sessions of its own
             rows, status = await run_in_threadpool(hub.replay_page, job_id=job_id, after=follower.last)
             for row in rows:
-                follower.last, final = row.id, row.final or final
+                follower.last, final = row.id, row.settle(final)
                 yield row.text
             if len(rows) < PAGE or hub.stopping:
                 break
@@ -297,7 +306,7 @@ async def job_stream(hub: Hub, *, job_id: str, after: int) -> AsyncIterator[str]
             rows, follower.rows = follower.rows, []
             for row in rows:
                 yield row.text
-                final = row.final or final
+                final = row.settle(final)
             if final:
                 yield frame(data={"status": final}, event="end")
                 return

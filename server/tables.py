@@ -139,3 +139,28 @@ class BrowserSession(Base):
     session_hash: Mapped[str | None] = mapped_column(String(64), unique=True, nullable=True)
     expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=now)
+
+
+class Evaluation(Base):
+    """A checkpoint of a job scored on a dataset (``engine.evaluate``) by a worker. The whole
+    result, samples included, is a JSON file in the checkpoint folder (``path``); the row indexes it
+    and keeps its summary figures (``metrics``)."""
+
+    __tablename__ = "evaluations"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    step: Mapped[int] = mapped_column(Integer)
+    # no foreign key: deleting a dataset keeps the evaluations made with it
+    dataset_id: Mapped[str] = mapped_column(String(32))
+    status: Mapped[str] = mapped_column(String(16))  # queued | running | succeeded | failed
+    max_rows: Mapped[int] = mapped_column(Integer)
+    max_new_tokens: Mapped[int] = mapped_column(Integer)
+    num_samples: Mapped[int] = mapped_column(Integer)
+    metrics: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    path: Mapped[str | None] = mapped_column(Text, nullable=True)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    worker_id: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=now)
+    started_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)

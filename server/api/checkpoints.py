@@ -1,7 +1,9 @@
-"""``/api/jobs/{id}/checkpoints``: list a job's checkpoints and download them as archives."""
+"""``/api/jobs/{id}/checkpoints``: list a job's checkpoints, download them as archives, and clear
+a checkpoint's cached merged build."""
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from pathlib import Path
@@ -19,6 +21,9 @@ from server.deps import JobDep, SessionDep, SettingsDep, current_key
 from server.errors import ApiError, documented
 from server.schemas import MAX_INT, TAR_FILE, CheckpointsPublic
 from server.services import checkpoints
+from server.tables import Checkpoint, Job
+
+StepPath = Annotated[int, PathParam(ge=0, le=MAX_INT)]
 
 router = APIRouter(
     prefix="/api/jobs",
@@ -101,6 +106,17 @@ def list_checkpoints(session: SessionDep, job: JobDep) -> Any:
     return {"data": checkpoints.list_for(session, job_id=job.id)}
 
 
+def _found(session: SessionDep, job: Job, step: int) -> Checkpoint:
+    checkpoint = checkpoints.get(session, job_id=job.id, step=step)
+    if checkpoint is None:
+        raise ApiError(404, "not_found", f"job {job.id!r} has no checkpoint at step {step}", param="step")
+    return checkpoint
+
+
+def _merged_target(job: Job, step: int) -> Path:
+    return Path(job.output_dir) / "exports" / f"{job.id[:8]}-step{step:06d}-merged.tar"
+
+
 @router.get(
     "/{job_id}/checkpoints/{step}/download",
     response_class=Response,
@@ -110,27 +126,42 @@ async def download_checkpoint(
     session: SessionDep,
     settings: SettingsDep,
     job: JobDep,
-    step: Annotated[int, PathParam(ge=0, le=MAX_INT)],
+    step: StepPath,
     merged: Annotated[bool, Query(description="LoRA only: merge the adapter into its base model")] = False,
 ) -> Response:
-    """A .tar of the checkpoint's export with a SHA-256 manifest (optionally merged into the base)."""
-    checkpoint = checkpoints.get(session, job_id=job.id, step=step)
-    if checkpoint is None:
-        raise ApiError(404, "not_found", f"job {job.id!r} has no checkpoint at step {step}", param="step")
-    exports = Path(job.output_dir) / "exports"
+    """A .tar of the checkpoint's export, one top folder with a README and a SHA-256 manifest."""
+    checkpoint = _found(session, job, step)
+    from engine.model.export import base_model_name
+
+    model = job.config["model"]
+    base_name = base_model_name(model.get("name"), Path(model["path"]))
     folder = Path(checkpoint.path)
-    name = f"{job.id[:8]}-step{step:06d}"
+    kind = "merged" if merged else checkpoint.kind
+    if merged and checkpoint.kind != "adapter":
+        raise ApiError(422, "invalid_request", "merged: only a LoRA adapter can be merged", param="merged")
+    target = (
+        _merged_target(job, step)
+        if merged
+        else Path(job.output_dir) / "exports" / f"{job.id[:8]}-step{step:06d}-{kind}.tar"
+    )
+    top = target.name.removesuffix(".tar")
+    text = checkpoints.readme(kind=kind, base_name=base_name, top=top, step=step, job_name=job.name)
     if merged:
-        if checkpoint.kind != "adapter":
-            raise ApiError(
-                422, "invalid_request", "merged: only a LoRA adapter can be merged", param="merged"
-            )
         from engine.model.loading import resolve_model_path
 
-        base = resolve_model_path(job.config["model"]["path"], settings.models_dir)
-        folder = await run_in_threadpool(checkpoints.merged_folder, checkpoint, base=base, exports=exports)
-        name += "-merged"
+        base = resolve_model_path(model["path"], settings.models_dir)
+        merge = checkpoints.merged_archive
+        build = functools.partial(merge, checkpoint, base=base, target=target, readme=text)
     else:
-        name += f"-{checkpoint.kind}"
-    archive = await run_in_threadpool(checkpoints.build_archive, folder, exports / f"{name}.tar")
-    return WholeFileResponse(archive, media_type="application/x-tar", filename=f"{name}.tar")
+        fixed = checkpoints.adapter_config(folder, base_name=base_name) if kind == "adapter" else {}
+        build = functools.partial(checkpoints.build_archive, folder, target, readme=text, replace=fixed)
+    archive = await run_in_threadpool(build)
+    return WholeFileResponse(archive, media_type="application/x-tar", filename=target.name)
+
+
+@router.delete("/{job_id}/checkpoints/{step}/merged", status_code=204, responses=documented(404))
+def clear_merged(session: SessionDep, job: JobDep, step: StepPath) -> None:
+    """Remove the cached merged build of a checkpoint (the next merged download builds it again)."""
+    _found(session, job, step)
+    leftover = Path(job.output_dir) / "exports" / f"step_{step:06d}-merged"  # older versions' folder
+    checkpoints.clear_merged(_merged_target(job, step), leftovers=(leftover,))

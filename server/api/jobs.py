@@ -1,11 +1,14 @@
-"""``/api/jobs``: create, list, get, cancel, events (paged and as an SSE stream), metrics."""
+"""``/api/jobs``: create, list, get, cancel, resume, delete, events (paged and as an SSE stream),
+metrics."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Header, Query, Request
+from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.responses import StreamingResponse
+from sqlalchemy.orm import Session
 
 from engine.errors import ConfigError
 from server import queue
@@ -21,8 +24,10 @@ from server.schemas import (
     JobsPublic,
     MetricsPublic,
 )
-from server.services import datasets, jobs, models
+from server.services import datasets, disk, jobs, models
+from server.settings import Settings
 from server.streams import job_stream, stream_job
+from server.tables import Job
 
 router = APIRouter(
     prefix="/api/jobs", tags=["jobs"], dependencies=[Depends(current_key)], responses=documented(401, 422)
@@ -30,6 +35,29 @@ router = APIRouter(
 # the stream checks the key and the job with a session of its own (``stream_job``), not the
 # router's: an open stream holds no database connection
 stream_router = APIRouter(prefix="/api/jobs", tags=["jobs"], responses=documented(401, 422))
+
+
+def public(job: Job) -> JobPublic:
+    """The job as the API shows it, with the bytes of its folder (cached: ``services.disk``)."""
+    shown = JobPublic.model_validate(job)
+    shown.disk_bytes = disk.folder_bytes(job.output_dir)
+    return shown
+
+
+def send(session: Session, settings: Settings, job_id: str) -> None:
+    """Send a queued job to the workers; if the broker is down the job is kept, and a worker's
+    reconcile sends it when the broker answers."""
+    try:
+        queue.enqueue(settings, job_id)
+    except Exception as exc:
+        jobs.send_failed(session, job_id=job_id)
+        jobs.add_event(
+            session,
+            job_id=job_id,
+            kind=EventKind.LOG,
+            message=f"the job queue is unreachable ({exc}); the job is sent when it answers",
+            data={"send_pending": True},
+        )
 
 
 @router.post("", response_model=JobPublic, status_code=201, responses=documented(400, 404))
@@ -75,21 +103,12 @@ def create_job(session: SessionDep, settings: SettingsDep, body: JobCreate) -> A
         name=body.name,
         base_model=body.base_model,
         dataset_id=train.id,
+        dataset_name=train.name,
         validation_dataset_id=validation.id if validation else None,
         config=config,
     )
-    try:
-        queue.enqueue(settings, job.id)
-    except Exception as exc:  # the broker is down: the job is kept, a worker's reconcile sends it
-        jobs.send_failed(session, job_id=job.id)
-        jobs.add_event(
-            session,
-            job_id=job.id,
-            kind=EventKind.LOG,
-            message=f"the job queue is unreachable ({exc}); the job is sent when it answers",
-            data={"send_pending": True},
-        )
-    return job
+    send(session, settings, job.id)
+    return public(job)
 
 
 @router.get("", response_model=JobsPublic)
@@ -104,13 +123,13 @@ def list_jobs(
         page, next_cursor = jobs.list_jobs(session, status=status, cursor=cursor, limit=limit)
     except ValueError as exc:
         raise ApiError(422, "invalid_request", f"cursor: {exc}", param="cursor") from exc
-    return {"data": page, "next_cursor": next_cursor}
+    return {"data": [public(j) for j in page], "next_cursor": next_cursor}
 
 
 @router.get("/{job_id}", response_model=JobPublic, responses=documented(404))
 def get_job(job: JobDep) -> Any:
     """One job."""
-    return job
+    return public(job)
 
 
 @router.post("/{job_id}/cancel", response_model=JobPublic, responses=documented(404, 409))
@@ -120,7 +139,31 @@ def cancel_job(session: SessionDep, job: JobDep) -> Any:
         jobs.request_cancel(session, job=job)
     except jobs.IllegalTransition as exc:
         raise ApiError(409, "illegal_transition", str(exc), param="status") from exc
-    return job
+    return public(job)
+
+
+@router.post("/{job_id}/resume", response_model=JobPublic, responses=documented(404, 409))
+def resume_job(session: SessionDep, settings: SettingsDep, job: JobDep) -> Any:
+    """Resume a cancelled, failed or interrupted job: queued again, from its latest checkpoint."""
+    try:
+        jobs.resume(session, job=job)
+    except jobs.IllegalTransition as exc:
+        raise ApiError(409, "illegal_transition", str(exc), param="status") from exc
+    send(session, settings, job.id)
+    return public(job)
+
+
+@router.delete("/{job_id}", status_code=204, response_class=Response, responses=documented(404, 409))
+def delete_job(session: SessionDep, job: JobDep) -> Response:
+    """Delete a finished or interrupted job with its events, checkpoints and files."""
+    folder = Path(job.output_dir)
+    try:
+        jobs.delete_job(session, job=job)
+    except jobs.IllegalTransition as exc:
+        raise ApiError(409, "illegal_transition", str(exc), param="status") from exc
+    if folder.name == job.id:  # the folder the API made for it (runs/<id>), nothing else
+        disk.remove_folder(folder)
+    return Response(status_code=204)
 
 
 @router.get("/{job_id}/events", response_model=EventsPublic, responses=documented(404))

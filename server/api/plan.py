@@ -1,4 +1,4 @@
-"""``/api/plan``: will a job fit on the workers' GPUs, and how long will it take (before starting it)."""
+"""``/api/plan``: will a job fit on the workers' GPUs (or CPU), and how long will it take?"""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from server.errors import ApiError, documented
 from server.schemas import PlanPublic, PlanRequest
 from server.services import datasets, jobs, models, plans
 from server.settings import Settings
+from server.tables import Dataset
 
 router = APIRouter(
     prefix="/api", tags=["plan"], dependencies=[Depends(current_key)], responses=documented(401, 422)
@@ -37,13 +38,28 @@ def _config_of(name: str, settings: Settings) -> dict[str, Any]:
     return dict(json.loads((found.path / "config.json").read_text()))
 
 
-def _num_sequences(session: Session, dataset_id: str | None) -> int | None:
+def _dataset(session: Session, dataset_id: str | None) -> Dataset | None:
     if dataset_id is None:
         return None
     dataset = datasets.get_dataset(session, dataset_id=dataset_id)
     if dataset is None:
         raise ApiError(404, "not_found", f"no dataset {dataset_id!r}", param="dataset_id")
-    return int(dataset.rows)
+    return dataset
+
+
+def _token_lengths(dataset: Dataset | None, body: PlanRequest, settings: Settings) -> list[int] | None:
+    """The training rows' token counts through the base model's tokenizer; None without a
+    dataset, for a plan of a bare config.json, or before the model's folder is ready (the demo
+    before its preparation): the plan then assumes every sequence is ``max_length`` long."""
+    if dataset is None or body.config is not None:
+        return None
+    folder = models.usable_folder(body.base_model or "demo", settings.models_dir, settings.hf_cache_dir)
+    if folder is None:
+        return None
+    try:
+        return plans.token_lengths(dataset, tokenizer_folder=folder) or None
+    except (OSError, ValueError, KeyError, TypeError):  # an unreadable tokenizer or file: no counts
+        return None
 
 
 def _calibrated(session: Session, settings: Settings, job_id: str, hardware: Hardware) -> Hardware:
@@ -56,7 +72,7 @@ def _calibrated(session: Session, settings: Settings, job_id: str, hardware: Har
         raise ApiError(
             409, "not_measured", f"job {job_id!r} has no throughput measured yet", param="calibrate_job_id"
         )
-    past = Workload.from_train_config(TrainConfig.model_validate(job.config))
+    past = Workload.from_train_config(TrainConfig.model_validate(job.config), on_gpu=hardware.device != "cpu")
     model_config = _config_of(job.base_model, settings)
     try:
         predicted = plan_job(model_config, hardware, past).tokens_per_s
@@ -76,14 +92,19 @@ def plan(session: SessionDep, settings: SettingsDep, body: PlanRequest) -> dict[
     except ConfigError as exc:
         where = f"config.{exc.field}" if body.config is not None else "base_model"
         raise ApiError(422, "invalid_config", str(exc), param=where) from exc
-    rows = _num_sequences(session, body.dataset_id)
+    dataset = _dataset(session, body.dataset_id)
+    given = body.hardware.model_dump(exclude_none=True)
+    hardware = plans.hardware(session, given=given, stale_after=settings.telemetry_seconds * 5)
     try:
-        workload = plans.workload(request=body.model_dump(), num_sequences=rows)
+        workload = plans.workload(
+            request=body.model_dump(),
+            num_sequences=int(dataset.rows) if dataset is not None else None,
+            on_gpu=hardware.device != "cpu",
+            token_lengths=_token_lengths(dataset, body, settings),
+        )
     except ValueError as exc:
         field = exc.field if isinstance(exc, ConfigError) else None
         raise ApiError(422, "invalid_config", str(exc), param=field) from exc
-    given = body.hardware.model_dump(exclude_none=True)
-    hardware = plans.hardware(session, given=given, stale_after=settings.telemetry_seconds * 5)
     if body.calibrate_job_id:
         hardware = _calibrated(session, settings, body.calibrate_job_id, hardware)
     try:

@@ -6,11 +6,13 @@ import contextlib
 import fcntl
 import hashlib
 import io
+import json
 import os
 import shutil
 import tarfile
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -77,11 +79,17 @@ def _building_lock(target: Path) -> Iterator[None]:
         yield
 
 
-def build_archive(folder: Path, target: Path) -> Path:
-    """Write ``target`` (.tar): the export's files plus ``MANIFEST.sha256`` listing their sums.
+def build_archive(
+    folder: Path, target: Path, *, readme: str | None = None, replace: dict[str, bytes] | None = None
+) -> Path:
+    """Write ``target`` (.tar): one top folder named like it, holding the export's files (with
+    their own modification times), ``README.md`` when given (in place of the export's own), and
+    ``MANIFEST.sha256`` listing the sums of all of them (``sha256sum -c MANIFEST.sha256`` inside
+    the folder checks them).
 
-    Built once (parallel first requests wait for the one build) under a unique temporary name
-    next to it and renamed into place, so a download never sees half a file.
+    ``replace`` gives new bytes for some of the export's files (by relative path). Built once
+    (parallel first requests wait for the one build) under a unique temporary name next to it and
+    renamed into place, so a download never sees half a file.
     """
     if target.is_file():
         return target
@@ -89,40 +97,149 @@ def build_archive(folder: Path, target: Path) -> Path:
     with _building_lock(target):
         if target.is_file():
             return target
-        files = export_files(folder)
-        manifest = "".join(f"{_sha256(p)}  {p.relative_to(folder).as_posix()}\n" for p in files).encode()
-        fd, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-        try:
-            with os.fdopen(fd, "wb") as out, tarfile.open(fileobj=out, mode="w") as tar:
-                info = tarfile.TarInfo(MANIFEST)
-                info.size = len(manifest)
-                info.mode = 0o644
-                tar.addfile(info, io.BytesIO(manifest))
-                for p in files:
-                    tar.add(p, arcname=p.relative_to(folder).as_posix(), recursive=False)
-            os.chmod(name, 0o644)  # mkstemp's 0600 otherwise
-            os.replace(name, target)
-        finally:
-            Path(name).unlink(missing_ok=True)
+        _write_archive(folder, target, readme=readme, replace=replace or {})
     return target
 
 
-def merged_folder(checkpoint: Checkpoint, *, base: Path, exports: Path) -> Path:
-    """The adapter of ``checkpoint`` merged into its base model (built once, then reused)."""
+def _write_archive(folder: Path, target: Path, *, readme: str | None, replace: dict[str, bytes]) -> None:
+    top = target.name.removesuffix(".tar")
+    made = time.time()
+    if readme is not None:  # in place of the model card peft writes
+        replace = replace | {"README.md": readme.encode()}
+    members: list[tuple[str, Path | bytes]] = [
+        (rel, replace.get(rel, p)) for p in export_files(folder) for rel in [p.relative_to(folder).as_posix()]
+    ]
+    members += [(rel, data) for rel, data in replace.items() if rel not in dict(members)]
+    sums = [(rel, _digest(data)) for rel, data in members]
+    manifest = "".join(f"{digest}  {rel}\n" for rel, digest in sums).encode()
+
+    def add_bytes(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+        info = tarfile.TarInfo(f"{top}/{name}")
+        info.size, info.mode, info.mtime = len(data), 0o644, made
+        tar.addfile(info, io.BytesIO(data))
+
+    fd, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as out, tarfile.open(fileobj=out, mode="w") as tar:
+            info = tarfile.TarInfo(top)
+            info.type, info.mode, info.mtime = tarfile.DIRTYPE, 0o755, made
+            tar.addfile(info)
+            add_bytes(tar, MANIFEST, manifest)
+            for rel, data in members:
+                if isinstance(data, bytes):
+                    add_bytes(tar, rel, data)
+                else:
+                    tar.add(data, arcname=f"{top}/{rel}", recursive=False)
+        os.chmod(name, 0o644)  # mkstemp's 0600 otherwise
+        os.replace(name, target)
+    finally:
+        Path(name).unlink(missing_ok=True)
+
+
+def _digest(data: Path | bytes) -> str:
+    return hashlib.sha256(data).hexdigest() if isinstance(data, bytes) else _sha256(data)
+
+
+def merged_archive(
+    checkpoint: Checkpoint, *, base: Path, target: Path, readme: str, replace: dict[str, bytes] | None = None
+) -> Path:
+    """The adapter of ``checkpoint`` merged into its base model, as ``target`` (.tar): merged once
+    per checkpoint, archived, and the merged folder removed, so only the archive stays on disk
+    (until :func:`clear_merged`)."""
     from engine.model.export import merge_adapter
 
-    out = exports / f"step_{checkpoint.step:06d}-merged"
-    if (out / "config.json").is_file():
-        return out
-    exports.mkdir(parents=True, exist_ok=True)
-    with _building_lock(out):
-        if (out / "config.json").is_file():
-            return out
-        work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=exports))
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _building_lock(target):
+        if target.is_file():
+            return target
+        work = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
         try:
             merge_adapter(checkpoint.path, base, work / "model")
-            shutil.rmtree(out, ignore_errors=True)  # a folder without config.json is no build; free the name
-            (work / "model").rename(out)
+            _write_archive(work / "model", target, readme=readme, replace=replace or {})
         finally:
             shutil.rmtree(work, ignore_errors=True)
-    return out
+    return target
+
+
+def clear_merged(target: Path, *, leftovers: tuple[Path, ...] = ()) -> int:
+    """Remove a merged build: its archive, and ``leftovers`` (the merged folders older versions
+    kept); the bytes freed. The next merged download builds it again."""
+    with _building_lock(target):
+        freed = 0
+        if target.is_file():
+            freed += target.stat().st_size
+            target.unlink()
+        for folder in leftovers:
+            if folder.is_dir():
+                freed += sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+                shutil.rmtree(folder, ignore_errors=True)
+        return freed
+
+
+def adapter_config(folder: Path, *, base_name: str) -> dict[str, bytes]:
+    """``adapter_config.json`` with ``base_model_name_or_path`` set to ``base_name`` when it
+    records something else (exports made before the real name was recorded: "demo", a path);
+    nothing to replace otherwise. For :func:`build_archive`'s ``replace``."""
+    path = folder / "adapter_config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(config, dict) or config.get("base_model_name_or_path") == base_name:
+        return {}
+    config["base_model_name_or_path"] = base_name
+    return {"adapter_config.json": (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()}
+
+
+def readme(*, kind: str, base_name: str, top: str, step: int, job_name: str) -> str:
+    """The README.md of a download: what it is and how to load it."""
+    title = f"# {top}\n\nStep {step} of the Roundhouse fine-tune {job_name!r}, base model `{base_name}`.\n"
+    check = "Check the files: `sha256sum -c MANIFEST.sha256` in this folder.\n"
+    if kind == "adapter":
+        return f"""{title}
+This is a LoRA adapter (PEFT): `adapter_config.json` records the base model as
+`{base_name}`, which `peft` loads by that name (from the Hugging Face Hub, or your local cache).
+
+```python
+from peft import AutoPeftModelForCausalLM
+from transformers import AutoTokenizer
+
+model = AutoPeftModelForCausalLM.from_pretrained("{top}")
+tokenizer = AutoTokenizer.from_pretrained("{top}")  # with the chat template used in training
+```
+
+With the base model in a local folder instead:
+
+```python
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+
+base = AutoModelForCausalLM.from_pretrained("path/to/{base_name.split("/")[-1]}")
+model = PeftModel.from_pretrained(base, "{top}")
+model = model.merge_and_unload()  # optional: a plain model, no peft at inference
+```
+
+{check}"""
+    what = (
+        f"This is the LoRA adapter merged into `{base_name}`: a full model folder"
+        if kind == "merged"
+        else f"This is a full fine-tune of `{base_name}`: a model folder"
+    )
+    return f"""{title}
+{what} (fp32 weights, tokenizer and chat template included). It needs no `peft`.
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+model = AutoModelForCausalLM.from_pretrained("{top}")
+tokenizer = AutoTokenizer.from_pretrained("{top}")
+messages = [{{"role": "user", "content": "Hello"}}]
+inputs = tokenizer.apply_chat_template(
+    messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+)
+print(tokenizer.decode(model.generate(**inputs, max_new_tokens=64)[0]))
+```
+
+{check}"""

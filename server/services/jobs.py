@@ -8,11 +8,12 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import and_, func, or_, select, update
+from sqlalchemy import and_, delete, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from engine.config import TrainConfig
 from server.kinds import METRIC_KINDS, EventKind, JobStatus
+from server.services import checkpoints
 from server.tables import Job, JobEvent, now
 
 # validating -> queued -> running -> succeeded | failed | cancelled, plus cancelling and
@@ -36,11 +37,15 @@ TRANSITIONS: dict[JobStatus, set[JobStatus]] = {
 TERMINAL = frozenset({JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED})
 STATUSES = tuple(TRANSITIONS)
 HELD = (JobStatus.RUNNING, JobStatus.CANCELLING)  # a worker holds the job (and renews its lease)
+# what a person may do with a job no worker holds: resume it (the one way out of a final state:
+# back to queued, from its latest checkpoint), or delete it with its files
+RESUMABLE = (JobStatus.CANCELLED, JobStatus.FAILED, JobStatus.INTERRUPTED)
+DELETABLE = (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED, JobStatus.INTERRUPTED)
 
 
 class IllegalTransition(Exception):
-    def __init__(self, job: Job, to: str) -> None:
-        super().__init__(f"job {job.id} is {job.status}: it cannot become {to}")
+    def __init__(self, job: Job, to: str, message: str | None = None) -> None:
+        super().__init__(message or f"job {job.id} is {job.status}: it cannot become {to}")
         self.job, self.to = job, to
 
 
@@ -118,6 +123,7 @@ def create_job(
     name: str | None,
     base_model: str,
     dataset_id: str,
+    dataset_name: str,
     validation_dataset_id: str | None,
     config: TrainConfig,
 ) -> Job:
@@ -125,7 +131,7 @@ def create_job(
     the caller sends its message next, or calls ``send_failed`` (the reconcile sends it later)."""
     job = Job(
         id=ident,
-        name=name or f"{base_model} on {dataset_id[:8]}",
+        name=name or default_name(session, base_model=base_model, dataset_name=dataset_name),
         status=JobStatus.VALIDATING,
         base_model=base_model,
         dataset_id=dataset_id,
@@ -148,6 +154,17 @@ def create_job(
     transition(session, job=job, to=JobStatus.QUEUED, message="config and data valid", commit=False)
     session.commit()
     return job
+
+
+def default_name(session: Session, *, base_model: str, dataset_name: str) -> str:
+    """A job's name when none is given: "<model> on <dataset> HH:MM" (UTC), with the seconds
+    when a job of that name exists already."""
+    model = base_model.rstrip("/").rsplit("/", 1)[-1][:100]
+    stamp = now()
+    name = f"{model} on {dataset_name[:100]} {stamp:%H:%M}"
+    if session.scalar(select(Job.id).where(Job.name == name).limit(1)) is not None:
+        name = f"{model} on {dataset_name[:100]} {stamp:%H:%M:%S}"
+    return name
 
 
 def get_job(session: Session, *, job_id: str) -> Job | None:
@@ -192,6 +209,78 @@ def request_cancel(session: Session, *, job: Job) -> None:
         transition(session, job=job, to=JobStatus.CANCELLED, message="cancelled before it ran")
     else:
         transition(session, job=job, to=JobStatus.CANCELLING, message="cancel requested")
+
+
+def resume(session: Session, *, job: Job) -> None:
+    """Queue a cancelled, failed or interrupted job again: the worker that claims it resumes from
+    its latest checkpoint. Its error, finish time and restart count are cleared; its message
+    counts as sent (the caller sends it, or calls ``send_failed``).
+
+    Raises:
+        IllegalTransition: the job is not resumable (naming its status).
+    """
+    previous = job.status
+    if previous not in RESUMABLE:
+        message = f"job {job.id} is {previous}: only a cancelled, failed or interrupted job can be resumed"
+        raise IllegalTransition(job, JobStatus.QUEUED, message)
+    taken = session.execute(
+        update(Job)
+        .where(Job.id == job.id, Job.status == previous)
+        .values(
+            status=JobStatus.QUEUED,
+            error=None,
+            finished_at=None,
+            worker_id=None,
+            lease_until=None,
+            retries=0,
+            sent_at=now(),
+            sends=Job.sends + 1,
+        )
+    )
+    if taken.rowcount != 1:  # type: ignore[attr-defined]  # claimed, resumed or deleted meanwhile
+        session.rollback()
+        now_status = status_of(session, job_id=job.id) or "deleted"
+        raise IllegalTransition(job, JobStatus.QUEUED, f"job {job.id} is {now_status}: it cannot be resumed")
+    saved = checkpoints.list_for(session, job_id=job.id)
+    start = f"the checkpoint at step {saved[-1].step}" if saved else "the start (no checkpoint yet)"
+    add_event(
+        session,
+        job_id=job.id,
+        kind=EventKind.STATE,
+        message=f"{previous} -> queued: resumed, it continues from {start}",
+        data={"from": previous, "to": JobStatus.QUEUED, "resumed": True},
+        commit=False,
+    )
+    session.commit()
+    session.refresh(job)
+
+
+def delete_job(session: Session, *, job: Job) -> None:
+    """Delete a finished or interrupted job's rows (its events and checkpoints go with it: the
+    foreign keys cascade). The caller removes its folder.
+
+    Raises:
+        IllegalTransition: a worker holds the job or it waits for one: cancel it first.
+    """
+
+    def refused(status: str) -> IllegalTransition:
+        wait = "wait until it is cancelled" if status == JobStatus.CANCELLING else "cancel it first"
+        message = (
+            f"job {job.id} is {status}: {wait}; only a succeeded, failed, cancelled or interrupted"
+            " job can be deleted"
+        )
+        return IllegalTransition(job, "deleted", message)
+
+    if job.status not in DELETABLE:
+        raise refused(job.status)
+    gone = session.execute(delete(Job).where(Job.id == job.id, Job.status.in_(DELETABLE)))
+    if gone.rowcount != 1:  # type: ignore[attr-defined]  # claimed, resumed or deleted meanwhile
+        session.rollback()
+        now_status = status_of(session, job_id=job.id)
+        if now_status is not None:
+            raise refused(now_status)
+    session.commit()
+    session.expunge(job)
 
 
 def events(session: Session, *, job_id: str, after: int, limit: int) -> list[JobEvent]:

@@ -1,7 +1,11 @@
-"""Plans: a job request as the planner's workload, and the hardware the workers report."""
+"""Plans: a job request as the planner's workload, the training data's token counts, and the
+hardware the workers report."""
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -9,16 +13,56 @@ from sqlalchemy.orm import Session
 
 from engine.planner import Hardware, Workload
 from server.services import gpus, jobs
+from server.tables import Dataset
 
 NOT_READ = "(not read: planning only)"  # the training file and output folder a plan never touches
+TOKEN_COUNT_ROWS = 20_000  # rows a plan tokenizes (the first ones): their lengths stand for all
+_CACHE_SIZE = 16  # datasets x tokenizers whose counts are kept
+_TOKENIZERS = 4  # tokenizers kept loaded
+_lengths: dict[tuple[str, str, str], list[int]] = {}
+_tokenizers: dict[str, Any] = {}
+_lock = threading.Lock()  # one tokenizer load and one count at a time (transformers' first import)
 
 
-def workload(*, request: dict[str, Any], num_sequences: int | None) -> Workload:
+def token_lengths(dataset: Dataset, *, tokenizer_folder: Path) -> list[int]:
+    """Each of the dataset's first ``TOKEN_COUNT_ROWS`` rows' tokens as the run encodes them with
+    this tokenizer (chat template included, before truncation); counted once per dataset file and
+    tokenizer, then remembered by this process."""
+    from engine.data.encode import encode
+    from engine.model.loading import load_tokenizer
+    from server.services.datasets import first_examples
+
+    key = (dataset.id, dataset.sha256, str(tokenizer_folder))
+    with _lock:
+        if key in _lengths:
+            return _lengths[key]
+        tokenizer = _tokenizers.get(str(tokenizer_folder))
+        if tokenizer is None:
+            while len(_tokenizers) >= _TOKENIZERS:
+                _tokenizers.pop(next(iter(_tokenizers)))
+            tokenizer = _tokenizers[str(tokenizer_folder)] = load_tokenizer(tokenizer_folder)
+        big = 1 << 30  # no truncation: the planner cuts at the run's max_length
+        lengths = [encode(ex, tokenizer, big).length for ex in first_examples(dataset, TOKEN_COUNT_ROWS)]
+        while len(_lengths) >= _CACHE_SIZE:
+            _lengths.pop(next(iter(_lengths)))
+        _lengths[key] = lengths
+        return lengths
+
+
+def workload(
+    *,
+    request: dict[str, Any],
+    num_sequences: int | None,
+    on_gpu: bool = True,
+    token_lengths: Sequence[int] | None = None,
+) -> Workload:
     """The workload of a job request, through the TrainConfig ``POST /api/jobs`` would build.
 
     Args:
         request: the request's fields (``JobBase`` and ``base_model``), as a dict.
         num_sequences: the training dataset's rows, when one is named (steps from ``hyper.epochs``).
+        on_gpu: plan GPU workers (``compute_dtype: auto`` is bfloat16) or a CPU host (float32).
+        token_lengths: the training rows' token counts (``token_lengths``), when known.
 
     Raises:
         ValueError: an invalid section; a ``ConfigError`` whose ``field`` is the dotted field name.
@@ -30,11 +74,16 @@ def workload(*, request: dict[str, Any], num_sequences: int | None) -> Workload:
         validation_path=None,
         output_dir=Path(NOT_READ),
     )
-    return Workload.from_train_config(config, num_sequences=num_sequences)
+    return Workload.from_train_config(
+        config, on_gpu=on_gpu, num_sequences=num_sequences, token_lengths=token_lengths
+    )
 
 
 def hardware(session: Session, *, given: dict[str, Any], stale_after: float) -> Hardware:
     """The given hardware; what it leaves out is read off the workers' telemetry when one has GPUs.
+
+    When workers are online and none reports a GPU, and the caller names no GPUs, the box is a CPU
+    host (``Hardware.cpu_host``): one CPU worker, as ``devices: "auto"`` runs there.
 
     Args:
         given: ``Hardware`` fields the caller set (GPU count and memory, rate, link, host RAM).
@@ -56,4 +105,14 @@ def hardware(session: Session, *, given: dict[str, Any], stale_after: float) -> 
     if hosts and "host_ram_gb" not in fields and hosts[0]["cpu"].get("memory_total"):
         fields["host_ram_gb"] = hosts[0]["cpu"]["memory_total"] / 1e9
         detected.append("host RAM")
+    gpu_named = {"num_gpus", "gpu_memory_gb"} & set(given)
+    if hosts and not with_gpus and not gpu_named:
+        cpu = hosts[0]["cpu"]
+        cores = int(cpu.get("cores") or 1)
+        detected.append("no GPU")
+        if cpu.get("cores"):
+            detected.append("CPU cores")
+        base = Hardware.cpu_host(cores=cores, ram_gb=fields.get("host_ram_gb"), detected=tuple(detected))
+        rates = {k: v for k, v in fields.items() if k in ("gpu_tflops", "efficiency", "link_gb_s")}
+        return replace(base, **rates)
     return Hardware(**fields, detected=tuple(detected))

@@ -1,4 +1,4 @@
-"""The worker's Celery app and its one task. ``roundhouse worker`` starts it.
+"""The worker's Celery app and its tasks (a job, an evaluation). ``roundhouse worker`` starts it.
 
 Concurrency 1 and prefetch 1 (the worker owns every GPU of its host), ``acks_late`` with
 ``reject_on_worker_lost``. The task is a thin adapter around ``supervisor.supervise``.
@@ -15,7 +15,7 @@ from celery import Celery, signals
 from sqlalchemy.orm import Session, sessionmaker
 
 from server.db import make_engine, session_factory
-from server.queue import TASK, make_celery
+from server.queue import EVALUATE, TASK, make_celery
 from server.settings import get_settings
 
 log = logging.getLogger("roundhouse.worker")
@@ -41,6 +41,27 @@ def run_job(self: Any, job_id: str) -> str:
     outcome = supervise(settings, sessions(), job_id=job_id, worker_id=str(self.request.hostname))
     log.info("job %s: %s", job_id, outcome)
     return outcome
+
+
+@app.task(name=EVALUATE, bind=True, acks_late=True, reject_on_worker_lost=True, ignore_result=True)
+def run_evaluation(self: Any, evaluation_id: str) -> str:
+    """Evaluate one checkpoint (by evaluation id) and record the result."""
+    from server.worker.evaluator import supervise_evaluation
+
+    worker_id = str(self.request.hostname)
+    outcome = supervise_evaluation(settings, sessions(), evaluation_id=evaluation_id, worker_id=worker_id)
+    log.info("evaluation %s: %s", evaluation_id, outcome)
+    return outcome
+
+
+@signals.worker_ready.connect
+def _resume_evaluations(sender: Any = None, **_: Any) -> None:
+    from server.worker.evaluator import resume
+
+    try:
+        resume(settings, sessions(), worker_id=str(getattr(sender, "hostname", "worker")))
+    except Exception:  # the database or the broker is not there yet: queued ones wait for the next start
+        log.exception("could not resume the queued evaluations")
 
 
 @signals.worker_ready.connect

@@ -56,9 +56,14 @@ def adapter_checkpoint(client: TestClient, settings: Settings) -> tuple[str, int
 
 
 def verified(archive: bytes) -> dict[str, str]:
-    """The manifest of a downloaded archive, after checking every file against it."""
+    """The manifest of a downloaded archive, after checking every file against it (paths inside
+    its one top folder, which every member lies in, each with a real modification time)."""
     with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
-        members = {m.name: tar.extractfile(m) for m in tar.getmembers() if m.isfile()}
+        every = tar.getmembers()
+        tops = {m.name.split("/", 1)[0] for m in every}
+        assert len(tops) == 1 and every[0].isdir(), sorted(m.name for m in every)
+        assert all(m.mtime > 0 for m in every)
+        members = {m.name.split("/", 1)[1]: tar.extractfile(m) for m in every if m.isfile()}
         files = {name: f.read() for name, f in members.items() if f is not None}
     manifest = {}
     for line in files.pop("MANIFEST.sha256").decode().splitlines():

@@ -27,6 +27,8 @@ def test_serve_with_worker_prints_a_login_url_and_runs_a_job(tmp_path: Path, pro
         found = serve.wait_for_line(LOGIN_LINE, timeout=60)
         assert found is not None, serve.log.read_text()
         url = found.group(1)  # a one-time login link: the client goes on with its session cookie
+        before = serve.log.read_text().split("Open: ", 1)[0]  # the link comes last, boxed
+        assert " ready." in before and before.endswith("+\n|  Roundhouse is up. "), serve.tail(3000)
         serve.wait_for_http(f"http://127.0.0.1:{port}/api/health", timeout=60)
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
             r = client.get(url, follow_redirects=False)

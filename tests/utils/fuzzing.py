@@ -49,6 +49,9 @@ STREAM_CUT_S = 1.0
 ANSWER_S = 30.0
 # the operations whose body names a dataset or a job (filled with existing ids in one variant)
 BODY_IDS = frozenset({"POST /api/jobs", "POST /api/plan"})
+# the operations that change what a job is (delete it, queue it again) get a job of their own, so
+# the job the other operations share stays there, cancelled (its stream ends)
+OWN_JOB = ("DELETE /api/jobs/{job_id}", "POST /api/jobs/{job_id}/resume")
 CHAT = b"".join(
     b'{"messages": [{"role": "user", "content": "How many %d?"}, {"role": "assistant", "content": "%d"}]}\n'
     % (i, i)
@@ -83,8 +86,9 @@ class Outcome:
 
 
 def existing_rows(client: requests.Session, key: str) -> dict[str, str]:
-    """A dataset in use by a cancelled job (so its stream ends), and that job: ids that exist. The
-    app's models folder has the tiny test model as ``tiny``."""
+    """A dataset in use by cancelled jobs (so their streams end), and those jobs: ids that exist,
+    the job of every operation and one of its own for each of ``OWN_JOB``. The app's models
+    folder has the tiny test model as ``tiny``."""
     auth = {"Authorization": f"Bearer {key}"}
     r = client.post(
         "/api/datasets", files={"file": ("train.jsonl", CHAT)}, data={"name": "fuzz"}, headers=auth
@@ -92,11 +96,13 @@ def existing_rows(client: requests.Session, key: str) -> dict[str, str]:
     assert r.status_code == 201, r.text
     dataset = r.json()["id"]
     body = {"base_model": "tiny", "dataset_id": dataset, "hyper": {"max_steps": 2, "batch_size": 4}}
-    r = client.post("/api/jobs", json=body, headers=auth)
-    assert r.status_code == 201, r.text
-    job = r.json()["id"]
-    assert client.post(f"/api/jobs/{job}/cancel", headers=auth).status_code == 200
-    return {"dataset_id": dataset, "job_id": job}
+    ids = {"dataset_id": dataset}
+    for name in ("job_id", *OWN_JOB):
+        r = client.post("/api/jobs", json=body, headers=auth)
+        assert r.status_code == 201, r.text
+        ids[name] = r.json()["id"]
+        assert client.post(f"/api/jobs/{ids[name]}/cancel", headers=auth).status_code == 200
+    return ids
 
 
 def _with_ids(ids: dict[str, str]) -> Callable[[Case], Case]:
@@ -137,6 +143,8 @@ def fuzz(app: Any, key: str, *, examples: int, seed_value: int | None = None) ->
     for result in schema.get_all_operations():
         operation = result.ok()
         path_ids = {p: ids[p] for p in ("job_id", "dataset_id") if f"{{{p}}}" in operation.path}
+        if operation.label in OWN_JOB:
+            path_ids["job_id"] = ids[operation.label]
         stream = operation.path.endswith("/stream")
         kinds = ("generated", "existing") if path_ids or operation.label in BODY_IDS else ("generated",)
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):

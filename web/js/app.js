@@ -8,12 +8,14 @@ import * as gpus from "./pages/gpus.js";
 import * as job from "./pages/job.js";
 import * as jobs from "./pages/jobs.js";
 import * as newJob from "./pages/new-job.js";
+import * as playground from "./pages/playground.js";
 
 const ROUTES = [
   [/^#\/jobs\/new$/, newJob, "new"],
   [/^#\/jobs\/([0-9a-f]+)$/, job, "jobs"],
   [/^#\/datasets$/, datasets, "datasets"],
   [/^#\/gpus$/, gpus, "gpus"],
+  [/^#\/playground(?:\/([0-9a-f]+))?$/, playground, "playground"],
   [/^(#\/jobs)?$/, jobs, "jobs"],
 ];
 

@@ -1,10 +1,15 @@
-// Job: status, progress and ETA, loss (train and validation), throughput, learning rate, bubble
-// ratio, per-GPU utilization over the job's life, the event log, checkpoints, cancel. Everything
-// is rebuilt from the job's event stream, which replays the stored events and then goes live.
+// Job: status, progress and ETA, times (created, started, finished, duration), disk use, loss (train
+// and validation), throughput, learning rate, bubble ratio, per-GPU utilization and memory over the
+// job's life, the event log, checkpoints, cancel, resume and delete. Everything is rebuilt from the
+// job's event stream, which replays the stored events and then goes live (again after a resume).
 
 import { api, downloadUrl, stream } from "../api.js";
 import { EVENT_KINDS, isActive } from "../kinds.js";
-import { age, duration, el, errorBox, number, showStatus } from "../widgets.js";
+import { mountEvaluations } from "./evaluations.js";
+import { age, bytes, clock, duration, el, errorBox, number, showStatus } from "../widgets.js";
+
+const RESUMABLE = ["cancelled", "failed", "interrupted"];
+const DELETABLE = ["succeeded", "failed", "cancelled", "interrupted"];
 
 export async function render(main, jobId) {
   let job = await api(`/jobs/${jobId}`);
@@ -16,12 +21,26 @@ export async function render(main, jobId) {
   const lrText = el("span", { id: "learning-rate", text: "–" });
   const bubble = el("span", { id: "bubble-ratio", text: "–" });
   const gradNorm = el("span", { id: "grad-norm", text: "–" });
-  const lossChart = el("rh-line-chart", { id: "loss-chart", label: "loss", empty: "no loss logged yet" });
-  const speedChart = el("rh-line-chart", { id: "speed-chart", label: "tokens per second", zero: true });
+  const lossChart = el("rh-line-chart", {
+    id: "loss-chart",
+    label: "loss",
+    xlabel: "step",
+    ylabel: "loss",
+    empty: "no loss logged yet",
+  });
+  const speedChart = el("rh-line-chart", {
+    id: "speed-chart",
+    label: "tokens per second",
+    xlabel: "step",
+    ylabel: "tokens/s",
+    zero: true,
+  });
   const gpuChart = el("rh-line-chart", {
     id: "gpu-chart",
     label: "device utilization (%)",
-    xlabel: "sample",
+    xlabel: "time since the run started",
+    ylabel: "utilization (%)",
+    xtime: true,
     zero: true,
     ymax: 100,
     empty: "no utilization sample yet",
@@ -29,19 +48,28 @@ export async function render(main, jobId) {
   const memoryChart = el("rh-line-chart", {
     id: "memory-chart",
     label: "device memory used (GB)",
-    xlabel: "sample",
+    xlabel: "time since the run started",
+    ylabel: "memory used (GB)",
+    xtime: true,
     zero: true,
     empty: "no memory sample yet",
   });
   const log = el("ol", { id: "event-log", class: "log" });
   const checkpoints = el("tbody");
   const cancel = el("button", { type: "button", id: "cancel-job", class: "danger", text: "Cancel job" });
+  const resume = el("button", { type: "button", id: "resume-job", text: "Resume" });
+  const remove = el("button", { type: "button", id: "delete-job", class: "danger", text: "Delete job" });
+  const created = el("span", { id: "job-created" });
+  const started = el("span", { id: "job-started" });
+  const finished = el("span", { id: "job-finished" });
+  const took = el("span", { id: "job-duration" });
+  const diskUse = el("span", { id: "job-disk" });
   const error = el("div", { id: "job-error" });
   const title = el("h1", { text: job.name });
 
   main.append(
     el("div", { class: "title-row" }, title, status),
-    el("p", { class: "muted small", text: `${job.base_model} · job ${job.id} · created ${age(job.created_at)}` }),
+    el("p", { class: "muted small" }, `${job.base_model} · job ${job.id} · `, created),
     el(
       "section",
       { class: "card" },
@@ -54,8 +82,23 @@ export async function render(main, jobId) {
         el("div", {}, el("dt", { text: "gradient norm" }), el("dd", {}, gradNorm)),
         el("div", {}, el("dt", { text: "pipeline bubble" }), el("dd", {}, bubble)),
       ),
+      el(
+        "dl",
+        { class: "stats", id: "job-times" },
+        el("div", {}, el("dt", { text: "started" }), el("dd", {}, started)),
+        el("div", {}, el("dt", { text: "finished" }), el("dd", {}, finished)),
+        el("div", {}, el("dt", { text: "duration" }), el("dd", {}, took)),
+        el("div", {}, el("dt", { text: "on disk" }), el("dd", {}, diskUse)),
+      ),
       error,
-      el("div", { class: "actions" }, cancel),
+      el(
+        "div",
+        { class: "actions" },
+        cancel,
+        resume,
+        remove,
+        el("a", { id: "try-in-playground", href: `#/playground/${jobId}`, text: "Try in the playground" }),
+      ),
     ),
     el(
       "div",
@@ -94,9 +137,27 @@ export async function render(main, jobId) {
   const series = { "loss/train": [], "loss/val": [], "throughput/tokens_per_s": [] };
   const devices = new Map();
   const memory = new Map();
-  let samples = 0;
+  let runStart = null; // when the run first started (ms): the x origin of the device charts
+  let firstSample = null;
+
+  // the figures that move with the clock: "created N s ago", a running job's duration
+  function showTimes() {
+    created.textContent = `created ${age(job.created_at)}`;
+    created.title = job.created_at;
+    started.textContent = clock(job.started_at);
+    started.title = job.started_at || "";
+    finished.textContent = clock(job.finished_at);
+    finished.title = job.finished_at || "";
+    const begin = job.started_at ? Date.parse(job.started_at) : null;
+    const end = job.finished_at ? Date.parse(job.finished_at) : isActive(job.status) ? Date.now() : null;
+    took.textContent = begin !== null && end !== null ? duration((end - begin) / 1000) : "–";
+  }
 
   function showJob() {
+    showTimes();
+    diskUse.textContent = bytes(job.disk_bytes);
+    resume.hidden = !RESUMABLE.includes(job.status);
+    remove.hidden = !DELETABLE.includes(job.status);
     showStatus(status, job.status);
     const total = job.total_steps || 0;
     progress.max = total || 1;
@@ -146,7 +207,9 @@ export async function render(main, jobId) {
 
   // a sample of the worker host's devices: the utilization and memory charts
   function telemetry(e) {
-    samples += 1;
+    const at = Date.parse(e.created_at);
+    if (firstSample === null) firstSample = at;
+    const x = (at - (runStart ?? firstSample)) / 1000;
     for (const [key, value] of Object.entries(e.data)) {
       const gpu = key.match(/^gpu\/(\d+)\/(utilization|memory_used)$/);
       const host = key.match(/^host\/(cpu_utilization|memory_used)$/);
@@ -155,7 +218,7 @@ export async function render(main, jobId) {
       const isMemory = (gpu ? gpu[2] : host[1]) === "memory_used";
       const target = isMemory ? memory : devices;
       if (!target.has(label)) target.set(label, []);
-      target.get(label).push([samples, isMemory ? value / 1e9 : value]);
+      target.get(label).push([x, isMemory ? value / 1e9 : value]);
     }
     schedule();
   }
@@ -174,7 +237,7 @@ export async function render(main, jobId) {
   }
 
   async function refreshCheckpoints() {
-    const { data } = await api(`/jobs/${jobId}/checkpoints`);
+    const { data } = await tracked(api(`/jobs/${jobId}/checkpoints`));
     checkpoints.replaceChildren(
       ...(data.length
         ? data.map((c) =>
@@ -203,6 +266,25 @@ export async function render(main, jobId) {
                       text: "Merged",
                     })
                   : null,
+                c.kind === "adapter"
+                  ? el("button", {
+                      type: "button",
+                      class: "button secondary clear-merged",
+                      title:
+                        "Delete the cached merged build from the server (the next merged download builds it again)",
+                      text: "Clear merged",
+                      onclick: async (ev) => {
+                        ev.target.disabled = true;
+                        try {
+                          await api(`/jobs/${jobId}/checkpoints/${c.step}/merged`, { method: "DELETE" });
+                          ev.target.textContent = "Cleared";
+                        } catch (err) {
+                          ev.target.disabled = false;
+                          error.replaceChildren(errorBox(err));
+                        }
+                      },
+                    })
+                  : null,
               ),
             ),
           )
@@ -210,8 +292,19 @@ export async function render(main, jobId) {
     );
   }
 
+  // the page's own requests in flight: a delete waits for them (none may answer 404 after it)
+  const inflight = new Set();
+  function tracked(request) {
+    inflight.add(request);
+    request.then(
+      () => inflight.delete(request),
+      () => inflight.delete(request),
+    );
+    return request;
+  }
+
   async function refreshJob() {
-    job = await api(`/jobs/${jobId}`);
+    job = await tracked(api(`/jobs/${jobId}`));
     showJob();
   }
 
@@ -227,14 +320,44 @@ export async function render(main, jobId) {
     }
   });
 
+  resume.addEventListener("click", async () => {
+    resume.disabled = true;
+    try {
+      job = await api(`/jobs/${jobId}/resume`, { method: "POST" });
+      showJob();
+      follow(); // the stream ended with the old final state: follow the new run
+    } catch (err) {
+      error.replaceChildren(errorBox(err));
+    } finally {
+      resume.disabled = false;
+    }
+  });
+
+  remove.addEventListener("click", async () => {
+    if (!confirm(`Delete job ${job.name} with its checkpoints and files?`)) return;
+    remove.disabled = true;
+    es.close(); // no event, and no refresh it would start, after the job is gone
+    await Promise.allSettled([...inflight]);
+    try {
+      await api(`/jobs/${jobId}`, { method: "DELETE" });
+      location.hash = "#/jobs";
+    } catch (err) {
+      error.replaceChildren(errorBox(err));
+      remove.disabled = false;
+      follow();
+    }
+  });
+
   showJob();
   redraw();
   await refreshCheckpoints();
+  mountEvaluations(main, jobId); // the Evaluations card (evaluations.js)
   // every kind of kinds.js: the charts take theirs, the others are lines of the event log
   const consumers = {
     metrics,
     telemetry,
     state: (e) => {
+      if (e.data.to === "running" && runStart === null) runStart = Date.parse(e.created_at);
       logLine(e);
       refreshJob();
     },
@@ -243,15 +366,39 @@ export async function render(main, jobId) {
       refreshCheckpoints();
     },
   };
+  let lastId = 0; // the last event shown: a new stream (after a resume) continues from it
   const handlers = Object.fromEntries(
-    Object.entries(EVENT_KINDS).map(([kind, { chart }]) => [kind, consumers[kind] || (chart ? () => {} : logLine)]),
+    Object.entries(EVENT_KINDS).map(([kind, { chart }]) => {
+      const consume = consumers[kind] || (chart ? () => {} : logLine);
+      return [
+        kind,
+        (e) => {
+          if (e.id <= lastId) return;
+          lastId = e.id;
+          consume(e);
+        },
+      ];
+    }),
   );
-  const es = stream(`/jobs/${jobId}/stream`, {
-    ...handlers,
-    end: () => {
-      refreshJob();
-      refreshCheckpoints();
-    },
-  });
-  return () => es.close();
+  let es = null;
+  function follow() {
+    if (es) es.close();
+    es = stream(
+      `/jobs/${jobId}/stream`,
+      {
+        ...handlers,
+        end: () => {
+          refreshJob();
+          refreshCheckpoints();
+        },
+      },
+      { after: lastId || null },
+    );
+  }
+  follow();
+  const timer = setInterval(showTimes, 1000);
+  return () => {
+    clearInterval(timer);
+    es.close();
+  };
 }

@@ -1,8 +1,19 @@
-// Jobs: every job with its status, progress and age; filter by status. Refreshes every 3 s.
+// Jobs: every job with its status, progress, times and disk use, a Delete button for the finished
+// ones, and the disk use of all jobs; filter by status. Refreshes every 3 s.
 
 import { api } from "../api.js";
-import { STATUSES } from "../kinds.js";
-import { age, el, statusBadge } from "../widgets.js";
+import { STATUSES, isActive } from "../kinds.js";
+import { age, bytes, clock, duration, el, errorBox, statusBadge } from "../widgets.js";
+
+const DELETABLE = ["succeeded", "failed", "cancelled", "interrupted"];
+const COLUMNS = ["Name", "Status", "Progress", "Base model", "Created", "Started", "Finished", "Duration", "Disk", ""];
+
+// how long it ran: start to finish, or to now while it runs
+function ran(j) {
+  if (!j.started_at) return "–";
+  const end = j.finished_at ? Date.parse(j.finished_at) : isActive(j.status) ? Date.now() : null;
+  return end === null ? "–" : duration((end - Date.parse(j.started_at)) / 1000);
+}
 
 export async function render(main) {
   const filter = el(
@@ -13,15 +24,19 @@ export async function render(main) {
   );
   const body = el("tbody");
   const more = el("button", { type: "button", class: "secondary", hidden: true, text: "Show more" });
+  const diskTotal = el("span", { id: "disk-total", class: "muted small" });
+  const problem = el("div", { id: "jobs-error" });
   let cursor = null;
   main.append(
     el(
       "div",
       { class: "title-row" },
       el("h1", { text: "Jobs" }),
+      diskTotal,
       el("a", { class: "button", href: "#/jobs/new", text: "New job" }),
     ),
     el("div", { class: "toolbar" }, el("label", { for: "status-filter", text: "Status" }), filter),
+    problem,
     el(
       "div",
       { class: "table-wrap" },
@@ -34,7 +49,7 @@ export async function render(main) {
           el(
             "tr",
             {},
-            ["Name", "Status", "Progress", "Base model", "Created"].map((h) => el("th", { text: h })),
+            COLUMNS.map((h) => el("th", { text: h })),
           ),
         ),
         body,
@@ -57,8 +72,40 @@ export async function render(main) {
         el("span", { class: "muted small", text: total ? ` ${j.step}/${total}` : "" }),
       ),
       el("td", { text: j.base_model }),
-      el("td", { title: j.created_at, text: age(j.created_at) }),
+      el("td", { class: "created", title: j.created_at, text: age(j.created_at) }),
+      el("td", { class: "started", title: j.started_at || "", text: clock(j.started_at) }),
+      el("td", { class: "finished", title: j.finished_at || "", text: clock(j.finished_at) }),
+      el("td", { class: "duration", text: ran(j) }),
+      el("td", { class: "disk", text: bytes(j.disk_bytes) }),
+      el(
+        "td",
+        { class: "actions" },
+        DELETABLE.includes(j.status)
+          ? el("button", { type: "button", class: "danger delete-job", text: "Delete", onclick: () => remove(j) })
+          : null,
+      ),
     );
+  }
+
+  async function remove(j) {
+    if (!confirm(`Delete job ${j.name} with its checkpoints and files?`)) return;
+    try {
+      await api(`/jobs/${j.id}`, { method: "DELETE" });
+      problem.replaceChildren();
+    } catch (err) {
+      problem.replaceChildren(errorBox(err));
+    }
+    await load(false);
+    await showDisk(true);
+  }
+
+  // the total walks every job's folder (cached by the server): on load, after a delete, every 30 s
+  let diskAt = 0;
+  async function showDisk(force) {
+    if (!force && Date.now() - diskAt < 30_000) return;
+    diskAt = Date.now();
+    const d = await api("/disk");
+    diskTotal.textContent = `${bytes(d.jobs_bytes)} on disk in ${d.jobs} job${d.jobs === 1 ? "" : "s"} · ${bytes(d.free_bytes)} free`;
   }
 
   let latest = 0;
@@ -74,8 +121,15 @@ export async function render(main) {
       body.replaceChildren(
         ...(rows.length
           ? rows
-          : [el("tr", {}, el("td", { colspan: 5, class: "muted", text: "No jobs yet. Start one with New job." }))]),
+          : [
+              el(
+                "tr",
+                {},
+                el("td", { colspan: COLUMNS.length, class: "muted", text: "No jobs yet. Start one with New job." }),
+              ),
+            ]),
       );
+    showDisk(false).catch(() => {});
   }
 
   filter.addEventListener("change", () => load(false));

@@ -79,13 +79,42 @@ function modelPicker(models) {
   return [select, reasons];
 }
 
+// A name that marks a held-out set ("heldout", "held-out", "validation", "val", "dev", "test", "eval").
+const HELD_OUT = /(^|[^a-z])(held[-_ ]?out|valid(ation)?|val|dev|test|eval)([^a-z]|$)/i;
+
+const stem = (d) =>
+  d.name
+    .toLowerCase()
+    .replace(/\.(jsonl|csv|parquet)$/, "")
+    .replace(/(^|[^a-z])(train(ing)?|held[-_ ]?out|valid(ation)?|val|dev|test|eval)(?=[^a-z]|$)/g, "$1")
+    .replace(/[^a-z0-9]+/g, "");
+
+// The held-out set of a training dataset: one whose name marks it held out and is the same once
+// the markers are dropped ("inventory (train)" and "inventory (held-out)"); "" when none.
+export function heldOutFor(list, trainId) {
+  const train = list.find((d) => d.id === trainId);
+  const match = train && list.find((d) => d !== train && HELD_OUT.test(d.name) && stem(d) === stem(train));
+  return match ? match.id : "";
+}
+
+// The datasets to preselect: the newest one that is not a held-out set (else the newest), and its
+// held-out set as validation. The list comes newest first.
+export function suitableData(list) {
+  const train = list.find((d) => !HELD_OUT.test(d.name)) ?? list[0];
+  return train ? [train.id, heldOutFor(list, train.id)] : ["", ""];
+}
+
 export async function render(main) {
   const [models, datasets] = await Promise.all([api("/models"), api("/datasets")]);
   const [base, unsupported] = modelPicker(models.data);
-  const train = choice(datasets.data.map((d) => [d.id, `${d.name} (${d.rows} rows)`]));
+  const [trainPick, validationPick] = suitableData(datasets.data);
+  const train = choice(
+    datasets.data.map((d) => [d.id, `${d.name} (${d.rows} rows)`]),
+    trainPick,
+  );
   const validation = choice(
     [["", "none (hold out a fraction instead)"], ...datasets.data.map((d) => [d.id, d.name])],
-    "",
+    validationPick,
   );
   const heldOut = num(0, { min: 0, max: 0.5, step: 0.01 });
   const lora = el("input", { type: "radio", name: "method", value: "lora", id: "method-lora", checked: true });
@@ -208,13 +237,23 @@ export async function render(main) {
       const p = await api("/plan", { method: "POST", body: body() });
       if (ticket !== planTicket) return;
       const a = p.assumptions;
-      const gpus = a.detected.includes("GPU count")
-        ? "GPUs as the workers report them"
-        : "no worker has reported a GPU, so this assumes 2 GPUs of 24 GB (POST /api/plan takes others)";
+      const cpu = a.device === "cpu";
+      const gpus = cpu
+        ? "the workers report no GPU, so this plans one CPU worker (devices auto)"
+        : a.detected.includes("GPU count")
+          ? "GPUs as the workers report them"
+          : "no worker is online, so this assumes 2 GPUs of 24 GB (POST /api/plan takes others)";
       const hw = `${gpus}${a.detected.length ? `; read off the workers: ${a.detected.join(", ")}` : ""}`;
+      const rate = cpu
+        ? `${number(1000 * a.gpu_tflops)} GFLOP/s fp32 on the CPU (an assumed rate per core, measured on a 2-core host)`
+        : `${number(a.gpu_tflops)} TFLOPS per GPU at ${number(100 * a.efficiency)}% efficiency, ${number(a.link_gb_s)} GB/s host link`;
+      const perSeq = a.tokens_from_data
+        ? `${number(a.tokens_per_sequence)} tokens per sequence, from the dataset's token counts`
+        : "every sequence max_length tokens long (pick a dataset for its real lengths)";
       planBox.replaceChildren(
         ...[
           el("h2", { text: "Fit and time" }),
+          el("p", { id: "plan-hardware", class: "muted", text: a.hardware }),
           el("p", {
             id: "plan-fits",
             class: p.fits ? "fits" : "error",
@@ -240,7 +279,7 @@ export async function render(main) {
             el(
               "div",
               {},
-              el("dt", { text: "GPU memory (largest stage)" }),
+              el("dt", { text: cpu ? "worker memory (largest stage)" : "GPU memory (largest stage)" }),
               el("dd", { text: `${number(p.gpu_memory_needed_gb)} of ${number(p.gpu_memory_gb)} GB` }),
             ),
             el("div", {}, el("dt", { text: "host RAM" }), el("dd", { text: `${number(p.host_ram.total_gb)} GB` })),
@@ -265,7 +304,7 @@ export async function render(main) {
           ),
           el("p", {
             class: "muted small",
-            text: `${p.partition ? `Stages ${p.partition}; ` : ""}${number(a.gpu_tflops)} TFLOPS per GPU at ${number(100 * a.efficiency)}% efficiency, ${number(a.link_gb_s)} GB/s host link (${hw}). An estimate: a finished job on this box calibrates it (POST /api/plan with calibrate_job_id).`,
+            text: `${p.partition ? `Stages ${p.partition}; ` : ""}${rate}; ${perSeq} (${hw}). An estimate: a finished job on this box calibrates it (POST /api/plan with calibrate_job_id).`,
           }),
         ].filter(Boolean),
       );
@@ -339,6 +378,12 @@ export async function render(main) {
     copy,
   );
 
+  // the validation set follows the training set until the user picks one
+  let validationPicked = false;
+  validation.addEventListener("change", () => (validationPicked = true));
+  train.addEventListener("change", () => {
+    if (!validationPicked) validation.value = heldOutFor(datasets.data, train.value);
+  });
   form.addEventListener("input", update);
   form.addEventListener("change", update);
   copy.addEventListener("click", async () => {

@@ -1,0 +1,22 @@
+"""``/api/disk``: the disk use of every job's folder and of the datasets, and the space left."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Depends
+
+from server.deps import SessionDep, SettingsDep, current_key
+from server.errors import documented
+from server.schemas import DiskPublic
+from server.services import disk
+
+router = APIRouter(
+    prefix="/api/disk", tags=["disk"], dependencies=[Depends(current_key)], responses=documented(401, 422)
+)
+
+
+@router.get("", response_model=DiskPublic)
+def get_disk(session: SessionDep, settings: SettingsDep) -> Any:
+    """Bytes on disk: all jobs' folders (each job's is its disk_bytes), the datasets, free space."""
+    return disk.usage(session, runs_dir=settings.runs_dir)

@@ -1,0 +1,129 @@
+"""Disk use: each job's folder (checkpoints, exports, merged builds, its log) and the total.
+
+A folder's size is a walk of its files, kept in a cache per process. An entry holds while the
+folder's signature is unchanged and for at most ``TTL_S``: the signature is the modification time
+of the folder and of each folder inside it, plus the size of each file directly in it. A
+checkpoint or an export is renamed into place (its parent's time changes) and the log sits at
+the top (its size is in the signature), so a cached size is rarely stale, and never for long.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from server.tables import Dataset, Job
+
+TTL_S = 60.0
+_cache: dict[str, tuple[tuple[object, ...], int, float]] = {}
+_lock = threading.Lock()
+
+
+def _signature(folder: Path) -> tuple[object, ...] | None:
+    """What changes when the folder's content does (see the module's docstring); None: no folder."""
+    try:
+        top = folder.stat().st_mtime_ns
+        entries = list(os.scandir(folder))
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    parts: list[object] = [top]
+    for entry in sorted(entries, key=lambda e: e.name):
+        with contextlib.suppress(OSError):  # gone meanwhile
+            st = entry.stat(follow_symlinks=False)
+            parts.append((entry.name, st.st_mtime_ns if entry.is_dir(follow_symlinks=False) else st.st_size))
+    return tuple(parts)
+
+
+def walk_bytes(folder: Path) -> int:
+    """The bytes of every file under ``folder`` (links not followed; files that vanish skipped)."""
+    total = 0
+    stack = [folder]
+    while stack:
+        try:
+            entries = list(os.scandir(stack.pop()))
+        except (FileNotFoundError, NotADirectoryError, PermissionError):
+            continue
+        for entry in entries:
+            with contextlib.suppress(OSError):
+                if entry.is_dir(follow_symlinks=False):
+                    stack.append(Path(entry.path))
+                else:
+                    total += entry.stat(follow_symlinks=False).st_size
+    return total
+
+
+def folder_bytes(folder: Path | str) -> int:
+    """The bytes under ``folder`` (0 when it does not exist), from the cache while it holds."""
+    path = Path(folder)
+    key = str(path)
+    signature = _signature(path)
+    if signature is None:
+        with _lock:
+            _cache.pop(key, None)
+        return 0
+    with _lock:
+        cached = _cache.get(key)
+    if cached is not None and cached[0] == signature and time.monotonic() - cached[2] < TTL_S:
+        return cached[1]
+    size = walk_bytes(path)
+    with _lock:
+        _cache[key] = (signature, size, time.monotonic())
+    return size
+
+
+def forget(folder: Path | str) -> None:
+    with _lock:
+        _cache.pop(str(Path(folder)), None)
+
+
+def remove_folder(folder: Path) -> None:
+    """Delete ``folder`` and everything in it; files already gone are no error. A file written
+    into it meanwhile (a download's archive being built) is removed by a second pass."""
+    forget(folder)
+    for _ in range(3):
+        try:
+            shutil.rmtree(folder, onerror=_gone_is_fine)
+        except OSError:
+            continue
+        if not folder.exists():
+            return
+    shutil.rmtree(folder, onerror=_gone_is_fine)
+
+
+def _gone_is_fine(function: object, path: str, info: tuple[type, BaseException, object]) -> None:
+    if not isinstance(info[1], FileNotFoundError):  # onerror (Python 3.11): sys.exc_info()
+        raise info[1]
+
+
+@dataclass(frozen=True)
+class DiskUse:
+    jobs: int
+    jobs_bytes: int
+    datasets_bytes: int
+    free_bytes: int
+    capacity_bytes: int
+
+
+def usage(session: Session, *, runs_dir: Path) -> DiskUse:
+    """Every job's folder, the stored datasets, and the free space where the runs are written."""
+    folders = list(session.scalars(select(Job.output_dir)))
+    datasets = session.scalar(select(func.coalesce(func.sum(Dataset.size_bytes), 0))) or 0
+    where = runs_dir
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    disk = shutil.disk_usage(where)
+    return DiskUse(
+        jobs=len(folders),
+        jobs_bytes=sum(folder_bytes(f) for f in folders),
+        datasets_bytes=int(datasets),
+        free_bytes=disk.free,
+        capacity_bytes=disk.total,
+    )

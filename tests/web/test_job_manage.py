@@ -1,0 +1,198 @@
+"""Managing jobs in the browser: a cancelled job resumed from its page runs to success; the times
+(created N s ago, live; started, finished, duration), the disk use and the charts' tick labels on
+both axes; deleting from the jobs list and from the job page (with the confirmation), which
+removes the job's folder. Screenshots under ``test-artifacts/screenshots/``.
+
+It leaves no job behind (the jobs-list test of ``test_ui.py`` counts the cancelled ones)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.web.conftest import CHROMIUM, Server, screenshot
+
+if not Path(CHROMIUM).exists():
+    pytest.skip(f"no Chromium at {CHROMIUM}", allow_module_level=True)
+pytest.importorskip("playwright.sync_api")
+
+from playwright.sync_api import Page, ViewportSize, expect
+
+ROWS = [
+    {"messages": [{"role": "user", "content": f"count {i}"}, {"role": "assistant", "content": str(i % 7)}]}
+    for i in range(32)
+]
+TIMEOUT_S = 180
+NARROW: ViewportSize = {"width": 420, "height": 800}
+
+
+@pytest.fixture(scope="module")
+def made(server: Server) -> Iterator[dict[str, Any]]:
+    """A dataset and the jobs the tests start; whatever is left is cancelled and deleted at the end."""
+    content = "".join(json.dumps(r) + "\n" for r in ROWS).encode()
+    with server.client() as client:
+        r = client.post("/api/datasets", files={"file": ("manage.jsonl", content)}, data={"name": "manage"})
+        assert r.status_code == 201, r.text
+        state: dict[str, Any] = {"dataset_id": r.json()["id"], "jobs": []}
+        yield state
+        for job_id in state["jobs"]:
+            if client.get(f"/api/jobs/{job_id}").status_code == 404:
+                continue
+            client.post(f"/api/jobs/{job_id}/cancel")
+            wait(server, job_id, lambda j: j["status"] in ("succeeded", "failed", "cancelled"))
+            client.delete(f"/api/jobs/{job_id}")
+        client.delete(f"/api/datasets/{state['dataset_id']}")
+
+
+def start(server: Server, made: dict[str, Any], *, steps: int) -> str:
+    body = {
+        "base_model": "tiny",
+        "dataset_id": made["dataset_id"],
+        "data": {"max_length": 64},
+        "method": {"kind": "lora", "lora_r": 4},
+        "hyper": {"max_steps": steps, "batch_size": 4, "learning_rate": 0.01, "optimizer": "sgd"},
+        "engine": {"devices": ["cpu", "cpu"], "num_microbatches": 2, "compute_dtype": "float32"},
+        "checkpoint": {"every_steps": 100},
+    }
+    with server.client() as client:
+        r = client.post("/api/jobs", json=body)
+    assert r.status_code == 201, r.text
+    made["jobs"].append(r.json()["id"])
+    return str(r.json()["id"])
+
+
+def wait(server: Server, job_id: str, done: Any) -> dict[str, Any]:
+    deadline = time.monotonic() + TIMEOUT_S
+    with server.client() as client:
+        while time.monotonic() < deadline:
+            job = client.get(f"/api/jobs/{job_id}").json()
+            if done(job):
+                return dict(job)
+            time.sleep(0.2)
+    raise AssertionError(f"job {job_id} stuck at {job}\n{server.log_tail()}")
+
+
+def texts(page: Page, selector: str) -> list[str]:
+    return page.locator(selector).all_text_contents()
+
+
+def test_resume_a_cancelled_job_from_its_page_with_times_and_chart_ticks(
+    page: Page, server: Server, made: dict[str, Any]
+) -> None:
+    job_id = start(server, made, steps=30)
+    wait(server, job_id, lambda j: j["status"] == "running" and j["step"] >= 2)
+    with server.client() as client:  # setup: the cancel has its own test in test_ui.py
+        assert client.post(f"/api/jobs/{job_id}/cancel").status_code == 200
+    job = wait(server, job_id, lambda j: j["status"] in ("cancelled", "succeeded", "failed"))
+    assert job["status"] == "cancelled", "the job finished before the cancel took effect"
+    assert re.fullmatch(r"tiny on manage \d\d:\d\d(:\d\d)?", job["name"]), job["name"]
+
+    page.goto(f"{server.base_url}/#/jobs/{job_id}")
+    expect(page.locator("#job-status")).to_have_text("cancelled")
+    resume, delete = page.locator("#resume-job"), page.locator("#delete-job")
+    expect(resume).to_be_visible()
+    expect(resume).to_have_text("Resume")
+    expect(delete).to_be_visible()
+    expect(page.locator("#cancel-job")).to_be_hidden()
+    # times: created N ago (live), started and finished as clock times, the duration between them
+    created = page.locator("#job-created")
+    expect(created).to_have_text(re.compile(r"^created \d+ (s|min \d+ s) ago$"))
+    first = created.text_content()
+    expect(created).not_to_have_text(first or "", timeout=3000)  # the page's timer moves it on
+    expect(page.locator("#job-started")).to_have_text(re.compile(r"^\d\d:\d\d:\d\d$|, "))
+    expect(page.locator("#job-finished")).to_have_text(re.compile(r"\d\d:\d\d:\d\d"))
+    expect(page.locator("#job-duration")).to_have_text(re.compile(r"^\d+ s$|^\d+ min \d+ s$"))
+    expect(page.locator("#job-disk")).to_have_text(re.compile(r"^\d+(\.\d)? (KB|MB)$"))
+    # the loss against the step: labelled ticks on both axes, more than the ends
+    expect(page.locator("#loss-chart path.series").first).to_be_attached()
+    x_ticks = texts(page, "#loss-chart text.x-tick")
+    y_ticks = texts(page, "#loss-chart text.y-tick")
+    assert len(x_ticks) >= 2 and all(re.fullmatch(r"\d+", t) for t in x_ticks), x_ticks
+    assert len(y_ticks) >= 3 and all(re.fullmatch(r"[\d.,]+", t) for t in y_ticks), y_ticks
+    steps = [int(t) for t in x_ticks]
+    assert len({b - a for a, b in itertools.pairwise(steps)}) == 1, steps  # evenly spaced
+    assert texts(page, "#loss-chart text.y-label") == ["loss"]
+    assert texts(page, "#loss-chart text.x-label") == ["step"]
+    # utilization and memory against time: seconds since the run started, percent and GB
+    for chart, unit in (("gpu-chart", "utilization (%)"), ("memory-chart", "memory used (GB)")):
+        drawn = page.locator(f"#{chart} svg .series, #{chart} svg .point")
+        expect(drawn.first).to_be_attached(timeout=30_000)
+        assert texts(page, f"#{chart} text.y-label") == [unit]
+        assert texts(page, f"#{chart} text.x-label") == ["time since the run started"]
+        assert len(texts(page, f"#{chart} text.y-tick")) >= 3
+        x_labels = texts(page, f"#{chart} text.x-tick")
+        assert x_labels and all(re.fullmatch(r"0|[\d.]+ (s|min|h)", t) for t in x_labels), x_labels
+    assert texts(page, "#gpu-chart text.y-tick")[-1] == "100"
+    screenshot(page, "job-manage-cancelled")
+
+    stopped_at = job["step"]
+    resume.click()
+    expect(page.locator("#job-status")).to_have_text(re.compile("queued|running|succeeded"))
+    expect(page.locator("#job-status")).to_have_text("succeeded", timeout=TIMEOUT_S * 1000)
+    expect(page.locator("#job-step")).to_have_text("step 30 / 30")
+    expect(resume).to_be_hidden()
+    expect(delete).to_be_visible()
+    expect(page.locator("#event-log li").filter(has_text=f"step {stopped_at}").first).to_be_attached()
+    expect(page.locator("#loss-chart path.series").first).to_have_attribute("data-count", "30")
+    expect(page.locator("#job-finished")).to_have_text(re.compile(r"\d\d:\d\d:\d\d"))
+    screenshot(page, "job-manage-resumed")
+    made["succeeded"] = job_id
+    # a narrow window: the times, the buttons and the charts' ticks fit without a sideways scroll
+    page.set_viewport_size(NARROW)
+    page.wait_for_timeout(300)  # the charts redraw for the new width
+    assert len(texts(page, "#loss-chart text.x-tick")) >= 2
+    size = page.evaluate("() => ({scroll: document.documentElement.scrollWidth, inner: window.innerWidth})")
+    assert size["scroll"] <= size["inner"] + 1, size
+    screenshot(page, "job-manage-narrow")
+
+
+def test_delete_from_the_jobs_list_and_from_the_job_page(
+    page: Page, server: Server, made: dict[str, Any]
+) -> None:
+    done = made.get("succeeded")
+    if done is None:
+        pytest.skip("needs the job resumed by the test before")
+    queued = start(server, made, steps=2000)
+    with server.client() as client:
+        client.post(f"/api/jobs/{queued}/cancel")
+    wait(server, queued, lambda j: j["status"] == "cancelled")
+    folder = server.home / "runs" / done
+    assert folder.is_dir()
+
+    page.goto(f"{server.base_url}/#/jobs")
+    row = page.locator(f'#jobs-table tbody tr[data-job-id="{done}"]')
+    expect(row).to_be_visible()
+    expect(page.locator("#disk-total")).to_have_text(re.compile(r" on disk in \d+ jobs? · .* free$"))
+    expect(row.locator(".duration")).to_have_text(re.compile(r"^\d+ s$|^\d+ min \d+ s$"))
+    expect(row.locator(".disk")).to_have_text(re.compile(r"^\d+(\.\d)? (KB|MB)$"))
+    expect(row.locator(".created")).to_have_text(re.compile(r" ago$"))
+    screenshot(page, "jobs-manage")
+    dialogs: list[str] = []
+
+    def accept(dialog: Any) -> None:
+        dialogs.append(dialog.message)
+        dialog.accept()
+
+    page.on("dialog", accept)
+    row.locator("button.delete-job").click()
+    expect(row).to_have_count(0)
+    assert dialogs and "Delete job" in dialogs[0], dialogs
+    assert not folder.exists()
+
+    page.goto(f"{server.base_url}/#/jobs/{queued}")
+    expect(page.locator("#job-status")).to_have_text("cancelled")
+    page.locator("#delete-job").click()
+    page.wait_for_url(re.compile(r"#/jobs$"))
+    expect(page.locator("#jobs-table")).to_be_visible()
+    expect(page.locator(f'#jobs-table tbody tr[data-job-id="{queued}"]')).to_have_count(0)
+    assert len(dialogs) == 2
+    with server.client() as client:
+        assert client.get(f"/api/jobs/{queued}").status_code == 404
+        assert client.get(f"/api/jobs/{done}").status_code == 404
