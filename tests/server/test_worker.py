@@ -72,11 +72,16 @@ def states(client: TestClient, job_id: str) -> list[str]:
 
 
 def unpack(archive: bytes, into: Path) -> dict[str, str]:
-    """Extract a download; returns its manifest after checking every listed sum."""
+    """Extract a download's one top folder as ``into``; returns its manifest after checking
+    every listed sum."""
+    staging = into.with_name(f"{into.name}.unpacked")
     with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
-        names = tar.getnames()
-        tar.extractall(into, filter="data")
-    assert names[0] == "MANIFEST.sha256"
+        every = tar.getnames()
+        tar.extractall(staging, filter="data")
+    (top,) = {n.split("/", 1)[0] for n in every}
+    names = [n.split("/", 1)[1] for n in every if "/" in n and (staging / n).is_file()]
+    (staging / top).rename(into)
+    assert "MANIFEST.sha256" in names
     manifest = {}
     for line in (into / "MANIFEST.sha256").read_text().splitlines():
         digest, name = line.split("  ", 1)
