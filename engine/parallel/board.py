@@ -7,6 +7,7 @@ left blocked on an error elsewhere.
 
 from __future__ import annotations
 
+import copy
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -175,11 +176,15 @@ class Board:
             self.cv.notify_all()
 
     def check(self, it: Iteration | None = None) -> None:
-        """Raise the engine's failure, or the iteration's cancellation (caller holds cv)."""
+        """Raise the engine's failure, or the iteration's cancellation (caller holds cv).
+
+        Raises a copy: every thread that raised the one stored exception would add its frames
+        to that object's traceback, and with them its locals (a stage's device tensors).
+        """
         if self.error is not None:
-            raise self.error
+            raise copy.copy(self.error).with_traceback(None)
         if it is not None and it.aborted is not None:
-            raise it.aborted
+            raise copy.copy(it.aborted).with_traceback(None)
 
     def wait_for(self, ready: Callable[[], bool], it: Iteration | None = None) -> None:
         """Block until ``ready()`` (evaluated under the lock), failure or cancellation."""

@@ -24,6 +24,18 @@ function svg(tag, attrs = {}) {
   return node;
 }
 
+// A labelled form control (the control gets the id; a hint gets `<id>-hint`).
+export function field(id, label, control, hint) {
+  control.id = id;
+  return el(
+    "div",
+    { class: "field" },
+    el("label", { for: id, text: label }),
+    control,
+    hint ? el("span", { class: "hint", id: `${id}-hint`, text: hint }) : null,
+  );
+}
+
 export function number(v, digits = 3) {
   if (v === null || v === undefined || Number.isNaN(v)) return "–";
   const a = Math.abs(v);

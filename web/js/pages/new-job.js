@@ -2,18 +2,7 @@
 // "Advanced"); the equivalent API request is shown and can be copied.
 
 import { api } from "../api.js";
-import { bytes, duration, el, errorBox, number } from "../widgets.js";
-
-function field(id, label, control, hint) {
-  control.id = id;
-  return el(
-    "div",
-    { class: "field" },
-    el("label", { for: id, text: label }),
-    control,
-    hint ? el("span", { class: "hint", text: hint }) : null,
-  );
-}
+import { bytes, duration, el, errorBox, field, number } from "../widgets.js";
 
 function num(value, attrs = {}) {
   return el("input", { type: "number", value, ...attrs });

@@ -4,18 +4,7 @@
 // API host's CPU, so a job training on the GPUs is not disturbed.
 
 import { ApiError, api } from "../api.js";
-import { el, errorBox, number } from "../widgets.js";
-
-function field(id, label, control, hint) {
-  control.id = id;
-  return el(
-    "div",
-    { class: "field" },
-    el("label", { for: id, text: label }),
-    control,
-    hint ? el("span", { class: "hint", id: `${id}-hint`, text: hint }) : null,
-  );
-}
+import { el, errorBox, field, number } from "../widgets.js";
 
 // The events of a text/event-stream body: calls onEvent(name, data) for each.
 async function readEvents(response, onEvent) {
