@@ -233,8 +233,10 @@ def test_queued_jobs_survive_a_flushed_broker_and_run_exactly_once(
         assert job["status"] == "succeeded", (job["error"], second.tail())
         assert job["attempts"] == 1 and claims(client, job_id) == 1
         assert states(client, job_id) == ["validating", "queued", "running", "succeeded"]
-        (resent,) = logged(client, job_id, "sends")
-        assert resent["data"]["sends"] == 2, resent
+        # sent again once the lost message was noticed (a job still waiting behind the others
+        # on a slow machine may be sent a further time: the claim keeps it to one run)
+        resent = logged(client, job_id, "sends")
+        assert resent and resent[0]["data"]["sends"] == 2, resent
     # the job that ran before is not sent or run again
     assert client.get(f"/api/jobs/{done['id']}").json()["attempts"] == 1
     assert logged(client, done["id"], "sends") == [] and claims(client, done["id"]) == 1
