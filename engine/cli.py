@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from engine.chat_cli import add_chat_command
+from engine.data.read import FORMATS
 
 if TYPE_CHECKING:
     from engine.config import TrainConfig
@@ -426,9 +427,7 @@ def build_parser() -> argparse.ArgumentParser:
     v = with_models(sub.add_parser("validate-data", help="check a dataset file row by row"))
     v.add_argument("file")
     v.add_argument("--model", help='a model folder or "demo" (for chat templates and token counts)')
-    v.add_argument(
-        "--format", default="auto", choices=["auto", "chat", "instruction", "prompt_completion", "text"]
-    )
+    v.add_argument("--format", default="auto", choices=["auto", *FORMATS])
     v.add_argument("--max-length", type=int, default=1024)
     v.add_argument("--json", action="store_true")
     v.set_defaults(func=cmd_validate_data)

@@ -52,13 +52,29 @@ class DataSpec(_Strict):
     train: str = Field(..., description="training file: .jsonl, .csv or .parquet")
     validation: str | None = Field(None, description="validation file (same formats)")
     validation_fraction: float = Field(0.0, ge=0.0, le=0.5, description="held out from train when no file")
-    format: Literal["auto", "chat", "instruction", "prompt_completion", "text"] = "auto"
+    format: Literal["auto", "chat", "instruction", "prompt_completion", "text", "preference"] = "auto"
     max_length: int = Field(1024, ge=8, le=1_048_576)
     packing: bool = False
 
 
 class MethodSpec(_Strict):
-    kind: Literal["lora", "full"] = "lora"
+    kind: Literal["lora", "full", "dpo"] = Field(
+        "lora",
+        description=(
+            'supervised fine-tuning of a LoRA adapter ("lora") or of every weight ("full"), or preference '
+            'tuning ("dpo") on rows with a preferred and a rejected answer'
+        ),
+    )
+    beta: float = Field(
+        0.1, gt=0, le=100, description="dpo: how far the policy may move from the reference (the DPO beta)"
+    )
+    dpo_tuning: Literal["lora", "full"] = Field(
+        "lora",
+        description=(
+            "dpo: what it trains, a LoRA adapter (the reference is the base with the adapter off) or every "
+            "weight (the reference log-probabilities are computed once, before the first step)"
+        ),
+    )
     lora_r: int = Field(16, ge=1, le=4096)
     lora_alpha: float = Field(32.0, gt=0, le=1e6)
     lora_dropout: float = Field(0.0, ge=0.0, lt=1.0)
@@ -84,9 +100,19 @@ class MethodSpec(_Strict):
             )
         return names
 
+    @property
+    def lora(self) -> bool:
+        """Whether the run trains a LoRA adapter (supervised or DPO) rather than every weight."""
+        return self.kind == "lora" or (self.kind == "dpo" and self.dpo_tuning == "lora")
+
+    @property
+    def objective(self) -> Literal["sft", "dpo"]:
+        """The loss: next-token cross entropy ("sft") or the DPO preference loss."""
+        return "dpo" if self.kind == "dpo" else "sft"
+
     @model_validator(mode="after")
     def _parameter_lora_has_no_dropout(self) -> MethodSpec:
-        if self.kind == "lora" and self.target_parameters and self.lora_dropout:
+        if self.lora and self.target_parameters and self.lora_dropout:
             raise ConfigError(
                 "lora_dropout",
                 f"method.lora_dropout={self.lora_dropout}: LoRA on parameters (method.target_parameters) "

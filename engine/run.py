@@ -205,7 +205,7 @@ class Run:
     def _model(self) -> Any:
         model = load_model(self.folder)
         m = self.config.method
-        if m.kind == "full":
+        if not m.lora:
             return model
         from peft import LoraConfig, get_peft_model
 
@@ -239,7 +239,7 @@ class Run:
     def save(self) -> Path:
         engine = self.engine
         engine.synchronize()
-        lora = self.config.method.kind == "lora"
+        lora = self.config.method.lora
 
         def fill(tmp: Path) -> None:
             weights = engine.master_state_dict(trainable_only=lora)

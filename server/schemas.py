@@ -99,7 +99,7 @@ class ModelsPublic(BaseModel):
 class DataOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    format: Literal["auto", "chat", "instruction", "prompt_completion", "text"] = "auto"
+    format: Literal["auto", "chat", "instruction", "prompt_completion", "text", "preference"] = "auto"
     max_length: int = Field(1024, ge=8, le=1_048_576)  # the bounds of engine.config.DataSpec
     packing: bool = False
     validation_fraction: float = Field(0.0, ge=0.0, le=0.5)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-FORMATS = ("chat", "instruction", "prompt_completion", "text")
+FORMATS = ("chat", "instruction", "prompt_completion", "text", "preference")
 ROLES = ("system", "user", "assistant")
 SUFFIXES = (".jsonl", ".csv", ".parquet")
 PARQUET_BATCH = 1024  # rows converted to Python at a time

@@ -103,7 +103,7 @@ def main(argv: list[str]) -> int:
         from engine.run import train
 
         config = TrainConfig.model_validate(raw)
-        sink = DatabaseSink(sessions, job_id, "adapter" if config.method.kind == "lora" else "full")
+        sink = DatabaseSink(sessions, job_id, "adapter" if config.method.lora else "full")
         result = train(config, sink, cancel, models_dir=settings.models_dir)
     except Exception as exc:
         traceback.print_exc()
