@@ -1,4 +1,5 @@
-"""Packing and batching: deterministic shuffles by seed, a resumable position."""
+"""Packing and batching: deterministic shuffles by seed, a resumable position. Preference pairs
+batch as two rows each (chosen, then rejected)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Any
 
 import torch
 
-from engine.data.encode import Encoded
+from engine.data.encode import Encoded, EncodedPair
 from engine.errors import ConfigError
 
 
@@ -36,10 +37,11 @@ class Batcher:
     """Batches of ``batch_size`` examples; each epoch a permutation drawn from ``seed``.
 
     The last incomplete batch of an epoch is dropped. ``state_dict()`` records the position,
-    so a resumed run sees exactly the batches it would have seen.
+    so a resumed run sees exactly the batches it would have seen. Given preference pairs,
+    ``batch_size`` counts pairs and each batch is ``collate_pairs``'s (2 × batch_size rows).
     """
 
-    examples: list[Encoded]
+    examples: list[Encoded] | list[EncodedPair]
     batch_size: int
     seed: int
     pad_id: int
@@ -47,11 +49,16 @@ class Batcher:
     position: int = 0
 
     def __post_init__(self) -> None:
+        pairs = sum(isinstance(e, EncodedPair) for e in self.examples)
+        if pairs not in (0, len(self.examples)):
+            raise ValueError(
+                f"Batcher: {pairs} of {len(self.examples)} examples are pairs (give all pairs or none)"
+            )
         if len(self.examples) < self.batch_size:
+            what = "training pairs" if pairs else "training examples"
             raise ConfigError(
                 "hyper.batch_size",
-                f"hyper.batch_size={self.batch_size} is larger than "
-                f"the {len(self.examples)} training examples",
+                f"hyper.batch_size={self.batch_size} is larger than the {len(self.examples)} {what}",
                 value=self.batch_size,
             )
 
@@ -73,7 +80,10 @@ class Batcher:
             for i in order[self.position * self.batch_size : (self.position + 1) * self.batch_size]
         ]
         self.position += 1
-        return collate(rows, self.pad_id)
+        pairs = [r for r in rows if isinstance(r, EncodedPair)]
+        if pairs:
+            return collate_pairs(pairs, self.pad_id)
+        return collate([r for r in rows if isinstance(r, Encoded)], self.pad_id)
 
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed}
@@ -94,3 +104,8 @@ def collate(rows: list[Encoded], pad_id: int) -> dict[str, torch.Tensor]:
         labels[i, :n] = torch.tensor(r.labels)
         mask[i, :n] = 1
     return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+
+def collate_pairs(pairs: list[EncodedPair], pad_id: int) -> dict[str, torch.Tensor]:
+    """Preference pairs as ``collate``'s 2B rows: row 2i is pair i's chosen sequence, 2i + 1 its rejected."""
+    return collate([r for p in pairs for r in (p.chosen, p.rejected)], pad_id)

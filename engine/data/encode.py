@@ -4,7 +4,9 @@ Chat and instruction rows are rendered with ``tokenizer.apply_chat_template``; t
 exactly the assistant turns (their content and the template's end-of-turn marker), found by
 rendering each conversation prefix and mapping character spans to tokens. Prompt/completion rows
 are plain text (prompt + completion + EOS) with the loss on the completion; text rows train on
-every token.
+every token. A preference row becomes two sequences (``EncodedPair``), the prompt with the preferred
+answer and the prompt with the rejected one, each with the loss on its answer alone (its last
+assistant turn, end-of-turn marker included), never on assistant turns of the prompt.
 
 Fallback: a tokenizer without a chat template gets ``FALLBACK_CHAT_TEMPLATE`` (ChatML-style
 ``<|im_start|>role ... <|im_end|>`` turns written as plain text, the end of each assistant turn
@@ -17,7 +19,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.data.read import Example, RowError, check_rows, read_examples
+from engine.data.read import Example, RowError, check_rows, file_kind
 from engine.errors import ConfigError
 
 FALLBACK_CHAT_TEMPLATE = (
@@ -52,8 +54,11 @@ def _render(tokenizer: Any, messages: list[dict[str, str]], *, generation: bool 
     return str(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation))
 
 
-def assistant_spans(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered conversation and the character spans of its assistant turns.
+def assistant_spans(
+    tokenizer: Any, messages: list[dict[str, str]], *, last_only: bool = False
+) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation and the character spans of its assistant turns (``last_only``:
+    of the last message alone, an assistant turn).
 
     Raises:
         ValueError: the template does not render a conversation's prefixes as prefixes.
@@ -61,7 +66,7 @@ def assistant_spans(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[str
     full = _render(tokenizer, messages)
     spans = []
     for i, m in enumerate(messages):
-        if m["role"] != "assistant":
+        if m["role"] != "assistant" or (last_only and i < len(messages) - 1):
             continue
         before = _render(tokenizer, messages[:i], generation=True)
         upto = _render(tokenizer, messages[: i + 1])
@@ -72,9 +77,11 @@ def assistant_spans(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[str
 
 
 def encode(example: Example, tokenizer: Any, max_length: int) -> Encoded:
-    """Token ids and loss labels of one example, truncated to ``max_length``."""
+    """Token ids and loss labels of one example, truncated to ``max_length``.
+
+    A preference row encodes as its prompt and preferred answer, the loss on that answer alone."""
     if example.messages is not None:
-        text, spans = assistant_spans(tokenizer, example.messages)
+        text, spans = assistant_spans(tokenizer, example.messages, last_only=example.rejected is not None)
         special = False
     elif example.prompt is not None and example.completion is not None:
         text = example.prompt + example.completion + (tokenizer.eos_token or "")
@@ -92,6 +99,37 @@ def encode(example: Example, tokenizer: Any, max_length: int) -> Encoded:
         labels.append(tok if trained else -100)
     n = len(ids)
     return Encoded(example.line, ids[:max_length], labels[:max_length], n, n > max_length)
+
+
+@dataclass
+class EncodedPair:
+    """The two sequences of one preference row: its prompt and each answer, the loss on the answer."""
+
+    line: int
+    chosen: Encoded
+    rejected: Encoded
+
+
+def rejected_example(example: Example) -> Example:
+    """A preference row with its answers swapped: the prompt and the rejected answer."""
+    if example.messages is None or example.rejected is None:
+        raise ValueError(f"line {example.line}: not a preference row")
+    answer = {"role": "assistant", "content": example.rejected}
+    return Example(
+        example.line, messages=[*example.messages[:-1], answer], rejected=example.messages[-1]["content"]
+    )
+
+
+def encode_pair(example: Example, tokenizer: Any, max_length: int) -> EncodedPair:
+    """Both sequences of a preference row, each truncated to ``max_length``.
+
+    Raises:
+        ValueError: not a preference row, or a chat template that renders prefixes differently.
+    """
+    rejected = rejected_example(example)
+    return EncodedPair(
+        example.line, encode(example, tokenizer, max_length), encode(rejected, tokenizer, max_length)
+    )
 
 
 @dataclass
@@ -136,38 +174,59 @@ def validate(
     """Read every row of a dataset file and report its format, errors and token lengths.
 
     Args:
-        tokenizer: also encode every row (and report token lengths); without one the rows are
-            only checked, one at a time.
+        tokenizer: also encode every row (and report token lengths; both sequences of a
+            preference row count); without one the rows are only checked, one at a time.
         max_errors: report only the first errors (``errors_total`` counts all); None reports all.
 
     Raises:
         ValueError: an unsupported file type.
     """
+    return _checked(path, tokenizer=tokenizer, fmt=fmt, max_length=max_length, max_errors=max_errors)[0]
+
+
+def _checked(
+    path: str, *, tokenizer: Any, fmt: str, max_length: int, max_errors: int | None
+) -> tuple[Report, list[Encoded | EncodedPair]]:
+    """``validate``'s report and every valid row encoded (none without a tokenizer)."""
     found = check_rows(path, fmt, keep=tokenizer is not None, max_errors=max_errors)
     report = Report(path, found.format, found.rows, found.errors, found.errors_total, max_length=max_length)
+    unit = "row" if file_kind(path) == "parquet" else "line"
 
     def fail(line: int, message: str) -> None:
-        report.errors.append(RowError(line, message))
+        report.errors.append(RowError(line, message, unit))
         report.errors_total += 1
 
     if found.rows == 0:
         fail(1, "the file holds no rows")
     if tokenizer is None or not found.examples:
-        return report  # without a tokenizer the rows were only checked, not kept
+        return report, []  # without a tokenizer the rows were only checked, not kept
     ensure_chat_template(tokenizer)
-    encoded = []
+    encoded: list[Encoded | EncodedPair] = []
+    sequences: list[Encoded] = []
     for ex in found.examples:
         try:
-            encoded.append(encode(ex, tokenizer, max_length))
+            item = (
+                encode_pair(ex, tokenizer, max_length)
+                if ex.rejected is not None
+                else encode(ex, tokenizer, max_length)
+            )
         except ValueError as exc:
             fail(ex.line, str(exc))
-    for e in encoded:
-        if e.trained_tokens == 0:
-            fail(e.line, f"no token left to train on within max_length={max_length}")
+            continue
+        encoded.append(item)
+        named = (
+            [(" of the preferred answer", item.chosen), (" of the rejected answer", item.rejected)]
+            if isinstance(item, EncodedPair)
+            else [("", item)]
+        )
+        for what, e in named:
+            sequences.append(e)
+            if e.trained_tokens == 0:
+                fail(e.line, f"no token{what} left to train on within max_length={max_length}")
     report.errors.sort(key=lambda e: e.line)
     if max_errors is not None:  # the first ones: every read error check_rows dropped lies past them
         del report.errors[max_errors:]
-    lengths = sorted(e.length for e in encoded)
+    lengths = sorted(e.length for e in sequences)
     if lengths:
         report.tokens = {
             "min": float(lengths[0]),
@@ -177,8 +236,45 @@ def validate(
             "max": float(lengths[-1]),
             "total": float(sum(lengths)),
         }
-        report.truncated_share = sum(e.truncated for e in encoded) / len(encoded)
-    return report
+        report.truncated_share = sum(e.truncated for e in sequences) / len(sequences)
+    return report, encoded
+
+
+PAIRS = "preference rows (a prompt with a preferred and a rejected answer)"
+DPO_ONLY = (
+    "they train with method.kind 'dpo'; lora and full train on chat, instruction, "
+    "prompt/completion or text rows"
+)
+
+
+def _load(
+    path: str, tokenizer: Any, *, fmt: str, max_length: int, field: str, pairs: bool
+) -> list[Encoded | EncodedPair]:
+    """Every row of a file encoded, after checking that its rows suit the method."""
+    if fmt != "auto" and (fmt == "preference") != pairs:
+        message = (
+            f"data.format={fmt!r}: method.kind 'dpo' trains on {PAIRS} (data.format 'preference' or 'auto')"
+            if pairs
+            else f"data.format='preference' names {PAIRS}: {DPO_ONLY}"
+        )
+        raise ConfigError("data.format", message, value=fmt)
+    try:
+        report, encoded = _checked(path, tokenizer=tokenizer, fmt=fmt, max_length=max_length, max_errors=20)
+    except ValueError as exc:  # an unsupported file type
+        raise ConfigError(field, str(exc), value=path) from exc
+    if report.format is not None and (report.format == "preference") != pairs:
+        message = (
+            f"{field}: {path} holds {report.format} rows; method.kind 'dpo' trains on {PAIRS}"
+            if pairs
+            else f"{field}: {path} holds {PAIRS}: {DPO_ONLY}"
+        )
+        raise ConfigError(field, message, value=path)
+    if not report.ok:
+        total = report.errors_total
+        shown = "; ".join(str(e) for e in report.errors)
+        more = f" (and {total - len(report.errors)} more)" if total > len(report.errors) else ""
+        raise ConfigError(field, f"{path}: {total} invalid rows: {shown}{more}", value=path)
+    return encoded
 
 
 def load_encoded(
@@ -190,16 +286,24 @@ def load_encoded(
         field: the configuration field naming the file (``data.train``, ``data.validation``).
 
     Raises:
-        ConfigError: for ``field``: an unsupported file type, or invalid rows listed by line.
+        ConfigError: for ``field``: an unsupported file type, invalid rows listed by line, or
+            preference rows (they train with DPO; for ``data.format`` when it says so).
     """
-    try:
-        report = validate(path, tokenizer=tokenizer, fmt=fmt, max_length=max_length, max_errors=20)
-    except ValueError as exc:  # an unsupported file type
-        raise ConfigError(field, str(exc), value=path) from exc
-    if not report.ok:
-        total = report.errors_total
-        shown = "; ".join(str(e) for e in report.errors)
-        more = f" (and {total - len(report.errors)} more)" if total > len(report.errors) else ""
-        raise ConfigError(field, f"{path}: {total} invalid rows: {shown}{more}", value=path)
-    _, _, examples, _ = read_examples(path, fmt)
-    return [encode(ex, tokenizer, max_length) for ex in examples]
+    encoded = _load(path, tokenizer, fmt=fmt, max_length=max_length, field=field, pairs=False)
+    return [e for e in encoded if isinstance(e, Encoded)]
+
+
+def load_pairs(
+    path: str, tokenizer: Any, *, fmt: str = "auto", max_length: int = 1024, field: str = "data.train"
+) -> list[EncodedPair]:
+    """Every preference row of a file, encoded as its two sequences.
+
+    Args:
+        field: the configuration field naming the file (``data.train``, ``data.validation``).
+
+    Raises:
+        ConfigError: for ``field``: an unsupported file type, invalid rows listed by line, or rows
+            that are not preference rows (for ``data.format`` when it names another format).
+    """
+    encoded = _load(path, tokenizer, fmt=fmt, max_length=max_length, field=field, pairs=True)
+    return [e for e in encoded if isinstance(e, EncodedPair)]

@@ -6,7 +6,9 @@ Row shapes:
   the assistant);
 - instruction (alpaca): ``{"instruction": str, "input": str (optional), "output": str}``;
 - prompt_completion: ``{"prompt": str, "completion": str}``;
-- text: ``{"text": str}``.
+- text: ``{"text": str}``;
+- preference (for DPO): a prompt with a preferred and a rejected answer, in the OpenAI or the
+  common open shape (``engine/data/preference.py``).
 
 Locations are 1-based: a JSONL or CSV *line* (the CSV header is line 1), a Parquet *row*.
 In CSV files a ``messages`` cell holds the JSON-encoded list.
@@ -23,6 +25,7 @@ from typing import Any
 
 FORMATS = ("chat", "instruction", "prompt_completion", "text", "preference")
 ROLES = ("system", "user", "assistant")
+PREFERENCE_KEYS = ("chosen", "rejected", "preferred_output", "non_preferred_output")
 SUFFIXES = (".jsonl", ".csv", ".parquet")
 PARQUET_BATCH = 1024  # rows converted to Python at a time
 MAX_MESSAGE = 300  # characters of one error message: a hostile row cannot make its error large
@@ -40,13 +43,17 @@ class RowError:
 
 @dataclass
 class Example:
-    """One valid row, normalised: ``messages`` for chat and instruction rows."""
+    """One valid row, normalised: ``messages`` for chat and instruction rows.
+
+    A preference row is its prompt with the preferred answer as the last turn of ``messages``,
+    and the rejected answer in ``rejected``."""
 
     line: int
     messages: list[dict[str, str]] | None = None
     prompt: str | None = None
     completion: str | None = None
     text: str | None = None
+    rejected: str | None = None
 
 
 def file_kind(path: str | Path) -> str:
@@ -152,6 +159,8 @@ def _parquet(path: Path) -> Iterator[tuple[int, dict[str, Any] | RowError]]:
 
 def detect_format(record: dict[str, Any]) -> str | None:
     """The row shape a record's keys announce, or None."""
+    if any(key in record for key in PREFERENCE_KEYS):
+        return "preference"
     if "messages" in record:
         return "chat"
     if "instruction" in record and "output" in record:
@@ -163,7 +172,8 @@ def detect_format(record: dict[str, Any]) -> str | None:
     return None
 
 
-def _string(record: dict[str, Any], key: str, *, required: bool = True) -> str:
+def text_field(record: dict[str, Any], key: str, *, required: bool = True) -> str:
+    """A record's string field. Raises ``ValueError`` naming the field when it is missing or empty."""
     if key not in record or record[key] is None:
         if required:
             raise ValueError(f"missing field '{key}'")
@@ -176,56 +186,70 @@ def _string(record: dict[str, Any], key: str, *, required: bool = True) -> str:
     return value
 
 
-def _messages(record: dict[str, Any]) -> list[dict[str, str]]:
-    msgs = record.get("messages")
-    if not isinstance(msgs, list):
-        raise ValueError(f"field 'messages' must be a list, got {type(msgs).__name__}")
-    if not msgs:
-        raise ValueError("field 'messages' is empty")
+def conversation(value: Any, name: str = "messages", *, end: str = "assistant") -> list[dict[str, str]]:
+    """Check a list of messages: an optional system turn, then user and assistant alternating,
+    ending with ``end`` (``"assistant"``: a chat row; ``"user"``: a prompt). Errors name ``name``.
+
+    Raises:
+        ValueError: what is wrong, with the index of the message at fault.
+    """
+    if value is None:
+        raise ValueError(f"missing field '{name}'")
+    if not isinstance(value, list):
+        raise ValueError(f"field '{name}' must be a list, got {type(value).__name__}")
+    if not value:
+        raise ValueError(f"field '{name}' is empty")
     out = []
-    for i, m in enumerate(msgs):
+    for i, m in enumerate(value):
         if not isinstance(m, dict):
-            raise ValueError(f"messages[{i}] must be an object, got {type(m).__name__}")
+            raise ValueError(f"{name}[{i}] must be an object, got {type(m).__name__}")
         role = m.get("role")
         if role not in ROLES:
-            raise ValueError(f"messages[{i}]: unknown role {role!r} (use {', '.join(ROLES)})")
+            raise ValueError(f"{name}[{i}]: unknown role {role!r} (use {', '.join(ROLES)})")
         content = m.get("content")
         if not isinstance(content, str):
-            raise ValueError(f"messages[{i}].content must be a string, got {type(content).__name__}")
+            raise ValueError(f"{name}[{i}].content must be a string, got {type(content).__name__}")
         if not content.strip():
-            raise ValueError(f"messages[{i}].content is empty")
+            raise ValueError(f"{name}[{i}].content is empty")
         out.append({"role": role, "content": content})
     turns = out[1:] if out[0]["role"] == "system" else out
-    if not any(m["role"] == "assistant" for m in turns):
-        raise ValueError("no assistant turn")
+    whose = "" if name == "messages" else f"{name}: "
+    if end == "assistant" and not any(m["role"] == "assistant" for m in turns):
+        raise ValueError(f"{whose}no assistant turn")
     for i, m in enumerate(turns):
         want = "user" if i % 2 == 0 else "assistant"
         if m["role"] != want:
             where = i + (len(out) - len(turns))
             raise ValueError(
-                f"messages[{where}]: expected role '{want}', got '{m['role']}' (turns must alternate)"
+                f"{name}[{where}]: expected role '{want}', got '{m['role']}' (turns must alternate)"
             )
-    if turns[-1]["role"] != "assistant":
-        raise ValueError("the last turn must be the assistant's")
+    if end == "assistant" and turns[-1]["role"] != "assistant":
+        raise ValueError(f"{whose}the last turn must be the assistant's")
+    if end == "user" and (not turns or turns[-1]["role"] != "user"):
+        raise ValueError(f"'{name}' must end with a user turn (the answers follow it)")
     return out
 
 
 def to_example(line: int, record: dict[str, Any], fmt: str) -> Example:
     """Check a record against a row shape. Raises ``ValueError`` saying what is wrong."""
     if fmt == "chat":
-        return Example(line, messages=_messages(record))
+        return Example(line, messages=conversation(record.get("messages")))
     if fmt == "instruction":
-        instruction = _string(record, "instruction")
-        extra = _string(record, "input", required=False)
-        output = _string(record, "output")
+        instruction = text_field(record, "instruction")
+        extra = text_field(record, "input", required=False)
+        output = text_field(record, "output")
         user = f"{instruction}\n\n{extra}" if extra.strip() else instruction
         return Example(
             line, messages=[{"role": "user", "content": user}, {"role": "assistant", "content": output}]
         )
     if fmt == "prompt_completion":
-        return Example(line, prompt=_string(record, "prompt"), completion=_string(record, "completion"))
+        return Example(line, prompt=text_field(record, "prompt"), completion=text_field(record, "completion"))
     if fmt == "text":
-        return Example(line, text=_string(record, "text"))
+        return Example(line, text=text_field(record, "text"))
+    if fmt == "preference":
+        from engine.data.preference import preference_example  # it builds on this module's checks
+
+        return preference_example(line, record)
     raise ValueError(f"unknown format {fmt!r}; use auto or one of {', '.join(FORMATS)}")
 
 

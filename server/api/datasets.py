@@ -163,7 +163,7 @@ def preview_dataset(
     limit: Annotated[int, Query(ge=1, le=50)] = 5,
     max_length: Annotated[int, Query(ge=8, le=1 << 17)] = 1024,
 ) -> Any:
-    """The first rows rendered through a model's chat template, trained tokens marked."""
+    """The first rows through a model's chat template, trained tokens marked (preference: both answers)."""
     dataset = _found(session, dataset_id)
     tokenizer = _tokenizer(settings, model)
     rows = datasets.preview(dataset, tokenizer=tokenizer, limit=limit, max_length=max_length)

@@ -135,18 +135,49 @@ def first_examples(dataset: Dataset, limit: int) -> Iterator[Any]:
         yield to_example(line, record, dataset.format)
 
 
+def _tokens(tokenizer: Any, ids: list[int], labels: list[int]) -> list[dict[str, Any]]:
+    return [
+        {"text": tokenizer.decode([t]), "trained": lab != -100} for t, lab in zip(ids, labels, strict=True)
+    ]
+
+
+def _pair_row(tokenizer: Any, pair: Any) -> dict[str, Any]:
+    """A preference row: the prompt the two sequences share (up to the first trained token of
+    either, and no further than their ids agree), then each answer's tokens."""
+    chosen, rejected = pair.chosen, pair.rejected
+    cut = 0
+    while (
+        cut < min(len(chosen.input_ids), len(rejected.input_ids))
+        and chosen.input_ids[cut] == rejected.input_ids[cut]
+        and chosen.labels[cut] == rejected.labels[cut] == -100
+    ):
+        cut += 1
+
+    def answer(e: Any) -> dict[str, Any]:
+        return {"tokens": _tokens(tokenizer, e.input_ids[cut:], e.labels[cut:]), "truncated": e.truncated}
+
+    return {
+        "line": pair.line,
+        "tokens": _tokens(tokenizer, chosen.input_ids[:cut], chosen.labels[:cut]),
+        "truncated": chosen.truncated or rejected.truncated,
+        "chosen": answer(chosen),
+        "rejected": answer(rejected),
+    }
+
+
 def preview(dataset: Dataset, *, tokenizer: Any, limit: int, max_length: int) -> list[dict[str, Any]]:
-    """The first rows rendered through the tokenizer's chat template, each token marked trained or not."""
-    from engine.data.encode import encode, ensure_chat_template
+    """The first rows rendered through the tokenizer's chat template, each token marked trained or
+    not; a preference row as its prompt and both answers."""
+    from engine.data.encode import encode, encode_pair, ensure_chat_template
 
     ensure_chat_template(tokenizer)
     rows = []
     for ex in first_examples(dataset, limit):
+        if ex.rejected is not None:
+            rows.append(_pair_row(tokenizer, encode_pair(ex, tokenizer, max_length)))
+            continue
         enc = encode(ex, tokenizer, max_length)
-        tokens = [
-            {"text": tokenizer.decode([tid]), "trained": lab != -100}
-            for tid, lab in zip(enc.input_ids, enc.labels, strict=True)
-        ]
+        tokens = _tokens(tokenizer, enc.input_ids, enc.labels)
         rows.append({"line": ex.line, "tokens": tokens, "truncated": enc.truncated})
     return rows
 
@@ -154,15 +185,22 @@ def preview(dataset: Dataset, *, tokenizer: Any, limit: int, max_length: int) ->
 def token_stats(
     dataset: Dataset, *, tokenizer: Any, max_length: int, limit: int, bins: int = 20
 ) -> dict[str, Any]:
-    """Token lengths of the first ``limit`` rows as a histogram, with the share cut at ``max_length``."""
-    from engine.data.encode import encode, ensure_chat_template
+    """Token lengths of the first ``limit`` rows as a histogram, with the share cut at ``max_length``
+    (both sequences of a preference row count)."""
+    from engine.data.encode import encode, encode_pair, ensure_chat_template
 
     ensure_chat_template(tokenizer)
-    lengths, truncated = [], 0
+    lengths, truncated, sampled = [], 0, 0
     for ex in first_examples(dataset, limit):
-        enc = encode(ex, tokenizer, max_length)
-        lengths.append(enc.length)
-        truncated += enc.truncated
+        sampled += 1
+        if ex.rejected is not None:
+            pair = encode_pair(ex, tokenizer, max_length)
+            sequences = [pair.chosen, pair.rejected]
+        else:
+            sequences = [encode(ex, tokenizer, max_length)]
+        for enc in sequences:
+            lengths.append(enc.length)
+            truncated += enc.truncated
     top = max(lengths, default=0)
     width = max(1, -(-top // bins))
     counts = [0] * bins
@@ -170,7 +208,7 @@ def token_stats(
         counts[min(n // width, bins - 1)] += 1
     return {
         "rows": dataset.rows,
-        "sampled": len(lengths),
+        "sampled": sampled,
         "max_length": max_length,
         "truncated_share": truncated / len(lengths) if lengths else 0.0,
         "mean": sum(lengths) / len(lengths) if lengths else 0.0,

@@ -215,3 +215,91 @@ def test_no_error_shows_a_server_path(
     for leak in (str(settings.home.resolve()), str(settings.datasets_dir), ".incoming"):
         assert leak not in r.text, (leak, r.text)
     assert left_behind(settings) == []
+
+
+def pref(question: str, good: str, bad: str) -> dict[str, Any]:
+    return {
+        "input": {"messages": [{"role": "user", "content": question}]},
+        "preferred_output": [{"role": "assistant", "content": good}],
+        "non_preferred_output": [{"role": "assistant", "content": bad}],
+    }
+
+
+TWO = "a pair needs two different ones"
+PAIRS = [pref(f"How many {n}?", str(n), f"There are {n} of them.") for n in range(6)]
+
+
+def test_a_preference_file_is_stored_and_previewed_with_both_answers(
+    client: TestClient, settings: Settings
+) -> None:
+    content = "".join(json.dumps(r) + "\n" for r in PAIRS).encode()
+    r = client.post("/api/datasets", files={"file": ("pairs.jsonl", content)})
+    assert r.status_code == 201, r.text
+    ds = r.json()
+    assert (ds["format"], ds["rows"]) == ("preference", 6)
+    preview = client.get(f"/api/datasets/{ds['id']}/preview", params={"model": "tiny", "limit": 3}).json()
+    assert [row["line"] for row in preview["rows"]] == [1, 2, 3]
+    for n, row in enumerate(preview["rows"]):
+        prompt = "".join(t["text"] for t in row["tokens"])
+        assert f"How many {n}?" in prompt and not any(t["trained"] for t in row["tokens"])
+        answers = {}
+        for side in ("chosen", "rejected"):
+            tokens = row[side]["tokens"]
+            assert row[side]["truncated"] is False
+            answers[side] = "".join(t["text"] for t in tokens if t["trained"])
+            # the prompt and each answer's tokens make up its whole sequence
+            assert "How many" not in "".join(t["text"] for t in tokens)
+        assert answers == {"chosen": f"{n}<|im_end|>\n", "rejected": f"There are {n} of them.<|im_end|>\n"}
+    stats = client.get(f"/api/datasets/{ds['id']}/stats", params={"model": "tiny"}).json()
+    assert stats["sampled"] == 6 and sum(b["count"] for b in stats["histogram"]) == 12  # both answers
+
+
+def test_a_chat_preview_has_no_answers(client: TestClient) -> None:
+    chat = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    ds = client.post("/api/datasets", files={"file": ("chat.jsonl", json.dumps(chat).encode())}).json()
+    (row,) = client.get(f"/api/datasets/{ds['id']}/preview", params={"model": "tiny"}).json()["rows"]
+    assert row["chosen"] is None and row["rejected"] is None
+    assert "".join(t["text"] for t in row["tokens"] if t["trained"]) == "hello<|im_end|>\n"
+
+
+def test_bad_preference_rows_are_refused_by_line_and_nothing_is_kept(
+    client: TestClient, settings: Settings
+) -> None:
+    rows = [
+        json.dumps(PAIRS[0]),
+        json.dumps(pref("q", "same", "same")),
+        json.dumps({"prompt": "q", "chosen": "a"}),
+        json.dumps(PAIRS[1]),
+        json.dumps({**PAIRS[2], "input": {"messages": [{"role": "assistant", "content": "x"}]}}),
+    ]
+    r = client.post("/api/datasets", files={"file": ("pairs.jsonl", "\n".join(rows).encode())})
+    assert r.status_code == 422, r.text
+    error = r.json()["error"]
+    assert error["code"] == "invalid_dataset" and error["errors_total"] == 3
+    assert [(d["line"], d["message"]) for d in error["details"]] == [
+        (2, "'preferred_output' and 'non_preferred_output' are the same answer; " + TWO),
+        (3, "missing field 'rejected'"),
+        (5, "input.messages[0]: expected role 'user', got 'assistant' (turns must alternate)"),
+    ]
+    assert left_behind(settings) == []
+
+
+def test_a_csv_preference_file_is_stored(client: TestClient) -> None:
+    content = b'prompt,chosen,rejected\n"How many, really?",3,"Three, I think."\nsay hi,hi,go away\n'
+    r = client.post("/api/datasets", files={"file": ("pairs.csv", content)})
+    assert r.status_code == 201, r.text
+    assert (r.json()["format"], r.json()["rows"]) == ("preference", 2)
+    bad = client.post("/api/datasets", files={"file": ("bad.csv", b"prompt,chosen,rejected\nq,,b\n")})
+    assert bad.status_code == 422 and bad.json()["error"]["details"][0]["line"] == 2
+
+
+@pytest.mark.parametrize("attr", ["PREFERENCE_TRAIN", "PREFERENCE_HELDOUT"])
+def test_the_demo_preference_files_are_stored_as_preference(client: TestClient, attr: str) -> None:
+    from engine import demo
+    from server.cli import DEMO_DATASETS
+
+    assert attr in {a for _, a in DEMO_DATASETS}  # `roundhouse serve --demo` stores it
+    path = getattr(demo, attr)
+    with path.open("rb") as f:
+        r = client.post("/api/datasets", files={"file": (path.name, f)})
+    assert r.status_code == 201 and r.json()["format"] == "preference", r.text

@@ -114,6 +114,18 @@ def test_truncation_and_statistics(tmp_path: Path, tok) -> None:
     assert len(load_encoded(str(p), tok, max_length=200)) == 3
 
 
+def test_an_over_long_parquet_row_is_named_by_row(tmp_path: Path, tok) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    p = tmp_path / "d.parquet"
+    pq.write_table(
+        pa.table({"prompt": ["the quick brown fox " * n for n in (1, 8)], "completion": ["a", "b"]}), p
+    )
+    report = validate(str(p), tokenizer=tok, max_length=30)
+    assert [str(e) for e in report.errors] == ["row 2: no token left to train on within max_length=30"]
+
+
 def test_an_empty_file_is_invalid(tmp_path: Path) -> None:
     p = tmp_path / "empty.jsonl"
     p.write_text("\n\n")

@@ -165,6 +165,9 @@ def test_detect_format() -> None:
     assert detect_format({"instruction": "", "output": ""}) == "instruction"
     assert detect_format({"prompt": "", "completion": ""}) == "prompt_completion"
     assert detect_format({"text": ""}) == "text"
+    for key in ("chosen", "rejected", "preferred_output", "non_preferred_output"):
+        assert detect_format({"prompt": "", key: ""}) == "preference"
+    assert detect_format({"input": {"messages": []}, "preferred_output": []}) == "preference"
     assert detect_format({"question": ""}) is None
 
 

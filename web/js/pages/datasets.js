@@ -1,8 +1,44 @@
 // Datasets: upload (drop or pick; progress; errors by line), list, preview through a model's
-// chat template with the trained tokens highlighted, token-length histogram, delete.
+// chat template with the trained tokens highlighted (preference rows: the prompt, then both
+// answers), token-length histogram, delete.
 
 import { api, upload } from "../api.js";
 import { age, bytes, el, errorBox, number } from "../widgets.js";
+
+function tokens(list) {
+  return el(
+    "pre",
+    { class: "tokens" },
+    list.map((t) => el("span", { class: t.trained ? "tok trained" : "tok", text: t.text })),
+  );
+}
+
+// One previewed row; a preference row is its prompt, then the preferred and the rejected answer
+// side by side (stacked on a narrow window).
+function previewRow(r) {
+  const where = el("div", { class: "muted small", text: `line ${r.line}${r.truncated ? " (truncated)" : ""}` });
+  if (!r.chosen || !r.rejected) return el("div", { class: "preview-row" }, where, tokens(r.tokens));
+  const answer = (kind, title, a) =>
+    el(
+      "div",
+      { class: `answer ${kind}` },
+      el("h4", { text: a.truncated ? `${title} (truncated)` : title }),
+      tokens(a.tokens),
+    );
+  return el(
+    "div",
+    { class: "preview-row preference" },
+    where,
+    el("h4", { text: "Prompt" }),
+    el("div", { class: "prompt" }, tokens(r.tokens)),
+    el(
+      "div",
+      { class: "answers" },
+      answer("preferred", "Preferred", r.chosen),
+      answer("rejected", "Rejected", r.rejected),
+    ),
+  );
+}
 
 export async function render(main) {
   const input = el("input", { type: "file", id: "dataset-file", accept: ".jsonl,.csv,.parquet" });
@@ -30,7 +66,9 @@ export async function render(main) {
     input,
     el("p", {
       class: "muted small",
-      text: "Rows: chat messages, instruction/input/output, prompt/completion, or text.",
+      text:
+        "Rows: chat messages, instruction/input/output, prompt/completion, text, or preference pairs " +
+        "(prompt with chosen/rejected, or input with preferred_output/non_preferred_output) for DPO.",
     }),
   );
   const body = el("tbody");
@@ -174,22 +212,10 @@ export async function render(main) {
           api(`/datasets/${d.id}/preview`, { query: q }),
           api(`/datasets/${d.id}/stats`, { query: { model: select.value, max_length: maxLength.value } }),
         ]);
-        rows.replaceChildren(
-          ...p.rows.map((r) =>
-            el(
-              "div",
-              { class: "preview-row" },
-              el("div", { class: "muted small", text: `line ${r.line}${r.truncated ? " (truncated)" : ""}` }),
-              el(
-                "pre",
-                { class: "tokens" },
-                r.tokens.map((t) => el("span", { class: t.trained ? "tok trained" : "tok", text: t.text })),
-              ),
-            ),
-          ),
-        );
+        rows.replaceChildren(...p.rows.map(previewRow));
         histogram.setBins(stats.histogram, stats.max_length);
-        summary.textContent = `${stats.sampled} of ${stats.rows} rows measured · mean ${number(stats.mean)} tokens · longest ${stats.max} · ${number(100 * stats.truncated_share)}% longer than ${stats.max_length} (cut)`;
+        const each = d.format === "preference" ? " (both answers of each pair)" : "";
+        summary.textContent = `${stats.sampled} of ${stats.rows} rows measured${each} · mean ${number(stats.mean)} tokens · longest ${stats.max} · ${number(100 * stats.truncated_share)}% longer than ${stats.max_length} (cut)`;
       } catch (error) {
         rows.replaceChildren(errorBox(error));
       }

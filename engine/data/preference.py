@@ -1,0 +1,125 @@
+"""Preference rows (for DPO): a prompt, the answer preferred and the answer rejected.
+
+Shapes, told apart by their keys:
+- OpenAI: ``{"input": {"messages": [...]}, "preferred_output": [{"role": "assistant", "content": str}],
+  "non_preferred_output": [...]}``; ``prompt`` (a string) may stand for ``input``, and any other
+  key of ``input`` (``tools``, ...) is ignored;
+- explicit prompt (TRL): ``{"prompt": str, "chosen": str, "rejected": str}``, or ``prompt`` as a
+  list of messages and each answer a list holding one assistant message;
+- implicit prompt (TRL): ``{"chosen": [conversation], "rejected": [conversation]}``, two whole
+  conversations that share every message but the last, the assistant's answer.
+
+A prompt given as messages follows the chat rules (an optional system turn, then user and
+assistant alternating) and ends with a user turn; a prompt string is one user turn. Each answer
+is a single assistant turn. In CSV files every cell is a string: ``prompt``/``chosen``/``rejected``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.data.read import Example, conversation, text_field
+
+ANSWER_KEYS = (("chosen", "rejected"), ("preferred_output", "non_preferred_output"))
+
+
+def preference_example(line: int, record: dict[str, Any]) -> Example:
+    """A preference row as an ``Example``: ``messages`` is the prompt and the preferred answer,
+    ``rejected`` the other answer.
+
+    Raises:
+        ValueError: what is wrong with the row, naming the field.
+    """
+    good, bad = _answer_keys(record)
+    if "input" in record or "prompt" in record:
+        prompt = _prompt(record)
+        chosen, rejected = _answer(record, good), _answer(record, bad)
+    else:
+        prompt, chosen, rejected = _implicit(record, good, bad)
+    if chosen.strip() == rejected.strip():
+        raise ValueError(f"'{good}' and '{bad}' are the same answer; a pair needs two different ones")
+    return Example(line, messages=[*prompt, {"role": "assistant", "content": chosen}], rejected=rejected)
+
+
+def _answer_keys(record: dict[str, Any]) -> tuple[str, str]:
+    found = [keys for keys in ANSWER_KEYS if any(k in record for k in keys)]
+    if len(found) > 1:
+        raise ValueError(
+            "give the answers as 'chosen'/'rejected' or as 'preferred_output'/'non_preferred_output', "
+            "not both"
+        )
+    if not found:
+        raise ValueError(
+            "missing fields 'chosen' and 'rejected' (or 'preferred_output' and 'non_preferred_output')"
+        )
+    return found[0]
+
+
+def _prompt(record: dict[str, Any]) -> list[dict[str, str]]:
+    if "input" in record and "prompt" in record:
+        raise ValueError("give the prompt as 'input' or as 'prompt', not both")
+    if "input" in record:
+        value = record["input"]
+        if not isinstance(value, dict):
+            raise ValueError(f"field 'input' must be an object with 'messages', got {type(value).__name__}")
+        return conversation(value.get("messages"), "input.messages", end="user")
+    value = record["prompt"]
+    if isinstance(value, list):
+        return conversation(value, "prompt", end="user")
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"field 'prompt' must be a string or a list of messages, got {type(value).__name__}")
+    return [{"role": "user", "content": text_field(record, "prompt")}]
+
+
+def _answer(record: dict[str, Any], key: str) -> str:
+    value = record.get(key)
+    if isinstance(value, list):
+        if len(value) > 1:
+            raise ValueError(f"field '{key}' must hold one assistant message, got {len(value)} messages")
+        if not value:
+            raise ValueError(f"field '{key}' is empty")
+        return _assistant(value[0], f"{key}[0]")
+    if value is not None and not isinstance(value, str):
+        raise ValueError(
+            f"field '{key}' must be a string or a list with one assistant message, got {type(value).__name__}"
+        )
+    return text_field(record, key)
+
+
+def _assistant(message: Any, name: str) -> str:
+    if not isinstance(message, dict):
+        raise ValueError(f"{name} must be an object, got {type(message).__name__}")
+    if message.get("role") != "assistant":
+        raise ValueError(f"{name}: expected role 'assistant', got {message.get('role')!r}")
+    content = message.get("content")
+    if not isinstance(content, str):
+        raise ValueError(f"{name}.content must be a string, got {type(content).__name__}")
+    if not content.strip():
+        raise ValueError(f"{name}.content is empty")
+    return content
+
+
+def _implicit(record: dict[str, Any], good: str, bad: str) -> tuple[list[dict[str, str]], str, str]:
+    """The shared prompt and the two answers of two whole conversations."""
+    whole = []
+    for key in (good, bad):
+        value = record.get(key)
+        if isinstance(value, str):
+            raise ValueError(
+                f"without a 'prompt', field '{key}' must be a whole conversation (a list of messages "
+                "ending with the answer), got a string"
+            )
+        whole.append(conversation(value, key))
+    chosen, rejected = whole
+    for i, (a, b) in enumerate(zip(chosen[:-1], rejected[:-1], strict=False)):
+        if a != b:
+            raise ValueError(
+                f"'{good}' and '{bad}' differ at message {i}, before their last turn; without a 'prompt' "
+                "they must share every message but the answer"
+            )
+    if len(chosen) != len(rejected):
+        raise ValueError(
+            f"'{good}' has {len(chosen)} messages and '{bad}' {len(rejected)}; without a 'prompt' they "
+            "must share every message but the answer"
+        )
+    return chosen[:-1], chosen[-1]["content"], rejected[-1]["content"]
