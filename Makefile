@@ -9,7 +9,7 @@ PRETTIER := node_modules/.bin/prettier
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install services test lint lint-js fmt-js types unit bench gpu-check run demo plan clean
+.PHONY: install services test lint lint-js fmt-js types unit bench gpu-check run demo demo-dpo plan clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -79,6 +79,10 @@ run: install
 # the command-line demo: accuracy of the demo model before and after a short LoRA fine-tune
 demo: install
 	$(VENV)/bin/roundhouse demo --models-dir data/models
+
+# preference tuning: the preferred and rejected answers' log-likelihoods before and after a few DPO steps
+demo-dpo: install
+	$(VENV)/bin/roundhouse demo --dpo --models-dir data/models
 
 plan: install
 	$(VENV)/bin/roundhouse plan

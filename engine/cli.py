@@ -1,6 +1,7 @@
 """``roundhouse``: the engine from the command line.
 
-    roundhouse train CONFIG                       fine-tune (resumes from the latest checkpoint)
+    roundhouse train CONFIG [--method dpo --beta B --dpo-tuning lora|full]
+                                                  fine-tune (resumes from the latest checkpoint)
     roundhouse validate-data FILE [--model M]     check every row; token statistics with a model
     roundhouse export CHECKPOINT --out DIR [--merged]
     roundhouse generate CHECKPOINT_OR_MODEL --prompt TEXT
@@ -8,6 +9,7 @@
     roundhouse chat CHECKPOINT [--temperature T --top-p P --max-tokens N --base B]   (reads stdin)
     roundhouse prepare-demo                       convert the packaged demo model once
     roundhouse demo [--steps N]                   before/after accuracy of a short demo fine-tune
+    roundhouse demo --dpo [--model M]             answers' log-likelihoods before/after a few DPO steps
     roundhouse plan [--config CONFIG] ...         partition, schedule grid, fit and ETA of a run
     roundhouse synthetic ...                      train a random model on a synthetic task
 
@@ -27,6 +29,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from engine.chat_cli import add_chat_command
 from engine.data.read import FORMATS
+from engine.demo_cli import add_demo_command
 
 if TYPE_CHECKING:
     from engine.config import TrainConfig
@@ -196,7 +199,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from engine.config import TrainConfig
     from engine.run import train
 
-    config = TrainConfig.load(args.config)
+    config = with_method_flags(TrainConfig.load(args.config), args)
     cancel = threading.Event()
 
     def interrupt(signum: int, frame: Any) -> None:
@@ -212,6 +215,19 @@ def cmd_train(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGINT, previous)
     print(f"{result.status} at step {result.step}/{result.total_steps}; checkpoint: {result.checkpoint}")
     return 0 if result.status == "succeeded" else 1
+
+
+def with_method_flags(config: TrainConfig, args: argparse.Namespace) -> TrainConfig:
+    """The config with ``--method``, ``--beta`` and ``--dpo-tuning`` applied on top."""
+    from engine.config import TrainConfig
+
+    flags = {"kind": args.method, "beta": args.beta, "dpo_tuning": args.dpo_tuning}
+    given = {k: v for k, v in flags.items() if v is not None}
+    if not given:
+        return config
+    raw = config.model_dump()
+    raw["method"].update(given)
+    return TrainConfig.parse(raw)
 
 
 def cmd_validate_data(args: argparse.Namespace) -> int:
@@ -289,50 +305,6 @@ def cmd_prepare_demo(args: argparse.Namespace) -> int:
 
     print(f"demo model ready: {prepare_demo_model(args.models_dir)}")
     return 0
-
-
-def cmd_demo(args: argparse.Namespace) -> int:
-    import time
-
-    from engine import demo
-    from engine.config import TrainConfig
-    from engine.generate import exact_match, load_for_inference
-    from engine.model.loading import prepare_demo_model
-    from engine.run import train
-
-    base = prepare_demo_model(args.models_dir)
-    model, tokenizer = load_for_inference(base)
-    before = exact_match(model, tokenizer, demo.HELDOUT, max_new_tokens=8)
-    print(f"before fine-tuning: exact match {before['correct']}/{before['rows']} = {before['accuracy']:.1%}")
-    config = TrainConfig.parse(demo_config(args))
-    started = time.perf_counter()
-    result = train(config, ProgressSink(), models_dir=args.models_dir)
-    seconds = time.perf_counter() - started
-    if result.checkpoint is None:
-        raise ValueError("the demo run wrote no checkpoint")
-    model, tokenizer = load_for_inference(base, adapter=result.checkpoint)
-    after = exact_match(model, tokenizer, demo.HELDOUT, max_new_tokens=8)
-    for sample in after["samples"]:
-        print(f"  {sample['prompt']!r}: expected {sample['expected']!r}, got {sample['got']!r}")
-    print(
-        f"after {result.step} steps ({seconds:.0f} s): exact match {after['correct']}/{after['rows']} = "
-        f"{after['accuracy']:.1%} (before: {before['accuracy']:.1%}); checkpoint: {result.checkpoint}"
-    )
-    return 0
-
-
-def demo_config(args: argparse.Namespace) -> dict[str, Any]:
-    from engine import demo
-
-    return {
-        "model": {"path": "demo"},
-        "data": {"train": str(demo.TRAIN), "validation_fraction": 0.05, "max_length": 96},
-        "method": {"kind": "lora", "lora_r": 16, "lora_alpha": 32},
-        "hyper": {"max_steps": args.steps, "batch_size": 8, "learning_rate": 2e-3, "warmup_steps": 5},
-        "engine": {"devices": ["cpu"] * args.workers, "num_microbatches": 2},
-        "checkpoint": {"every_steps": args.steps, "keep_last": 1},
-        "output_dir": str(Path(args.output_dir)),
-    }
 
 
 def cmd_synthetic(args: argparse.Namespace) -> int:
@@ -423,6 +395,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = with_models(sub.add_parser("train", help="fine-tune from a JSON/YAML TrainConfig"))
     t.add_argument("config")
+    t.add_argument("--method", choices=["lora", "full", "dpo"], help="override method.kind")
+    t.add_argument("--beta", type=float, help="override method.beta (DPO)")
+    t.add_argument("--dpo-tuning", choices=["lora", "full"], help="override method.dpo_tuning")
     t.set_defaults(func=cmd_train)
     v = with_models(sub.add_parser("validate-data", help="check a dataset file row by row"))
     v.add_argument("file")
@@ -453,13 +428,7 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_parser("prepare-demo", help="convert the packaged demo model into a model folder")
     )
     pd.set_defaults(func=cmd_prepare_demo)
-    dm = with_models(
-        sub.add_parser("demo", help="accuracy before and after a short LoRA fine-tune of the demo")
-    )
-    dm.add_argument("--steps", type=int, default=30)
-    dm.add_argument("--workers", type=int, default=1)
-    dm.add_argument("--output-dir", default="runs/demo")
-    dm.set_defaults(func=cmd_demo)
+    add_demo_command(sub, with_models)  # engine/demo_cli.py
     add_chat_command(sub, with_models)  # engine/chat_cli.py
     return parser
 

@@ -2,7 +2,8 @@
 
 ``RoundPipe(hf_model, EngineConfig(...))`` adapts a causal LM into layers, keeps its weights,
 fp32 masters, moments and gradients in host memory, and trains it over a pool of workers
-(CUDA devices, or ``"cpu"`` threads for testing) that receive stages round-robin.
+(CUDA devices, or ``"cpu"`` threads for testing) that receive stages round-robin. Its
+preference-tuning (DPO) methods are in ``engine.parallel.dpo``.
 """
 
 from __future__ import annotations
@@ -21,9 +22,12 @@ from engine.metrics import NullSink, Sink
 from engine.model.adapter import AdaptedModel, uses_dropout
 from engine.model.router import RouterLoss
 from engine.parallel.board import Board, Iteration, MicroBatch, split_batch
-from engine.parallel.executor import Worker, WorkerContext
+from engine.parallel.context import WorkerContext
+from engine.parallel.dpo import PreferenceMethods
+from engine.parallel.executor import Worker
 from engine.parallel.host import DTYPES, HostState
 from engine.parallel.optimizer import OptimizerWorker, StepJob
+from engine.parallel.pairs import Preference
 from engine.parallel.partition import Plan
 from engine.parallel.schedule import build_schedule
 from engine.parallel.stages import choose_plan, measured_costs, memory_budget, memory_costs, plan_grid
@@ -32,7 +36,7 @@ from engine.parallel.transfer import resolve_device
 __all__ = ["Cancelled", "EngineConfig", "EngineError", "RoundPipe"]
 
 
-class RoundPipe:
+class RoundPipe(PreferenceMethods):
     """Train a Hugging Face causal LM with the RoundPipe schedule.
 
     Args:
@@ -135,7 +139,12 @@ class RoundPipe:
         mbs, total = split_batch(
             input_ids, labels, attention_mask, self.config.num_microbatches, pin=self.host.pinned
         )
-        it = self._launch(mbs, total, train=True)
+        return self._train(mbs, total).loss_sum() / total
+
+    def _train(self, mbs: list[MicroBatch], total: int, preference: Preference | None = None) -> Iteration:
+        """Launch a training iteration; return once its loss is handed over (its gradients
+        folded, in sync mode)."""
+        it = self._launch(mbs, total, train=True, preference=preference)
         m = len(mbs)
         try:
             async_mode = self.config.async_optimizer
@@ -150,7 +159,7 @@ class RoundPipe:
             # the optimizer discards every gradient accumulated since the last step
             self._pending = []
             raise
-        return it.loss_sum() / total
+        return it
 
     def evaluate(
         self,
@@ -175,7 +184,9 @@ class RoundPipe:
         self.board.wait_for(lambda: it.remaining == 0, it)
         return it.loss_sum() / total
 
-    def _launch(self, mbs: list[MicroBatch], total: int, *, train: bool) -> Iteration:
+    def _launch(
+        self, mbs: list[MicroBatch], total: int, *, train: bool, preference: Preference | None = None
+    ) -> Iteration:
         """Schedule one iteration on the workers (and its gradient fold, when training)."""
         if self.plan is None or (train and self._replan_due()):
             self.plan = self._make_plan(mbs)
@@ -204,6 +215,7 @@ class RoundPipe:
             checkpoints=frozenset(s.start for s in slots if s.start > 0),
             profile=train and not self._manual and self._serial < self.config.calibration_steps,
             train=train,
+            preference=preference,
         )
         if train:
             self._serial += 1

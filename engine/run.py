@@ -4,7 +4,9 @@ It builds the tokenizer, the model (+ LoRA), the data and the RoundPipe engine, 
 one batch, one optimizer step at the scheduled learning rate, metrics to the sink, validation
 and checkpoints on their schedules. It always starts by resuming from the latest checkpoint of
 its output folder, so a stopped or redelivered run continues exactly where it was; on cancel it
-stops at a step boundary and writes a final checkpoint.
+stops at a step boundary and writes a final checkpoint. A DPO run (``method.kind`` "dpo") trains
+on preference pairs against reference log-probabilities computed once, before the first step
+(``engine.preference``).
 """
 
 from __future__ import annotations
@@ -15,20 +17,23 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from engine.checkpoint import latest, list_checkpoints, load_state, save_state, write_checkpoint
 from engine.config import EngineConfig, TrainConfig, resolve_compute_dtype
 from engine.data.batches import Batcher, collate, pack
-from engine.data.encode import Encoded, load_encoded
+from engine.data.encode import Encoded, EncodedPair, load_encoded
 from engine.errors import Cancelled, ConfigError
 from engine.metrics import NullSink, Sink
 from engine.model.export import base_model_name, save_export
 from engine.model.families import DEFAULT_LORA_TARGETS, family_for
 from engine.model.loading import load_model, load_tokenizer, resolve_model_path
+from engine.preference import PreferenceRun, load_preference_data
 from engine.roundpipe import RoundPipe
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -60,9 +65,7 @@ def devices_for(spec: str | list[str]) -> list[str]:
     return [f"cuda:{i}" for i in range(count)] or ["cpu"]
 
 
-def split_validation(
-    examples: list[Encoded], fraction: float, seed: int
-) -> tuple[list[Encoded], list[Encoded]]:
+def split_validation(examples: list[T], fraction: float, seed: int) -> tuple[list[T], list[T]]:
     """Hold out ``fraction`` of the examples (at least one), chosen by ``seed``."""
     if fraction <= 0:
         return examples, []
@@ -71,6 +74,21 @@ def split_validation(
     n_val = max(1, round(fraction * len(examples)))
     held = set(order[:n_val])
     return [e for i, e in enumerate(examples) if i not in held], [examples[i] for i in sorted(held)]
+
+
+def load_examples(config: TrainConfig, tokenizer: Any) -> tuple[list[Encoded], list[Encoded]]:
+    """The training and validation examples of a supervised run (packed when asked)."""
+    data = config.data
+    train = load_encoded(data.train, tokenizer, fmt=data.format, max_length=data.max_length)
+    if data.validation:
+        val = load_encoded(
+            data.validation, tokenizer, fmt=data.format, max_length=data.max_length, field="data.validation"
+        )
+    else:
+        train, val = split_validation(train, data.validation_fraction, config.hyper.seed)
+    if data.packing:
+        train = pack(train, data.max_length)
+    return train, val
 
 
 def evaluate(engine: RoundPipe, examples: list[Encoded], batch_size: int, pad_id: int) -> float:
@@ -153,25 +171,20 @@ class Run:
         self.folder = resolve_model_path(config.model.path, models_dir)
         self.base_name = base_model_name(config.model.name, self.folder)  # a hub id, never a path
         self.tokenizer = load_tokenizer(self.folder)
-        data = config.data
-        train = load_encoded(data.train, self.tokenizer, fmt=data.format, max_length=data.max_length)
-        if data.validation:
-            val = load_encoded(
-                data.validation,
-                self.tokenizer,
-                fmt=data.format,
-                max_length=data.max_length,
-                field="data.validation",
-            )
+        self.preference: PreferenceRun | None = None  # a DPO run's pairs and reference
+        train: list[Encoded] | list[EncodedPair]
+        self.validation: list[Encoded] = []  # a supervised run's; a DPO run's are in ``preference``
+        if config.method.objective == "dpo":
+            pairs, held = load_preference_data(config, self.tokenizer, split_validation)
+            self.preference = PreferenceRun(pairs, held, beta=config.method.beta, lora=config.method.lora)
+            train = pairs
         else:
-            train, val = split_validation(train, data.validation_fraction, config.hyper.seed)
-        if data.packing:
-            train = pack(train, data.max_length)
-        self.validation = val
+            train, self.validation = load_examples(config, self.tokenizer)
         torch.manual_seed(config.hyper.seed)  # LoRA initialisation
         self.model = self._model()
         devices = devices_for(config.engine.devices)
         dtype = resolve_compute_dtype(config.engine.compute_dtype, on_gpu=devices[0].startswith("cuda"))
+        self.compute_dtype = dtype
         h = config.hyper
         self.engine = RoundPipe(
             self.model,
@@ -226,6 +239,19 @@ class Run:
                 "method.target_modules", f"method.target_modules={targets}: {exc}", value=targets
             ) from exc
 
+    def prepare(self) -> None:
+        """DPO: the reference log-probabilities, on the initial weights (so before ``resume``)."""
+        if self.preference is not None:
+            self.preference.prepare(
+                self.engine,
+                Path(self.config.output_dir),
+                base=str(self.folder),
+                compute_dtype=self.compute_dtype,
+                batch_size=self.config.hyper.batch_size,
+                pad_id=self.pad_id,
+                sink=self.sink,
+            )
+
     def resume(self) -> None:
         found = latest(self.checkpoints)
         if found is None:
@@ -260,14 +286,20 @@ class Run:
         return path
 
     def validate(self) -> float | None:
-        if not self.validation:
-            return None
+        batch_size = self.config.hyper.batch_size
         try:
-            loss = evaluate(self.engine, self.validation, self.config.hyper.batch_size, self.pad_id)
+            if self.preference is not None:
+                metrics = self.preference.validate(self.engine, batch_size, self.pad_id)
+            elif self.validation:
+                metrics = {"loss/val": evaluate(self.engine, self.validation, batch_size, self.pad_id)}
+            else:
+                metrics = None
         except Cancelled:
             return None  # the loop stops at its next check
-        self.sink.log({"loss/val": loss}, self.step)
-        return loss
+        if metrics is None:
+            return None
+        self.sink.log(metrics, self.step)
+        return metrics["loss/val"]
 
     def loop(self) -> TrainResult:
         h, every_eval = self.config.hyper, self.config.eval.every_steps
@@ -282,8 +314,13 @@ class Run:
             lr = learning_rate(
                 self.step, total=self.total, peak=h.learning_rate, warmup=h.warmup_steps, schedule=h.schedule
             )
+            extra: dict[str, float] = {}
             try:
-                loss = self.engine.forward_backward(**batch)
+                if self.preference is not None:  # DPO: the engine logs the rewards with the step
+                    stats = self.preference.forward_backward(self.engine, batch)
+                    loss, extra = stats.loss, stats.metrics()
+                else:
+                    loss = self.engine.forward_backward(**batch)
             except Cancelled:
                 self.batcher.load_state_dict(position)  # the batch was not trained on
                 status = "cancelled"
@@ -301,7 +338,7 @@ class Run:
                 "tokens/batch": float(int(batch["attention_mask"].sum())),
             }
             self.sink.log(metrics, self.step)
-            metrics.update({"loss/train": loss, "optim/lr": lr})
+            metrics.update({"loss/train": loss, "optim/lr": lr, **extra})
             if every_eval and self.step % every_eval == 0 and self.step < self.total:
                 self.validate()
             if self.step % self.config.checkpoint.every_steps == 0 or self.step == self.total:
@@ -343,6 +380,11 @@ def train(
     """
     run = Run(config, sink or NullSink(), cancel, Path(models_dir))
     try:
+        try:
+            run.prepare()
+        except Cancelled:  # while computing DPO's reference log-probabilities
+            last = latest(run.checkpoints)
+            return TrainResult("cancelled", last[0] if last else 0, run.total, last[1] if last else None)
         run.resume()
         if run.step >= run.total:
             found = list_checkpoints(run.checkpoints)

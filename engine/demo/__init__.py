@@ -3,18 +3,24 @@
 Each row lists a small inventory and asks for the count of one item; the answer is the bare
 number. The instruct base model answers in sentences (or miscounts), so its exact-match accuracy
 is low; a short LoRA fine-tune teaches it to find the item and answer with the number alone.
-The committed files under ``data/`` are the output of ``make_rows`` (a test checks that).
+The DPO demo (``engine.demo.dpo``) asks the same questions with the right count preferred over
+another item's count. The committed files under ``data/`` are the output of ``make_rows`` and
+``make_preference_rows`` (tests check that).
 """
 
 from __future__ import annotations
 
 import json
 import random
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 DATA = Path(__file__).resolve().parent / "data"
 TRAIN = DATA / "inventory_train.jsonl"
 HELDOUT = DATA / "inventory_heldout.jsonl"
+# preference rows for the DPO demo: the right count preferred over another item's count
+PREFERENCE_TRAIN = DATA / "inventory_preference_train.jsonl"
+PREFERENCE_HELDOUT = DATA / "inventory_preference_heldout.jsonl"
 ITEMS = ["apples", "pears", "plums", "lemons", "cherries", "melons", "grapes", "peaches", "figs", "limes"]
 
 
@@ -39,15 +45,39 @@ def make_rows(n: int, seed: int) -> list[dict[str, object]]:
     return rows
 
 
-def write(path: Path, rows: list[dict[str, object]]) -> None:
+def make_preference_rows(n: int, seed: int) -> list[dict[str, str]]:
+    """``n`` preference rows: an inventory question (3–4 items, distinct counts 1–9), the right
+    count as the preferred answer and the count of another item listed as the rejected one."""
+    rng = random.Random(seed)
+    rows: list[dict[str, str]] = []
+    for _ in range(n):
+        items = rng.sample(ITEMS, rng.randint(3, 4))
+        counts = rng.sample(range(1, 10), len(items))
+        asked = rng.randrange(len(items))
+        other = rng.choice([i for i in range(len(items)) if i != asked])
+        listing = ", ".join(f"{c} {item}" for item, c in zip(items, counts, strict=True))
+        rows.append(
+            {
+                "prompt": f"Inventory: {listing}. How many {items[asked]}?",
+                "chosen": str(counts[asked]),
+                "rejected": str(counts[other]),
+            }
+        )
+    return rows
+
+
+def write(path: Path, rows: Sequence[Mapping[str, object]]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
 
 
 def regenerate() -> None:
-    """Write the committed demo files (train: 400 rows, held-out: 40 rows)."""
+    """Write the committed demo files (train: 400 rows, held-out: 40 rows; preference: 48 and
+    16 rows)."""
     write(TRAIN, make_rows(400, seed=1))
     write(HELDOUT, make_rows(40, seed=2))
+    write(PREFERENCE_TRAIN, make_preference_rows(48, seed=3))
+    write(PREFERENCE_HELDOUT, make_preference_rows(16, seed=4))
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from engine.model.loss import (
     chunked_causal_lm_loss_sum,
     finish_logits,
 )
+from engine.model.preference import chunked_sequence_logps
 
 
 class InputLayer(nn.Module):
@@ -78,7 +79,11 @@ class OutputLayer(nn.Module):
         self.logits_divisor = logits_divisor
         self.logit_softcap = logit_softcap
 
-    def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, hidden: torch.Tensor, labels: torch.Tensor | None = None, *, per_sequence: bool = False
+    ) -> torch.Tensor:
+        """The logits; given ``labels``, the loss sum, or with ``per_sequence`` the ``[b]`` sums of
+        each row's label-token log-probabilities (``engine.model.preference``)."""
         normed = self.norm(hidden)
         divisor, cap = self.logits_divisor, self.logit_softcap
         if labels is None:
@@ -93,7 +98,8 @@ class OutputLayer(nn.Module):
             logits: torch.Tensor = functional_call(lm_head, tensors, (h,), tie_weights=False, strict=False)
             return finish_logits(logits, divisor=divisor, softcap=cap)
 
-        return chunked_causal_lm_loss_sum(
+        reduce = chunked_sequence_logps if per_sequence else chunked_causal_lm_loss_sum
+        return reduce(
             normed,
             labels,
             head,
@@ -277,13 +283,20 @@ def run_layer(
     x: torch.Tensor,
     ctx: Context | None,
     labels: torch.Tensor | None = None,
+    *,
+    per_sequence: bool = False,
 ) -> torch.Tensor:
     """Run one layer on ``x``; ``call(*args, **kwargs)`` invokes (a copy of) ``layer.module``.
 
-    The output layer given ``labels`` returns the loss sum, not the logits.
+    The output layer given ``labels`` returns the loss sum, not the logits; with
+    ``per_sequence`` the ``[b]`` per-row sums of the label tokens' log-probabilities.
     """
     if layer.kind == "output":
-        return call(x) if labels is None else call(x, labels)  # type: ignore[no-any-return]
+        if labels is None:
+            return call(x)  # type: ignore[no-any-return]
+        if per_sequence:
+            return call(x, labels, per_sequence=True)  # type: ignore[no-any-return]
+        return call(x, labels)  # type: ignore[no-any-return]
     if layer.kind != "block":
         return call(x)  # type: ignore[no-any-return]
     if ctx is None:

@@ -20,6 +20,8 @@ from engine.parallel.schedule import SlotRun
 if TYPE_CHECKING:
     import torch
 
+    from engine.parallel.pairs import Preference
+
 
 @dataclass
 class MicroBatch:
@@ -46,6 +48,18 @@ def split_batch(
     Raises:
         ValueError: bad shapes, fewer sequences than micro-batches, or no label token.
     """
+    check_batch(input_ids, labels, attention_mask)
+    m = num_microbatches
+    if input_ids.shape[0] < m:
+        raise ValueError(f"batch of {input_ids.shape[0]} sequences cannot fill num_microbatches={m}")
+    total = count_label_tokens(labels)
+    if total == 0:
+        raise ValueError("labels: every label is -100, there is no token to train on")
+    return cut_batch(input_ids, labels, attention_mask, m, pin=pin), total
+
+
+def check_batch(input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+    """Raise ``ValueError`` unless ``input_ids`` is ``[batch, seq]`` and the others have its shape."""
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
     if labels.shape != input_ids.shape:
@@ -57,25 +71,31 @@ def split_batch(
             f"attention_mask shape {tuple(attention_mask.shape)} "
             f"differs from input_ids {tuple(input_ids.shape)}"
         )
-    m = num_microbatches
-    if input_ids.shape[0] < m:
-        raise ValueError(f"batch of {input_ids.shape[0]} sequences cannot fill num_microbatches={m}")
-    total = count_label_tokens(labels)
-    if total == 0:
-        raise ValueError("labels: every label is -100, there is no token to train on")
-    ids = input_ids.detach().cpu().tensor_split(m)
-    lab = labels.detach().cpu().tensor_split(m)
-    am = attention_mask.detach().cpu().tensor_split(m) if attention_mask is not None else [None] * m
+
+
+def cut_batch(
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    sections: int | list[int],
+    *,
+    pin: bool = False,
+) -> list[MicroBatch]:
+    """Cut a checked batch into micro-batches in host memory, by rows: ``sections`` as
+    ``torch.tensor_split`` takes it (a count of near-equal parts, or the row indices to cut at)."""
+    m = sections if isinstance(sections, int) else len(sections) + 1
+    ids = input_ids.detach().cpu().tensor_split(sections)
+    lab = labels.detach().cpu().tensor_split(sections)
+    am = attention_mask.detach().cpu().tensor_split(sections) if attention_mask is not None else [None] * m
 
     def host(t: torch.Tensor) -> torch.Tensor:
         # GPU workers upload with non_blocking copies, which are asynchronous only from pinned memory
         return t.contiguous().pin_memory() if pin else t.contiguous()
 
-    mbs = [
+    return [
         MicroBatch(host(i), host(t), None if a is None else host(a))
         for i, t, a in zip(ids, lab, am, strict=True)
     ]
-    return mbs, total
 
 
 @dataclass
@@ -87,7 +107,7 @@ class Iteration:
     plan: Plan
     runs: list[SlotRun]
     microbatches: list[MicroBatch]
-    total_tokens: int
+    total_tokens: int  # what the loss is a mean over: label tokens, or pairs (a DPO iteration)
     rounds: list[tuple[int, ...]]
     seed: int
     checkpoints: frozenset[int]
@@ -97,8 +117,10 @@ class Iteration:
     acts: dict[tuple[int, int], tuple[Any, Any]] = field(default_factory=dict)
     act_uses: dict[tuple[int, int], int] = field(default_factory=dict)
     grads: dict[tuple[int, int], tuple[Any, Any]] = field(default_factory=dict)
-    # per micro-batch: (host tensor, index, copy event) of its loss sum (read with ``loss_sum``)
+    # per micro-batch: (host tensor, index, copy event) of its loss sum (read with ``loss_sum``);
+    # a preference iteration's rows' log-probabilities follow it (engine.parallel.pairs)
     loss_sums: dict[int, tuple[Any, int, Any]] = field(default_factory=dict)
+    preference: Preference | None = None  # scores whole sequences (DPO) instead of tokens
     # busy spans (worker, stage name, start, end): clock readings, or CUDA timing events
     spans: list[tuple[int, str, Any, Any]] = field(default_factory=list)
     # MoE router loss: (micro-batch, forward stage start) -> that stage's summed (counts, probs),

@@ -17,23 +17,23 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 import threading
 import time
 import traceback
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.func import functional_call
 
 from engine.errors import Cancelled, EngineError
-from engine.model.adapter import AdaptedModel, Layer, run_layer
-from engine.model.router import RouterLoss
-from engine.parallel.board import Board, Iteration
+from engine.model.adapter import Layer, run_layer
+from engine.parallel.board import Iteration
+from engine.parallel.context import WorkerContext
 from engine.parallel.gradients import send_gradients
-from engine.parallel.host import HostState
+from engine.parallel.pairs import adapters_disabled, fused_output
 from engine.parallel.partition import Stage
 from engine.parallel.replica import meta_copy, rng_lock
 from engine.parallel.routing import RouterAccounting
@@ -41,31 +41,6 @@ from engine.parallel.schedule import SlotRun
 from engine.parallel.transfer import DeviceLink, plan_windows
 
 Params = dict[int, dict[str, torch.Tensor]]  # layer -> local name -> device tensor
-
-
-@dataclass(frozen=True)
-class WorkerContext:
-    """What every worker of one engine shares: all a worker sees of the engine.
-
-    Attributes:
-        model: the adapted model: the layers each worker copies the structure of, and the
-            builder of the blocks' per-micro-batch context.
-        host: the host copies the workers upload from.
-        board: the blackboard the threads coordinate through.
-        cancel: when set, iterations stop between micro-batches (None: never).
-        dropout: the model draws random numbers in training (dropout is seeded per layer).
-        fp32_accumulate: sum micro-batch weight gradients in fp32 on the device (a low-precision
-            compute dtype) before they go down to the host.
-        router_loss: the MoE routers' auxiliary loss, when the run adds it.
-    """
-
-    model: AdaptedModel
-    host: HostState
-    board: Board
-    cancel: threading.Event | None
-    dropout: bool
-    fp32_accumulate: bool
-    router_loss: RouterLoss | None = None
 
 
 class Worker:
@@ -227,17 +202,20 @@ class Worker:
 
     # -- one slot run --------------------------------------------------------------------------
     def _run(self, it: Iteration, run: SlotRun, stage: Stage, owners: set[int], released: list[bool]) -> None:
-        if it.train:
-            self._run_stage(it, run, stage, owners, released)
-            return
-        modes = [self.modules[i].training for i in stage.layers]
-        for i in stage.layers:
-            self.modules[i].eval()  # evaluation: dropout off
-        try:
-            self._run_stage(it, run, stage, owners, released)
-        finally:
-            for i, mode in zip(stage.layers, modes, strict=True):
-                self.modules[i].train(mode)
+        with contextlib.ExitStack() as stack:
+            if it.preference is not None and not it.preference.adapters:  # the LoRA reference: the base
+                stack.enter_context(adapters_disabled(self.modules[i] for i in stage.layers))
+            if it.train:
+                self._run_stage(it, run, stage, owners, released)
+                return
+            modes = [self.modules[i].training for i in stage.layers]
+            for i in stage.layers:
+                self.modules[i].eval()  # evaluation: dropout off
+            try:
+                self._run_stage(it, run, stage, owners, released)
+            finally:
+                for i, mode in zip(stage.layers, modes, strict=True):
+                    self.modules[i].train(mode)
 
     def _run_stage(
         self, it: Iteration, run: SlotRun, stage: Stage, owners: set[int], released: list[bool]
@@ -274,12 +252,14 @@ class Worker:
                 send_gradients(
                     self.link, self.board, self.host, (it.serial, run.round), stage, params, summed
                 )
-            # the losses go down in one copy and are read, with the times, once per iteration
-            sent = self.link.download(torch.stack(losses)) if losses else None
+            # the losses go down in one copy and are read, with the times, once per iteration (a
+            # preference micro-batch's loss sum is followed by its rows' log-probabilities)
+            sent = self.link.download(torch.cat([v.reshape(-1) for v in losses])) if losses else None
+            starts = list(itertools.accumulate((v.numel() for v in losses), initial=0))
             with self.board.cv:
                 if sent is not None:
                     for j, mb in enumerate(run.microbatches):
-                        it.loss_sums[mb] = (sent[0], j, sent[1])
+                        it.loss_sums[mb] = (sent[0], starts[j], sent[1])
                 it.spans.extend((self.index, stage.name, a, b) for a, b in spans)
                 self.board.cv.notify_all()
 
@@ -370,7 +350,7 @@ class Worker:
             return functional_call(module, tensors, args, kwargs, tie_weights=False, strict=False)
 
         with self._rng(it, mb, layer.index):
-            return run_layer(layer, call, x, ctx, labels)
+            return run_layer(layer, call, x, ctx, labels, per_sequence=it.preference is not None)
 
     def _context(self, it: Iteration, mb: int, hidden: torch.Tensor) -> Any:
         am = it.microbatches[mb].attention_mask
@@ -416,7 +396,7 @@ class Worker:
                 self.routing.statistics(it, mb, i)  # an evaluation adds no router loss
                 if ctx is None:
                     ctx = self._context(it, mb, x)
-            return x
+            return x if it.preference is None else fused_output(it, mb, x, self.link.upload)[1]
 
     def _backward(
         self,
@@ -448,9 +428,11 @@ class Worker:
                 if ctx is None:
                     ctx = self._context(it, mb, x)
                 saved.append((inp, x))
-            loss_sum = None
+            loss_sum, report = None, None
             if stage.kind == "fused":
                 loss_sum = x
+                if it.preference is not None:  # x: the rows' log-probabilities
+                    loss_sum, report = fused_output(it, mb, x, self.link.upload)
                 scale = self.board.scale_for(it) / it.total_tokens
                 top: torch.Tensor | None = loss_sum * scale
                 grad: torch.Tensor | None = None
@@ -492,6 +474,8 @@ class Worker:
                         else:
                             acc.add_(t.grad)
                         t.grad = None
+        if report is not None:
+            return report
         return None if loss_sum is None else loss_sum.detach()
 
     def _needs_input_grad(self, layer: int) -> bool:

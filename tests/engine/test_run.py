@@ -183,7 +183,8 @@ def test_config_errors_name_the_field_and_value(tmp_path: Path) -> None:
         TrainConfig.parse(
             {"data": {"train": "x.jsonl"}, "hyper": {"batch_size": 4}, "engine": {"num_microbatches": 8}}
         )
-    with pytest.raises(ValueError, match=r"method.kind: Input should be 'lora' or 'full' \(got \"qlora\"\)"):
+    kinds = r"method.kind: Input should be 'lora', 'full' or 'dpo' \(got \"qlora\"\)"
+    with pytest.raises(ValueError, match=kinds):
         TrainConfig.parse({"data": {"train": "x.jsonl"}, "method": {"kind": "qlora"}})
     with pytest.raises(ValueError, match=r"data: Field required"):
         TrainConfig.parse({})
