@@ -28,7 +28,12 @@ if TYPE_CHECKING:
 
     from server.tables import ApiKey
 
-DEMO_DATASETS = (("demo: inventory (train)", "TRAIN"), ("demo: inventory (held-out)", "HELDOUT"))
+DEMO_DATASETS = (  # (name, the engine.demo attribute holding the file's path)
+    ("demo: inventory (train)", "TRAIN"),
+    ("demo: inventory (held-out)", "HELDOUT"),
+    ("demo: inventory preferences (train)", "PREFERENCE_TRAIN"),
+    ("demo: inventory preferences (held-out)", "PREFERENCE_HELDOUT"),
+)
 # how long uvicorn lets requests finish once asked to stop (the event streams end at once);
 # `docker compose stop` waits 10 s before it kills
 SHUTDOWN_GRACE_S = 5

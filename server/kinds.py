@@ -16,6 +16,8 @@ class JobStatus(StrEnum):
     QUEUED = "queued"
     RUNNING = "running"
     CANCELLING = "cancelling"
+    PAUSING = "pausing"  # a worker holds it and stops it at the next step boundary, with a checkpoint
+    PAUSED = "paused"  # stopped with a checkpoint at the step it reached; no worker holds it until resumed
     INTERRUPTED = "interrupted"  # its worker vanished: requeued, it resumes from its last checkpoint
     SUCCEEDED = "succeeded"
     FAILED = "failed"
@@ -33,6 +35,7 @@ class EventKind(StrEnum):
     RESUME = "resume"  # the run resumed from a checkpoint: data {"step"}
     PARTITION = "partition"  # the pipeline's layer partition, from parameter sizes
     REPARTITION = "repartition"  # the partition recomputed from measured layer times
+    REFERENCE = "reference"  # a DPO run's reference log-probabilities, computed or read back
 
 
 # the kinds whose data are metric values: GET /api/jobs/{id}/metrics reads them, the UI charts them

@@ -205,10 +205,21 @@ class PreviewToken(BaseModel):
     trained: bool
 
 
+class PreviewAnswer(BaseModel):
+    tokens: list[PreviewToken]
+    truncated: bool
+
+
 class PreviewRow(BaseModel):
     line: int
     truncated: bool
-    tokens: list[PreviewToken]
+    tokens: list[PreviewToken] = Field(description="the row rendered; of a preference row, the prompt alone")
+    chosen: PreviewAnswer | None = Field(
+        None, description="a preference row's preferred answer, after the prompt"
+    )
+    rejected: PreviewAnswer | None = Field(
+        None, description="a preference row's rejected answer, after the prompt"
+    )
 
 
 class PreviewPublic(BaseModel):
@@ -381,7 +392,11 @@ class GenerationCreate(BaseModel):
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    model: Line | None = Field(None, description="a base model name from GET /api/models")
+    model: Line | None = Field(
+        None,
+        description="a base model name from GET /api/models, or a fine-tuned model or checkpoint by "
+        "its OpenAI-style name (fine_tuned_model, fine_tuned_model_checkpoint of /v1/fine_tuning/jobs)",
+    )
     checkpoint: CheckpointRef | None = Field(None, description="a job's checkpoint, instead of model")
     messages: list[ChatMessage] = Field(min_length=1, max_length=200)
     temperature: float = Field(0.7, ge=0.0, le=2.0, description="0: always the most likely token")

@@ -1,4 +1,4 @@
-"""``/api/jobs``: create, list, get, cancel, resume, delete, events (paged and as an SSE stream),
+"""``/api/jobs``: create, list, get, cancel, pause, resume, delete, events (paged and as an SSE stream),
 metrics."""
 
 from __future__ import annotations
@@ -63,6 +63,12 @@ def send(session: Session, settings: Settings, job_id: str) -> None:
 @router.post("", response_model=JobPublic, status_code=201, responses=documented(400, 404))
 def create_job(session: SessionDep, settings: SettingsDep, body: JobCreate) -> Any:
     """Start a fine-tune: a base model, a dataset, and the TrainConfig sections."""
+    return public(submit(session, settings, body))
+
+
+def submit(session: Session, settings: Settings, body: JobCreate) -> Job:
+    """Check a job request (base model, datasets, TrainConfig), store the job queued and send it:
+    what ``POST /api/jobs`` and ``POST /v1/fine_tuning/jobs`` do. Raises ``ApiError`` naming the field."""
     model = models.find(body.base_model, settings.models_dir, settings.hf_cache_dir)
     if model is None:
         raise ApiError(
@@ -94,6 +100,7 @@ def create_job(session: SessionDep, settings: SettingsDep, body: JobCreate) -> A
             validation_path=validation.path if validation else None,
             output_dir=settings.runs_dir / ident,
         )
+        jobs.check_formats(config=config, train=train, validation=validation)  # dpo: preference data
     except ValueError as exc:
         param = exc.field if isinstance(exc, ConfigError) else None
         raise ApiError(422, "invalid_config", str(exc), param=param) from exc
@@ -108,7 +115,7 @@ def create_job(session: SessionDep, settings: SettingsDep, body: JobCreate) -> A
         config=config,
     )
     send(session, settings, job.id)
-    return public(job)
+    return job
 
 
 @router.get("", response_model=JobsPublic)
@@ -142,9 +149,19 @@ def cancel_job(session: SessionDep, job: JobDep) -> Any:
     return public(job)
 
 
+@router.post("/{job_id}/pause", response_model=JobPublic, responses=documented(404, 409))
+def pause_job(session: SessionDep, job: JobDep) -> Any:
+    """Pause: a queued job at once; a running one stops at its next step with a checkpoint."""
+    try:
+        jobs.request_pause(session, job=job)
+    except jobs.IllegalTransition as exc:
+        raise ApiError(409, "illegal_transition", str(exc), param="status") from exc
+    return public(job)
+
+
 @router.post("/{job_id}/resume", response_model=JobPublic, responses=documented(404, 409))
 def resume_job(session: SessionDep, settings: SettingsDep, job: JobDep) -> Any:
-    """Resume a cancelled, failed or interrupted job: queued again, from its latest checkpoint."""
+    """Resume a cancelled, failed, interrupted or paused job: queued again, from its latest checkpoint."""
     try:
         jobs.resume(session, job=job)
     except jobs.IllegalTransition as exc:

@@ -1,4 +1,5 @@
-"""Jobs: creation from a validated TrainConfig, the state machine, events, paging, metrics."""
+"""Jobs: creation from a validated TrainConfig, cancel, pause, resume and delete, events, paging,
+metrics, and the worker's claim, lease and outcome (the state machine: ``job_states``)."""
 
 from __future__ import annotations
 
@@ -12,84 +13,20 @@ from sqlalchemy import and_, delete, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from engine.config import TrainConfig
+from engine.errors import ConfigError
 from server.kinds import METRIC_KINDS, EventKind, JobStatus
 from server.services import checkpoints
-from server.tables import Job, JobEvent, now
-
-# validating -> queued -> running -> succeeded | failed | cancelled, plus cancelling and
-# interrupted (the worker vanished; the job is requeued and resumes from its last checkpoint)
-TRANSITIONS: dict[JobStatus, set[JobStatus]] = {
-    JobStatus.VALIDATING: {JobStatus.QUEUED, JobStatus.FAILED},
-    JobStatus.QUEUED: {JobStatus.RUNNING, JobStatus.CANCELLED, JobStatus.FAILED},
-    JobStatus.RUNNING: {
-        JobStatus.SUCCEEDED,
-        JobStatus.FAILED,
-        JobStatus.CANCELLING,
-        JobStatus.INTERRUPTED,
-        JobStatus.CANCELLED,
-    },
-    JobStatus.CANCELLING: {JobStatus.CANCELLED, JobStatus.FAILED, JobStatus.SUCCEEDED, JobStatus.INTERRUPTED},
-    JobStatus.INTERRUPTED: {JobStatus.QUEUED, JobStatus.RUNNING, JobStatus.CANCELLED, JobStatus.FAILED},
-    JobStatus.SUCCEEDED: set(),
-    JobStatus.FAILED: set(),
-    JobStatus.CANCELLED: set(),
-}
-TERMINAL = frozenset({JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED})
-STATUSES = tuple(TRANSITIONS)
-HELD = (JobStatus.RUNNING, JobStatus.CANCELLING)  # a worker holds the job (and renews its lease)
-# what a person may do with a job no worker holds: resume it (the one way out of a final state:
-# back to queued, from its latest checkpoint), or delete it with its files
-RESUMABLE = (JobStatus.CANCELLED, JobStatus.FAILED, JobStatus.INTERRUPTED)
-DELETABLE = (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED, JobStatus.INTERRUPTED)
-
-
-class IllegalTransition(Exception):
-    def __init__(self, job: Job, to: str, message: str | None = None) -> None:
-        super().__init__(message or f"job {job.id} is {job.status}: it cannot become {to}")
-        self.job, self.to = job, to
-
-
-def transition(session: Session, *, job: Job, to: JobStatus, message: str = "", commit: bool = True) -> None:
-    """Move a job to ``to`` and record the transition as an event row.
-
-    Raises:
-        IllegalTransition: ``to`` is not reachable from the job's status.
-    """
-    if to not in TRANSITIONS[JobStatus(job.status)]:
-        raise IllegalTransition(job, to)
-    previous, job.status = job.status, to
-    if to == JobStatus.RUNNING and job.started_at is None:
-        job.started_at = now()
-    if to in TERMINAL:
-        job.finished_at = now()
-    add_event(
-        session,
-        job_id=job.id,
-        kind=EventKind.STATE,
-        message=message or f"{previous} -> {to}",
-        data={"from": previous, "to": to},
-        commit=False,
-    )
-    if commit:
-        session.commit()
-
-
-def add_event(
-    session: Session,
-    *,
-    job_id: str,
-    kind: str,
-    message: str = "",
-    data: dict[str, Any] | None = None,
-    step: int | None = None,
-    commit: bool = True,
-) -> JobEvent:
-    """Record an event: ``kind`` is an ``EventKind`` (the engine's sink events keep their own name)."""
-    event = JobEvent(job_id=job_id, kind=kind, message=message, data=data or {}, step=step)
-    session.add(event)
-    if commit:
-        session.commit()
-    return event
+from server.services.job_states import DELETABLE as DELETABLE
+from server.services.job_states import HELD as HELD
+from server.services.job_states import RESUMABLE as RESUMABLE
+from server.services.job_states import STATUSES as STATUSES
+from server.services.job_states import TERMINAL as TERMINAL
+from server.services.job_states import TRANSITIONS as TRANSITIONS
+from server.services.job_states import IllegalTransition as IllegalTransition
+from server.services.job_states import add_event as add_event
+from server.services.job_states import move
+from server.services.job_states import transition as transition
+from server.tables import Dataset, Job, JobEvent, now
 
 
 def new_id() -> str:
@@ -114,6 +51,30 @@ def build_config(
         **{k: request[k] for k in ("method", "hyper", "engine", "checkpoint", "eval") if request.get(k)},
     }
     return TrainConfig.parse(raw)
+
+
+def check_formats(*, config: TrainConfig, train: Dataset, validation: Dataset | None) -> None:
+    """A DPO job trains on preference datasets (rows with a preferred and a rejected answer); a
+    supervised one (``lora``, ``full``) on any other format.
+
+    Raises:
+        ConfigError: naming ``dataset_id``, ``validation_dataset_id`` or ``data.format``, with the
+            dataset's name and format and the method.
+    """
+    dpo, kind, given = config.method.objective == "dpo", config.method.kind, config.data.format
+    if given != "auto" and (given == "preference") != dpo:
+        wanted = "preference" if dpo else "a supervised format"
+        message = f"data.format={given!r} does not suit method.kind={kind!r}: it takes {wanted} (or auto)"
+        raise ConfigError("data.format", message, value=given)
+    for field, dataset in (("dataset_id", train), ("validation_dataset_id", validation)):
+        if dataset is None or (dataset.format == "preference") == dpo:
+            continue
+        if dpo:
+            why = "is not a preference dataset: DPO needs rows with a preferred and a rejected answer"
+        else:
+            why = f"is a preference dataset: it trains with method.kind 'dpo', not {kind!r}"
+        message = f"{field}: dataset {dataset.name!r} ({dataset.format}) {why}"
+        raise ConfigError(field, message, value=dataset.id)
 
 
 def create_job(
@@ -204,16 +165,42 @@ def list_jobs(
 
 
 def request_cancel(session: Session, *, job: Job) -> None:
-    """Queued or interrupted jobs are cancelled at once; running ones become cancelling."""
+    """Queued, interrupted or paused jobs are cancelled at once; running (or pausing) ones become
+    cancelling."""
     if job.status in (JobStatus.QUEUED, JobStatus.INTERRUPTED, JobStatus.VALIDATING):
         transition(session, job=job, to=JobStatus.CANCELLED, message="cancelled before it ran")
+    elif job.status == JobStatus.PAUSED:
+        transition(session, job=job, to=JobStatus.CANCELLED, message="cancelled while paused")
     else:
         transition(session, job=job, to=JobStatus.CANCELLING, message="cancel requested")
 
 
+def request_pause(session: Session, *, job: Job) -> None:
+    """Pause a job: a running one becomes pausing (its worker stops the run at the next step
+    boundary with a checkpoint at the step reached, and records it paused); a queued or
+    interrupted one is paused at once. ``resume`` queues it again, from its latest checkpoint.
+
+    Raises:
+        IllegalTransition: the job cannot be paused (naming its status); also when it finished
+            while the request was made (the finish stands).
+    """
+    for _ in range(3):  # a claim or a finish may move the job meanwhile: decide again on what it is now
+        status = status_of(session, job_id=job.id) or "deleted"
+        if status == JobStatus.RUNNING:
+            to, message = JobStatus.PAUSING, "pause requested: it stops at the next step boundary"
+        elif status in (JobStatus.QUEUED, JobStatus.INTERRUPTED):
+            to, message = JobStatus.PAUSED, f"{status} -> paused while it waited for a worker"
+        else:
+            message = f"job {job.id} is {status}: only a queued, running or interrupted job can be paused"
+            raise IllegalTransition(job, JobStatus.PAUSED, message)
+        if move(session, job=job, frm=status, to=to, message=message):
+            return
+    raise IllegalTransition(job, JobStatus.PAUSED, f"job {job.id} keeps changing state: try again")
+
+
 def resume(session: Session, *, job: Job) -> None:
-    """Queue a cancelled, failed or interrupted job again: the worker that claims it resumes from
-    its latest checkpoint. Its error, finish time and restart count are cleared; its message
+    """Queue a cancelled, failed, interrupted or paused job again: the worker that claims it resumes
+    from its latest checkpoint. Its error, finish time and restart count are cleared; its message
     counts as sent (the caller sends it, or calls ``send_failed``).
 
     Raises:
@@ -221,7 +208,9 @@ def resume(session: Session, *, job: Job) -> None:
     """
     previous = job.status
     if previous not in RESUMABLE:
-        message = f"job {job.id} is {previous}: only a cancelled, failed or interrupted job can be resumed"
+        message = (
+            f"job {job.id} is {previous}: only a cancelled, failed, interrupted or paused job can be resumed"
+        )
         raise IllegalTransition(job, JobStatus.QUEUED, message)
     taken = session.execute(
         update(Job)
@@ -264,10 +253,14 @@ def delete_job(session: Session, *, job: Job) -> None:
     """
 
     def refused(status: str) -> IllegalTransition:
-        wait = "wait until it is cancelled" if status == JobStatus.CANCELLING else "cancel it first"
+        waits: dict[str, str] = {
+            JobStatus.CANCELLING: "wait until it is cancelled",
+            JobStatus.PAUSING: "wait until it is paused",
+        }
+        wait = waits.get(status, "cancel it first")
         message = (
-            f"job {job.id} is {status}: {wait}; only a succeeded, failed, cancelled or interrupted"
-            " job can be deleted"
+            f"job {job.id} is {status}: {wait}; only a succeeded, failed,"
+            " cancelled, interrupted or paused job can be deleted"
         )
         return IllegalTransition(job, "deleted", message)
 
@@ -390,22 +383,29 @@ def record_progress(
 def finish(
     session: Session, *, job_id: str, worker_id: str, to: JobStatus, message: str, error: str | None = None
 ) -> bool:
-    """Record a run's outcome, if this worker still holds the job."""
-    session.expire_all()
-    job = session.get(Job, job_id)
-    if job is None or job.worker_id != worker_id or job.status not in HELD:
-        return False
-    if to == JobStatus.SUCCEEDED and job.status == JobStatus.CANCELLING:
-        message = f"{message} (finished before the cancel took effect)"
-    job.error = error
-    job.lease_until = None
-    transition(session, job=job, to=to, message=message)
-    return True
+    """Record a run's outcome, if this worker still holds the job. A run stopped on request (``to``
+    cancelled) ends as requested: paused when the job is pausing, cancelled when cancelling."""
+    for _ in range(3):  # a pause or cancel requested meanwhile: record the outcome over it
+        session.expire_all()
+        job = session.get(Job, job_id)
+        if job is None or job.worker_id != worker_id or job.status not in HELD:
+            return False
+        held = job.status
+        final = JobStatus.PAUSED if to == JobStatus.CANCELLED and held == JobStatus.PAUSING else to
+        note = message
+        if final == JobStatus.SUCCEEDED and held != JobStatus.RUNNING:
+            request = "cancel" if held == JobStatus.CANCELLING else "pause"
+            note = f"{message} (finished before the {request} took effect)"
+        values = {"error": error, "lease_until": None}
+        if move(session, job=job, frm=held, to=final, message=note, worker_id=worker_id, values=values):
+            return True
+    return False
 
 
 def sweep(session: Session) -> list[str]:
     """Jobs whose worker stopped renewing its lease: running ones become interrupted (to requeue),
-    cancelling ones cancelled. Returns the ids to requeue."""
+    cancelling ones cancelled, pausing ones paused (at their last checkpoint; never requeued).
+    Returns the ids to requeue."""
     stamp = now()
     stale = session.scalars(select(Job).where(Job.status.in_(HELD), Job.lease_until < stamp)).all()
     requeue = []
@@ -416,6 +416,9 @@ def sweep(session: Session) -> list[str]:
             transition(
                 session, job=job, to=JobStatus.CANCELLED, message=f"worker {worker} vanished while cancelling"
             )
+        elif job.status == JobStatus.PAUSING:
+            message = f"worker {worker} vanished while pausing: paused at its last checkpoint"
+            transition(session, job=job, to=JobStatus.PAUSED, message=message)
         else:
             job.sent_at = None  # it needs a new message: the reconcile sends it
             transition(

@@ -1,4 +1,4 @@
-"""The task's body: claim the job, run the training child, relay cancel, record the outcome.
+"""The task's body: claim the job, run the training child, relay cancel and pause, record the outcome.
 
 Runs in the Celery pool process. It never imports torch: the child is a fresh interpreter, so
 a crash or an out-of-memory kill there leaves the worker alive.
@@ -68,9 +68,14 @@ class _Stopped(Exception):
     """The supervisor stopped the child: its lease was lost, or the worker's main process died."""
 
 
+# the statuses whose run stops at its next step boundary with a checkpoint: the engine's cancel,
+# relayed as SIGTERM; the outcome is recorded as the request (``jobs.finish``: cancelled or paused)
+STOPPING: dict[str, str] = {JobStatus.CANCELLING: "cancel", JobStatus.PAUSING: "pause"}
+
+
 class _Child:
-    """One training process of a job, watched until it exits: the lease renewed, a cancel relayed
-    (SIGTERM, then a kill after the grace period), the host's telemetry recorded."""
+    """One training process of a job, watched until it exits: the lease renewed, a cancel or pause
+    relayed (SIGTERM, then a kill after the grace period), the host's telemetry recorded."""
 
     def __init__(self, settings: Settings, folder: Path, *, job_id: str) -> None:
         env = {**os.environ, **settings.child_environment()}
@@ -115,14 +120,15 @@ class _Child:
                         raise self.stop("lease lost; child stopped")
                 else:
                     status = jobs.status_of(session, job_id=job_id)
-                if status == JobStatus.CANCELLING and self.cancel_sent is None:
+                if status in STOPPING and self.cancel_sent is None:
                     self.proc.send_signal(signal.SIGTERM)
                     self.cancel_sent = now
                     jobs.add_event(
                         session,
                         job_id=job_id,
                         kind=EventKind.LOG,
-                        message="cancel relayed to the training process",
+                        message=f"{STOPPING[status]} relayed to the training process: it stops at the next"
+                        " step boundary with a checkpoint",
                     )
                 if now >= next_telemetry:
                     next_telemetry = now + TELEMETRY_S
@@ -199,13 +205,21 @@ def supervise(settings: Settings, sessions: sessionmaker[Session], *, job_id: st
         error = None
         if rc == EXIT_OK:
             to, message = JobStatus.SUCCEEDED, "training finished"
+        # stopped on request: jobs.finish records it cancelled, or paused when the job is pausing
         elif rc == EXIT_CANCELLED:
-            to, message = JobStatus.CANCELLED, "stopped at a step boundary with a checkpoint"
+            with sessions() as session:
+                step = _last_checkpoint(session, job_id)
+            saved = f"a checkpoint at step {step}" if step is not None else "no checkpoint (before a step)"
+            to, message = JobStatus.CANCELLED, f"stopped at a step boundary with {saved}"
         elif child.killed_for_cancel:
             to, message = (
                 JobStatus.CANCELLED,
-                "killed after the cancel grace period; resumes from its last checkpoint",
+                "killed after the grace period; resumes from its last checkpoint",
             )
+        elif rc == -signal.SIGTERM and child.cancel_sent is not None:
+            # the request reached the training process before it could handle it (it handles
+            # SIGTERM from its first line): it trained nothing
+            to, message = JobStatus.CANCELLED, "stopped before the training started"
         elif _crashed(rc) and child.cancel_sent is None:
             with sessions() as session:
                 error = _restart(settings, session, job_id=job_id, worker_id=worker_id, rc=rc)

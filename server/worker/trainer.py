@@ -25,7 +25,15 @@ from server.settings import get_settings
 
 EXIT_OK, EXIT_FAILED, EXIT_CANCELLED = 0, 1, 3
 ERROR_FILE = "error.txt"
-KEEP = ("loss/train", "loss/val", "optim/lr", "throughput/tokens_per_s")
+# the latest values a checkpoint row records with it (DPO runs: their reward figures too)
+KEEP = (
+    "loss/train",
+    "loss/val",
+    "optim/lr",
+    "throughput/tokens_per_s",
+    "dpo/reward_margin",
+    "dpo/reward_accuracy",
+)
 
 
 class DatabaseSink:

@@ -8,6 +8,8 @@ export const STATUSES = {
   queued: { label: "queued", terminal: false, css: "status-queued" },
   running: { label: "running", terminal: false, css: "status-running" },
   cancelling: { label: "cancelling", terminal: false, css: "status-cancelling" },
+  pausing: { label: "pausing", terminal: false, css: "status-pausing" },
+  paused: { label: "paused", terminal: false, css: "status-paused" },
   interrupted: { label: "interrupted", terminal: false, css: "status-interrupted" },
   succeeded: { label: "succeeded", terminal: true, css: "status-succeeded" },
   failed: { label: "failed", terminal: true, css: "status-failed" },
@@ -25,6 +27,7 @@ export const EVENT_KINDS = {
   resume: { label: "resume", chart: false },
   partition: { label: "partition", chart: false },
   repartition: { label: "repartition", chart: false },
+  reference: { label: "reference", chart: false },
 };
 
 // A job in this status can still change.

@@ -1,15 +1,25 @@
-// Job: status, progress and ETA, times (created, started, finished, duration), disk use, loss (train
-// and validation), throughput, learning rate, bubble ratio, per-GPU utilization and memory over the
-// job's life, the event log, checkpoints, cancel, resume and delete. Everything is rebuilt from the
+// Job: status, method, progress and ETA, times (created, started, finished, duration), disk use, loss
+// (train and validation), DPO rewards, throughput, learning rate, bubble ratio, per-GPU utilization
+// and memory over the job's life, the event log, checkpoints, cancel, pause, resume and delete. Everything is rebuilt from the
 // job's event stream, which replays the stored events and then goes live (again after a resume).
 
-import { api, downloadUrl, stream } from "../api.js";
+import { api, stream } from "../api.js";
 import { EVENT_KINDS, isActive } from "../kinds.js";
+import { checkpointRow } from "./checkpoint-row.js";
 import { mountEvaluations } from "./evaluations.js";
 import { age, bytes, clock, duration, el, errorBox, number, showStatus } from "../widgets.js";
 
-const RESUMABLE = ["cancelled", "failed", "interrupted"];
-const DELETABLE = ["succeeded", "failed", "cancelled", "interrupted"];
+const RESUMABLE = ["cancelled", "failed", "interrupted", "paused"];
+const DELETABLE = ["succeeded", "failed", "cancelled", "interrupted", "paused"];
+const PAUSABLE = ["queued", "running", "interrupted"];
+const RUNS = ["running", "pausing", "cancelling"]; // a worker runs it: the ETA means something
+
+// "LoRA (r 16)", "Full fine-tune", "DPO (LoRA), beta 0.1"
+export function methodLabel(m = {}) {
+  if (m.kind === "dpo") return `DPO (${m.dpo_tuning === "full" ? "full" : "LoRA"}), beta ${m.beta ?? 0.1}`;
+  if (m.kind === "full") return "Full fine-tune";
+  return `LoRA (r ${m.lora_r ?? 16})`;
+}
 
 export async function render(main, jobId) {
   let job = await api(`/jobs/${jobId}`);
@@ -57,7 +67,15 @@ export async function render(main, jobId) {
   const log = el("ol", { id: "event-log", class: "log" });
   const checkpoints = el("tbody");
   const cancel = el("button", { type: "button", id: "cancel-job", class: "danger", text: "Cancel job" });
+  const pause = el("button", {
+    type: "button",
+    id: "pause-job",
+    class: "secondary",
+    text: "Pause",
+    title: "Stop at the next step with a checkpoint; Resume continues from it",
+  });
   const resume = el("button", { type: "button", id: "resume-job", text: "Resume" });
+  const pausedNote = el("p", { id: "paused-note", class: "paused-note", hidden: true });
   const remove = el("button", { type: "button", id: "delete-job", class: "danger", text: "Delete job" });
   const created = el("span", { id: "job-created" });
   const started = el("span", { id: "job-started" });
@@ -66,10 +84,52 @@ export async function render(main, jobId) {
   const diskUse = el("span", { id: "job-disk" });
   const error = el("div", { id: "job-error" });
   const title = el("h1", { text: job.name });
-
+  const dpo = job.config.method?.kind === "dpo";
+  const marginChart = el("rh-line-chart", {
+    id: "reward-margin-chart",
+    label: "DPO reward margin",
+    xlabel: "step",
+    ylabel: "reward",
+    empty: "no reward logged yet",
+  });
+  const accuracyChart = el("rh-line-chart", {
+    id: "reward-accuracy-chart",
+    label: "DPO reward accuracy",
+    xlabel: "step",
+    ylabel: "accuracy",
+    zero: true,
+    ymax: 1,
+    empty: "no reward logged yet",
+  });
+  const dpoCards = [
+    el(
+      "section",
+      { class: "card dpo-card", hidden: !dpo },
+      el("h2", { text: "Rewards (DPO)" }),
+      el("p", {
+        class: "hint",
+        text: "Implicit rewards of the preferred (chosen) and rejected answers; the margin is their difference.",
+      }),
+      marginChart,
+    ),
+    el(
+      "section",
+      { class: "card dpo-card", hidden: !dpo },
+      el("h2", { text: "Reward accuracy (DPO)" }),
+      el("p", { class: "hint", text: "The share of pairs whose preferred answer gets the higher reward." }),
+      accuracyChart,
+    ),
+  ];
   main.append(
     el("div", { class: "title-row" }, title, status),
-    el("p", { class: "muted small" }, `${job.base_model} · job ${job.id} · `, created),
+    el(
+      "p",
+      { class: "muted small" },
+      `${job.base_model} · `,
+      el("span", { id: "job-method", text: methodLabel(job.config.method) }),
+      ` · job ${job.id} · `,
+      created,
+    ),
     el(
       "section",
       { class: "card" },
@@ -91,10 +151,12 @@ export async function render(main, jobId) {
         el("div", {}, el("dt", { text: "on disk" }), el("dd", {}, diskUse)),
       ),
       error,
+      pausedNote,
       el(
         "div",
         { class: "actions" },
         cancel,
+        pause,
         resume,
         remove,
         el("a", { id: "try-in-playground", href: `#/playground/${jobId}`, text: "Try in the playground" }),
@@ -104,6 +166,7 @@ export async function render(main, jobId) {
       "div",
       { class: "charts" },
       el("section", { class: "card" }, el("h2", { text: "Loss" }), lossChart),
+      ...dpoCards,
       el("section", { class: "card" }, el("h2", { text: "Throughput (tokens/s)" }), speedChart),
       el("section", { class: "card" }, el("h2", { text: "Device utilization (%)" }), gpuChart),
       el("section", { class: "card" }, el("h2", { text: "Memory used (GB)" }), memoryChart),
@@ -134,7 +197,15 @@ export async function render(main, jobId) {
     el("section", { class: "card" }, el("h2", { text: "Events" }), log),
   );
 
-  const series = { "loss/train": [], "loss/val": [], "throughput/tokens_per_s": [] };
+  const series = {
+    "loss/train": [],
+    "loss/val": [],
+    "throughput/tokens_per_s": [],
+    "dpo/reward_margin": [],
+    "dpo/chosen_reward": [],
+    "dpo/rejected_reward": [],
+    "dpo/reward_accuracy": [],
+  };
   const devices = new Map();
   const memory = new Map();
   let runStart = null; // when the run first started (ms): the x origin of the device charts
@@ -157,14 +228,20 @@ export async function render(main, jobId) {
     showTimes();
     diskUse.textContent = bytes(job.disk_bytes);
     resume.hidden = !RESUMABLE.includes(job.status);
+    pause.hidden = !PAUSABLE.includes(job.status);
     remove.hidden = !DELETABLE.includes(job.status);
+    pausedNote.hidden = !["paused", "pausing"].includes(job.status);
+    pausedNote.textContent =
+      job.status === "pausing"
+        ? "Pausing: the run stops at its next step and saves a checkpoint there."
+        : `Paused at step ${job.step}: Resume continues from its latest checkpoint; the files stay until you delete the job.`;
     showStatus(status, job.status);
     const total = job.total_steps || 0;
     progress.max = total || 1;
     progress.value = total ? job.step : 0;
     stepText.textContent = total ? `step ${job.step} / ${total}` : `step ${job.step}`;
     cancel.hidden = !isActive(job.status) || job.status === "cancelling";
-    if (!isActive(job.status)) eta.textContent = "–";
+    if (!RUNS.includes(job.status)) eta.textContent = "–";
     error.replaceChildren(...(job.error ? [errorBox({ message: job.error })] : []));
   }
 
@@ -174,6 +251,14 @@ export async function render(main, jobId) {
       { name: "validation", points: series["loss/val"] },
     ]);
     speedChart.setSeries([{ name: "tokens/s", points: series["throughput/tokens_per_s"] }]);
+    if (series["dpo/reward_margin"].length || series["dpo/reward_accuracy"].length)
+      for (const card of dpoCards) card.hidden = false; // DPO metrics shown wherever they come from
+    marginChart.setSeries([
+      { name: "margin", points: series["dpo/reward_margin"] },
+      { name: "chosen", points: series["dpo/chosen_reward"] },
+      { name: "rejected", points: series["dpo/rejected_reward"] },
+    ]);
+    accuracyChart.setSeries([{ name: "accuracy", points: series["dpo/reward_accuracy"] }]);
     gpuChart.setSeries([...devices.entries()].map(([k, points]) => ({ name: k, points })));
     memoryChart.setSeries([...memory.entries()].map(([k, points]) => ({ name: k, points })));
   }
@@ -195,7 +280,7 @@ export async function render(main, jobId) {
     if ("progress/step" in d) {
       job.step = d["progress/step"];
       job.total_steps = d["progress/total_steps"];
-      if (isActive(job.status)) eta.textContent = duration(d["time/eta_s"]);
+      if (RUNS.includes(job.status)) eta.textContent = duration(d["time/eta_s"]);
     }
     if ("throughput/tokens_per_s" in d) tokens.textContent = number(d["throughput/tokens_per_s"]);
     if ("optim/lr" in d) lrText.textContent = number(d["optim/lr"]);
@@ -240,54 +325,7 @@ export async function render(main, jobId) {
     const { data } = await tracked(api(`/jobs/${jobId}/checkpoints`));
     checkpoints.replaceChildren(
       ...(data.length
-        ? data.map((c) =>
-            el(
-              "tr",
-              { dataset: { step: c.step } },
-              el("td", { text: c.step }),
-              el("td", { text: c.kind }),
-              el("td", { text: number(c.metrics["loss/train"]) }),
-              el("td", { text: number(c.metrics["loss/val"]) }),
-              el("td", { title: c.created_at, text: age(c.created_at) }),
-              el(
-                "td",
-                { class: "actions" },
-                el("a", {
-                  class: "button secondary download-adapter",
-                  download: "",
-                  href: downloadUrl(`/jobs/${jobId}/checkpoints/${c.step}/download`),
-                  text: c.kind === "adapter" ? "Adapter" : "Model",
-                }),
-                c.kind === "adapter"
-                  ? el("a", {
-                      class: "button secondary download-merged",
-                      download: "",
-                      href: downloadUrl(`/jobs/${jobId}/checkpoints/${c.step}/download`, { merged: true }),
-                      text: "Merged",
-                    })
-                  : null,
-                c.kind === "adapter"
-                  ? el("button", {
-                      type: "button",
-                      class: "button secondary clear-merged",
-                      title:
-                        "Delete the cached merged build from the server (the next merged download builds it again)",
-                      text: "Clear merged",
-                      onclick: async (ev) => {
-                        ev.target.disabled = true;
-                        try {
-                          await api(`/jobs/${jobId}/checkpoints/${c.step}/merged`, { method: "DELETE" });
-                          ev.target.textContent = "Cleared";
-                        } catch (err) {
-                          ev.target.disabled = false;
-                          error.replaceChildren(errorBox(err));
-                        }
-                      },
-                    })
-                  : null,
-              ),
-            ),
-          )
+        ? data.map((c) => checkpointRow(jobId, c, (err) => error.replaceChildren(errorBox(err))))
         : [el("tr", {}, el("td", { colspan: 6, class: "muted", text: "No checkpoint yet." }))]),
     );
   }
@@ -317,6 +355,18 @@ export async function render(main, jobId) {
       error.replaceChildren(errorBox(err));
     } finally {
       cancel.disabled = false;
+    }
+  });
+
+  pause.addEventListener("click", async () => {
+    pause.disabled = true;
+    try {
+      job = await api(`/jobs/${jobId}/pause`, { method: "POST" });
+      showJob();
+    } catch (err) {
+      error.replaceChildren(errorBox(err));
+    } finally {
+      pause.disabled = false;
     }
   });
 

@@ -5,7 +5,7 @@ import { api } from "../api.js";
 import { STATUSES, isActive } from "../kinds.js";
 import { age, bytes, clock, duration, el, errorBox, statusBadge } from "../widgets.js";
 
-const DELETABLE = ["succeeded", "failed", "cancelled", "interrupted"];
+const DELETABLE = ["succeeded", "failed", "cancelled", "interrupted", "paused"];
 const COLUMNS = ["Name", "Status", "Progress", "Base model", "Created", "Started", "Finished", "Duration", "Disk", ""];
 
 // how long it ran: start to finish, or to now while it runs
