@@ -24,6 +24,9 @@ from server.api import (
     models,
     plan,
 )
+from server.api.openai import files as openai_files
+from server.api.openai import fine_tuning as openai_fine_tuning
+from server.api.openai import models as openai_models
 from server.db import make_engine, migrate, session_factory
 from server.deps import COOKIE, SessionDep, current_key, plain_parameters
 from server.services import keys
@@ -70,6 +73,8 @@ def create_app(settings: Settings | None = None, *, apply_migrations: bool = Tru
         app.include_router(module.router)
     app.include_router(evaluations.router)
     app.include_router(generate.router)  # the playground: a stream with no session held open
+    for module in (openai_files, openai_fine_tuning, openai_models):  # /v1: OpenAI's fine-tuning API
+        app.include_router(module.router)
     for module in (jobs, gpus):  # the event streams: no database connection while open
         app.include_router(module.stream_router)
 

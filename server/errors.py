@@ -1,7 +1,13 @@
-"""One JSON error shape for every failure: ``{"error": {"code", "message", "param"}}``."""
+"""One JSON error shape for every failure: ``{"error": {"code", "message", "param"}}``.
+
+Under ``/v1`` (the OpenAI-compatible API) the same handlers answer in OpenAI's shape,
+``{"error": {"message", "type", "param", "code"}}``, and a request that does not validate is a
+400 (OpenAI's status for it) instead of a 422."""
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
 from http import HTTPStatus
 from typing import Any
 
@@ -45,6 +51,56 @@ def body(
     return {"error": error}
 
 
+OPENAI_PREFIX = "/v1"
+# OpenAI's error ``type`` by HTTP status (the client picks its exception class by the status)
+OPENAI_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    429: "rate_limit_error",
+}
+
+
+def openai_body(status: int, code: str, message: str, param: str | None = None) -> dict:
+    """The error body of the OpenAI-compatible API."""
+    kind = "server_error" if status >= 500 else OPENAI_TYPES.get(status, "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+# the name pydantic gives a union's choice in an error's location ("int", "literal['auto']")
+_CHOICE = re.compile(r"^((constrained-)?(int|float|str|bool)|none|[a-z-]+\[.*\])$")
+
+
+def _field(param: str | None) -> str | None:
+    """The dotted field of a validation error's param, without the union choice at its end."""
+    if not param:
+        return param
+    parts = param.split(".")
+    while len(parts) > 1 and _CHOICE.match(parts[-1]):
+        parts.pop()
+    return ".".join(parts)
+
+
+def _respond(
+    request: Request,
+    status: int,
+    error: dict,
+    *,
+    headers: Mapping[str, str] | None = None,
+) -> JSONResponse:
+    """``error`` (a ``body()``) as the response, in OpenAI's shape under ``/v1``."""
+    path = request.url.path
+    if path == OPENAI_PREFIX or path.startswith(OPENAI_PREFIX + "/"):
+        status = 400 if status == 422 else status
+        inner = error["error"]
+        param, message = _field(inner["param"]), inner["message"]
+        if param != inner["param"]:  # a union's value: what each of its choices said
+            said = [d["message"] for d in inner.get("details") or () if _field(d.get("param")) == param]
+            message = f"{param}: {'; or '.join(dict.fromkeys(said))}"
+        error = openai_body(status, inner["code"], message, param)
+    return JSONResponse(error, status_code=status, headers=headers)
+
+
 def documented(*statuses: int) -> dict[int | str, dict[str, Any]]:
     """``responses=`` of a router or route: the error statuses it answers, each in the one shape
     (so the OpenAPI schema shows ``ErrorBody``, not FastAPI's default validation error)."""
@@ -70,24 +126,22 @@ def _message(error: Any) -> str:
 
 def install(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
-    async def _api(_: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(
-            body(exc.code, exc.message, exc.param, exc.details, exc.extra), status_code=exc.status
-        )
+    async def _api(request: Request, exc: ApiError) -> JSONResponse:
+        return _respond(request, exc.status, body(exc.code, exc.message, exc.param, exc.details, exc.extra))
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
         first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
         param = _param(first)
         message = f"{param}: {_message(first)}" if param else _message(first)
         details = [{"param": _param(e) or "", "message": _message(e)} for e in errors]
-        return JSONResponse(body("invalid_request", message, param, details), status_code=422)
+        return _respond(request, 422, body("invalid_request", message, param, details))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         # 400: a body that cannot be parsed at all (not UTF-8 JSON, a broken multipart form)
         code = {400: "bad_request", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed"}.get(
             exc.status_code, "http_error"
         )
-        return JSONResponse(body(code, str(exc.detail)), status_code=exc.status_code, headers=exc.headers)
+        return _respond(request, exc.status_code, body(code, str(exc.detail)), headers=exc.headers)

@@ -76,6 +76,10 @@ class Job(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=now, index=True)
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    # the OpenAI-compatible API's: the caller's metadata (string pairs; null: none given) and the
+    # suffix of its fine-tuned model's name ("metadata" itself is taken by SQLAlchemy)
+    meta: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSON(none_as_null=True), nullable=True)
+    suffix: Mapped[str | None] = mapped_column(String(64), nullable=True)
 
 
 class JobEvent(Base):

@@ -53,9 +53,11 @@ def find_target(request: Request, body: GenerationCreate) -> Target:
             422, "invalid_request", "model: give either model (a base model) or checkpoint", param="model"
         )
     try:
-        if ref is None:
-            return generation.base_target(name=str(body.model), max_params=limit, **where)
         with request.app.state.sessions() as session:
+            if ref is None:
+                name = str(body.model)
+                tuned = generation.fine_tuned_target(session, name=name, max_params=limit, **where)
+                return tuned or generation.base_target(name=name, max_params=limit, **where)
             return generation.checkpoint_target(
                 session, job_id=ref.job_id, step=ref.step, max_params=limit, **where
             )

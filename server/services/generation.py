@@ -25,7 +25,7 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from engine.chat import Finish, Piece, Sampling, chat_stream
-from server.services import checkpoints, jobs, models
+from server.services import checkpoints, fine_tuned, jobs, models
 
 KEEPALIVE_S = 15.0
 log = logging.getLogger(__name__)
@@ -125,6 +125,35 @@ def checkpoint_target(
     if base != "demo" and not (Path(base) / "config.json").is_file():
         raise NotFound("checkpoint", f"{name} is a LoRA adapter on {job.base_model!r}, which is gone")
     return Target(name, base, found.path, models_dir)
+
+
+def fine_tuned_target(
+    session: Session, *, name: str, models_dir: Path, hf_cache: Path | None, max_params: int
+) -> Target | None:
+    """A fine-tuned model or checkpoint by the name the OpenAI-compatible API gives it
+    (``ft:<base>:<suffix>:<job id>[:ckpt-step-<step>]``, the job's latest checkpoint without a
+    step); None for a name that is not one (a base model's).
+
+    Raises:
+        NotFound, Refused: (``model``) as :func:`checkpoint_target`, or no such job or checkpoint.
+    """
+    if fine_tuned.parse_model(name) is None:
+        return None
+    try:
+        job, found = fine_tuned.resolve_model(session, name=name)
+        target = checkpoint_target(
+            session,
+            job_id=job.id,
+            step=found.step,
+            models_dir=models_dir,
+            hf_cache=hf_cache,
+            max_params=max_params,
+        )
+    except LookupError as exc:  # NotFound too
+        raise NotFound("model", str(exc)) from exc
+    except Refused as exc:
+        raise Refused(exc.code, "model", str(exc)) from exc
+    return Target(name, target.model, target.adapter, target.models_dir)
 
 
 def _load(target: Target) -> tuple[Any, Any]:

@@ -1,0 +1,103 @@
+"""``/v1/files``: OpenAI's Files API over our datasets (a file is a stored, validated dataset)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Depends, File, Form, Query, UploadFile
+from fastapi.responses import FileResponse
+
+from server.api import datasets as datasets_api
+from server.api.openai.shapes import FileDeleted, FileList, FileObject, documented
+from server.deps import IdPath, SessionDep, SettingsDep, current_key
+from server.errors import ApiError
+from server.services import datasets, openai_compat
+from server.services.openai_compat import FILE
+from server.tables import Dataset
+
+router = APIRouter(
+    prefix="/v1/files",
+    tags=["openai"],
+    dependencies=[Depends(current_key)],
+    responses=documented(400, 401),
+    route_class=datasets_api.LimitedBodyRoute,  # the upload is refused while it arrives, past the limit
+)
+
+
+def found_file(session: SessionDep, file_id: IdPath) -> Dataset:
+    """The dataset a ``{file_id}`` names (``file-<dataset id>``, or the dataset id), or the 404."""
+    dataset = datasets.get_dataset(session, dataset_id=openai_compat.ours(file_id, FILE))
+    if dataset is None:
+        raise ApiError(404, "not_found", f"no file {file_id!r}", param="file_id")
+    return dataset
+
+
+FileDep = Annotated[Dataset, Depends(found_file)]
+
+
+@router.post("", response_model=FileObject, responses=documented(413))
+async def create_file(
+    session: SessionDep,
+    settings: SettingsDep,
+    file: Annotated[
+        UploadFile, File(description="JSONL, CSV or Parquet rows (chat, prompt/completion, ...)")
+    ],
+    purpose: Annotated[str, Form(description='"fine-tune", the one purpose kept here')],
+) -> Any:
+    """Upload a training file: validated row by row, and stored only if every row is valid."""
+    if purpose != "fine-tune":
+        raise ApiError(
+            400, "invalid_purpose", f"purpose {purpose!r}: only 'fine-tune' is kept", param="purpose"
+        )
+    stored = await datasets_api.upload_dataset(session, settings, file, name=None)
+    return openai_compat.file_object(stored)
+
+
+@router.get("", response_model=FileList)
+def list_files(
+    session: SessionDep,
+    after: Annotated[
+        str | None, Query(max_length=255, description="the last file id of the previous page")
+    ] = None,
+    limit: Annotated[int, Query(ge=1, le=10_000)] = 10_000,
+    order: Annotated[Literal["asc", "desc"], Query(description="by created_at")] = "desc",
+    purpose: Annotated[str | None, Query(max_length=255, description="only files of this purpose")] = None,
+) -> Any:
+    """The files (every stored dataset), newest first by default, paged by ``after``."""
+    if purpose not in (None, "fine-tune"):
+        return {"object": "list", "data": [], "has_more": False}
+    try:
+        page, more = openai_compat.page_files(session, after=after, limit=limit, newest_first=order == "desc")
+    except openai_compat.Invalid as exc:
+        raise ApiError(400, "invalid_request", str(exc), param=exc.param) from exc
+    data = [openai_compat.file_object(d) for d in page]
+    first, last = (data[0]["id"], data[-1]["id"]) if data else (None, None)
+    return {"object": "list", "data": data, "has_more": more, "first_id": first, "last_id": last}
+
+
+@router.get("/{file_id}", response_model=FileObject, responses=documented(404))
+def retrieve_file(dataset: FileDep) -> Any:
+    """One file."""
+    return openai_compat.file_object(dataset)
+
+
+@router.delete("/{file_id}", response_model=FileDeleted, responses=documented(404, 409))
+def delete_file(session: SessionDep, dataset: FileDep) -> Any:
+    """Delete a file that no fine-tuning job uses."""
+    user = datasets.in_use(session, dataset_id=dataset.id)
+    if user is not None:
+        message = f"file {FILE + dataset.id!r} is used by fine-tuning job 'ftjob-{user}'"
+        raise ApiError(409, "in_use", message, param="file_id")
+    ident = FILE + dataset.id
+    datasets.delete_dataset(session, dataset=dataset)
+    return {"id": ident, "object": "file", "deleted": True}
+
+
+@router.get(
+    "/{file_id}/content",
+    response_class=FileResponse,
+    responses={200: {"content": {"application/octet-stream": {}}}, **documented(404)},
+)
+def file_content(dataset: FileDep) -> FileResponse:
+    """The file's bytes, as uploaded."""
+    return FileResponse(dataset.path, media_type="application/octet-stream", filename=dataset.filename)

@@ -1,0 +1,279 @@
+"""The OpenAI fine-tuning API's shapes (``file``, ``fine_tuning.job``, ``fine_tuning.job.event``,
+``fine_tuning.job.checkpoint``, ``model``, ``list``), as OpenAI documents them, plus the
+``roundhouse`` field: our own extension, which OpenAI's clients ignore (in a request, pass it with
+``extra_body={"roundhouse": {...}}``)."""
+
+from __future__ import annotations
+
+from http import HTTPStatus
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+
+from engine.config import MAX_SEED
+from server.schemas import LINE_PATTERN, DataOptions, Line, Section
+from server.services.openai_compat import (
+    AUTO_BATCH_SIZE,
+    AUTO_BETA,
+    AUTO_EPOCHS,
+    AUTO_LEARNING_RATE_MULTIPLIER,
+    BASE_LEARNING_RATE,
+)
+
+Auto = Literal["auto"]
+JobState = Literal["validating_files", "queued", "running", "succeeded", "failed", "cancelled", "paused"]
+MetadataKey = Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=LINE_PATTERN)]
+MetadataValue = Annotated[str, StringConstraints(max_length=512, pattern=LINE_PATTERN)]
+Metadata = Annotated[dict[MetadataKey, MetadataValue], Field(max_length=16)]
+AUTO_DEFAULTS = (
+    f'"auto" (or left out) is: n_epochs {AUTO_EPOCHS}, batch_size {AUTO_BATCH_SIZE}, '
+    f"learning_rate_multiplier {AUTO_LEARNING_RATE_MULTIPLIER:g} "
+    f"(of a base rate of {BASE_LEARNING_RATE['lora']:g} for LoRA, "
+    f"{BASE_LEARNING_RATE['full']:g} for full weights, or roundhouse.hyper.learning_rate), beta {AUTO_BETA:g}"
+)
+
+
+class OpenAIErrorDetail(BaseModel):
+    message: str
+    type: str = Field(description="invalid_request_error, authentication_error, not_found_error, ...")
+    param: str | None = Field(description="the offending parameter (dotted), if one")
+    code: str | None = Field(description="machine-readable, e.g. not_found, invalid_dataset")
+
+
+class OpenAIErrorBody(BaseModel):
+    """The error of every failed ``/v1`` request (OpenAI's shape; a request that does not validate
+    is a 400)."""
+
+    error: OpenAIErrorDetail
+
+
+def documented(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """``responses=`` of a ``/v1`` route: its error statuses, and any other error ("default", in
+    place of FastAPI's 422, which ``/v1`` answers as a 400), in OpenAI's error shape."""
+    other = {"default": {"model": OpenAIErrorBody, "description": "an error"}}
+    return other | {s: {"model": OpenAIErrorBody, "description": HTTPStatus(s).phrase} for s in statuses}
+
+
+# -- requests ------------------------------------------------------------------------------------
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class Hyperparameters(_Request):
+    """Each "auto" (or left out) is the stated default."""
+
+    model_config = ConfigDict(
+        extra="forbid", allow_inf_nan=False, json_schema_extra={"description": AUTO_DEFAULTS}
+    )
+
+    batch_size: Auto | Annotated[int, Field(ge=1, le=1 << 20)] = "auto"
+    learning_rate_multiplier: Auto | Annotated[float, Field(gt=0, le=1000)] = "auto"
+    n_epochs: Auto | Annotated[int, Field(ge=1, le=1000)] = "auto"
+
+
+class DpoHyperparameters(Hyperparameters):
+    beta: Auto | Annotated[float, Field(gt=0, le=100)] = "auto"
+
+
+class SupervisedMethod(_Request):
+    hyperparameters: Hyperparameters | None = None
+
+
+class DpoMethod(_Request):
+    hyperparameters: DpoHyperparameters | None = None
+
+
+class Method(_Request):
+    type: Literal["supervised", "dpo", "reinforcement"] = Field(
+        description='supervised: a LoRA adapter (or every weight: roundhouse.method.kind "full"); dpo: '
+        "preference tuning (roundhouse.method.dpo_tuning lora or full); reinforcement is not supported"
+    )
+    supervised: SupervisedMethod | None = None
+    dpo: DpoMethod | None = None
+    reinforcement: dict[str, Any] | None = None
+
+
+class RoundhouseOptions(_Request):
+    """Our extension: the sections of ``POST /api/jobs`` (``engine.config.TrainConfig``), e.g.
+    ``{"method": {"lora_r": 8, "lora_alpha": 16}, "hyper": {"max_steps": 100}, "engine":
+    {"num_microbatches": 4}}``. The OpenAI fields, where given, override what these set."""
+
+    data: DataOptions = Field(default_factory=lambda: DataOptions())
+    method: Section = Field(
+        default_factory=dict, description='kind ("lora" or "full" for supervised), lora_r, lora_alpha, ...'
+    )
+    hyper: Section = Field(default_factory=dict, description="max_steps, learning_rate, schedule, ...")
+    engine: Section = Field(default_factory=dict, description="devices, num_microbatches, ...")
+    checkpoint: Section = Field(default_factory=dict, description="every_steps, keep_last")
+    eval: Section = Field(default_factory=dict, description="every_steps")
+
+
+class FineTuningJobCreate(_Request):
+    """A fine-tuning job (OpenAI's request, and our extension); "auto" hyperparameters are the
+    stated defaults (see ``hyperparameters``)."""
+
+    model: Line = Field(description='a base model name from GET /v1/models (e.g. "demo")')
+    training_file: Line = Field(description="a file id from POST /v1/files")
+    validation_file: Line | None = None
+    suffix: (
+        Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")] | None
+    ) = Field(None, description="part of the job's name and of fine_tuned_model: letters, digits, . _ -")
+    seed: Annotated[int, Field(ge=0, le=MAX_SEED)] | None = Field(
+        None, description="a random one if not given"
+    )
+    metadata: Metadata | None = Field(
+        None, description="up to 16 pairs: keys of 64, values of 512 characters"
+    )
+    hyperparameters: Hyperparameters | None = Field(
+        None, description=f"deprecated: use method; {AUTO_DEFAULTS}"
+    )
+    method: Method | None = None
+    integrations: list[dict[str, Any]] | None = Field(None, description="not supported: leave out or empty")
+    roundhouse: RoundhouseOptions | None = Field(
+        None, description="Roundhouse's extension: TrainConfig sections (LoRA rank, engine settings, ...)"
+    )
+
+
+# -- responses -----------------------------------------------------------------------------------
+class FileObject(BaseModel):
+    id: str = Field(description='"file-" and the dataset id of /api/datasets')
+    object: Literal["file"] = "file"
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: Literal["fine-tune"] = "fine-tune"
+    status: Literal["processed"] = "processed"
+    expires_at: int | None = None
+    status_details: str | None = None
+    roundhouse: dict[str, Any] = Field(description="the dataset: id, name, format, rows, sha256")
+
+
+class FileList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[FileObject]
+    has_more: bool
+    first_id: str | None = None
+    last_id: str | None = None
+
+
+class FileDeleted(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    deleted: bool
+
+
+class JobError(BaseModel):
+    code: str
+    message: str
+    param: str | None = None
+
+
+# batch_size, learning_rate_multiplier, n_epochs, and beta for dpo: as the job runs them
+JobHyperparameters = Annotated[
+    dict[str, float | int | str | None],
+    Field(description="batch_size, learning_rate_multiplier, n_epochs (and beta: dpo), as resolved"),
+]
+
+
+class JobMethodOptions(BaseModel):
+    hyperparameters: JobHyperparameters
+
+
+class JobMethod(BaseModel):
+    type: Literal["supervised", "dpo"]
+    supervised: JobMethodOptions | None = None
+    dpo: JobMethodOptions | None = None
+
+
+class FineTuningJob(BaseModel):
+    id: str = Field(description='"ftjob-" and the job id of /api/jobs')
+    object: Literal["fine_tuning.job"] = "fine_tuning.job"
+    created_at: int
+    error: JobError | None
+    fine_tuned_model: str | None = Field(
+        description='when succeeded: "ft:<base>:<suffix or roundhouse>:<job id>", its latest checkpoint; '
+        "POST /api/generate takes it as model, GET /v1/models/{model}/content downloads it"
+    )
+    finished_at: int | None
+    hyperparameters: JobHyperparameters
+    model: str
+    organization_id: str
+    result_files: list[str]
+    seed: int
+    status: JobState = Field(
+        description="ours mapped: validating -> validating_files; queued, interrupted -> queued; "
+        "running, cancelling, pausing -> running; succeeded, failed, cancelled, paused as they are "
+        "(roundhouse.status has ours)"
+    )
+    trained_tokens: int | None
+    training_file: str
+    validation_file: str | None
+    estimated_finish: int | None
+    integrations: list[dict[str, Any]]
+    metadata: dict[str, str] | None
+    method: JobMethod
+    roundhouse: dict[str, Any] = Field(description="our job: job_id, name, status, step, total_steps")
+
+
+class FineTuningJobList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[FineTuningJob]
+    has_more: bool
+
+
+class FineTuningJobEvent(BaseModel):
+    id: str = Field(description='"ftevent-" and the event id of /api/jobs/{id}/events')
+    object: Literal["fine_tuning.job.event"] = "fine_tuning.job.event"
+    created_at: int
+    level: Literal["info", "warn", "error"]
+    message: str
+    data: dict[str, Any] | None
+    type: Literal["message", "metrics"]
+
+
+class FineTuningJobEventList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[FineTuningJobEvent]
+    has_more: bool
+
+
+class CheckpointMetrics(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    step: float | None = None
+    train_loss: float | None = None
+    valid_loss: float | None = None
+
+
+class FineTuningJobCheckpoint(BaseModel):
+    id: str = Field(description='"ftckpt-<job id>-<step>"')
+    object: Literal["fine_tuning.job.checkpoint"] = "fine_tuning.job.checkpoint"
+    created_at: int
+    fine_tuned_model_checkpoint: str = Field(
+        description='"ft:<base>:<suffix or roundhouse>:<job id>:ckpt-step-<step>": POST /api/generate '
+        "takes it as model, GET /v1/models/{model}/content downloads it"
+    )
+    fine_tuning_job_id: str
+    metrics: CheckpointMetrics
+    step_number: int
+    roundhouse: dict[str, Any] = Field(description="kind (adapter or full) and our download route")
+
+
+class FineTuningJobCheckpointList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[FineTuningJobCheckpoint]
+    has_more: bool
+    first_id: str | None = None
+    last_id: str | None = None
+
+
+class ModelObject(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelObject]
