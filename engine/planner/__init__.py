@@ -14,6 +14,9 @@ throughput. The job comes in as the run's own ``TrainConfig`` (``Workload.from_t
 so the CLI, the service and the web form plan the same thing. A host whose workers report no GPU
 is planned as one CPU worker (``Hardware.cpu_host``) at an assumed, measured fp32 rate per core;
 the training data's token counts, when given, set the sequence length times are computed at.
+A DPO job is the LoRA or full plan of its ``dpo_tuning`` at 2 sequences a pair (its micro-batches
+hold both sequences of their pairs), plus the reference pass the engine runs once before the first
+step, a forward over every training and validation pair (``reference``), in the ETA.
 
 The estimates are first-order: activation sizes assume fused (flash) attention, the optimizer is
 assumed hidden behind the next iteration unless it is slower than it, and communication other than
@@ -21,6 +24,7 @@ weight uploads and stage-boundary hops is ignored.
 """
 
 from engine.planner.memory import CUDA_OVERHEAD_BYTES, Memory, layer_times, memory_model
+from engine.planner.reference import reference_seconds
 from engine.planner.report import (
     SEQ_LEN_STEP,
     PlanReport,
@@ -64,4 +68,5 @@ __all__ = [
     "longest_sequence",
     "memory_model",
     "plan_job",
+    "reference_seconds",
 ]

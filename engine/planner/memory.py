@@ -103,13 +103,14 @@ def memory_model(shape: Shape, workload: Workload, hardware: Hardware, trainable
 
     Args:
         shape: the model's sizes.
-        workload: the job; its micro-batch is ``batch_size * seq_len / num_microbatches`` tokens.
+        workload: the job; its micro-batch is ``sequences * seq_len / num_microbatches`` tokens
+            (a DPO pair's two sequences share one).
         hardware: the GPUs.
         trainable: trainable parameters per engine layer.
     """
     w = workload
     d = DTYPE_BYTES[w.compute_dtype]
-    t = w.batch_size * w.seq_len / w.num_microbatches
+    t = w.sequences * w.seq_len / w.num_microbatches
     h = shape.hidden
     weights = [float(p * d) for p in shape.layer_params()]
     grad_bytes = 4 + (d if d < 4 else 0)
@@ -197,13 +198,14 @@ def layer_times(shape: Shape, workload: Workload, hardware: Hardware) -> list[tu
 
     FLOPs: two per active weight and token (a mixture-of-experts block counts the experts a token
     visits), plus causal attention's scores and weighted sum; the backward is one forward's FLOPs
-    for the input gradients, and another for the weight gradients of a full fine-tune.
+    for the input gradients, and another for the weight gradients of a full fine-tune (DPO's by
+    its ``dpo_tuning``). A DPO micro-batch holds both sequences of its pairs.
     """
     w = workload
     length = w.timed_seq_len  # the data's padded length when known (memory plans seq_len)
-    t = w.batch_size * length / w.num_microbatches
+    t = w.sequences * length / w.num_microbatches
     rate = hardware.gpu_tflops * 1e12 * hardware.efficiency
-    bwd_factor = 1.0 if w.method == "lora" else 2.0
+    bwd_factor = 1.0 if w.tuning == "lora" else 2.0
     if shape.mla is None:
         score = shape.heads * shape.head_dim * 2
     else:

@@ -16,6 +16,7 @@ from engine.planner.memory import (
     layers_fit,
     memory_model,
 )
+from engine.planner.reference import reference_seconds
 from engine.planner.shapes import Shape
 from engine.planner.workload import (
     DTYPE_BYTES,
@@ -45,6 +46,10 @@ class PlanReport:
     ``SEQ_LEN_STEP``; ``max_seq_len_limit`` says what stops it: ``"gpu_memory"``,
     ``"host_ram"``, ``"context"`` (the model's ``max_position_embeddings``) or ``"planner"``
     (the largest ``seq_len`` a plan takes).
+
+    A DPO job's step trains 2 sequences a pair (``tokens_per_s`` counts both); ``reference_s`` is
+    its reference pass (a forward over every training and validation pair, once, before the first
+    step), part of ``eta_s``; None for a supervised job or when the pair count is unknown.
     """
 
     fits: bool
@@ -65,6 +70,7 @@ class PlanReport:
     max_seq_len: int = 0
     max_seq_len_limit: str = "gpu_memory"
     workers_per_gpu: int = 1
+    reference_s: float | None = None
     assumptions: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -102,9 +108,19 @@ class PlanReport:
                 f"iteration: {self.iteration_s:.3f} s, {self.tokens_per_s:,.0f} tokens/s, bubble "
                 f"{100 * self.bubble:.1f}% (closed form {100 * self.closed_form_bubble:.1f}%)"
             )
+        a = self.assumptions
+        if a.get("method") == "dpo":
+            pairs = a.get("reference_pairs")
+            lines.append(
+                f"DPO: 2 sequences a pair ({a['sequences_per_step']:,} a step); reference pass "
+                + (
+                    f"over {pairs:,} pairs: {self.reference_s:.1f} s (in the ETA)"
+                    if pairs is not None and self.reference_s is not None
+                    else "not counted (the pair count is unknown)"
+                )
+            )
         if self.eta_s is not None:
             lines.append(f"ETA: {self.eta_s / 3600:.2f} h")
-        a = self.assumptions
         rate = (
             f"{1000 * a['gpu_tflops']:g} GFLOP/s fp32 achieved on the CPU"
             if a["device"] == "cpu"
@@ -154,7 +170,7 @@ def lora_targets(shape: Shape, workload: Workload) -> tuple[tuple[str, ...], tup
 
 def _trainable(shape: Shape, workload: Workload) -> list[int]:
     w = workload
-    if w.method == "full":
+    if w.tuning == "full":
         return shape.layer_params()
     modules, parameters = lora_targets(shape, w)
     blocks = [shape.lora_block_params(b, w.lora_r, modules, parameters) for b in range(shape.layers)]
@@ -177,14 +193,15 @@ def _assess(shape: Shape, workload: Workload, hardware: Hardware) -> _Assessment
 def _host_ram(shape: Shape, workload: Workload, trainable: int, boundaries: int) -> dict[str, float]:
     """Host RAM by term (GB): the compute copy of the weights, the trainable weights' fp32
     masters, gradients and optimizer state (and a second copy in async mode), and the inputs of
-    the stages that recompute (``boundaries`` of them) for every sequence of the batch."""
+    the stages that recompute (``boundaries`` of them) for every sequence of the batch (both of
+    each DPO pair)."""
     w = workload
     dtype = DTYPE_BYTES[w.compute_dtype]
     host = {
         "weights_gb": sum(shape.layer_params()) * dtype / GB,
         "optimizer_gb": trainable * bytes_per_trainable_param(w.optimizer) / GB,
         "second_weights_buffer_gb": (trainable * dtype / GB) if w.async_optimizer else 0.0,
-        "stage_inputs_gb": boundaries * w.batch_size * w.seq_len * shape.hidden * dtype / GB,
+        "stage_inputs_gb": boundaries * w.sequences * w.seq_len * shape.hidden * dtype / GB,
     }
     host["total_gb"] = sum(host.values())
     return host
@@ -229,7 +246,7 @@ def longest_sequence(shape: Shape, workload: Workload, hardware: Hardware) -> tu
     # fits; above it a partition tells, and the last one's B guesses the edge
     fixed = _host_ram(shape, workload, sum(_trainable(shape, workload)), 0)["total_gb"] * GB
     room = HOST_RAM_SHARE * hardware.host_ram_gb * GB - fixed
-    per_token = workload.batch_size * shape.hidden * DTYPE_BYTES[workload.compute_dtype]
+    per_token = workload.sequences * shape.hidden * DTYPE_BYTES[workload.compute_dtype]
 
     def edge_at(boundaries: float) -> int:  # the last k that fits with this many boundaries
         return int(max(room, 0.0) / (boundaries * per_token) // SEQ_LEN_STEP)
@@ -297,7 +314,7 @@ def _report(shape: Shape, hardware: Hardware, workload: Workload) -> PlanReport:
         )
         problems.append(
             f"one layer needs {memory.largest_layer() / GB:.1f} GB on a GPU (with the next stage's "
-            f"weights) at {w.batch_size * w.seq_len // m} tokens per micro-batch; {per}"
+            f"weights) at {w.sequences * w.seq_len // m} tokens per micro-batch; {per}"
         )
         if longest:
             suggestions.append(f"seq_len {longest} or shorter (the longest that fits)")
@@ -309,7 +326,7 @@ def _report(shape: Shape, hardware: Hardware, workload: Workload) -> PlanReport:
         problems.append(f"host RAM: needs {host['total_gb']:.1f} GB, the host has {h.host_ram_gb:g} GB")
         if stop == "host_ram" and longest:
             suggestions.append(f"seq_len {longest} or shorter (the longest whose stage inputs fit)")
-        if w.method == "full":
+        if w.tuning == "full":
             suggestions.append("LoRA instead of a full fine-tune (no fp32 copy and moments of every weight)")
         suggestions.append("a host with more RAM, or a smaller model")
     stages: list[dict[str, Any]] = []
@@ -327,7 +344,7 @@ def _report(shape: Shape, hardware: Hardware, workload: Workload) -> PlanReport:
                     "memory_gb": {k: v / GB for k, v in terms.items()},
                 }
             )
-        tokens = w.batch_size * w.timed_seq_len
+        tokens = w.sequences * w.timed_seq_len
         # async: the period of iterations chained without a flush; sync: one iteration, then the flush
         result = simulate(
             "roundpipe-async-steady" if w.async_optimizer else "roundpipe-sync",
@@ -346,6 +363,8 @@ def _report(shape: Shape, hardware: Hardware, workload: Workload) -> PlanReport:
         bubble = result.bubble
         closed = closed_form_bubble(num_workers=n, num_microbatches=m, num_slots=plan.num_slots)
     worker = max((s["gpu_memory_gb"] for s in stages), default=(memory.largest_layer() + overhead) / GB)
+    reference = reference_seconds(shape, w, h, plan, memory.weights) if plan is not None else None
+    eta = iteration * w.steps + (reference or 0.0) if (w.steps and iteration) else None
     return PlanReport(
         fits=not problems,
         problems=problems,
@@ -358,13 +377,14 @@ def _report(shape: Shape, hardware: Hardware, workload: Workload) -> PlanReport:
         gpu_memory_needed_gb=worker * share,
         gpu_memory_gb=h.gpu_memory_gb,
         iteration_s=iteration,
-        tokens_per_s=w.batch_size * w.timed_seq_len / iteration if iteration > 0 else 0.0,
+        tokens_per_s=w.sequences * w.timed_seq_len / iteration if iteration > 0 else 0.0,
         bubble=bubble,
         closed_form_bubble=closed,
-        eta_s=iteration * w.steps if (w.steps and iteration) else None,
+        eta_s=eta,
         max_seq_len=longest,
         max_seq_len_limit=stop,
         workers_per_gpu=share,
+        reference_s=reference,
         assumptions={
             "device": h.device,
             "hardware": hardware_label(h),
@@ -376,6 +396,10 @@ def _report(shape: Shape, hardware: Hardware, workload: Workload) -> PlanReport:
             "detected": list(h.detected),
             "optimizer_params_per_s": OPTIMIZER_PARAMS_PER_S,
             "loss_chunk_tokens": w.loss_chunk_tokens,
+            "method": w.method,
+            "tuning": w.tuning,
+            "sequences_per_step": w.sequences,
+            "reference_pairs": w.reference_pairs if w.method == "dpo" else None,
         },
     )
 

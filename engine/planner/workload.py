@@ -38,6 +38,9 @@ WORKLOAD_LIMITS: dict[str, int] = {
     "lora_r": 4096,
     "loss_chunk_tokens": 1 << 30,
 }
+REFERENCE_PAIRS_LIMIT = 1 << 40  # pairs a DPO reference pass may cover
+METHODS = ("lora", "full", "dpo")
+TUNINGS = ("lora", "full")
 
 # A CPU host (no GPU): the engine's ``devices: "auto"`` runs one CPU worker thread (engine/run.py
 # ``devices_for``), whose matmuls use every core. Its fp32 rate, achieved, per core: measured on a
@@ -90,11 +93,18 @@ class Workload:
 
     ``devices`` are the run's GPU workers when it names them (``engine.devices``; a GPU named
     twice holds two workers that share its memory); empty: one worker per GPU of the box.
+
+    A DPO job (``method="dpo"``) trains a LoRA adapter or every weight (``dpo_tuning``) on
+    preference pairs: ``batch_size`` counts pairs, and each pair's chosen and rejected sequence
+    share a micro-batch, so a step trains ``2 * batch_size`` sequences (``sequences``). Before the
+    first step the engine runs one forward-only pass over the ``reference_pairs`` training and
+    validation pairs for the reference log-probabilities (``engine.preference``).
     """
 
     seq_len: int = 2048
     batch_size: int = 16
-    method: str = "lora"
+    method: str = "lora"  # "lora", "full" or "dpo"
+    dpo_tuning: str = "lora"  # a DPO job's: "lora" or "full"
     lora_r: int = 16
     target_modules: tuple[str, ...] = DEFAULT_LORA_TARGETS
     target_parameters: tuple[str, ...] = ()
@@ -106,6 +116,22 @@ class Workload:
     devices: tuple[str, ...] = ()
     loss_chunk_tokens: int = LOSS_CHUNK_TOKENS
     mean_seq_len: float | None = None  # tokens per sequence as batched (padded) from the data
+    reference_pairs: int | None = None  # DPO: the pairs of the reference pass, when known
+
+    @property
+    def tuning(self) -> str:
+        """What trains: ``"lora"`` (an adapter) or ``"full"`` (every weight), DPO's included."""
+        return self.dpo_tuning if self.method == "dpo" else self.method
+
+    @property
+    def sequences_per_example(self) -> int:
+        """Sequences one example of the batch runs as: 2 for a DPO pair (chosen and rejected), else 1."""
+        return 2 if self.method == "dpo" else 1
+
+    @property
+    def sequences(self) -> int:
+        """Sequences one step trains: ``batch_size`` examples of ``sequences_per_example``."""
+        return self.batch_size * self.sequences_per_example
 
     @property
     def timed_seq_len(self) -> float:
@@ -121,26 +147,41 @@ class Workload:
         on_gpu: bool = True,
         num_sequences: int | None = None,
         token_lengths: Sequence[int] | None = None,
+        num_validation: int | None = None,
     ) -> Workload:
         """The workload of a run: the one place a ``TrainConfig`` becomes the planner's input.
 
         Args:
             config: the run (the CLI's file, a job's stored config, a job request's sections).
             on_gpu: what ``compute_dtype="auto"`` resolves for (the planner plans GPU workers).
-            num_sequences: training sequences, when known; with ``hyper.epochs`` and no
-                ``hyper.max_steps`` they give the step count the run will take.
+            num_sequences: training rows (a DPO run's: pairs), when known; with ``hyper.epochs``
+                and no ``hyper.max_steps`` they give the step count the run will take.
             token_lengths: training rows' tokens through the model's tokenizer (all, or a sample):
                 times use the padded batch length they give (``batch_length``), and with packing
-                they give the packed sequence count.
+                they give the packed sequence count. A DPO run's list each pair's chosen and
+                rejected sequence, one after the other.
+            num_validation: rows of a separate validation file, when known: a DPO run's reference
+                pass covers them too (a held-out fraction is already among ``num_sequences``).
 
         Returns:
             The workload; ``steps`` is None when neither ``max_steps`` nor ``num_sequences`` is known.
         """
         h, e, m, d = config.hyper, config.engine, config.method, config.data
         mean = None
+        per_example = 2 if m.kind == "dpo" else 1
+        if per_example == 2 and d.packing:  # as the run refuses it (engine.preference)
+            raise ConfigError(
+                "data.packing",
+                "data.packing=true: DPO trains on whole pairs and cannot pack them",
+                value=True,
+            )
         if token_lengths:
             mean = batch_length(
-                token_lengths, batch_size=h.batch_size, max_length=d.max_length, packing=d.packing
+                token_lengths,
+                batch_size=h.batch_size,
+                max_length=d.max_length,
+                packing=d.packing,
+                per_example=per_example,
             )
             if d.packing:  # the packed sequences of the whole dataset (the lengths may be a sample)
                 rows = num_sequences if num_sequences is not None else len(token_lengths)
@@ -152,10 +193,14 @@ class Workload:
             steps = max(1, math.ceil((h.epochs or 1.0) * (num_sequences // h.batch_size)))
         named = [] if e.devices == "auto" else list(e.devices)
         gpus = tuple("cuda:0" if d == "cuda" else d for d in named if d == "cuda" or _is_gpu(d))
+        reference = None
+        if m.kind == "dpo" and num_sequences is not None:
+            reference = num_sequences + (num_validation or 0)
         return cls(
             seq_len=config.data.max_length,
             batch_size=h.batch_size,
             method=m.kind,
+            dpo_tuning=m.dpo_tuning if m.kind == "dpo" else "lora",
             lora_r=m.lora_r,
             target_modules=tuple(m.target_modules),
             target_parameters=tuple(m.target_parameters),
@@ -166,6 +211,7 @@ class Workload:
             steps=steps,
             devices=gpus if len(gpus) == len(named) else (),  # CPU workers: plan the box's GPUs
             mean_seq_len=mean,
+            reference_pairs=reference,
         )
 
     def num_workers(self, hardware: Hardware) -> int:
@@ -177,17 +223,25 @@ class Workload:
         return max(Counter(self.devices).values(), default=1)
 
 
-def batch_length(lengths: Sequence[int], *, batch_size: int, max_length: int, packing: bool) -> float:
+def batch_length(
+    lengths: Sequence[int], *, batch_size: int, max_length: int, packing: bool, per_example: int = 1
+) -> float:
     """Mean tokens per sequence as the engine batches them: rows cut at ``max_length``, shuffled,
     cut into batches, each right-padded to its longest row (``engine.data.batches.collate``);
-    with packing every sequence is ``max_length`` long but the last. One fixed shuffle."""
+    with packing every sequence is ``max_length`` long but the last. One fixed shuffle.
+
+    ``per_example`` 2: ``lengths`` are pairs' sequences (chosen, rejected, one after the other),
+    shuffled as pairs, ``batch_size`` pairs a batch, padded to the longest of its 2B rows
+    (``engine.data.batches.collate_pairs``)."""
     cut = [max(1, min(n, max_length)) for n in lengths]
-    if packing:
+    if packing and per_example == 1:
         return float(min(max_length, sum(cut)))
-    order = list(cut)
-    random.Random(0).shuffle(order)
-    batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
-    return sum(max(b) * len(b) for b in batches) / len(order)
+    examples = [cut[i : i + per_example] for i in range(0, len(cut), per_example)]
+    random.Random(0).shuffle(examples)
+    batches = [
+        [n for ex in examples[i : i + batch_size] for n in ex] for i in range(0, len(examples), batch_size)
+    ]
+    return sum(max(b) * len(b) for b in batches) / len(cut)
 
 
 def _is_gpu(device: str) -> bool:
@@ -218,8 +272,21 @@ def check(workload: Workload, hardware: Hardware) -> None:
         raise ConfigError(
             "num_microbatches", f"num_microbatches={w.num_microbatches} exceeds batch_size={w.batch_size}"
         )
-    if w.method not in ("lora", "full"):
-        raise ConfigError("method", f"method={w.method!r} must be 'lora' or 'full'")
+    if w.method not in METHODS:
+        raise ConfigError("method", f"method={w.method!r} must be one of {list(METHODS)}", value=w.method)
+    if w.dpo_tuning not in TUNINGS:
+        raise ConfigError(
+            "dpo_tuning", f"dpo_tuning={w.dpo_tuning!r} must be 'lora' or 'full'", value=w.dpo_tuning
+        )
+    pairs = w.reference_pairs
+    if pairs is not None and (
+        isinstance(pairs, bool) or not isinstance(pairs, int) or not 0 <= pairs <= REFERENCE_PAIRS_LIMIT
+    ):
+        raise ConfigError(
+            "reference_pairs",
+            f"reference_pairs={pairs!r} must be an integer from 0 to {REFERENCE_PAIRS_LIMIT}",
+            value=pairs,
+        )
     if w.compute_dtype not in DTYPE_BYTES:
         raise ConfigError(
             "compute_dtype", f"compute_dtype={w.compute_dtype!r} must be one of {sorted(DTYPE_BYTES)}"

@@ -17,6 +17,7 @@ from server.errors import ApiError, documented
 from server.schemas import PlanPublic, PlanRequest
 from server.services import datasets, jobs, models, plans
 from server.settings import Settings
+from server.storage import open_storage
 from server.tables import Dataset
 
 router = APIRouter(
@@ -38,26 +39,31 @@ def _config_of(name: str, settings: Settings) -> dict[str, Any]:
     return dict(json.loads((found.path / "config.json").read_text()))
 
 
-def _dataset(session: Session, dataset_id: str | None) -> Dataset | None:
+def _dataset(session: Session, dataset_id: str | None, *, param: str = "dataset_id") -> Dataset | None:
     if dataset_id is None:
         return None
     dataset = datasets.get_dataset(session, dataset_id=dataset_id)
     if dataset is None:
-        raise ApiError(404, "not_found", f"no dataset {dataset_id!r}", param="dataset_id")
+        raise ApiError(404, "not_found", f"no dataset {dataset_id!r}", param=param)
     return dataset
 
 
 def _token_lengths(dataset: Dataset | None, body: PlanRequest, settings: Settings) -> list[int] | None:
     """The training rows' token counts through the base model's tokenizer; None without a
-    dataset, for a plan of a bare config.json, or before the model's folder is ready (the demo
-    before its preparation): the plan then assumes every sequence is ``max_length`` long."""
+    dataset, for a plan of a bare config.json, before the model's folder is ready (the demo before
+    its preparation), or for a dataset the job's method does not train on (``POST /api/jobs``
+    refuses that job: preference pairs are DPO's alone): the plan then assumes every sequence is
+    ``max_length`` long. A preference dataset's list each pair's two sequences."""
     if dataset is None or body.config is not None:
+        return None
+    if (dataset.format == "preference") != (body.method.get("kind") == "dpo"):
         return None
     folder = models.usable_folder(body.base_model or "demo", settings.models_dir, settings.hf_cache_dir)
     if folder is None:
         return None
     try:
-        return plans.token_lengths(dataset, tokenizer_folder=folder) or None
+        file = datasets.local_file(open_storage(settings), dataset, cache=settings.cache_dir)
+        return plans.token_lengths(dataset, tokenizer_folder=folder, file=file) or None
     except (OSError, ValueError, KeyError, TypeError):  # an unreadable tokenizer or file: no counts
         return None
 
@@ -93,6 +99,7 @@ def plan(session: SessionDep, settings: SettingsDep, body: PlanRequest) -> dict[
         where = f"config.{exc.field}" if body.config is not None else "base_model"
         raise ApiError(422, "invalid_config", str(exc), param=where) from exc
     dataset = _dataset(session, body.dataset_id)
+    validation = _dataset(session, body.validation_dataset_id, param="validation_dataset_id")
     given = body.hardware.model_dump(exclude_none=True)
     hardware = plans.hardware(session, given=given, stale_after=settings.telemetry_seconds * 5)
     try:
@@ -101,6 +108,7 @@ def plan(session: SessionDep, settings: SettingsDep, body: PlanRequest) -> dict[
             num_sequences=int(dataset.rows) if dataset is not None else None,
             on_gpu=hardware.device != "cpu",
             token_lengths=_token_lengths(dataset, body, settings),
+            num_validation=int(validation.rows) if validation is not None else None,
         )
     except ValueError as exc:
         field = exc.field if isinstance(exc, ConfigError) else None

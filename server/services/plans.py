@@ -24,11 +24,13 @@ _tokenizers: dict[str, Any] = {}
 _lock = threading.Lock()  # one tokenizer load and one count at a time (transformers' first import)
 
 
-def token_lengths(dataset: Dataset, *, tokenizer_folder: Path) -> list[int]:
+def token_lengths(dataset: Dataset, *, tokenizer_folder: Path, file: Path | None = None) -> list[int]:
     """Each of the dataset's first ``TOKEN_COUNT_ROWS`` rows' tokens as the run encodes them with
     this tokenizer (chat template included, before truncation); counted once per dataset file and
-    tokenizer, then remembered by this process."""
-    from engine.data.encode import encode
+    tokenizer, then remembered by this process. A preference row counts both its sequences, the
+    prompt with the preferred answer and with the rejected one, one after the other
+    (``encode_pair``, as a DPO run batches them)."""
+    from engine.data.encode import encode, encode_pair
     from engine.model.loading import load_tokenizer
     from server.services.datasets import first_examples
 
@@ -42,7 +44,14 @@ def token_lengths(dataset: Dataset, *, tokenizer_folder: Path) -> list[int]:
                 _tokenizers.pop(next(iter(_tokenizers)))
             tokenizer = _tokenizers[str(tokenizer_folder)] = load_tokenizer(tokenizer_folder)
         big = 1 << 30  # no truncation: the planner cuts at the run's max_length
-        lengths = [encode(ex, tokenizer, big).length for ex in first_examples(dataset, TOKEN_COUNT_ROWS)]
+        lengths: list[int] = []
+        # file: the dataset's local copy (``datasets.local_file``); once counted, not needed
+        for ex in first_examples(dataset, TOKEN_COUNT_ROWS, file=file or Path(dataset.path)):
+            if ex.rejected is not None:
+                pair = encode_pair(ex, tokenizer, big)
+                lengths += [pair.chosen.length, pair.rejected.length]
+            else:
+                lengths.append(encode(ex, tokenizer, big).length)
         while len(_lengths) >= _CACHE_SIZE:
             _lengths.pop(next(iter(_lengths)))
         _lengths[key] = lengths
@@ -55,14 +64,18 @@ def workload(
     num_sequences: int | None,
     on_gpu: bool = True,
     token_lengths: Sequence[int] | None = None,
+    num_validation: int | None = None,
 ) -> Workload:
     """The workload of a job request, through the TrainConfig ``POST /api/jobs`` would build.
 
     Args:
         request: the request's fields (``JobBase`` and ``base_model``), as a dict.
-        num_sequences: the training dataset's rows, when one is named (steps from ``hyper.epochs``).
+        num_sequences: the training dataset's rows (a DPO job's: pairs), when one is named (steps
+            from ``hyper.epochs``; a DPO job's reference pass covers them).
         on_gpu: plan GPU workers (``compute_dtype: auto`` is bfloat16) or a CPU host (float32).
         token_lengths: the training rows' token counts (``token_lengths``), when known.
+        num_validation: the validation dataset's rows, when one is named (a DPO job's reference
+            pass covers them too).
 
     Raises:
         ValueError: an invalid section; a ``ConfigError`` whose ``field`` is the dotted field name.
@@ -75,7 +88,11 @@ def workload(
         output_dir=Path(NOT_READ),
     )
     return Workload.from_train_config(
-        config, on_gpu=on_gpu, num_sequences=num_sequences, token_lengths=token_lengths
+        config,
+        on_gpu=on_gpu,
+        num_sequences=num_sequences,
+        token_lengths=token_lengths,
+        num_validation=num_validation,
     )
 
 

@@ -389,3 +389,67 @@ def test_bad_mixture_of_experts_sizes_name_the_field() -> None:
         with pytest.raises(ConfigError) as info:
             Shape.from_config(QWEN3_30B_A3B | {key: value})
         assert info.value.field == field, (key, info.value)
+
+
+def test_a_dpo_plan_is_the_lora_plan_of_twice_the_batch_plus_the_reference_pass() -> None:
+    box = Hardware(num_gpus=4, gpu_memory_gb=24.0, host_ram_gb=128.0)
+    dpo_job = Workload(method="dpo", batch_size=8, num_microbatches=4, steps=100, reference_pairs=800)
+    dpo = plan_job(QWEN3_1_7B, box, dpo_job)
+    lora = plan_job(QWEN3_1_7B, box, Workload(batch_size=16, num_microbatches=4, steps=100))
+    # each step trains 2 sequences a pair: the LoRA step of twice the batch, time and memory alike
+    assert dpo.fits and dpo.assumptions["sequences_per_step"] == 16
+    assert dpo.iteration_s == lora.iteration_s and dpo.tokens_per_s == lora.tokens_per_s
+    assert dpo.stages == lora.stages and dpo.host_ram == lora.host_ram
+    assert (dpo.max_seq_len, dpo.trainable) == (lora.max_seq_len, lora.trainable)
+    # against the LoRA plan of the same batch: a micro-batch holds twice the sequences
+    same = plan_job(QWEN3_1_7B, box, Workload(batch_size=8, num_microbatches=4, steps=100))
+    assert same.reference_s is None and same.eta_s == pytest.approx(100 * same.iteration_s)
+    for d, s in zip(dpo.stages, same.stages, strict=True):
+        assert d["memory_gb"]["activations"] == pytest.approx(2 * s["memory_gb"]["activations"])
+    assert dpo.iteration_s > same.iteration_s and dpo.max_seq_len < same.max_seq_len
+    # the reference pass: one forward over every pair, once, in the ETA; less than a step per batch
+    assert dpo.reference_s is not None and dpo.reference_s > 0
+    assert dpo.eta_s == pytest.approx(100 * dpo.iteration_s + dpo.reference_s)
+    assert dpo.reference_s / (800 / 8) < dpo.iteration_s
+    for pairs in (8, 80, 1600):
+        other = plan_job(QWEN3_1_7B, box, replace(dpo_job, reference_pairs=pairs)).reference_s
+        assert other == pytest.approx(dpo.reference_s * pairs / 800, rel=1e-9)
+    ragged = plan_job(QWEN3_1_7B, box, replace(dpo_job, reference_pairs=804)).reference_s
+    assert ragged is not None and dpo.reference_s < ragged < dpo.reference_s * 808 / 800  # a short batch
+    assert plan_job(QWEN3_1_7B, box, replace(dpo_job, reference_pairs=0)).reference_s == 0.0
+    unknown = plan_job(QWEN3_1_7B, box, replace(dpo_job, reference_pairs=None))
+    assert unknown.reference_s is None and "pair count is unknown" in unknown.describe()
+    assert "reference pass over 800 pairs" in dpo.describe()
+    # DPO of every weight: the full fine-tune's step; its reference, the initial weights' forward
+    # through the full plan's stages (which differ from the LoRA plan's)
+    full_dpo = plan_job(QWEN3_1_7B, box, replace(dpo_job, dpo_tuning="full"))
+    full = plan_job(QWEN3_1_7B, box, Workload(method="full", batch_size=16, num_microbatches=4, steps=100))
+    assert full_dpo.iteration_s == full.iteration_s and full_dpo.trainable == full.trainable
+    assert full_dpo.stages == full.stages and full_dpo.host_ram == full.host_ram
+    assert full_dpo.reference_s is not None and 0 < full_dpo.reference_s / 100 < full_dpo.iteration_s
+    with pytest.raises(ValueError, match="dpo_tuning='adapter'"):
+        plan_job(QWEN3_1_7B, box, replace(dpo_job, dpo_tuning="adapter"))
+    with pytest.raises(ValueError, match="reference_pairs=-1"):
+        plan_job(QWEN3_1_7B, box, replace(dpo_job, reference_pairs=-1))
+
+
+def test_workload_of_a_dpo_run_counts_pairs() -> None:
+    config = TrainConfig.parse(
+        {
+            "data": {"train": "t.jsonl", "max_length": 256},
+            "method": {"kind": "dpo", "dpo_tuning": "full", "beta": 0.5},
+            "hyper": {"batch_size": 4, "epochs": 2},
+            "engine": {"num_microbatches": 2},
+        }
+    )
+    w = Workload.from_train_config(config, num_sequences=10, num_validation=3)
+    assert (w.method, w.dpo_tuning, w.tuning, w.sequences) == ("dpo", "full", "full", 8)
+    assert w.steps == 4 and w.reference_pairs == 13  # whole batches of pairs; training and validation
+    assert Workload.from_train_config(config).reference_pairs is None
+    # token counts list each pair's chosen and rejected sequence: batched as pairs
+    lengths = [10, 30] * 8
+    w = Workload.from_train_config(config, num_sequences=8, token_lengths=lengths)
+    assert w.mean_seq_len == 30.0  # every batch padded to its longest row, a rejected one
+    packed = config.model_copy(update={"data": config.data.model_copy(update={"packing": True})})
+    with pytest.raises(ValueError, match=r"data\.packing"):
+        Workload.from_train_config(packed)

@@ -71,3 +71,12 @@ def test_calibration_past_the_top_efficiency_raises_the_rate() -> None:
     assert faster.efficiency == 1.0 and faster.gpu_tflops == pytest.approx(1.5 * box.gpu_tflops)
     slower = calibrate(box, predicted_tokens_per_s=100.0, measured_tokens_per_s=50.0)
     assert slower.efficiency == 0.5 and slower.gpu_tflops == box.gpu_tflops
+
+
+def test_batch_length_of_pairs_pads_each_batch_to_its_longest_sequence() -> None:
+    # three pairs: (chosen, rejected) one after the other
+    lengths = [10, 50, 20, 20, 30, 5]
+    assert batch_length(lengths, batch_size=3, max_length=1000, packing=False, per_example=2) == 50.0
+    assert batch_length(lengths, batch_size=3, max_length=40, packing=False, per_example=2) == 40.0
+    one = batch_length(lengths, batch_size=1, max_length=1000, packing=False, per_example=2)
+    assert one == (50 + 50 + 20 + 20 + 30 + 30) / 6  # each pair padded to its longer sequence

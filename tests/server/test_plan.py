@@ -1,9 +1,17 @@
-"""``POST /api/plan``: the longest sequence that fits, and the memory of each stage by term."""
+"""``POST /api/plan``: the longest sequence that fits, the memory of each stage by term, and DPO
+jobs (2 sequences a pair, the reference pass in the ETA)."""
 
 from __future__ import annotations
 
+import json
+
+import pytest
 from fastapi.testclient import TestClient
 
+from engine.planner import batch_length
+from server.services import plans
+from server.settings import Settings
+from server.tables import Dataset
 from tests.engine.test_planner import LLAMA_3_8B, QWEN3_30B_A3B
 
 
@@ -54,3 +62,77 @@ def test_plan_of_a_mixture_of_experts_model(client: TestClient) -> None:
     # LoRA on 128 experts of 48 blocks: 8 * 128 * ((2048 + 1536) + (768 + 2048)) per block on top
     assert plan["trainable"] - attention_only["trainable"] == 48 * 8 * 128 * (2048 + 1536 + 768 + 2048)
     assert plan["max_seq_len"] > 0 and plan["max_seq_len_limit"] in ("gpu_memory", "context")
+
+
+PAIRS = [
+    {"prompt": f"Say {i}.", "chosen": str(i), "rejected": f"I will not say {i}, not today." * (1 + i % 3)}
+    for i in range(12)
+]
+
+
+def _pairs(client: TestClient, name: str, rows: list[dict]) -> dict:
+    content = "".join(json.dumps(r) + "\n" for r in rows).encode()
+    r = client.post("/api/datasets", files={"file": (f"{name}.jsonl", content)}, data={"name": name})
+    assert r.status_code == 201 and r.json()["format"] == "preference", r.text
+    return dict(r.json())
+
+
+def test_plan_of_a_dpo_job(client: TestClient, settings: Settings) -> None:
+    train, held = _pairs(client, "pairs", PAIRS), _pairs(client, "held-out pairs", PAIRS[:4])
+    method = {"kind": "dpo", "dpo_tuning": "lora", "beta": 0.2, "lora_r": 8}
+    body = {
+        "base_model": "tiny",
+        "dataset_id": train["id"],
+        "data": {"max_length": 256},
+        "method": method,
+        "hyper": {"batch_size": 4, "max_steps": 6},
+        "engine": {"num_microbatches": 2, "compute_dtype": "bfloat16"},
+        "hardware": {"num_gpus": 1, "gpu_memory_gb": 24},
+    }
+    r = client.post("/api/plan", json=body)
+    assert r.status_code == 200, r.text
+    plan = r.json()
+    a = plan["assumptions"]
+    assert plan["fits"] and (a["method"], a["tuning"], a["sequences_per_step"]) == ("dpo", "lora", 8)
+    # the reference pass: a forward over each of the 12 pairs, once, counted in the ETA
+    assert a["reference_pairs"] == 12 and plan["reference_s"] > 0
+    assert plan["eta_s"] == pytest.approx(6 * plan["iteration_s"] + plan["reference_s"])
+    # both sequences of each pair counted, batched as pairs, padded to the longest of the batch's rows
+    with client.app.state.sessions() as session:  # type: ignore[attr-defined]
+        dataset = session.get(Dataset, train["id"])
+        lengths = plans.token_lengths(dataset, tokenizer_folder=settings.models_dir / "tiny")
+    assert len(lengths) == 2 * len(PAIRS) and lengths[1] > lengths[0]
+    expected = batch_length(lengths, batch_size=4, max_length=256, packing=False, per_example=2)
+    assert a["tokens_from_data"] and a["tokens_per_sequence"] == pytest.approx(expected)
+    # a validation dataset's pairs take the reference pass too
+    with_held = client.post("/api/plan", json=body | {"validation_dataset_id": held["id"]}).json()
+    assert with_held["assumptions"]["reference_pairs"] == 16
+    assert with_held["reference_s"] == pytest.approx(plan["reference_s"] * 16 / 12, rel=1e-6)
+    missing = client.post("/api/plan", json=body | {"validation_dataset_id": "nope"})
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "validation_dataset_id"
+    # a supervised plan on the pairs (a job POST /api/jobs refuses): no token counts, no reference
+    lora = client.post("/api/plan", json=body | {"method": {"kind": "lora", "lora_r": 8}}).json()
+    assert not lora["assumptions"]["tokens_from_data"] and lora["reference_s"] is None
+    # pairs are never packed, as the run refuses it
+    packed = client.post("/api/plan", json=body | {"data": {"max_length": 256, "packing": True}})
+    assert packed.status_code == 422 and packed.json()["error"]["param"] == "data.packing"
+    schema = client.get("/openapi.json").json()["components"]["schemas"]["PlanPublic"]["properties"]
+    assert "reference_s" in schema
+
+
+def test_a_dpo_plan_steps_like_the_lora_plan_of_twice_the_batch(client: TestClient) -> None:
+    common = {
+        "config": LLAMA_3_8B,
+        "data": {"max_length": 2048},
+        "engine": {"num_microbatches": 2, "compute_dtype": "bfloat16"},
+        "hardware": {"num_gpus": 2, "gpu_memory_gb": 24},
+    }
+    dpo = common | {"method": {"kind": "dpo", "lora_r": 16}, "hyper": {"batch_size": 2, "max_steps": 10}}
+    lora = common | {"method": {"kind": "lora", "lora_r": 16}, "hyper": {"batch_size": 4, "max_steps": 10}}
+    d, s = client.post("/api/plan", json=dpo), client.post("/api/plan", json=lora)
+    assert d.status_code == 200, d.text
+    d_plan, s_plan = d.json(), s.json()
+    for key in ("iteration_s", "tokens_per_s", "stages", "max_seq_len", "host_ram", "trainable"):
+        assert d_plan[key] == s_plan[key], key
+    # no dataset: the pair count, hence the reference pass, is unknown
+    assert d_plan["reference_s"] is None and d_plan["eta_s"] == pytest.approx(10 * d_plan["iteration_s"])

@@ -1,8 +1,10 @@
-// New job: base model, dataset, method and the key hyperparameters (engine settings under
-// "Advanced"); the equivalent API request is shown and can be copied.
+// New job: base model, dataset, method (LoRA, full, or DPO on preference pairs) and the key
+// hyperparameters (engine settings under "Advanced"); the equivalent API request is shown and can be
+// copied.
 
 import { api } from "../api.js";
-import { bytes, duration, el, errorBox, field, number } from "../widgets.js";
+import { bytes, el, errorBox, field, number } from "../widgets.js";
+import { planCard } from "./plan-card.js";
 
 function num(value, attrs = {}) {
   return el("input", { type: "number", value, ...attrs });
@@ -86,11 +88,25 @@ export function heldOutFor(list, trainId) {
   return match ? match.id : "";
 }
 
-// The datasets to preselect: the newest one that is not a held-out set (else the newest), and its
-// held-out set as validation. The list comes newest first.
-export function suitableData(list) {
-  const train = list.find((d) => !HELD_OUT.test(d.name)) ?? list[0];
+// The datasets to preselect: of those that fit the method (all, when none does), the newest one
+// that is not a held-out set (else the newest), and its held-out set as validation. The list comes
+// newest first.
+export function suitableData(list, kind = "lora") {
+  const fitting = list.filter((d) => fits(d, kind));
+  const pool = fitting.length ? fitting : list;
+  const train = pool.find((d) => !HELD_OUT.test(d.name)) ?? pool[0];
   return train ? [train.id, heldOutFor(list, train.id)] : ["", ""];
+}
+
+// Which datasets a method trains on: DPO on preference datasets (a preferred and a rejected answer
+// per prompt), the supervised methods on every other format. POST /api/jobs refuses the others.
+export function fits(dataset, kind) {
+  return (dataset.format === "preference") === (kind === "dpo");
+}
+
+function datasetLabel(d, kind) {
+  const rows = d.format === "preference" ? `${d.rows} pairs, preference` : `${d.rows} rows, ${d.format}`;
+  return `${d.name} (${rows})${fits(d, kind) ? "" : kind === "dpo" ? " — not preference pairs" : " — for DPO"}`;
 }
 
 export async function render(main) {
@@ -98,9 +114,10 @@ export async function render(main) {
   const [base, unsupported] = modelPicker(models.data);
   const [trainPick, validationPick] = suitableData(datasets.data);
   const train = choice(
-    datasets.data.map((d) => [d.id, `${d.name} (${d.rows} rows)`]),
+    datasets.data.map((d) => [d.id, datasetLabel(d, "lora")]),
     trainPick,
   );
+  const dataHint = el("p", { id: "dataset-fit", class: "hint", "aria-live": "polite" });
   const validation = choice(
     [["", "none (hold out a fraction instead)"], ...datasets.data.map((d) => [d.id, d.name])],
     validationPick,
@@ -108,6 +125,36 @@ export async function render(main) {
   const heldOut = num(0, { min: 0, max: 0.5, step: 0.01 });
   const lora = el("input", { type: "radio", name: "method", value: "lora", id: "method-lora", checked: true });
   const full = el("input", { type: "radio", name: "method", value: "full", id: "method-full" });
+  const dpo = el("input", { type: "radio", name: "method", value: "dpo", id: "method-dpo" });
+  // DPO: what it trains (method.dpo_tuning) and how far it may move from the reference (method.beta)
+  const dpoTuning = choice(
+    [
+      ["lora", "LoRA adapter (the reference is the base model)"],
+      ["full", "every weight (reference computed once, first)"],
+    ],
+    "lora",
+  );
+  const beta = num(0.1, { min: 0.001, max: 100, step: "any" });
+  const dpoOptions = el(
+    "fieldset",
+    { id: "dpo-options", hidden: true },
+    el("legend", { text: "Preference tuning (DPO)" }),
+    el("p", {
+      class: "hint",
+      text:
+        "Direct preference optimization learns from pairs: for each prompt a preferred and a rejected answer. " +
+        "It needs a preference dataset.",
+    }),
+    field("dpo-tuning", "Trains", dpoTuning),
+    field(
+      "dpo-beta",
+      "Beta",
+      beta,
+      "how far the model may move from the reference: smaller lets it move further (0.1 is usual)",
+    ),
+  );
+  const kind = () => (dpo.checked ? "dpo" : full.checked ? "full" : "lora");
+  const usesLora = () => lora.checked || (dpo.checked && dpoTuning.value === "lora");
   const maxSteps = num(60, { min: 1 });
   const epochs = num("", { min: 0.01, step: 0.01, placeholder: "or epochs" });
   const batch = num(8, { min: 1 });
@@ -160,23 +207,28 @@ export async function render(main) {
     el("label", { for: "router-aux-loss" }, routerLoss, " Router load-balancing loss (the model's coefficient)"),
   );
   const name = el("input", { type: "text", placeholder: "defaults to model on dataset", maxlength: 255 });
+  const rankField = field("lora-r", "LoRA rank", rank);
+  // hyper.batch_size counts a DPO job's pairs (2 sequences each, as the plan card says)
+  const batchField = field("batch-size", "Batch size (sequences)", batch);
   const preview = el("pre", { id: "request-preview", class: "code" });
   const error = el("div", { id: "form-error", "aria-live": "polite" });
   const copy = el("button", { type: "button", class: "secondary", text: "Copy request" });
-  const planBox = el(
-    "section",
-    { id: "plan", class: "card", "aria-live": "polite" },
-    el("h2", { text: "Fit and time" }),
-    el("p", { class: "muted", text: "Planning…" }),
-  );
-
   // The POST /api/jobs body; POST /api/plan takes the very same one, so the plan is of this job.
   function body() {
     const b = {
       base_model: base.value,
       ...(train.value ? { dataset_id: train.value } : {}),
       data: { max_length: Number(maxLength.value) },
-      method: lora.checked ? { kind: "lora", lora_r: Number(rank.value) } : { kind: "full" },
+      method: lora.checked
+        ? { kind: "lora", lora_r: Number(rank.value) }
+        : dpo.checked
+          ? {
+              kind: "dpo",
+              dpo_tuning: dpoTuning.value,
+              beta: Number(beta.value),
+              ...(usesLora() ? { lora_r: Number(rank.value) } : {}),
+            }
+          : { kind: "full" },
       hyper: {
         batch_size: Number(batch.value),
         learning_rate: Number(lr.value),
@@ -205,107 +257,44 @@ export async function render(main) {
     if (epochs.value) b.hyper.epochs = Number(epochs.value);
     if (evalEvery.value) b.eval = { every_steps: Number(evalEvery.value) };
     if (isMoe()) {
-      if (lora.checked && expertsLora.checked) b.method.target_parameters = ["experts"];
+      if (usesLora() && expertsLora.checked) b.method.target_parameters = ["experts"];
       if (routerLoss.checked) b.hyper.router_aux_loss = true;
     }
     return b;
   }
 
-  // what stops a longer sequence (POST /api/plan's max_seq_len_limit)
-  const SEQ_LIMITS = {
-    gpu_memory: "GPU memory",
-    host_ram: "host RAM",
-    context: "model context",
-    planner: "planner range",
-  };
-  let planTimer = null;
-  let planTicket = 0;
-  async function refreshPlan() {
-    const ticket = ++planTicket;
-    try {
-      const p = await api("/plan", { method: "POST", body: body() });
-      if (ticket !== planTicket) return;
-      const a = p.assumptions;
-      const cpu = a.device === "cpu";
-      const gpus = cpu
-        ? "the workers report no GPU, so this plans one CPU worker (devices auto)"
-        : a.detected.includes("GPU count")
-          ? "GPUs as the workers report them"
-          : "no worker is online, so this assumes 2 GPUs of 24 GB (POST /api/plan takes others)";
-      const hw = `${gpus}${a.detected.length ? `; read off the workers: ${a.detected.join(", ")}` : ""}`;
-      const rate = cpu
-        ? `${number(1000 * a.gpu_tflops)} GFLOP/s fp32 on the CPU (an assumed rate per core, measured on a 2-core host)`
-        : `${number(a.gpu_tflops)} TFLOPS per GPU at ${number(100 * a.efficiency)}% efficiency, ${number(a.link_gb_s)} GB/s host link`;
-      const perSeq = a.tokens_from_data
-        ? `${number(a.tokens_per_sequence)} tokens per sequence, from the dataset's token counts`
-        : "every sequence max_length tokens long (pick a dataset for its real lengths)";
-      planBox.replaceChildren(
-        ...[
-          el("h2", { text: "Fit and time" }),
-          el("p", { id: "plan-hardware", class: "muted", text: a.hardware }),
-          el("p", {
-            id: "plan-fits",
-            class: p.fits ? "fits" : "error",
-            text: p.fits ? "Fits on this box." : "Does not fit.",
-          }),
-          p.problems.length
-            ? el(
-                "ul",
-                { class: "errors" },
-                p.problems.map((t) => el("li", { text: t })),
-              )
-            : null,
-          p.suggestions.length
-            ? el(
-                "ul",
-                {},
-                p.suggestions.map((t) => el("li", { text: `Try: ${t}` })),
-              )
-            : null,
-          el(
-            "dl",
-            { class: "stats" },
-            el(
-              "div",
-              {},
-              el("dt", { text: cpu ? "worker memory (largest stage)" : "GPU memory (largest stage)" }),
-              el("dd", { text: `${number(p.gpu_memory_needed_gb)} of ${number(p.gpu_memory_gb)} GB` }),
-            ),
-            el("div", {}, el("dt", { text: "host RAM" }), el("dd", { text: `${number(p.host_ram.total_gb)} GB` })),
-            el(
-              "div",
-              {},
-              el("dt", { text: "longest sequence that fits" }),
-              el("dd", {
-                id: "plan-max-seq-len",
-                text: `${p.max_seq_len.toLocaleString("en-US")} tokens (${SEQ_LIMITS[p.max_seq_len_limit] ?? p.max_seq_len_limit})`,
-                title:
-                  "the longest sequence whose plan fits, at this batch and micro-batch count, and what stops a longer one",
-              }),
-            ),
-            el(
-              "div",
-              {},
-              el("dt", { text: "predicted tokens/s" }),
-              el("dd", { id: "plan-tokens", text: number(p.tokens_per_s) }),
-            ),
-            el("div", {}, el("dt", { text: "ETA" }), el("dd", { id: "plan-eta", text: duration(p.eta_s) })),
-          ),
-          el("p", {
-            class: "muted small",
-            text: `${p.partition ? `Stages ${p.partition}; ` : ""}${rate}; ${perSeq} (${hw}). An estimate: a finished job on this box calibrates it (POST /api/plan with calibrate_job_id).`,
-          }),
-        ].filter(Boolean),
-      );
-    } catch (err) {
-      if (ticket === planTicket) planBox.replaceChildren(el("h2", { text: "Fit and time" }), errorBox(err));
-    }
+  // only the fields of the chosen method; the dataset pickers say which datasets fit it
+  function showMethod() {
+    const k = kind();
+    dpoOptions.hidden = k !== "dpo";
+    rankField.hidden = !usesLora();
+    batchField.querySelector("label").textContent = `Batch size (${k === "dpo" ? "pairs" : "sequences"})`;
+    for (const [picker, offset] of [
+      [train, 0],
+      [validation, 1],
+    ])
+      datasets.data.forEach((d, i) => {
+        const option = picker.options[i + offset];
+        option.textContent = offset ? `${d.name}${fits(d, k) ? "" : " (does not fit)"}` : datasetLabel(d, k);
+        option.dataset.fits = String(fits(d, k));
+      });
+    const chosen = datasets.data.find((d) => d.id === train.value);
+    const wanted =
+      k === "dpo"
+        ? "a preference dataset (a preferred and a rejected answer per prompt)"
+        : "a chat, instruction, prompt/completion or text dataset";
+    const fitting = datasets.data.filter((d) => fits(d, k)).length;
+    dataHint.textContent =
+      chosen && !fits(chosen, k)
+        ? `${chosen.name} is ${chosen.format === "preference" ? "preference pairs" : chosen.format}: this method needs ${wanted}.`
+        : `This method trains on ${wanted}; ${fitting} of ${datasets.data.length} fit.`;
+    dataHint.classList.toggle("error", Boolean(chosen && !fits(chosen, k)));
   }
 
   function update() {
     moeOptions.hidden = !isMoe();
-    clearTimeout(planTimer);
-    planTimer = setTimeout(refreshPlan, 300);
+    showMethod();
+    plan.schedule();
     const json = JSON.stringify(body(), null, 2);
     preview.textContent = `curl -X POST ${location.origin}/api/jobs \\\n  -H "Authorization: Bearer $ROUNDHOUSE_KEY" \\\n  -H "Content-Type: application/json" \\\n  -d '${json}'`;
   }
@@ -317,6 +306,7 @@ export async function render(main) {
     field("base-model", "Base model", base),
     unsupported,
     field("dataset", "Training data", train, datasets.data.length ? null : "upload a dataset first"),
+    dataHint,
     field("validation-dataset", "Validation data", validation),
     field("held-out", "Held-out fraction", heldOut, "used when no validation data is chosen"),
     el(
@@ -325,18 +315,20 @@ export async function render(main) {
       el("legend", { text: "Method" }),
       el("label", { for: "method-lora" }, lora, " LoRA (adapter; small download)"),
       el("label", { for: "method-full" }, full, " Full fine-tune"),
+      el("label", { for: "method-dpo" }, dpo, " DPO (preference pairs)"),
     ),
+    dpoOptions,
     moeOptions,
     el(
       "div",
       { class: "grid" },
       field("max-steps", "Max steps", maxSteps),
       field("epochs", "Epochs", epochs, "used when max steps is empty"),
-      field("batch-size", "Batch size (sequences)", batch),
+      batchField,
       field("learning-rate", "Learning rate", lr),
       field("schedule", "Schedule", schedule),
       field("warmup", "Warmup steps", warmup),
-      field("lora-r", "LoRA rank", rank),
+      rankField,
       field("max-length", "Max sequence length", maxLength),
       field("checkpoint-every", "Checkpoint every (steps)", every),
       field("eval-every", "Validate every (steps)", evalEvery),
@@ -373,6 +365,16 @@ export async function render(main) {
   train.addEventListener("change", () => {
     if (!validationPicked) validation.value = heldOutFor(datasets.data, train.value);
   });
+  // a method change moves the training set to one that fits it, when the chosen one does not
+  for (const radio of [lora, full, dpo])
+    radio.addEventListener("change", () => {
+      const chosen = datasets.data.find((d) => d.id === train.value);
+      const [better] = suitableData(datasets.data, kind());
+      const fitting = datasets.data.find((d) => d.id === better);
+      if (!chosen || fits(chosen, kind()) || !fitting || !fits(fitting, kind())) return;
+      train.value = better;
+      if (!validationPicked) validation.value = heldOutFor(datasets.data, train.value);
+    });
   form.addEventListener("input", update);
   form.addEventListener("change", update);
   copy.addEventListener("click", async () => {
@@ -396,7 +398,10 @@ export async function render(main) {
       location.hash = `#/jobs/${job.id}`;
     } catch (err) {
       error.replaceChildren(errorBox(err));
-      const param = (err.param || "").split(".").pop().replace(/_/g, "-");
+      const last = (err.param || "").split(".").pop().replace(/_/g, "-");
+      // the error's field -> the control's id where they differ
+      const param =
+        { "dataset-id": "dataset", "validation-dataset-id": "validation-dataset", beta: "dpo-beta" }[last] || last;
       const target = param && form.querySelector(`#${CSS.escape(param)}`);
       if (target) {
         target.setAttribute("aria-invalid", "true");
@@ -404,7 +409,8 @@ export async function render(main) {
       }
     }
   });
-  main.append(el("h1", { text: "New fine-tune" }), planBox, form);
+  const plan = planCard(body);
+  main.append(el("h1", { text: "New fine-tune" }), plan.element, form);
   update();
-  return () => clearTimeout(planTimer);
+  return () => plan.stop();
 }

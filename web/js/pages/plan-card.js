@@ -1,0 +1,137 @@
+// The new-job page's "Fit and time" card: POST /api/plan with the very body POST /api/jobs would
+// get, shown as fit, memory, the longest sequence, tokens/s and ETA (a DPO job's with its
+// reference pass).
+
+import { api } from "../api.js";
+import { duration, el, errorBox, number } from "../widgets.js";
+
+// what stops a longer sequence (POST /api/plan's max_seq_len_limit)
+const SEQ_LIMITS = {
+  gpu_memory: "GPU memory",
+  host_ram: "host RAM",
+  context: "model context",
+  planner: "planner range",
+};
+// A DPO job: each step trains 2 sequences a pair (the batch counts pairs), and before the first
+// step one forward over every pair gives the reference log-probabilities (POST /api/plan's
+// reference_s, part of the ETA; null when the pair count is unknown).
+function dpoNote(p) {
+  const a = p.assumptions;
+  const what = a.tuning === "lora" ? "the base model, adapter off" : "the initial weights";
+  const pass =
+    p.reference_s === null
+      ? "the reference pass is not counted (pick a dataset for its pair count)"
+      : `the reference pass over ${a.reference_pairs.toLocaleString("en-US")} pairs (${what}) takes ${duration(p.reference_s)}, in the ETA`;
+  return `DPO: 2 sequences (preferred and rejected) per pair, ${a.sequences_per_step} a step; ${pass}.`;
+}
+
+// The card (``element``); ``schedule()`` plans ``body()`` 300 ms after the last call, a newer
+// answer replacing an older one; ``stop()`` when the page goes.
+export function planCard(body) {
+  const planBox = el(
+    "section",
+    { id: "plan", class: "card", "aria-live": "polite" },
+    el("h2", { text: "Fit and time" }),
+    el("p", { class: "muted", text: "Planning…" }),
+  );
+  let planTimer = null;
+  let planTicket = 0;
+  async function refreshPlan() {
+    const ticket = ++planTicket;
+    try {
+      const p = await api("/plan", { method: "POST", body: body() });
+      if (ticket !== planTicket) return;
+      const a = p.assumptions;
+      const cpu = a.device === "cpu";
+      const gpus = cpu
+        ? "the workers report no GPU, so this plans one CPU worker (devices auto)"
+        : a.detected.includes("GPU count")
+          ? "GPUs as the workers report them"
+          : "no worker is online, so this assumes 2 GPUs of 24 GB (POST /api/plan takes others)";
+      const hw = `${gpus}${a.detected.length ? `; read off the workers: ${a.detected.join(", ")}` : ""}`;
+      const rate = cpu
+        ? `${number(1000 * a.gpu_tflops)} GFLOP/s fp32 on the CPU (an assumed rate per core, measured on a 2-core host)`
+        : `${number(a.gpu_tflops)} TFLOPS per GPU at ${number(100 * a.efficiency)}% efficiency, ${number(a.link_gb_s)} GB/s host link`;
+      const perSeq = a.tokens_from_data
+        ? `${number(a.tokens_per_sequence)} tokens per sequence, from the dataset's token counts`
+        : "every sequence max_length tokens long (pick a dataset for its real lengths)";
+      planBox.replaceChildren(
+        ...[
+          el("h2", { text: "Fit and time" }),
+          el("p", { id: "plan-hardware", class: "muted", text: a.hardware }),
+          el("p", {
+            id: "plan-fits",
+            class: p.fits ? "fits" : "error",
+            text: p.fits ? "Fits on this box." : "Does not fit.",
+          }),
+          p.problems.length
+            ? el(
+                "ul",
+                { class: "errors" },
+                p.problems.map((t) => el("li", { text: t })),
+              )
+            : null,
+          p.suggestions.length
+            ? el(
+                "ul",
+                {},
+                p.suggestions.map((t) => el("li", { text: `Try: ${t}` })),
+              )
+            : null,
+          el(
+            "dl",
+            { class: "stats" },
+            el(
+              "div",
+              {},
+              el("dt", { text: cpu ? "worker memory (largest stage)" : "GPU memory (largest stage)" }),
+              el("dd", { text: `${number(p.gpu_memory_needed_gb)} of ${number(p.gpu_memory_gb)} GB` }),
+            ),
+            el("div", {}, el("dt", { text: "host RAM" }), el("dd", { text: `${number(p.host_ram.total_gb)} GB` })),
+            el(
+              "div",
+              {},
+              el("dt", { text: "longest sequence that fits" }),
+              el("dd", {
+                id: "plan-max-seq-len",
+                text: `${p.max_seq_len.toLocaleString("en-US")} tokens (${SEQ_LIMITS[p.max_seq_len_limit] ?? p.max_seq_len_limit})`,
+                title:
+                  "the longest sequence whose plan fits, at this batch and micro-batch count, and what stops a longer one",
+              }),
+            ),
+            el(
+              "div",
+              {},
+              el("dt", { text: "predicted tokens/s" }),
+              el("dd", { id: "plan-tokens", text: number(p.tokens_per_s) }),
+            ),
+            p.assumptions.method === "dpo"
+              ? el(
+                  "div",
+                  {},
+                  el("dt", { text: "reference pass" }),
+                  el("dd", { id: "plan-reference", text: duration(p.reference_s) }),
+                )
+              : null,
+            el("div", {}, el("dt", { text: "ETA" }), el("dd", { id: "plan-eta", text: duration(p.eta_s) })),
+          ),
+          el("p", {
+            class: "muted small",
+            text: `${p.partition ? `Stages ${p.partition}; ` : ""}${rate}; ${perSeq} (${hw}). An estimate: a finished job on this box calibrates it (POST /api/plan with calibrate_job_id).`,
+          }),
+          p.assumptions.method === "dpo" ? el("p", { id: "plan-dpo", class: "muted small", text: dpoNote(p) }) : null,
+        ].filter(Boolean),
+      );
+    } catch (err) {
+      if (ticket === planTicket) planBox.replaceChildren(el("h2", { text: "Fit and time" }), errorBox(err));
+    }
+  }
+  return {
+    element: planBox,
+    schedule() {
+      clearTimeout(planTimer);
+      planTimer = setTimeout(refreshPlan, 300);
+    },
+    stop: () => clearTimeout(planTimer),
+  };
+}
