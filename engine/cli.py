@@ -77,6 +77,7 @@ def plan_config(args: argparse.Namespace) -> tuple[TrainConfig, int | None]:
     flags = {
         ("data", "max_length"): args.seq_len,
         ("method", "kind"): args.method,
+        ("method", "dpo_tuning"): args.dpo_tuning,
         ("method", "lora_r"): args.lora_r,
         ("hyper", "batch_size"): args.batch_size,
         ("hyper", "max_steps"): args.steps,
@@ -89,7 +90,9 @@ def plan_config(args: argparse.Namespace) -> tuple[TrainConfig, int | None]:
             raw.setdefault(section, {})[key] = value
     config = TrainConfig.parse(raw)
     rows = None
-    if args.config and config.hyper.max_steps is None and Path(config.data.train).is_file():
+    # rows give the step count under epochs, and a DPO run's reference pass in any case
+    counted = config.hyper.max_steps is None or config.method.objective == "dpo"
+    if args.config and counted and Path(config.data.train).is_file():
         rows = sum(1 for _, record in read_records(config.data.train) if isinstance(record, dict))
     return config, rows
 
@@ -373,7 +376,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--seq-len", type=int, default=None, help="default 2048")
     p.add_argument("--batch-size", type=int, default=None, help="sequences per step (default max(M, 16))")
-    p.add_argument("--method", choices=["lora", "full"], default=None, help="default lora")
+    p.add_argument("--method", choices=["lora", "full", "dpo"], default=None, help="default lora")
+    p.add_argument("--dpo-tuning", choices=["lora", "full"], default=None, help="dpo: default lora")
     p.add_argument("--lora-r", type=int, default=None, help="default 16")
     p.add_argument(
         "--dtype",
