@@ -31,6 +31,7 @@ from server.db import make_engine, migrate, session_factory
 from server.deps import COOKIE, SessionDep, current_key, plain_parameters
 from server.services import keys
 from server.settings import Settings, get_settings
+from server.storage import open_storage
 from server.streams import Hub, lifespan
 
 WEB = Path(__file__).resolve().parent.parent / "web"
@@ -63,6 +64,7 @@ def create_app(settings: Settings | None = None, *, apply_migrations: bool = Tru
         dependencies=[Depends(plain_parameters)],  # before each route's own: no NUL reaches a query
     )
     app.state.settings = settings
+    app.state.storage = open_storage(settings)
     app.state.engine = engine
     app.state.sessions = sessions
     app.state.first_key = first_key

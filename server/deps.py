@@ -1,5 +1,5 @@
-"""FastAPI dependencies as ``Annotated`` aliases: the session, the settings, the caller's key, the
-job of a ``{job_id}`` route."""
+"""FastAPI dependencies as ``Annotated`` aliases: the session, the settings, the store, the
+caller's key, the job of a ``{job_id}`` route."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from server.errors import ApiError
 from server.schemas import LINE_PATTERN
 from server.services import jobs, keys
 from server.settings import Settings
+from server.storage import Storage
 from server.tables import ApiKey, Job
 
 COOKIE = "roundhouse_session"
@@ -27,6 +28,11 @@ def app_settings(request: Request) -> Settings:
     return request.app.state.settings  # type: ignore[no-any-return]
 
 
+def app_storage(request: Request) -> Storage:
+    """The app's store (``server.storage``): where datasets and runs are read and written."""
+    return request.app.state.storage  # type: ignore[no-any-return]
+
+
 def get_session(request: Request) -> Iterator[Session]:
     with request.app.state.sessions() as session:
         yield session
@@ -34,6 +40,7 @@ def get_session(request: Request) -> Iterator[Session]:
 
 SettingsDep = Annotated[Settings, Depends(app_settings)]
 SessionDep = Annotated[Session, Depends(get_session)]
+StorageDep = Annotated[Storage, Depends(app_storage)]
 
 
 def accepts_query_token(request: Request) -> bool:

@@ -11,11 +11,12 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.routing import APIRoute
 from starlette.types import Message
 
-from server.deps import IdPath, SessionDep, SettingsDep, app_settings, caller, current_key
+from server.deps import IdPath, SessionDep, SettingsDep, StorageDep, app_settings, caller, current_key
 from server.errors import ApiError, documented
 from server.schemas import LINE_PATTERN, DatasetPublic, DatasetsPublic, PreviewPublic, StatsPublic
 from server.services import datasets, models
 from server.settings import Settings
+from server.storage import Storage
 
 MULTIPART_OVERHEAD = 65536  # allowed past the file limit for the form's name field, part headers, boundaries
 
@@ -86,6 +87,16 @@ def _found(session: SessionDep, dataset_id: str) -> Any:
     return found
 
 
+def _file(storage: Storage, settings: Settings, dataset: Any) -> Any:
+    """The dataset's file on this host (a copy in the cache when the store is remote)."""
+    try:
+        return datasets.local_file(storage, dataset, cache=settings.cache_dir)
+    except FileNotFoundError as exc:
+        raise ApiError(
+            404, "not_found", f"dataset {dataset.id!r}: its file is gone", param="dataset_id"
+        ) from exc
+
+
 _tokenizers: dict[str, Any] = {}
 _tokenizer_lock = threading.Lock()  # the first import of transformers is not safe from two threads
 
@@ -110,6 +121,7 @@ def _tokenizer(settings: Settings, model: str) -> Any:
 async def upload_dataset(
     session: SessionDep,
     settings: SettingsDep,
+    storage: StorageDep,
     file: Annotated[UploadFile, File(description="JSONL, CSV or Parquet")],
     name: Annotated[str | None, Form(max_length=255, pattern=LINE_PATTERN)] = None,
 ) -> Any:
@@ -124,7 +136,8 @@ async def upload_dataset(
             source=file.file,
             filename=file.filename or "dataset",
             name=name,
-            datasets_dir=settings.datasets_dir,
+            storage=storage,
+            scratch=settings.cache_dir / "incoming",
             max_bytes=settings.max_upload_bytes,
         )
     except datasets.TooLarge as exc:
@@ -158,6 +171,7 @@ def get_dataset(session: SessionDep, dataset_id: IdPath) -> Any:
 def preview_dataset(
     session: SessionDep,
     settings: SettingsDep,
+    storage: StorageDep,
     dataset_id: IdPath,
     model: Annotated[str, Query(description="base model whose chat template renders the rows")] = "demo",
     limit: Annotated[int, Query(ge=1, le=50)] = 5,
@@ -166,7 +180,8 @@ def preview_dataset(
     """The first rows through a model's chat template, trained tokens marked (preference: both answers)."""
     dataset = _found(session, dataset_id)
     tokenizer = _tokenizer(settings, model)
-    rows = datasets.preview(dataset, tokenizer=tokenizer, limit=limit, max_length=max_length)
+    file = _file(storage, settings, dataset)
+    rows = datasets.preview(dataset, file=file, tokenizer=tokenizer, limit=limit, max_length=max_length)
     return {"dataset_id": dataset.id, "model": model, "rows": rows}
 
 
@@ -174,6 +189,7 @@ def preview_dataset(
 def dataset_stats(
     session: SessionDep,
     settings: SettingsDep,
+    storage: StorageDep,
     dataset_id: IdPath,
     model: Annotated[str, Query(description="base model whose tokenizer counts the tokens")] = "demo",
     max_length: Annotated[int, Query(ge=8, le=1 << 20)] = 1024,
@@ -182,14 +198,15 @@ def dataset_stats(
     """Token-length histogram of the first rows, and the share longer than ``max_length``."""
     dataset = _found(session, dataset_id)
     tokenizer = _tokenizer(settings, model)
-    return datasets.token_stats(dataset, tokenizer=tokenizer, max_length=max_length, limit=limit)
+    file = _file(storage, settings, dataset)
+    return datasets.token_stats(dataset, file=file, tokenizer=tokenizer, max_length=max_length, limit=limit)
 
 
 @router.delete("/{dataset_id}", status_code=204, responses=documented(404, 409))
-def delete_dataset(session: SessionDep, dataset_id: IdPath) -> None:
+def delete_dataset(session: SessionDep, storage: StorageDep, dataset_id: IdPath) -> None:
     """Delete a dataset that no job uses."""
     dataset = _found(session, dataset_id)
     user = datasets.in_use(session, dataset_id=dataset_id)
     if user is not None:
         raise ApiError(409, "in_use", f"dataset {dataset_id!r} is used by job {user!r}", param="dataset_id")
-    datasets.delete_dataset(session, dataset=dataset)
+    datasets.delete_dataset(session, dataset=dataset, storage=storage)

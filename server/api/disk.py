@@ -6,7 +6,7 @@ from typing import Any
 
 from fastapi import APIRouter, Depends
 
-from server.deps import SessionDep, SettingsDep, current_key
+from server.deps import SessionDep, SettingsDep, StorageDep, current_key
 from server.errors import documented
 from server.schemas import DiskPublic
 from server.services import disk
@@ -17,6 +17,6 @@ router = APIRouter(
 
 
 @router.get("", response_model=DiskPublic)
-def get_disk(session: SessionDep, settings: SettingsDep) -> Any:
+def get_disk(session: SessionDep, settings: SettingsDep, storage: StorageDep) -> Any:
     """Bytes on disk: all jobs' folders (each job's is its disk_bytes), the datasets, free space."""
-    return disk.usage(session, runs_dir=settings.runs_dir)
+    return disk.usage(session, storage=storage, runs_dir=settings.runs_dir)

@@ -8,7 +8,7 @@ from typing import Any
 from fastapi import APIRouter, Depends
 
 from server import queue
-from server.deps import IdPath, JobDep, SessionDep, SettingsDep, current_key
+from server.deps import IdPath, JobDep, SessionDep, SettingsDep, StorageDep, current_key
 from server.errors import ApiError, documented
 from server.schemas import EvaluationCreate, EvaluationDetail, EvaluationPublic, EvaluationsPublic
 from server.services import checkpoints, datasets, evaluations
@@ -25,9 +25,11 @@ router = APIRouter(
 @router.post(
     "/{job_id}/evaluations", response_model=EvaluationPublic, status_code=201, responses=documented(400, 409)
 )
-def create_evaluation(session: SessionDep, settings: SettingsDep, job: JobDep, body: EvaluationCreate) -> Any:
+def create_evaluation(
+    session: SessionDep, settings: SettingsDep, storage: StorageDep, job: JobDep, body: EvaluationCreate
+) -> Any:
     """Evaluate a checkpoint of the job on a dataset; a worker runs it (after the job it trains)."""
-    saved = checkpoints.list_for(session, job_id=job.id)
+    saved = checkpoints.list_for(session, job_id=job.id, storage=storage)
     if not saved:
         raise ApiError(409, "no_checkpoint", f"job {job.id!r} has no checkpoint yet", param="checkpoint")
     if body.checkpoint == "latest":
@@ -64,13 +66,13 @@ def list_evaluations(session: SessionDep, job: JobDep) -> Any:
 
 
 @router.get("/{job_id}/evaluations/{evaluation_id}", response_model=EvaluationDetail)
-def get_evaluation(session: SessionDep, job: JobDep, evaluation_id: IdPath) -> Any:
+def get_evaluation(session: SessionDep, storage: StorageDep, job: JobDep, evaluation_id: IdPath) -> Any:
     """One evaluation: its metrics and the sample outputs next to their references."""
     row = evaluations.get(session, evaluation_id=evaluation_id, job_id=job.id)
     if row is None:
         raise ApiError(
             404, "not_found", f"job {job.id!r} has no evaluation {evaluation_id!r}", param="evaluation_id"
         )
-    result = evaluations.read_result(row)
+    result = evaluations.read_result(row, storage)
     detail = EvaluationPublic.model_validate(row).model_dump()
     return detail | {"samples": (result or {}).get("samples", []), "stored": result is not None}

@@ -42,6 +42,7 @@ def find_target(request: Request, body: GenerationCreate) -> Target:
     """The model the body names (a base model, or a job's checkpoint), or a 404/422 naming the field."""
     settings = request.app.state.settings
     where = {"models_dir": settings.models_dir, "hf_cache": settings.hf_cache_dir}
+    stored = {"storage": request.app.state.storage, "cache": settings.cache_dir}
     limit = settings.playground_max_params
     if body.messages[-1].role != "user":
         last = len(body.messages) - 1
@@ -56,10 +57,10 @@ def find_target(request: Request, body: GenerationCreate) -> Target:
         with request.app.state.sessions() as session:
             if ref is None:
                 name = str(body.model)
-                tuned = generation.fine_tuned_target(session, name=name, max_params=limit, **where)
+                tuned = generation.fine_tuned_target(session, name=name, max_params=limit, **where, **stored)
                 return tuned or generation.base_target(name=name, max_params=limit, **where)
             return generation.checkpoint_target(
-                session, job_id=ref.job_id, step=ref.step, max_params=limit, **where
+                session, job_id=ref.job_id, step=ref.step, max_params=limit, **where, **stored
             )
     except generation.NotFound as exc:
         raise ApiError(404, "not_found", str(exc), param=exc.param) from exc

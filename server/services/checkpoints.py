@@ -1,4 +1,6 @@
-"""Checkpoints: rows written by the worker as the run saves them; archives built for download."""
+"""Checkpoints: rows written by the worker as the run saves them (each names its folder in the
+store, ``runs/<job id>/checkpoints/step_000123``); archives built for download and kept in the
+store (``runs/<job id>/exports/``)."""
 
 from __future__ import annotations
 
@@ -13,39 +15,95 @@ import tarfile
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import Callable, Iterator
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from server.storage import Storage, check_key
 from server.tables import Checkpoint
 
 MANIFEST = "MANIFEST.sha256"
 STATE = "state"  # the resume state inside a checkpoint folder; not part of a download
+CHECKPOINTS = "checkpoints"  # a job's checkpoints: runs/<job id>/checkpoints/step_000123
+EXPORTS = "exports"  # a job's built downloads: runs/<job id>/exports/<name>.tar
+
+
+def run_key(path: str) -> str:
+    """The key of a checkpoint a row or a worker names: a key as it is; an absolute path by the
+    layout under the home folder, ``.../runs/<job id>/checkpoints/step_000123`` (what workers
+    recorded before the store).
+
+    Raises:
+        ValueError: neither.
+    """
+    parts = PurePosixPath(path).parts
+    if not PurePosixPath(path).is_absolute():
+        return check_key(path)
+    if len(parts) > 4 and parts[-4] == "runs" and parts[-2] == CHECKPOINTS:
+        return check_key("/".join(parts[-4:]))
+    raise ValueError(f"checkpoint {path!r}: not in a job's checkpoints folder")
+
+
+def _stored(storage: Storage, rows: list[Checkpoint]) -> list[Checkpoint]:
+    """The rows whose checkpoint is in the store: its folder where the store is local, else an
+    object under it (one listing per job folder)."""
+    listed: dict[str, set[str]] = {}
+    kept = []
+    for row in rows:
+        try:
+            key = storage.key_of(row.path)
+        except ValueError:  # a host path outside the store: not in it
+            continue
+        own = storage.local_path(key)
+        if own is not None:
+            if own.is_dir():
+                kept.append(row)
+            continue
+        parent, _, name = key.rpartition("/")
+        if parent not in listed:
+            listed[parent] = {k[len(parent) + 1 :].split("/", 1)[0] for k, _ in storage.list(parent)}
+        if name in listed[parent]:
+            kept.append(row)
+    return kept
 
 
 def record(
-    session: Session, *, job_id: str, step: int, path: str, kind: str, metrics: dict[str, Any]
+    session: Session,
+    *,
+    job_id: str,
+    step: int,
+    path: str,
+    kind: str,
+    metrics: dict[str, Any],
+    storage: Storage | None = None,
 ) -> None:
-    """Add the checkpoint the run just saved; forget the ones it pruned from disk."""
-    for old in session.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id)):
-        if old.step == step or not Path(old.path).is_dir():
+    """Add the checkpoint the run just saved (``path``: its key, or its folder under the home
+    folder); with ``storage``, forget the ones the run pruned from it."""
+    key = storage.key_of(path) if storage is not None else run_key(path)
+    rows = list(session.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id)))
+    kept = _stored(storage, rows) if storage is not None else rows
+    for old in rows:
+        if old.step == step or old not in kept:
             session.delete(old)
-    session.add(Checkpoint(job_id=job_id, step=step, path=path, kind=kind, metrics=metrics))
+    session.add(Checkpoint(job_id=job_id, step=step, path=key, kind=kind, metrics=metrics))
     session.commit()
 
 
-def list_for(session: Session, *, job_id: str) -> list[Checkpoint]:
-    """The job's checkpoints still on disk, oldest first."""
+def list_for(session: Session, *, job_id: str, storage: Storage | None = None) -> list[Checkpoint]:
+    """The job's checkpoints, oldest first: with ``storage``, those still in it."""
     rows = session.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step))
-    return [r for r in rows if Path(r.path).is_dir()]
+    return _stored(storage, list(rows)) if storage is not None else list(rows)
 
 
-def get(session: Session, *, job_id: str, step: int) -> Checkpoint | None:
+def get(session: Session, *, job_id: str, step: int, storage: Storage | None = None) -> Checkpoint | None:
+    """The job's checkpoint at ``step``: with ``storage``, only when it is in it."""
     found = session.scalar(select(Checkpoint).where(Checkpoint.job_id == job_id, Checkpoint.step == step))
-    return found if found is not None and Path(found.path).is_dir() else None
+    if found is None or storage is None:
+        return found
+    return found if _stored(storage, [found]) else None
 
 
 def _sha256(path: Path) -> str:
@@ -54,6 +112,55 @@ def _sha256(path: Path) -> str:
         while chunk := f.read(1 << 20):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def export_folder(storage: Storage, key: str, *, cache: Path) -> Path:
+    """A checkpoint's export (its files but the resume state) in a local folder: the store's own
+    folder, or a copy pulled once into ``cache/<key>`` (into a temporary folder, renamed).
+
+    Raises:
+        FileNotFoundError: nothing is stored under ``key``.
+    """
+    own = storage.local_path(key)
+    if own is not None:
+        if not own.is_dir():
+            raise FileNotFoundError(f"no checkpoint {key!r} in the store")
+        return own
+    target = cache.joinpath(*PurePosixPath(key).parts)
+    if target.is_dir():
+        return target
+    files = [(k, k[len(key) + 1 :]) for k, _ in storage.list(key)]
+    if not files:
+        raise FileNotFoundError(f"no checkpoint {key!r} in the store")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    try:
+        for object_key, rel in files:
+            if rel.split("/", 1)[0] != STATE:
+                storage.get_file(object_key, work.joinpath(*PurePosixPath(rel).parts))
+        with contextlib.suppress(OSError):  # pulled by another thread meanwhile: keep that one
+            os.rename(work, target)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return target
+
+
+def stored_archive(storage: Storage, key: str, *, cache: Path, build: Callable[[Path], Path]) -> Path | None:
+    """The download archive ``key`` (``runs/<job id>/exports/<name>.tar``), built once and kept
+    in the store: ``build(target)`` writes it to a local file (:func:`build_archive`,
+    :func:`merged_archive`: once, atomically), which a remote store then receives. Returns the
+    local file (the store's own, or the copy in ``cache``), or None when another host built it
+    and this one has no copy (serve it from the store)."""
+    own = storage.local_path(key)
+    target = own if own is not None else cache.joinpath(*PurePosixPath(key).parts)
+    if target.is_file():
+        return target
+    if own is None and storage.exists(key):
+        return None
+    build(target)
+    if own is None and not storage.exists(key):
+        storage.put_file(key, target)
+    return target
 
 
 def export_files(folder: Path) -> list[Path]:
@@ -141,9 +248,9 @@ def _digest(data: Path | bytes) -> str:
 
 
 def merged_archive(
-    checkpoint: Checkpoint, *, base: Path, target: Path, readme: str, replace: dict[str, bytes] | None = None
+    adapter: Path, *, base: Path, target: Path, readme: str, replace: dict[str, bytes] | None = None
 ) -> Path:
-    """The adapter of ``checkpoint`` merged into its base model, as ``target`` (.tar): merged once
+    """The LoRA ``adapter`` folder merged into its base model, as ``target`` (.tar): merged once
     per checkpoint, archived, and the merged folder removed, so only the archive stays on disk
     (until :func:`clear_merged`)."""
     from engine.model.export import merge_adapter
@@ -156,7 +263,7 @@ def merged_archive(
             return target
         work = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
         try:
-            merge_adapter(checkpoint.path, base, work / "model")
+            merge_adapter(str(adapter), base, work / "model")
             _write_archive(work / "model", target, readme=readme, replace=replace or {})
         finally:
             shutil.rmtree(work, ignore_errors=True)

@@ -1,13 +1,13 @@
-"""Datasets on disk and in the database; validated with the engine's validator before storing."""
+"""Datasets in the store (``datasets/<id>/<file name>``) and in the database; validated with the
+engine's validator before storing."""
 
 from __future__ import annotations
 
 import hashlib
 import re
-import shutil
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO
 
 from sqlalchemy import select
@@ -15,9 +15,11 @@ from sqlalchemy.orm import Session
 
 from engine.data.encode import Report, validate
 from engine.data.read import SUFFIXES
+from server.storage import Storage
 from server.tables import Dataset, Job
 
 CHUNK = 1 << 20
+FOLDER = "datasets"  # the store's folder of datasets
 MAX_NAME = 120  # characters of a stored file name
 MAX_REPORTED_ERRORS = 100  # invalid rows listed in an upload's report; the rest are counted
 
@@ -45,10 +47,12 @@ def store_upload(
     source: BinaryIO,
     filename: str,
     name: str | None,
-    datasets_dir: Path,
+    storage: Storage,
+    scratch: Path,
     max_bytes: int,
 ) -> tuple[Dataset | None, Report]:
-    """Copy an upload to disk in chunks, validate every row, and keep it only if it is valid.
+    """Copy an upload in chunks to a temporary file in ``scratch``, validate every row, and store
+    it (as ``datasets/<id>/<file name>``) only if it is valid; the temporary file always goes.
 
     Returns the stored dataset (None when invalid) and the validation report (its first
     ``MAX_REPORTED_ERRORS`` errors, and the count of all).
@@ -62,9 +66,9 @@ def store_upload(
     if suffix not in SUFFIXES:
         raise ValueError(f"unsupported file type {suffix or '(none)'!r}; use {', '.join(SUFFIXES)}")
     ident = uuid.uuid4().hex
-    folder = datasets_dir / ident
-    incoming = datasets_dir / f".incoming-{ident}{suffix}"
-    datasets_dir.mkdir(parents=True, exist_ok=True)
+    folder, key = f"{FOLDER}/{ident}", f"{FOLDER}/{ident}/{clean}"
+    scratch.mkdir(parents=True, exist_ok=True)
+    incoming = scratch / f".incoming-{ident}{suffix}"
     digest, size = hashlib.sha256(), 0
     try:
         with incoming.open("wb") as out:
@@ -78,16 +82,14 @@ def store_upload(
         report.path = clean
         if not report.ok:
             return None, report
-        folder.mkdir()
-        final = folder / clean
-        incoming.rename(final)
+        storage.put_file(key, incoming)
     finally:
         incoming.unlink(missing_ok=True)
     dataset = Dataset(
         id=ident,
         name=name or clean,
         filename=clean,
-        path=str(final),
+        path=key,
         format=report.format or "unknown",
         rows=report.rows,
         size_bytes=size,
@@ -98,7 +100,7 @@ def store_upload(
         session.commit()
     except Exception:
         session.rollback()
-        shutil.rmtree(folder, ignore_errors=True)
+        storage.delete_prefix(folder)
         raise
     return dataset, report
 
@@ -117,17 +119,42 @@ def in_use(session: Session, *, dataset_id: str) -> str | None:
     return session.scalar(used.limit(1))
 
 
-def delete_dataset(session: Session, *, dataset: Dataset) -> None:
-    shutil.rmtree(Path(dataset.path).parent, ignore_errors=True)
+def delete_dataset(session: Session, *, dataset: Dataset, storage: Storage) -> None:
+    """Delete the row, then its folder in the store (``datasets/<id>``)."""
+    folder = f"{FOLDER}/{dataset.id}"
     session.delete(dataset)
     session.commit()
+    storage.delete_prefix(folder)
 
 
-def first_examples(dataset: Dataset, limit: int) -> Iterator[Any]:
-    """The first ``limit`` rows of a stored (valid) dataset, read no further than needed."""
+def local_file(storage: Storage, dataset: Dataset, *, cache: Path) -> Path:
+    """The dataset's file on this host: the store's own file (a local store), or a copy pulled
+    once into ``cache/<key>`` (an upload's bytes never change under its key).
+
+    Raises:
+        FileNotFoundError: it is not in the store.
+    """
+    try:
+        key = storage.key_of(dataset.path)
+    except ValueError as exc:  # a host path outside the store (a row the migration left)
+        raise FileNotFoundError(str(exc)) from exc
+    own = storage.local_path(key)
+    if own is not None:
+        if not own.is_file():
+            raise FileNotFoundError(f"dataset {dataset.id} is not in the store")
+        return own
+    copy = cache.joinpath(*PurePosixPath(key).parts)
+    if not copy.is_file():
+        storage.get_file(key, copy)
+    return copy
+
+
+def first_examples(dataset: Dataset, limit: int, *, file: Path) -> Iterator[Any]:
+    """The first ``limit`` rows of a stored (valid) dataset from its ``file`` (``local_file``),
+    read no further than needed."""
     from engine.data.read import read_records, to_example
 
-    for count, (line, record) in enumerate(read_records(dataset.path)):
+    for count, (line, record) in enumerate(read_records(str(file))):
         if count >= limit:
             return
         if not isinstance(record, dict):
@@ -165,14 +192,16 @@ def _pair_row(tokenizer: Any, pair: Any) -> dict[str, Any]:
     }
 
 
-def preview(dataset: Dataset, *, tokenizer: Any, limit: int, max_length: int) -> list[dict[str, Any]]:
+def preview(
+    dataset: Dataset, *, file: Path, tokenizer: Any, limit: int, max_length: int
+) -> list[dict[str, Any]]:
     """The first rows rendered through the tokenizer's chat template, each token marked trained or
     not; a preference row as its prompt and both answers."""
     from engine.data.encode import encode, encode_pair, ensure_chat_template
 
     ensure_chat_template(tokenizer)
     rows = []
-    for ex in first_examples(dataset, limit):
+    for ex in first_examples(dataset, limit, file=file):
         if ex.rejected is not None:
             rows.append(_pair_row(tokenizer, encode_pair(ex, tokenizer, max_length)))
             continue
@@ -183,7 +212,7 @@ def preview(dataset: Dataset, *, tokenizer: Any, limit: int, max_length: int) ->
 
 
 def token_stats(
-    dataset: Dataset, *, tokenizer: Any, max_length: int, limit: int, bins: int = 20
+    dataset: Dataset, *, file: Path, tokenizer: Any, max_length: int, limit: int, bins: int = 20
 ) -> dict[str, Any]:
     """Token lengths of the first ``limit`` rows as a histogram, with the share cut at ``max_length``
     (both sequences of a preference row count)."""
@@ -191,7 +220,7 @@ def token_stats(
 
     ensure_chat_template(tokenizer)
     lengths, truncated, sampled = [], 0, 0
-    for ex in first_examples(dataset, limit):
+    for ex in first_examples(dataset, limit, file=file):
         sampled += 1
         if ex.rejected is not None:
             pair = encode_pair(ex, tokenizer, max_length)

@@ -1,10 +1,12 @@
 """Disk use: each job's folder (checkpoints, exports, merged builds, its log) and the total.
 
-A folder's size is a walk of its files, kept in a cache per process. An entry holds while the
-folder's signature is unchanged and for at most ``TTL_S``: the signature is the modification time
-of the folder and of each folder inside it, plus the size of each file directly in it. A
-checkpoint or an export is renamed into place (its parent's time changes) and the log sits at
-the top (its size is in the signature), so a cached size is rarely stale, and never for long.
+With a remote store (S3) a job's bytes are the sizes its folder's listing gives, kept ``TTL_S``.
+With the home folder as the store, a folder's size is a walk of its files, kept in a cache per
+process. An entry holds while the folder's signature is unchanged and for at most ``TTL_S``:
+the signature is the modification time of the folder and of each folder inside it, plus the
+size of each file directly in it. A checkpoint or an export is renamed into place (its parent's
+time changes) and the log sits at the top (its size is in the signature), so a cached size is
+rarely stale, and never for long.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pathlib import Path
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from server.storage import Storage
 from server.tables import Dataset, Job
 
 TTL_S = 60.0
@@ -84,6 +87,43 @@ def forget(folder: Path | str) -> None:
         _cache.pop(str(Path(folder)), None)
 
 
+def job_bytes(storage: Storage, key: str) -> int:
+    """The bytes of a job's folder in the store: a local folder's from the cached walk
+    (:func:`folder_bytes`), a remote store's from a listing (kept ``TTL_S``)."""
+    try:
+        key = storage.key_of(key)
+    except ValueError:  # a host path outside the store (a row from before the store)
+        return folder_bytes(key) if Path(key).is_absolute() else 0
+    own = storage.local_path(key)
+    if own is not None:
+        return folder_bytes(own)
+    name = f"{storage.url}/{key}"
+    with _lock:
+        cached = _cache.get(name)
+    if cached is not None and time.monotonic() - cached[2] < TTL_S:
+        return cached[1]
+    size = storage.size(key)
+    with _lock:
+        _cache[name] = ((), size, time.monotonic())
+    return size
+
+
+def remove_job_folder(storage: Storage, key: str, *, job_id: str) -> None:
+    """Delete a job's folder from the store: only the folder the API made for it (``runs/<id>``)."""
+    try:
+        key = storage.key_of(key)
+    except ValueError:
+        return
+    if key.rsplit("/", 1)[-1] != job_id:
+        return
+    own = storage.local_path(key)
+    if own is not None:
+        remove_folder(own)
+    else:
+        forget(f"{storage.url}/{key}")
+        storage.delete_prefix(key)
+
+
 def remove_folder(folder: Path) -> None:
     """Delete ``folder`` and everything in it; files already gone are no error. A file written
     into it meanwhile (a download's archive being built) is removed by a second pass."""
@@ -112,8 +152,9 @@ class DiskUse:
     capacity_bytes: int
 
 
-def usage(session: Session, *, runs_dir: Path) -> DiskUse:
-    """Every job's folder, the stored datasets, and the free space where the runs are written."""
+def usage(session: Session, *, storage: Storage, runs_dir: Path) -> DiskUse:
+    """Every job's folder, the stored datasets, and the free space where the runs are written
+    (with a remote store: on this host's disk, where its cache is)."""
     folders = list(session.scalars(select(Job.output_dir)))
     datasets = session.scalar(select(func.coalesce(func.sum(Dataset.size_bytes), 0))) or 0
     where = runs_dir
@@ -122,7 +163,7 @@ def usage(session: Session, *, runs_dir: Path) -> DiskUse:
     disk = shutil.disk_usage(where)
     return DiskUse(
         jobs=len(folders),
-        jobs_bytes=sum(folder_bytes(f) for f in folders),
+        jobs_bytes=sum(job_bytes(storage, f) for f in folders),
         datasets_bytes=int(datasets),
         free_bytes=disk.free,
         capacity_bytes=disk.total,

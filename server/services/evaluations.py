@@ -2,7 +2,8 @@
 
 ``queued -> running -> succeeded | failed``. A worker claims an evaluation with one conditional
 update (so a duplicate message does nothing), writes the whole result as
-``<checkpoint>/evaluations/<id>.json`` and records its summary figures here.
+``<checkpoint>/evaluations/<id>.json`` and records its summary figures here (``path``: the
+result's key in the store).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
+from server.storage import Storage
 from server.tables import Evaluation, Worker, now
 
 QUEUED, RUNNING, SUCCEEDED, FAILED = "queued", "running", "succeeded", "failed"
@@ -140,13 +142,18 @@ def write_result(path: Path, result: dict[str, Any]) -> None:
         Path(name).unlink(missing_ok=True)
 
 
-def read_result(evaluation: Evaluation) -> dict[str, Any] | None:
-    """The whole result of a succeeded evaluation; None when its file is gone (the checkpoint was
-    pruned or deleted) or unreadable."""
+def read_result(evaluation: Evaluation, storage: Storage | None = None) -> dict[str, Any] | None:
+    """The whole result of a succeeded evaluation, from the store (``path``: its key) or, without
+    ``storage``, from the file the path names on this host; None when it is gone (the checkpoint
+    was pruned or deleted) or unreadable."""
     if evaluation.path is None:
         return None
     try:
-        found = json.loads(Path(evaluation.path).read_text())
+        if storage is None:
+            text = Path(evaluation.path).read_bytes()
+        else:
+            text = b"".join(storage.iter_bytes(storage.key_of(evaluation.path)))
+        found = json.loads(text)
     except (OSError, ValueError):
         return None
     return found if isinstance(found, dict) else None

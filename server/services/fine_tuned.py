@@ -9,6 +9,7 @@ from sqlalchemy.orm import Session
 
 from server.kinds import JobStatus
 from server.services import checkpoints
+from server.storage import Storage
 from server.tables import Checkpoint, Job
 
 ORGANIZATION = "roundhouse"  # every job's organization_id, and the owner of its fine-tuned model
@@ -38,8 +39,8 @@ def parse_model(name: str) -> tuple[str, int | None] | None:
     return parts[-1], step
 
 
-def resolve_model(session: Session, *, name: str) -> tuple[Job, Checkpoint]:
-    """The job and checkpoint on disk a fine-tuned model's name stands for.
+def resolve_model(session: Session, *, name: str, storage: Storage | None = None) -> tuple[Job, Checkpoint]:
+    """The job and checkpoint a fine-tuned model's name stands for (with ``storage``: one in it).
 
     Raises:
         LookupError: no such job or checkpoint (the name must be the one the API gave).
@@ -50,11 +51,11 @@ def resolve_model(session: Session, *, name: str) -> tuple[Job, Checkpoint]:
     if job is None or name != (model_name(job) if step is None else checkpoint_name(job, step)):
         raise LookupError(f"no fine-tuned model {name!r} (see GET /v1/models)")
     if step is None:
-        saved = checkpoints.list_for(session, job_id=job.id)
+        saved = checkpoints.list_for(session, job_id=job.id, storage=storage)
         if not saved:
             raise LookupError(f"{name!r}: job {job.id} has no checkpoint yet")
         return job, saved[-1]
-    found = checkpoints.get(session, job_id=job.id, step=step)
+    found = checkpoints.get(session, job_id=job.id, step=step, storage=storage)
     if found is None:
         raise LookupError(f"{name!r}: job {job.id} has no checkpoint at step {step}")
     return job, found

@@ -26,6 +26,7 @@ from sqlalchemy.orm import Session
 
 from engine.chat import Finish, Piece, Sampling, chat_stream
 from server.services import checkpoints, fine_tuned, jobs, models
+from server.storage import Storage
 
 KEEPALIVE_S = 15.0
 log = logging.getLogger(__name__)
@@ -95,9 +96,18 @@ def base_target(*, name: str, models_dir: Path, hf_cache: Path | None, max_param
 
 
 def checkpoint_target(
-    session: Session, *, job_id: str, step: int, models_dir: Path, hf_cache: Path | None, max_params: int
+    session: Session,
+    *,
+    job_id: str,
+    step: int,
+    models_dir: Path,
+    hf_cache: Path | None,
+    max_params: int,
+    storage: Storage,
+    cache: Path,
 ) -> Target:
-    """A job's checkpoint: a full model folder, or a LoRA adapter on the job's base model.
+    """A job's checkpoint: a full model folder, or a LoRA adapter on the job's base model. Its
+    export is read where the store keeps it (a local store), or pulled once into ``cache``.
 
     Raises:
         NotFound: (``checkpoint.job_id``, ``checkpoint.step``) no such job or checkpoint on disk;
@@ -107,9 +117,10 @@ def checkpoint_target(
     job = jobs.get_job(session, job_id=job_id)
     if job is None:
         raise NotFound("checkpoint.job_id", f"no job {job_id!r}")
-    found = checkpoints.get(session, job_id=job.id, step=step)
+    found = checkpoints.get(session, job_id=job.id, step=step, storage=storage)
     if found is None:
         raise NotFound("checkpoint.step", f"job {job.id!r} has no checkpoint at step {step}")
+    key = storage.key_of(found.path)
     name = f"job {job.id[:8]} step {step}"
     info = models.find(job.base_model, models_dir, hf_cache)
     if info is not None:
@@ -118,17 +129,26 @@ def checkpoint_target(
         _check_size(_parameters(info), max_params=max_params, name=name, param="checkpoint")
     if found.kind != "adapter":
         if info is None:  # its base is gone; the export's own weights are fp32
-            size = sum(p.stat().st_size for p in Path(found.path).glob("*.safetensors"))
-            _check_size(size // 4, max_params=max_params, name=name, param="checkpoint")
-        return Target(name, found.path, None, models_dir)
+            weights = [
+                s for k, s in storage.list(key) if "/" not in k[len(key) + 1 :] and k.endswith(".safetensors")
+            ]
+            _check_size(sum(weights) // 4, max_params=max_params, name=name, param="checkpoint")
+        return Target(name, str(checkpoints.export_folder(storage, key, cache=cache)), None, models_dir)
     base = str((job.config.get("model") or {}).get("path") or "")
     if base != "demo" and not (Path(base) / "config.json").is_file():
         raise NotFound("checkpoint", f"{name} is a LoRA adapter on {job.base_model!r}, which is gone")
-    return Target(name, base, found.path, models_dir)
+    return Target(name, base, str(checkpoints.export_folder(storage, key, cache=cache)), models_dir)
 
 
 def fine_tuned_target(
-    session: Session, *, name: str, models_dir: Path, hf_cache: Path | None, max_params: int
+    session: Session,
+    *,
+    name: str,
+    models_dir: Path,
+    hf_cache: Path | None,
+    max_params: int,
+    storage: Storage,
+    cache: Path,
 ) -> Target | None:
     """A fine-tuned model or checkpoint by the name the OpenAI-compatible API gives it
     (``ft:<base>:<suffix>:<job id>[:ckpt-step-<step>]``, the job's latest checkpoint without a
@@ -140,7 +160,7 @@ def fine_tuned_target(
     if fine_tuned.parse_model(name) is None:
         return None
     try:
-        job, found = fine_tuned.resolve_model(session, name=name)
+        job, found = fine_tuned.resolve_model(session, name=name, storage=storage)
         target = checkpoint_target(
             session,
             job_id=job.id,
@@ -148,6 +168,8 @@ def fine_tuned_target(
             models_dir=models_dir,
             hf_cache=hf_cache,
             max_params=max_params,
+            storage=storage,
+            cache=cache,
         )
     except LookupError as exc:  # NotFound too
         raise NotFound("model", str(exc)) from exc

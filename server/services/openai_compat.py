@@ -19,6 +19,7 @@ from engine.config import MAX_SEED
 from server.kinds import EventKind, JobStatus
 from server.services import checkpoints
 from server.services.fine_tuned import ORGANIZATION, checkpoint_name, model_name
+from server.storage import Storage
 from server.tables import Checkpoint, Dataset, Job, JobEvent
 
 FILE, JOB, EVENT, CHECKPOINT = "file-", "ftjob-", "ftevent-", "ftckpt-"
@@ -353,14 +354,14 @@ def checkpoint_object(job: Job, checkpoint: Checkpoint) -> dict[str, Any]:
 
 
 def page_checkpoints(
-    session: Session, *, job: Job, after: str | None, limit: int
+    session: Session, *, job: Job, after: str | None, limit: int, storage: Storage | None = None
 ) -> tuple[list[Checkpoint], bool]:
     """The job's checkpoints on disk, the latest first, those before the checkpoint ``after``.
 
     Raises:
         Invalid: (``after``) not a checkpoint id of this job.
     """
-    saved = list(reversed(checkpoints.list_for(session, job_id=job.id)))
+    saved = list(reversed(checkpoints.list_for(session, job_id=job.id, storage=storage)))
     if after is not None:
         head, _, step = ours(after, CHECKPOINT).rpartition("-")
         if head != job.id or not (step.isascii() and step.isdigit()):

@@ -14,6 +14,7 @@ from fastapi.testclient import TestClient
 
 from server.services import datasets
 from server.settings import Settings
+from server.storage import open_storage
 
 LIMIT_OVERHEAD = 65536  # what the server allows past max_upload_bytes for the multipart framing
 BOUNDARY = "roundhouse-test-boundary"
@@ -177,7 +178,8 @@ def test_a_failed_insert_leaves_no_folder(client: TestClient, settings: Settings
                 source=iter_file(b'{"text": "fine"}\n'),
                 filename="train.jsonl",
                 name=None,
-                datasets_dir=settings.datasets_dir,
+                storage=open_storage(settings),
+                scratch=settings.cache_dir / "incoming",
                 max_bytes=settings.max_upload_bytes,
             )
     assert left_behind(settings) == []

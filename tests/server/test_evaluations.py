@@ -15,6 +15,7 @@ from fastapi.testclient import TestClient
 
 from server.services import checkpoints, datasets, evaluations
 from server.settings import Settings
+from server.storage import open_storage
 from server.tables import now
 from tests.server.conftest import WorkerProcess
 from tests.server.test_worker import dataset, start_job, wait_for
@@ -130,7 +131,7 @@ def test_a_worker_evaluates_a_trained_checkpoint(
     with client.app.state.sessions() as session:  # type: ignore[attr-defined]
         found = datasets.get_dataset(session, dataset_id=data)
         assert found is not None
-        rows_path = found.path
+        rows_path = open_storage(worker_settings).local_path(found.path)  # a key in the store
     again = evaluate_checkpoint(
         folder,
         rows_path,

@@ -5,11 +5,12 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, File, Form, Query, UploadFile
-from fastapi.responses import FileResponse
+from starlette.responses import Response
 
 from server.api import datasets as datasets_api
+from server.api.downloads import stored_response
 from server.api.openai.shapes import FileDeleted, FileList, FileObject, documented
-from server.deps import IdPath, SessionDep, SettingsDep, current_key
+from server.deps import IdPath, SessionDep, SettingsDep, StorageDep, current_key
 from server.errors import ApiError
 from server.services import datasets, openai_compat
 from server.services.openai_compat import FILE
@@ -39,6 +40,7 @@ FileDep = Annotated[Dataset, Depends(found_file)]
 async def create_file(
     session: SessionDep,
     settings: SettingsDep,
+    storage: StorageDep,
     file: Annotated[
         UploadFile, File(description="JSONL, CSV or Parquet rows (chat, prompt/completion, ...)")
     ],
@@ -49,7 +51,7 @@ async def create_file(
         raise ApiError(
             400, "invalid_purpose", f"purpose {purpose!r}: only 'fine-tune' is kept", param="purpose"
         )
-    stored = await datasets_api.upload_dataset(session, settings, file, name=None)
+    stored = await datasets_api.upload_dataset(session, settings, storage, file, name=None)
     return openai_compat.file_object(stored)
 
 
@@ -82,22 +84,33 @@ def retrieve_file(dataset: FileDep) -> Any:
 
 
 @router.delete("/{file_id}", response_model=FileDeleted, responses=documented(404, 409))
-def delete_file(session: SessionDep, dataset: FileDep) -> Any:
+def delete_file(session: SessionDep, storage: StorageDep, dataset: FileDep) -> Any:
     """Delete a file that no fine-tuning job uses."""
     user = datasets.in_use(session, dataset_id=dataset.id)
     if user is not None:
         message = f"file {FILE + dataset.id!r} is used by fine-tuning job 'ftjob-{user}'"
         raise ApiError(409, "in_use", message, param="file_id")
     ident = FILE + dataset.id
-    datasets.delete_dataset(session, dataset=dataset)
+    datasets.delete_dataset(session, dataset=dataset, storage=storage)
     return {"id": ident, "object": "file", "deleted": True}
 
 
 @router.get(
     "/{file_id}/content",
-    response_class=FileResponse,
-    responses={200: {"content": {"application/octet-stream": {}}}, **documented(404)},
+    response_class=Response,
+    responses={
+        200: {"content": {"application/octet-stream": {}}},
+        307: {"description": "a presigned URL of it in the store (storage_presigned_downloads)"},
+        **documented(404),
+    },
 )
-def file_content(dataset: FileDep) -> FileResponse:
+def file_content(settings: SettingsDep, storage: StorageDep, dataset: FileDep) -> Response:
     """The file's bytes, as uploaded."""
-    return FileResponse(dataset.path, media_type="application/octet-stream", filename=dataset.filename)
+    return stored_response(
+        storage,
+        storage.key_of(dataset.path),
+        filename=dataset.filename,
+        media_type="application/octet-stream",
+        presigned=settings.storage_presigned_downloads,
+        size=dataset.size_bytes,
+    )

@@ -19,7 +19,7 @@ from server.api.openai.shapes import (
     RoundhouseOptions,
     documented,
 )
-from server.deps import IdPath, SessionDep, SettingsDep, current_key
+from server.deps import IdPath, SessionDep, SettingsDep, StorageDep, current_key
 from server.errors import ApiError
 from server.schemas import JobCreate
 from server.services import datasets, jobs, openai_compat
@@ -69,7 +69,9 @@ def _hyperparameters(body: FineTuningJobCreate, method_type: str) -> dict[str, A
     description=f"Checked and queued as POST /api/jobs does. {AUTO_DEFAULTS}. Our extension, roundhouse, "
     "holds the TrainConfig sections of POST /api/jobs (LoRA rank, engine settings, max_steps, ...).",
 )
-def create_job(session: SessionDep, settings: SettingsDep, body: FineTuningJobCreate) -> Any:
+def create_job(
+    session: SessionDep, settings: SettingsDep, storage: StorageDep, body: FineTuningJobCreate
+) -> Any:
     """Create a fine-tuning job."""
     if body.integrations:
         raise ApiError(
@@ -106,7 +108,7 @@ def create_job(session: SessionDep, settings: SettingsDep, body: FineTuningJobCr
         eval=options.eval,
     )
     try:
-        job = jobs_api.submit(session, settings, request)
+        job = jobs_api.submit(session, settings, request, storage=storage)
     except ApiError as exc:  # named as the OpenAI request names it; a missing base model is a 400
         param = openai_compat.request_param(exc.param, method_type=method_type, given=given)
         if exc.param and param != exc.param and exc.message.startswith(f"{exc.param}:"):
@@ -221,13 +223,16 @@ def list_events(
 )
 def list_checkpoints(
     session: SessionDep,
+    storage: StorageDep,
     job: JobDep,
     after: After = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 10,
 ) -> Any:
     """The job's checkpoints on disk, the latest first; each names a model the playground runs."""
     try:
-        page, more = openai_compat.page_checkpoints(session, job=job, after=after, limit=limit)
+        page, more = openai_compat.page_checkpoints(
+            session, job=job, after=after, limit=limit, storage=storage
+        )
     except openai_compat.Invalid as exc:
         raise ApiError(400, "invalid_request", str(exc), param=exc.param) from exc
     data = [openai_compat.checkpoint_object(job, c) for c in page]

@@ -10,11 +10,12 @@ from fastapi import Path as PathParam
 
 from server.api import checkpoints as checkpoints_api
 from server.api.openai.shapes import ModelList, ModelObject, documented
-from server.deps import SessionDep, SettingsDep, current_key
+from server.deps import SessionDep, SettingsDep, StorageDep, current_key
 from server.errors import ApiError
 from server.schemas import LINE_PATTERN, TAR_FILE
 from server.services import fine_tuned, models, openai_compat
 from server.settings import Settings
+from server.storage import Storage
 from server.tables import Checkpoint, Job
 
 router = APIRouter(
@@ -40,9 +41,9 @@ def _created(info: models.BaseModelInfo) -> int:
         return 0
 
 
-def _resolve(session: SessionDep, model: str) -> tuple[Job, Checkpoint]:
+def _resolve(session: SessionDep, model: str, storage: Storage | None = None) -> tuple[Job, Checkpoint]:
     try:
-        return fine_tuned.resolve_model(session, name=model)
+        return fine_tuned.resolve_model(session, name=model, storage=storage)
     except LookupError as exc:
         raise ApiError(404, "not_found", str(exc), param="model") from exc
 
@@ -68,12 +69,13 @@ def _base_model(settings: Settings, model: str) -> dict[str, Any] | None:
 async def download_model(
     session: SessionDep,
     settings: SettingsDep,
+    storage: StorageDep,
     model: ModelPath,
     merged: Annotated[bool, Query(description="LoRA only: merge the adapter into its base model")] = False,
 ) -> Response:
     """Download a fine-tuned model or checkpoint by name: GET /api/jobs/{id}/checkpoints/{step}/download."""
-    job, checkpoint = _resolve(session, model)
-    return await checkpoints_api.download_checkpoint(session, settings, job, checkpoint.step, merged)
+    job, checkpoint = _resolve(session, model, storage)
+    return await checkpoints_api.download_checkpoint(session, settings, storage, job, checkpoint.step, merged)
 
 
 @router.get("/{model:path}", response_model=ModelObject, responses=documented(404))

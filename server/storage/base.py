@@ -1,0 +1,154 @@
+"""The storage seam: every dataset, checkpoint, export and log is read and written through a
+``Storage`` under a key (a relative path with ``/`` separators), never a host path.
+
+Two backends: a local folder (``LocalStorage``: the keys are paths under ROUNDHOUSE_HOME, today's
+layout) and an S3-compatible object store (``S3Storage``). A "folder" is a key prefix: the
+objects under ``prefix/``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from pathlib import Path, PurePosixPath
+from typing import BinaryIO
+
+
+def check_key(key: str, *, prefix: bool = False) -> str:
+    """``key`` if it is a valid storage key: relative, ``/``-separated, no ``.``/``..`` parts, no
+    empty parts, no NUL. A prefix may be ``""`` (everything).
+
+    Raises:
+        ValueError: naming the key and what is wrong with it.
+    """
+    if prefix and key == "":
+        return key
+    if not isinstance(key, str) or key == "":
+        raise ValueError(f"storage key {key!r}: empty")
+    if "\x00" in key or "\\" in key:
+        raise ValueError(f"storage key {key!r}: a NUL or backslash is not allowed")
+    if key.startswith("/"):
+        raise ValueError(f"storage key {key!r}: must be relative (no leading '/')")
+    parts = key.removesuffix("/").split("/") if prefix else key.split("/")
+    if any(p in ("", ".", "..") for p in parts):
+        raise ValueError(f"storage key {key!r}: empty, '.' or '..' parts are not allowed")
+    return key
+
+
+def join(*parts: str) -> str:
+    """Keys joined with ``/`` (empty parts skipped)."""
+    return "/".join(p.strip("/") for p in parts if p.strip("/"))
+
+
+def relative(key: str, prefix: str) -> str:
+    """``key`` relative to ``prefix`` (a folder of it)."""
+    return key[len(prefix) :].lstrip("/") if prefix else key
+
+
+class Storage(ABC):
+    """Where datasets, runs (checkpoints, logs, exports) and models live; see the module docstring."""
+
+    url: str
+
+    @abstractmethod
+    def put_file(self, key: str, path: Path) -> None:
+        """Store the file at ``path`` as ``key`` (replacing it)."""
+
+    @abstractmethod
+    def put_stream(self, key: str, stream: BinaryIO) -> int:
+        """Store what ``stream`` reads as ``key``; the bytes written."""
+
+    def put_tree(self, prefix: str, folder: Path) -> None:
+        """Store every file under ``folder`` as ``prefix/<its relative path>``."""
+        check_key(prefix, prefix=True)
+        for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+            self.put_file(join(prefix, path.relative_to(folder).as_posix()), path)
+
+    @abstractmethod
+    def get_file(self, key: str, path: Path) -> None:
+        """Write object ``key`` to ``path``, atomically (a temporary file beside it, renamed).
+
+        Raises:
+            FileNotFoundError: no such key.
+        """
+
+    def get_tree(self, prefix: str, folder: Path) -> None:
+        """Every object under ``prefix`` as ``folder/<relative key>``: written into a temporary
+        folder beside ``folder`` and renamed into place (replacing it), so ``folder`` is complete
+        or absent."""
+        check_key(prefix, prefix=True)
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".tmp", dir=folder.parent))
+        try:
+            for key, _ in self.list(prefix):
+                self.get_file(key, work / relative(key, prefix))
+            if folder.exists():
+                shutil.rmtree(folder)
+            os.replace(work, folder)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+
+    @abstractmethod
+    def iter_bytes(self, key: str, *, chunk: int = 1 << 20) -> Iterator[bytes]:
+        """The bytes of ``key`` in chunks. Raises ``FileNotFoundError`` (at the first ``next``)."""
+
+    @abstractmethod
+    def exists(self, key: str) -> bool:
+        """Whether ``key`` is an object, or a folder with an object under it."""
+
+    @abstractmethod
+    def list(self, prefix: str) -> list[tuple[str, int]]:
+        """``(key, size)`` of every object under the folder ``prefix``, sorted by key."""
+
+    @abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove one object (none there is no error)."""
+
+    @abstractmethod
+    def delete_prefix(self, prefix: str) -> None:
+        """Remove every object under the folder ``prefix`` (none there is no error)."""
+
+    @abstractmethod
+    def presigned_url(self, key: str, *, expires_s: int = 3600, filename: str | None = None) -> str | None:
+        """A URL a browser can GET ``key`` from for ``expires_s`` (with ``filename`` as its
+        attachment name); None where the store has none (a local folder)."""
+
+    @abstractmethod
+    def local_path(self, key: str) -> Path | None:
+        """The store's own file or folder of ``key`` (no copy), or None when it is not local."""
+
+    def materialize(self, prefix: str, cache: Path) -> Path:
+        """A local folder with the files under ``prefix``: the store's own folder where it is
+        local, else ``cache/<prefix>``, pulled once (atomically: a complete folder or none).
+
+        Raises:
+            FileNotFoundError: nothing is stored under ``prefix``.
+        """
+        check_key(prefix)
+        own = self.local_path(prefix)
+        if own is not None:
+            if not own.is_dir():
+                raise FileNotFoundError(f"nothing is stored under {prefix!r}")
+            return own
+        target = cache.joinpath(*PurePosixPath(prefix).parts)
+        if not target.is_dir():
+            if not self.list(prefix):
+                raise FileNotFoundError(f"nothing is stored under {prefix!r}")
+            self.get_tree(prefix, target)
+        return target
+
+    def key_of(self, value: str) -> str:
+        """The key a row's value names: a key as it is (checked); a local store also takes an
+        absolute path under its folder (what rows held before keys, and older workers write).
+
+        Raises:
+            ValueError: not a key, nor a path in this store.
+        """
+        return check_key(value)
+
+    def size(self, prefix: str) -> int:
+        """The bytes of every object under the folder ``prefix``."""
+        return sum(size for _, size in self.list(prefix))

@@ -1,0 +1,189 @@
+"""``S3Storage``: an S3-compatible object store (AWS S3, MinIO, ...) through boto3.
+
+``s3://bucket/prefix``: the object of key ``k`` is ``prefix/k`` in ``bucket``. Large files go up
+in parts (boto3's managed transfer); downloads are written to a temporary file and renamed.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, BinaryIO
+from urllib.parse import quote, urlsplit
+
+from server.storage.base import Storage, check_key, join
+
+if TYPE_CHECKING:
+    from server.settings import Settings
+
+PART = 16 << 20  # bytes of one part of a multipart upload
+
+
+class _Counting:
+    """A read-only stream that counts the bytes read through it."""
+
+    def __init__(self, stream: BinaryIO) -> None:
+        self.stream, self.count = stream, 0
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.stream.read(size)
+        self.count += len(data)
+        return data
+
+
+def parse_url(url: str) -> tuple[str, str]:
+    """``(bucket, prefix)`` of ``s3://bucket[/prefix]``.
+
+    Raises:
+        ValueError: naming the setting and the value.
+    """
+    parts = urlsplit(url)
+    prefix = parts.path.strip("/")
+    if parts.scheme != "s3" or not parts.netloc or parts.query or parts.fragment:
+        raise ValueError(f"ROUNDHOUSE_STORAGE_URL={url!r}: expected s3://bucket/prefix")
+    if prefix:
+        check_key(prefix)
+    return parts.netloc, prefix
+
+
+class S3Storage(Storage):
+    def __init__(
+        self,
+        url: str,
+        *,
+        endpoint_url: str | None = None,
+        public_endpoint_url: str | None = None,
+        access_key_id: str | None = None,
+        secret_access_key: str | None = None,
+        region: str | None = None,
+    ) -> None:
+        import boto3
+        from boto3.s3.transfer import TransferConfig
+        from botocore.config import Config
+
+        self.bucket, self.prefix = parse_url(url)
+        self.url = f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
+        # credentials not given here come from boto3's own chain (AWS_ACCESS_KEY_ID, ~/.aws, a role)
+        session = boto3.session.Session(
+            aws_access_key_id=access_key_id or None,
+            aws_secret_access_key=secret_access_key or None,
+            region_name=region or None,
+        )
+        config = Config(
+            signature_version="s3v4", s3={"addressing_style": "path"}, retries={"mode": "standard"}
+        )
+        self.client: Any = session.client("s3", endpoint_url=endpoint_url or None, config=config)
+        self.signer: Any = (
+            session.client("s3", endpoint_url=public_endpoint_url, config=config)
+            if public_endpoint_url
+            else self.client
+        )
+        self.transfer = TransferConfig(multipart_threshold=PART, multipart_chunksize=PART)
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> S3Storage:
+        return cls(
+            settings.storage_url or "",
+            endpoint_url=settings.s3_endpoint_url,
+            public_endpoint_url=settings.s3_public_endpoint_url,
+            access_key_id=settings.s3_access_key_id,
+            secret_access_key=settings.s3_secret_access_key,
+            region=settings.s3_region,
+        )
+
+    def _name(self, key: str, *, prefix: bool = False) -> str:
+        check_key(key, prefix=prefix)
+        return join(self.prefix, key)
+
+    def _folder(self, prefix: str) -> str:
+        """The object-name prefix of a folder (with its trailing ``/``; the bucket's prefix for "")."""
+        name = self._name(prefix, prefix=True)
+        return f"{name}/" if name else ""
+
+    def _key(self, name: str) -> str:
+        return name[len(self.prefix) + 1 :] if self.prefix else name
+
+    def _missing(self, error: Exception) -> bool:
+        code = str(getattr(error, "response", {}).get("Error", {}).get("Code", ""))
+        return code in ("404", "NoSuchKey", "NotFound")
+
+    def put_file(self, key: str, path: Path) -> None:
+        self.client.upload_file(str(path), self.bucket, self._name(key), Config=self.transfer)
+
+    def put_stream(self, key: str, stream: BinaryIO) -> int:
+        counted = _Counting(stream)
+        self.client.upload_fileobj(counted, self.bucket, self._name(key), Config=self.transfer)
+        return counted.count
+
+    def get_file(self, key: str, path: Path) -> None:
+        from botocore.exceptions import ClientError
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "wb") as out:
+                try:
+                    self.client.download_fileobj(self.bucket, self._name(key), out, Config=self.transfer)
+                except ClientError as exc:
+                    if self._missing(exc):
+                        raise FileNotFoundError(f"no object {key!r}") from exc
+                    raise
+            os.chmod(name, 0o644)
+            os.replace(name, path)
+        finally:
+            Path(name).unlink(missing_ok=True)
+
+    def iter_bytes(self, key: str, *, chunk: int = 1 << 20) -> Iterator[bytes]:
+        from botocore.exceptions import ClientError
+
+        try:
+            body = self.client.get_object(Bucket=self.bucket, Key=self._name(key))["Body"]
+        except ClientError as exc:
+            if self._missing(exc):
+                raise FileNotFoundError(f"no object {key!r}") from exc
+            raise
+        try:
+            yield from body.iter_chunks(chunk)
+        finally:
+            body.close()
+
+    def exists(self, key: str) -> bool:
+        from botocore.exceptions import ClientError
+
+        try:
+            self.client.head_object(Bucket=self.bucket, Key=self._name(key))
+            return True
+        except ClientError as exc:
+            if not self._missing(exc):
+                raise
+        found = self.client.list_objects_v2(Bucket=self.bucket, Prefix=self._folder(key), MaxKeys=1)
+        return bool(found.get("KeyCount", 0))
+
+    def list(self, prefix: str) -> list[tuple[str, int]]:
+        pages = self.client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.bucket, Prefix=self._folder(prefix)
+        )
+        found = [(self._key(o["Key"]), int(o["Size"])) for page in pages for o in page.get("Contents", [])]
+        return sorted(found)
+
+    def delete(self, key: str) -> None:
+        self.client.delete_object(Bucket=self.bucket, Key=self._name(key))
+
+    def delete_prefix(self, prefix: str) -> None:
+        names = [self._name(key) for key, _ in self.list(check_key(prefix))]
+        for start in range(0, len(names), 1000):  # the most one request deletes
+            batch = [{"Key": n} for n in names[start : start + 1000]]
+            self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True})
+
+    def presigned_url(self, key: str, *, expires_s: int = 3600, filename: str | None = None) -> str | None:
+        params = {"Bucket": self.bucket, "Key": self._name(key)}
+        if filename is not None:
+            params["ResponseContentDisposition"] = f"attachment; filename*=UTF-8''{quote(filename)}"
+        url: str = self.signer.generate_presigned_url("get_object", Params=params, ExpiresIn=expires_s)
+        return url
+
+    def local_path(self, key: str) -> Path | None:
+        check_key(key)
+        return None
