@@ -11,7 +11,6 @@ import argparse
 import functools
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -45,6 +44,7 @@ def _prepare_demo(settings: Any, sessions: Any) -> None:
     from engine import demo
     from engine.model.loading import prepare_demo_model
     from server.services import datasets
+    from server.storage import open_storage
 
     print("preparing the demo model (once) ...", flush=True)
     prepare_demo_model(settings.models_dir)
@@ -59,7 +59,8 @@ def _prepare_demo(settings: Any, sessions: Any) -> None:
                         source=source,
                         filename=path.name,
                         name=name,
-                        datasets_dir=settings.datasets_dir,
+                        storage=open_storage(settings),
+                        scratch=settings.cache_dir / "incoming",
                         max_bytes=settings.max_upload_bytes,
                     )
 
@@ -126,14 +127,33 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     from server.db import make_engine, migrate
+    from server.services.placement import worker_queues
     from server.worker.tasks import app, settings
+    from server.worker.telemetry import count_gpus
 
     migrate(make_engine(settings.url))
-    name = args.name or f"roundhouse-{os.getpid()}@{socket.gethostname()}"
+    host = settings.host_name
+    name = args.name or f"roundhouse-{os.getpid()}@{host}"
+    gpus = settings.worker_gpus if settings.worker_gpus is not None else count_gpus()
+    queues = worker_queues(settings.queue, host=host, gpus=gpus)
+    print(f"worker {name} on host {host}: {gpus} GPU(s); queues {', '.join(queues)}", flush=True)
+    if settings.storage_url and not (settings.database_url and settings.redis_url):
+        # a remote store means a worker on another host: it must share the API's database and broker
+        unset = [
+            n
+            for n, v in (("DATABASE_URL", settings.database_url), ("REDIS_URL", settings.redis_url))
+            if not v
+        ]
+        print(
+            f"warning: ROUNDHOUSE_{' and ROUNDHOUSE_'.join(unset)} unset: this worker uses its own home's"
+            " (SQLite, folder broker) and sees only jobs of an API on this machine with the same home",
+            file=sys.stderr,
+            flush=True,
+        )
     argv = [
         "worker",
         "--queues",
-        settings.queue,
+        ",".join(queues),
         "--concurrency",
         "1",
         "--prefetch-multiplier",
@@ -146,6 +166,34 @@ def cmd_worker(args: argparse.Namespace) -> int:
         "--without-mingle",
     ]
     app.worker_main(argv)
+    return 0
+
+
+def cmd_models_push(args: argparse.Namespace) -> int:
+    """Put a model folder in the store as ``models/<NAME>/``: a worker on any host that has no
+    folder of that name pulls it from there (``server.worker.files.fetch_model``)."""
+    from pathlib import Path
+
+    from server.storage import check_key, open_storage
+
+    folder = Path(args.folder)
+    if not (folder / "config.json").is_file():
+        print(f"{folder}: not a Hugging Face model folder (no config.json)", file=sys.stderr)
+        return 1
+    try:
+        prefix = check_key(f"models/{args.name}")
+    except ValueError as exc:
+        print(f"NAME {args.name!r}: {exc}", file=sys.stderr)
+        return 1
+    storage = open_storage(get_settings())
+    own = storage.local_path(prefix)
+    if own is not None and own.resolve() == folder.resolve():
+        print(f"{folder} is the store's own folder of {prefix}: nothing to copy")
+        return 0
+    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    print(f"pushing {len(files)} file(s) of {folder} to {storage.url} as {prefix}/ ...", flush=True)
+    storage.put_tree(prefix, folder)
+    print(f"done: jobs with base_model {args.name!r} run on any host")
     return 0
 
 
@@ -285,9 +333,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--processes", type=int, default=1, help="server processes (one core of Python each)")
     s.set_defaults(func=cmd_serve)
     w = sub.add_parser("worker", help="run the GPU worker (a Celery worker that owns every GPU here)")
-    w.add_argument("--name", help="the worker's name (default roundhouse-PID@HOST)")
+    w.add_argument(
+        "--name", help="the worker's name (default roundhouse-PID@HOST, HOST: ROUNDHOUSE_WORKER_HOST)"
+    )
     w.add_argument("--loglevel", default="INFO")
     w.set_defaults(func=cmd_worker)
+    m = sub.add_parser("models", help="base models in the shared store")
+    ms = m.add_subparsers(dest="models_command", required=True)
+    mp = ms.add_parser("push", help="upload a model folder to the store as models/NAME/ for every worker")
+    mp.add_argument("name", metavar="NAME", help='the base_model name jobs use, e.g. "Qwen/Qwen3-0.6B"')
+    mp.add_argument("folder", metavar="FOLDER", help="a Hugging Face model folder (config.json, weights)")
+    mp.set_defaults(func=cmd_models_push)
     k = sub.add_parser("keys", help="API keys")
     ks = k.add_subparsers(dest="keys_command", required=True)
     kc = ks.add_parser("create", help="create an API key and print it with its login URL")

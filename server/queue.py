@@ -20,7 +20,7 @@ from celery import Celery
 from sqlalchemy.orm import Session
 
 from server.kinds import EventKind, JobStatus
-from server.services import jobs
+from server.services import jobs, placement
 from server.settings import Settings
 from server.tables import now
 
@@ -74,9 +74,10 @@ def celery_for(settings: Settings) -> Celery:
     return _apps[key]
 
 
-def enqueue(settings: Settings, job_id: str) -> None:
-    """Send a job id to the workers."""
-    celery_for(settings).send_task(TASK, args=[job_id], queue=settings.queue)
+def enqueue(settings: Settings, job_id: str, *, where: dict[str, Any] | None = None) -> None:
+    """Send a job id to the workers: to the queue of its placement ``where`` (``services.placement``)."""
+    queue = placement.queue_for(settings.queue, where)
+    celery_for(settings).send_task(TASK, args=[job_id], queue=queue, routing_key=queue)
 
 
 def send_evaluation(settings: Settings, evaluation_id: str) -> None:
@@ -90,8 +91,9 @@ def _send(settings: Settings, session: Session, *, job_id: str, stale_before: da
     sends = jobs.take_send(session, job_id=job_id, stale_before=stale_before)
     if sends is None:
         return False
+    job = jobs.get_job(session, job_id=job_id)
     try:
-        enqueue(settings, job_id)
+        enqueue(settings, job_id, where=job.placement if job is not None else None)
     except Exception:
         jobs.send_failed(session, job_id=job_id)
         raise
@@ -113,24 +115,33 @@ def _job_of(raw: bytes | str) -> str | None:
         return None
 
 
-def waiting(settings: Settings) -> set[str]:
-    """The jobs whose message waits in the broker's queue (not yet taken by a worker)."""
+def waiting(settings: Settings, queues: set[str] | None = None) -> set[str]:
+    """The jobs whose message waits in the broker's ``queues`` (default: the default queue), not
+    yet taken by a worker."""
     raws: list[Any] = []
+    names = sorted(queues or {settings.queue})
     if settings.redis_url:
         import redis
 
         client = redis.Redis.from_url(settings.redis_url, socket_timeout=5)
         try:
-            raws = list(client.lrange(settings.queue, 0, -1))
+            for name in names:
+                raws += list(client.lrange(name, 0, -1))
         finally:
             client.close()
     else:
-        for path in (settings.broker_dir / "queue").glob(f"*.{settings.queue}.msg"):
-            try:
-                raws.append(path.read_bytes())
-            except OSError:  # taken by a worker meanwhile
-                continue
+        for name in names:
+            for path in (settings.broker_dir / "queue").glob(f"*.{name}.msg"):
+                try:
+                    raws.append(path.read_bytes())
+                except OSError:  # taken by a worker meanwhile
+                    continue
     return {job for job in map(_job_of, raws) if job is not None}
+
+
+def _placement(session: Session, job_id: str) -> dict[str, Any] | None:
+    job = jobs.get_job(session, job_id=job_id)
+    return job.placement if job is not None else None
 
 
 def _note(status: str, sent_at: datetime | None, settings: Settings) -> str:
@@ -156,7 +167,10 @@ def reconcile(settings: Settings, session: Session) -> list[str]:
     due = jobs.due_sends(session, stale_before=stale_before)
     if not due:
         return []
-    present = waiting(settings) if any(sent_at is not None for _, _, sent_at in due) else set()
+    present: set[str] = set()
+    if any(sent_at is not None for _, _, sent_at in due):
+        queues = {placement.queue_for(settings.queue, _placement(session, job_id)) for job_id, _, _ in due}
+        present = waiting(settings, queues)
     sent = []
     for job_id, status, sent_at in due:
         if job_id in present:  # queued behind other jobs: its message is still there

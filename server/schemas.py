@@ -124,11 +124,27 @@ class JobBase(BaseModel):
     eval: Section = Field(default_factory=dict, description=EvalSpec.__doc__ or "")
 
 
+class Placement(BaseModel):
+    """Where a job may run: one host (by the name the GPUs page shows), and/or a GPU count. A job
+    always runs on one host's GPUs."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    host: (
+        Annotated[
+            str, StringConstraints(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+        ]
+        | None
+    ) = Field(None, description="the worker host's name (GET /api/gpus); null: any host")
+    gpus: int | None = Field(None, ge=1, le=1024, description="GPUs the host must have; null: any")
+
+
 class JobCreate(JobBase):
     """A fine-tune: the base model and dataset by name/id, and the engine's TrainConfig sections."""
 
     base_model: Line = Field(..., description='a name from GET /api/models, or "demo"')
     dataset_id: Line
+    placement: Placement | None = Field(None, description="where it may run (null: any worker)")
 
 
 class JobPublic(BaseModel):
@@ -151,6 +167,7 @@ class JobPublic(BaseModel):
         description="when it last reached a final state (a resume clears it)"
     )
     disk_bytes: int = Field(0, description="bytes of its folder: checkpoints, exports, merged builds, log")
+    placement: dict[str, Any] | None = Field(None, description="where it may run (null: any worker)")
 
 
 class JobsPublic(BaseModel):
@@ -263,8 +280,19 @@ class HostPublic(BaseModel):
     online: bool
 
 
+class HostGroupPublic(BaseModel):
+    """One host: a job runs on one host's GPUs (``placement.host`` names it)."""
+
+    hostname: str
+    online: bool = Field(description="a worker of it is sampling")
+    gpus: int = Field(description="GPUs its online worker reports (0: none online, or a CPU host)")
+    last_seen: datetime = Field(description="the latest heartbeat of its workers")
+    workers: list[HostPublic] = Field(description="its workers, online first, newest first")
+
+
 class HostsPublic(BaseModel):
-    data: list[HostPublic]
+    data: list[HostPublic] = Field(description="every worker, by host name")
+    hosts: list[HostGroupPublic] = Field(default_factory=list, description="the workers grouped by host")
 
 
 class HistogramBin(BaseModel):
@@ -311,6 +339,9 @@ class PlanRequest(JobBase):
 
     base_model: Line | None = Field(None, description='a name from GET /api/models (default "demo")')
     dataset_id: Line | None = Field(None, description="its row count turns hyper.epochs into steps")
+    placement: Placement | None = Field(
+        None, description="plan for this host's GPUs (default: the online host with the most GPUs)"
+    )
     config: dict[str, JsonValue] | None = Field(
         None, description="a config.json instead of a base model name"
     )
@@ -358,6 +389,12 @@ class PlanPublic(BaseModel):
         "or the largest length a plan takes"
     )
     workers_per_gpu: int = Field(description="workers sharing one GPU's memory (engine.devices)")
+    reference_s: float | None = Field(
+        None,
+        description="DPO: seconds of the reference pass (one forward over every training and "
+        "validation pair, before the first step), part of eta_s; null for a supervised job or "
+        "when the pair count is unknown (no dataset)",
+    )
     assumptions: dict[str, Any]
     calibrated_from: str | None
 

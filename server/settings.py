@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from functools import lru_cache
 from pathlib import Path
 
@@ -43,7 +44,29 @@ class Settings(BaseSettings):
         4_000_000_000, ge=0, description="the largest model the chat playground runs (on the API host's CPU)"
     )
     playground_threads: int = Field(2, ge=1, le=64, description="playground generations running at once")
+    worker_host: str | None = Field(
+        None,
+        max_length=100,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+        description="the host name a worker reports and is pinned by (default: this machine's name)",
+    )
+    worker_gpus: int | None = Field(
+        None, ge=0, le=1024, description="GPUs a worker offers (default: what NVML counts here)"
+    )
     playground_cached_models: int = Field(2, ge=1, le=16, description="models the playground keeps loaded")
+    storage_url: str | None = Field(
+        None, description="where datasets and runs are stored: unset (home) or s3://bucket/prefix"
+    )
+    s3_endpoint_url: str | None = Field(None, description="the S3 API's address (MinIO: http://host:9000)")
+    s3_public_endpoint_url: str | None = Field(
+        None, description="the S3 address presigned URLs use, when browsers reach the store by another name"
+    )
+    s3_access_key_id: str | None = Field(None, description="S3 credentials (unset: boto3's AWS_* chain)")
+    s3_secret_access_key: str | None = Field(None, description="S3 credentials (unset: boto3's AWS_* chain)")
+    s3_region: str | None = Field(None, description="S3 region (unset: boto3's AWS_DEFAULT_REGION)")
+    storage_presigned_downloads: bool = Field(
+        False, description="redirect downloads to presigned URLs (the store must be reachable by browsers)"
+    )
 
     @property
     def broker_dir(self) -> Path:
@@ -62,12 +85,34 @@ class Settings(BaseSettings):
         return self.home.resolve() / "runs"
 
     @property
+    def cache_dir(self) -> Path:
+        """Local copies of stored objects (checkpoints for the playground, merged builds)."""
+        return self.home.resolve() / "cache"
+
+    @property
     def hf_cache_dir(self) -> Path:
         return self.hf_cache or Path.home() / ".cache" / "huggingface" / "hub"
 
+    @property
+    def host_name(self) -> str:
+        """The worker's host name: ``worker_host``, else this machine's (read when asked, not at import)."""
+        return self.worker_host or socket.gethostname()
+
     def child_environment(self) -> dict[str, str]:
         """What a child process (worker, server process, training run) needs to see the same data."""
-        return {"ROUNDHOUSE_HOME": str(self.home.resolve()), "ROUNDHOUSE_DATABASE_URL": self.url}
+        env = {"ROUNDHOUSE_HOME": str(self.home.resolve()), "ROUNDHOUSE_DATABASE_URL": self.url}
+        storage = {
+            "STORAGE_URL": self.storage_url,
+            "S3_ENDPOINT_URL": self.s3_endpoint_url,
+            "S3_PUBLIC_ENDPOINT_URL": self.s3_public_endpoint_url,
+            "S3_ACCESS_KEY_ID": self.s3_access_key_id,
+            "S3_SECRET_ACCESS_KEY": self.s3_secret_access_key,
+            "S3_REGION": self.s3_region,
+        }
+        env |= {f"ROUNDHOUSE_{name}": value for name, value in storage.items() if value}
+        if self.storage_presigned_downloads:
+            env["ROUNDHOUSE_STORAGE_PRESIGNED_DOWNLOADS"] = "1"
+        return env
 
     @property
     def url(self) -> str:

@@ -80,6 +80,8 @@ class Job(Base):
     # suffix of its fine-tuned model's name ("metadata" itself is taken by SQLAlchemy)
     meta: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSON(none_as_null=True), nullable=True)
     suffix: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    # where it may run: {"host": name | None, "gpus": count | None} (``services.placement``); null: anywhere
+    placement: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True), nullable=True)
 
 
 class JobEvent(Base):

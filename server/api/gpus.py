@@ -24,8 +24,9 @@ stream_router = APIRouter(
 
 @router.get("", response_model=HostsPublic)
 def list_gpus(session: SessionDep, settings: SettingsDep) -> Any:
-    """The latest telemetry sample of every worker host ("no GPU" on CPU-only hosts)."""
-    return {"data": gpus.hosts(session, stale_after=settings.telemetry_seconds * 5)}
+    """The latest telemetry sample of every worker ("no GPU" on CPU-only hosts), and per host."""
+    workers = gpus.hosts(session, stale_after=settings.telemetry_seconds * 5)
+    return {"data": workers, "hosts": gpus.by_host(workers)}
 
 
 @stream_router.get("/stream", response_class=StreamingResponse, responses={200: EVENT_STREAM})

@@ -3,7 +3,6 @@ metrics."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
@@ -12,7 +11,7 @@ from sqlalchemy.orm import Session
 
 from engine.errors import ConfigError
 from server import queue
-from server.deps import JobDep, SessionDep, SettingsDep, current_key
+from server.deps import JobDep, SessionDep, SettingsDep, StorageDep, current_key
 from server.errors import ApiError, documented
 from server.kinds import EventKind, JobStatus
 from server.schemas import (
@@ -24,8 +23,9 @@ from server.schemas import (
     JobsPublic,
     MetricsPublic,
 )
-from server.services import datasets, disk, jobs, models
+from server.services import datasets, disk, gpus, jobs, models, placement
 from server.settings import Settings
+from server.storage import Storage
 from server.streams import job_stream, stream_job
 from server.tables import Job
 
@@ -37,18 +37,19 @@ router = APIRouter(
 stream_router = APIRouter(prefix="/api/jobs", tags=["jobs"], responses=documented(401, 422))
 
 
-def public(job: Job) -> JobPublic:
+def public(job: Job, storage: Storage) -> JobPublic:
     """The job as the API shows it, with the bytes of its folder (cached: ``services.disk``)."""
     shown = JobPublic.model_validate(job)
-    shown.disk_bytes = disk.folder_bytes(job.output_dir)
+    shown.disk_bytes = disk.job_bytes(storage, job.output_dir)
     return shown
 
 
 def send(session: Session, settings: Settings, job_id: str) -> None:
     """Send a queued job to the workers; if the broker is down the job is kept, and a worker's
     reconcile sends it when the broker answers."""
+    job = jobs.get_job(session, job_id=job_id)
     try:
-        queue.enqueue(settings, job_id)
+        queue.enqueue(settings, job_id, where=job.placement if job is not None else None)
     except Exception as exc:
         jobs.send_failed(session, job_id=job_id)
         jobs.add_event(
@@ -61,12 +62,12 @@ def send(session: Session, settings: Settings, job_id: str) -> None:
 
 
 @router.post("", response_model=JobPublic, status_code=201, responses=documented(400, 404))
-def create_job(session: SessionDep, settings: SettingsDep, body: JobCreate) -> Any:
+def create_job(session: SessionDep, settings: SettingsDep, storage: StorageDep, body: JobCreate) -> Any:
     """Start a fine-tune: a base model, a dataset, and the TrainConfig sections."""
-    return public(submit(session, settings, body))
+    return public(submit(session, settings, body, storage=storage), storage)
 
 
-def submit(session: Session, settings: Settings, body: JobCreate) -> Job:
+def submit(session: Session, settings: Settings, body: JobCreate, *, storage: Storage) -> Job:
     """Check a job request (base model, datasets, TrainConfig), store the job queued and send it:
     what ``POST /api/jobs`` and ``POST /v1/fine_tuning/jobs`` do. Raises ``ApiError`` naming the field."""
     model = models.find(body.base_model, settings.models_dir, settings.hf_cache_dir)
@@ -92,13 +93,16 @@ def submit(session: Session, settings: Settings, body: JobCreate) -> Job:
                 404, "not_found", f"no dataset {body.validation_dataset_id!r}", param="validation_dataset_id"
             )
     ident = jobs.new_id()
+    output_dir = jobs.run_key(ident)
     try:
         config = jobs.build_config(
             request=body.model_dump(),
             model_path=model.path if model.path is not None else body.base_model,
-            train_path=train.path,
-            validation_path=validation.path if validation else None,
-            output_dir=settings.runs_dir / ident,
+            train_path=jobs.config_path(storage, storage.key_of(train.path)),
+            validation_path=jobs.config_path(storage, storage.key_of(validation.path))
+            if validation
+            else None,
+            output_dir=jobs.config_path(storage, output_dir),
         )
         jobs.check_formats(config=config, train=train, validation=validation)  # dpo: preference data
     except ValueError as exc:
@@ -113,7 +117,16 @@ def submit(session: Session, settings: Settings, body: JobCreate) -> Job:
         dataset_name=train.name,
         validation_dataset_id=validation.id if validation else None,
         config=config,
+        output_dir=output_dir,
     )
+    where = placement.normalized(body.placement.model_dump() if body.placement else None)
+    if where is not None:
+        placement.record(
+            session,
+            job=job,
+            where=where,
+            hosts=gpus.hosts(session, stale_after=settings.telemetry_seconds * 5),
+        )
     send(session, settings, job.id)
     return job
 
@@ -121,6 +134,7 @@ def submit(session: Session, settings: Settings, body: JobCreate) -> Job:
 @router.get("", response_model=JobsPublic)
 def list_jobs(
     session: SessionDep,
+    storage: StorageDep,
     status: Annotated[JobStatus | None, Query(description="only jobs in this state")] = None,
     cursor: Annotated[str | None, Query(description="next_cursor of the previous page")] = None,
     limit: Annotated[int, Query(ge=1, le=200)] = 50,
@@ -130,56 +144,55 @@ def list_jobs(
         page, next_cursor = jobs.list_jobs(session, status=status, cursor=cursor, limit=limit)
     except ValueError as exc:
         raise ApiError(422, "invalid_request", f"cursor: {exc}", param="cursor") from exc
-    return {"data": [public(j) for j in page], "next_cursor": next_cursor}
+    return {"data": [public(j, storage) for j in page], "next_cursor": next_cursor}
 
 
 @router.get("/{job_id}", response_model=JobPublic, responses=documented(404))
-def get_job(job: JobDep) -> Any:
+def get_job(storage: StorageDep, job: JobDep) -> Any:
     """One job."""
-    return public(job)
+    return public(job, storage)
 
 
 @router.post("/{job_id}/cancel", response_model=JobPublic, responses=documented(404, 409))
-def cancel_job(session: SessionDep, job: JobDep) -> Any:
+def cancel_job(session: SessionDep, storage: StorageDep, job: JobDep) -> Any:
     """Cancel: a queued job at once; a running one stops at its next step with a checkpoint."""
     try:
         jobs.request_cancel(session, job=job)
     except jobs.IllegalTransition as exc:
         raise ApiError(409, "illegal_transition", str(exc), param="status") from exc
-    return public(job)
+    return public(job, storage)
 
 
 @router.post("/{job_id}/pause", response_model=JobPublic, responses=documented(404, 409))
-def pause_job(session: SessionDep, job: JobDep) -> Any:
+def pause_job(session: SessionDep, storage: StorageDep, job: JobDep) -> Any:
     """Pause: a queued job at once; a running one stops at its next step with a checkpoint."""
     try:
         jobs.request_pause(session, job=job)
     except jobs.IllegalTransition as exc:
         raise ApiError(409, "illegal_transition", str(exc), param="status") from exc
-    return public(job)
+    return public(job, storage)
 
 
 @router.post("/{job_id}/resume", response_model=JobPublic, responses=documented(404, 409))
-def resume_job(session: SessionDep, settings: SettingsDep, job: JobDep) -> Any:
+def resume_job(session: SessionDep, settings: SettingsDep, storage: StorageDep, job: JobDep) -> Any:
     """Resume a cancelled, failed, interrupted or paused job: queued again, from its latest checkpoint."""
     try:
         jobs.resume(session, job=job)
     except jobs.IllegalTransition as exc:
         raise ApiError(409, "illegal_transition", str(exc), param="status") from exc
     send(session, settings, job.id)
-    return public(job)
+    return public(job, storage)
 
 
 @router.delete("/{job_id}", status_code=204, response_class=Response, responses=documented(404, 409))
-def delete_job(session: SessionDep, job: JobDep) -> Response:
+def delete_job(session: SessionDep, storage: StorageDep, job: JobDep) -> Response:
     """Delete a finished or interrupted job with its events, checkpoints and files."""
-    folder = Path(job.output_dir)
+    folder = job.output_dir
     try:
         jobs.delete_job(session, job=job)
     except jobs.IllegalTransition as exc:
         raise ApiError(409, "illegal_transition", str(exc), param="status") from exc
-    if folder.name == job.id:  # the folder the API made for it (runs/<id>), nothing else
-        disk.remove_folder(folder)
+    disk.remove_job_folder(storage, folder, job_id=job.id)
     return Response(status_code=204)
 
 

@@ -101,7 +101,8 @@ def plan(session: SessionDep, settings: SettingsDep, body: PlanRequest) -> dict[
     dataset = _dataset(session, body.dataset_id)
     validation = _dataset(session, body.validation_dataset_id, param="validation_dataset_id")
     given = body.hardware.model_dump(exclude_none=True)
-    hardware = plans.hardware(session, given=given, stale_after=settings.telemetry_seconds * 5)
+    host = body.placement.host if body.placement is not None else None
+    hardware = plans.hardware(session, given=given, stale_after=settings.telemetry_seconds * 5, host=host)
     try:
         workload = plans.workload(
             request=body.model_dump(),

@@ -67,3 +67,40 @@ def hosts(session: Session, *, stale_after: float) -> list[dict[str, Any]]:
             }
         )
     return out
+
+
+def by_host(workers: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``hosts()``'s workers grouped by host name (a job runs on one host's GPUs): each host with
+    its workers (online first, newest heartbeat first), whether one is online, its GPU count (the
+    most an online worker reports) and when it was last seen."""
+    grouped: dict[str, list[dict[str, Any]]] = {}
+    for w in workers:
+        grouped.setdefault(w["hostname"], []).append(w)
+    out = []
+    for name, members in sorted(grouped.items()):
+        members.sort(key=lambda w: (not w["online"], -w["heartbeat_at"].timestamp()))
+        online = [w for w in members if w["online"]]
+        out.append(
+            {
+                "hostname": name,
+                "online": bool(online),
+                "gpus": max((len(w["devices"]) for w in online), default=0),
+                "last_seen": max(w["heartbeat_at"] for w in members),
+                "workers": members,
+            }
+        )
+    return out
+
+
+def plan_host(session: Session, *, stale_after: float, host: str | None) -> dict[str, Any] | None:
+    """The one host a plan is made for (a job runs on one host's GPUs): ``host`` when named, else
+    the online host with the most GPUs (by name among equals); as its newest online worker's row
+    (``hosts()``: hostname, devices, cpu). None when no worker of it is online."""
+    online = [h for h in by_host(hosts(session, stale_after=stale_after)) if h["online"]]
+    if host is not None:
+        online = [h for h in online if h["hostname"] == host]
+    if not online:
+        return None
+    best = min(online, key=lambda h: (-h["gpus"], h["hostname"]))
+    worker: dict[str, Any] = best["workers"][0]
+    return worker

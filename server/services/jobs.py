@@ -26,11 +26,27 @@ from server.services.job_states import IllegalTransition as IllegalTransition
 from server.services.job_states import add_event as add_event
 from server.services.job_states import move
 from server.services.job_states import transition as transition
+from server.storage import Storage
 from server.tables import Dataset, Job, JobEvent, now
 
 
 def new_id() -> str:
     return uuid.uuid4().hex
+
+
+RUNS = "runs"  # the store's folder of jobs: runs/<job id>
+
+
+def run_key(job_id: str) -> str:
+    """The key of a job's folder in the store."""
+    return f"{RUNS}/{job_id}"
+
+
+def config_path(storage: Storage, key: str) -> str:
+    """What a job's TrainConfig names a stored file or folder by: its path where the store is this
+    host's folder (the engine reads it there), else its key (the worker fetches it)."""
+    own = storage.local_path(key)
+    return str(own) if own is not None else key
 
 
 def build_config(
@@ -39,7 +55,7 @@ def build_config(
     model_path: Path | str,
     train_path: str,
     validation_path: str | None,
-    output_dir: Path,
+    output_dir: Path | str,
 ) -> TrainConfig:
     """The engine's TrainConfig for a job request. Raises ``ValueError`` naming the bad field."""
     data = dict(request.get("data") or {})
@@ -87,9 +103,11 @@ def create_job(
     dataset_name: str,
     validation_dataset_id: str | None,
     config: TrainConfig,
+    output_dir: str,
 ) -> Job:
     """Insert a job (validating), then queue it: both transitions recorded. It counts as sent:
-    the caller sends its message next, or calls ``send_failed`` (the reconcile sends it later)."""
+    the caller sends its message next, or calls ``send_failed`` (the reconcile sends it later).
+    ``output_dir`` is the key of its folder in the store, ``runs/<id>``."""
     job = Job(
         id=ident,
         name=name or default_name(session, base_model=base_model, dataset_name=dataset_name),
@@ -98,7 +116,7 @@ def create_job(
         dataset_id=dataset_id,
         validation_dataset_id=validation_dataset_id,
         config=config.model_dump(mode="json"),
-        output_dir=config.output_dir,
+        output_dir=output_dir,
         sent_at=now(),
         sends=1,
     )

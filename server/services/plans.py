@@ -96,7 +96,9 @@ def workload(
     )
 
 
-def hardware(session: Session, *, given: dict[str, Any], stale_after: float) -> Hardware:
+def hardware(
+    session: Session, *, given: dict[str, Any], stale_after: float, host: str | None = None
+) -> Hardware:
     """The given hardware; what it leaves out is read off the workers' telemetry when one has GPUs.
 
     When workers are online and none reports a GPU, and the caller names no GPUs, the box is a CPU
@@ -105,10 +107,16 @@ def hardware(session: Session, *, given: dict[str, Any], stale_after: float) -> 
     Args:
         given: ``Hardware`` fields the caller set (GPU count and memory, rate, link, host RAM).
         stale_after: seconds after which a worker that stopped sampling counts as offline.
+        host: the worker host to plan for (``placement.host``); default: the online host with the
+            most GPUs. A job runs on one host's GPUs: several hosts' GPUs never add up.
     """
     fields = dict(given)
     detected = []
-    hosts = [h for h in gpus.hosts(session, stale_after=stale_after) if h["online"]]
+    picked = gpus.plan_host(session, stale_after=stale_after, host=host)
+    hosts = [picked] if picked is not None else []
+    several = len({h["hostname"] for h in gpus.hosts(session, stale_after=stale_after) if h["online"]}) > 1
+    if picked is not None and (host is not None or several):
+        detected.append(f"host {picked['hostname']}")
     with_gpus = [h for h in hosts if h["gpu"]]
     if with_gpus:
         devices = with_gpus[0]["devices"]

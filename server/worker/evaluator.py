@@ -25,6 +25,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from server.services import checkpoints, datasets, evaluations, jobs
 from server.settings import Settings, get_settings
 from server.tables import now
+from server.worker import files
 from server.worker.supervisor import _die_with_parent
 
 log = logging.getLogger("roundhouse.worker")
@@ -58,7 +59,8 @@ def supervise_evaluation(
         )
     with sessions() as session:
         row = evaluations.get(session, evaluation_id=evaluation_id)
-        result = evaluations.read_result(row) if row is not None and rc == EXIT_OK else None
+        store = files.open_store(settings)
+        result = evaluations.read_result(row, store) if row is not None and rc == EXIT_OK else None
         if result is not None:
             evaluations.finish(
                 session,
@@ -105,7 +107,8 @@ def _evaluate(settings: Settings, sessions: sessionmaker[Session], evaluation_id
         if dataset is None:
             raise ValueError(f"dataset {row.dataset_id} was deleted")
         config: dict[str, Any] = dict(job.config)
-        folder, kind, data, name = Path(checkpoint.path), checkpoint.kind, dataset.path, dataset.name
+        key, kind, data, name = checkpoint.path, checkpoint.kind, dataset.path, dataset.name
+        base_model = job.base_model
         limits: dict[str, Any] = {
             "max_rows": row.max_rows,
             "max_new_tokens": row.max_new_tokens,
@@ -115,16 +118,32 @@ def _evaluate(settings: Settings, sessions: sessionmaker[Session], evaluation_id
     from engine.evaluate import evaluate_checkpoint
     from engine.model.loading import resolve_model_path
 
-    base = resolve_model_path(config["model"]["path"], settings.models_dir) if kind == "adapter" else None
+    # the checkpoint, the dataset and the base model here: the store's own files, or pulled into
+    # home/cache where the store is remote (``server.worker.files``)
+    store = files.open_store(settings)
+    key = checkpoints.run_key(key)
+    folder = checkpoints.export_folder(store, key, cache=settings.home.resolve() / files.CACHE)
+    data = files.fetch_file(settings, store, data, field="dataset_id")
+    model = str(config.get("model", {}).get("path", "demo"))
+    if kind == "adapter":
+        base = resolve_model_path(
+            files.fetch_model(settings, store, path=model, name=base_model), settings.models_dir
+        )
+    else:
+        base = None
     max_length = int(config.get("data", {}).get("max_length", 1024))
     result = evaluate_checkpoint(folder, data, base=base, max_length=max_length, **limits)
     result["evaluation"] = about | {"dataset_name": name, "finished_at": now().isoformat()}
-    path = evaluations.result_path(folder, evaluation_id)
+    result_key = evaluations.result_path(key, evaluation_id).as_posix()
+    own = store.local_path(result_key)  # the local store's file; else written beside the log, then put
+    path = own if own is not None else _files(settings, evaluation_id)[0].with_suffix(".json")
     evaluations.write_result(path, result)
+    if own is None:
+        store.put_file(result_key, path)
     with sessions() as session:
         row = evaluations.get(session, evaluation_id=evaluation_id)
         if row is not None:
-            row.path = str(path)
+            row.path = result_key
             session.commit()
 
 

@@ -11,7 +11,6 @@ import ctypes
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -21,8 +20,10 @@ from pathlib import Path
 from sqlalchemy.orm import Session, sessionmaker
 
 from server.kinds import EventKind, JobStatus
-from server.services import checkpoints, gpus, jobs
+from server.services import checkpoints, gpus, jobs, placement
 from server.settings import Settings
+from server.worker import files
+from server.worker.telemetry import count_gpus
 from server.worker.trainer import ERROR_FILE, EXIT_CANCELLED, EXIT_FAILED, EXIT_OK
 
 log = logging.getLogger("roundhouse.worker")
@@ -185,22 +186,45 @@ def _restart(settings: Settings, session: Session, *, job_id: str, worker_id: st
     return None
 
 
+def _push_log(settings: Settings, *, output_dir: str, folder: Path) -> None:
+    """The run's train.log to a remote store; a failure is logged, never the job's outcome."""
+    try:
+        files.push_log(files.open_store(settings), output_dir=output_dir, folder=folder)
+    except Exception:
+        log.exception("could not push %s/train.log to the store", output_dir)
+
+
 def supervise(settings: Settings, sessions: sessionmaker[Session], *, job_id: str, worker_id: str) -> str:
     """Run one job to its outcome. Returns what happened (for the worker's log).
 
     A training process that crashes (killed by a signal: the out-of-memory killer) is started
     again, up to ``max_retries`` times per job; it resumes from the job's latest checkpoint."""
     with sessions() as session:
+        job = jobs.get_job(session, job_id=job_id)
+        where = job.placement if job is not None else None
+        gpu_count = settings.worker_gpus if settings.worker_gpus is not None else count_gpus()
+        if not placement.fits(where, host=settings.host_name, gpus=gpu_count):
+            # a message that reached the wrong worker: left for one that fits (the reconcile resends it)
+            wanted = placement.describe(where)
+            if job is not None and job.status in jobs.CLAIMABLE:
+                here = f"{worker_id} (host {settings.host_name}, {gpu_count} GPU(s))"
+                message = f"{here} cannot run it: waiting for {wanted}"
+                jobs.add_event(
+                    session, job_id=job_id, kind=EventKind.LOG, message=message, data={"waiting": True}
+                )
+            return f"not for this worker: the job wants {wanted}"
         if not jobs.claim(session, job_id=job_id, worker_id=worker_id, lease_seconds=settings.lease_seconds):
             return "not claimable (taken, finished or cancelled)"
         job = jobs.get_job(session, job_id=job_id)
-        folder = Path(job.output_dir) if job is not None else settings.runs_dir / job_id
+        output_dir = job.output_dir if job is not None else str(settings.runs_dir / job_id)
+    folder = files.run_folder(settings, output_dir)
     folder.mkdir(parents=True, exist_ok=True)
     while True:
         child = _Child(settings, folder, job_id=job_id)
         try:
             rc = child.watch(settings, sessions, job_id=job_id, worker_id=worker_id)
         except _Stopped as stopped:
+            _push_log(settings, output_dir=output_dir, folder=folder)
             return str(stopped)
         error = None
         if rc == EXIT_OK:
@@ -228,6 +252,7 @@ def supervise(settings: Settings, sessions: sessionmaker[Session], *, job_id: st
             to, message = JobStatus.FAILED, "training failed"
         else:
             to, message, error = JobStatus.FAILED, "training failed", _failure(folder, rc)
+        _push_log(settings, output_dir=output_dir, folder=folder)
         with sessions() as session:
             recorded = jobs.finish(
                 session, job_id=job_id, worker_id=worker_id, to=to, message=message, error=error
@@ -245,7 +270,7 @@ def telemetry_loop(
     from server.worker.telemetry import Sampler
 
     sampler = Sampler()
-    hostname = socket.gethostname()
+    hostname = settings.host_name
     next_sweep = 0.0
     try:
         while not stop.is_set():

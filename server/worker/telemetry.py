@@ -8,6 +8,23 @@ from typing import Any
 import psutil
 
 
+def count_gpus() -> int:
+    """The GPUs NVML sees on this host (0 without NVML): for the worker's placement queues."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:  # no driver, no library: a CPU host
+        return 0
+    try:
+        return int(pynvml.nvmlDeviceGetCount())
+    except Exception:
+        return 0
+    finally:
+        with contextlib.suppress(Exception):
+            pynvml.nvmlShutdown()
+
+
 class Sampler:
     """Samples the host's GPUs through NVML; on a host without NVML it says "no GPU"."""
 

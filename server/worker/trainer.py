@@ -14,7 +14,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -22,6 +22,10 @@ from server.db import make_engine, session_factory
 from server.kinds import EventKind
 from server.services import checkpoints, jobs
 from server.settings import get_settings
+from server.worker import files
+
+if TYPE_CHECKING:
+    from server.storage import Storage
 
 EXIT_OK, EXIT_FAILED, EXIT_CANCELLED = 0, 1, 3
 ERROR_FILE = "error.txt"
@@ -39,8 +43,20 @@ KEEP = (
 class DatabaseSink:
     """The engine's Sink, writing to the job's rows (thread-safe: the optimizer thread logs too)."""
 
-    def __init__(self, sessions: sessionmaker[Session], job_id: str, kind: str) -> None:
+    def __init__(
+        self,
+        sessions: sessionmaker[Session],
+        job_id: str,
+        kind: str,
+        *,
+        store: Storage | None = None,
+        output_dir: str | None = None,
+        keep_last: int = 1,
+    ) -> None:
+        """With ``store``, each checkpoint the run saves under ``output_dir`` (the job's key) is put
+        there before its row names it, and the ones its ``keep_last`` drops are deleted."""
         self.sessions, self.job_id, self.kind = sessions, job_id, kind
+        self.store, self.output_dir, self.keep_last = store, output_dir, keep_last
         self.lock = threading.Lock()
         self.latest: dict[str, float] = {}
 
@@ -62,6 +78,11 @@ class DatabaseSink:
 
     def event(self, kind: str, message: str, data: dict[str, Any] | None = None) -> None:
         data = dict(data or {})
+        key = str(data.get("path"))
+        if kind == EventKind.CHECKPOINT and self.output_dir is not None:  # stored before a row names it
+            key = files.push_checkpoint(
+                self.store, output_dir=self.output_dir, path=Path(key), keep_last=self.keep_last
+            )
         with self.lock, self.sessions() as session:
             jobs.add_event(
                 session, job_id=self.job_id, kind=kind, message=message, data=data, step=data.get("step")
@@ -71,9 +92,10 @@ class DatabaseSink:
                     session,
                     job_id=self.job_id,
                     step=int(data["step"]),
-                    path=str(data["path"]),
+                    path=key,
                     kind=self.kind,
                     metrics=dict(self.latest),
+                    storage=self.store,
                 )
 
     def close(self) -> None:
@@ -103,15 +125,32 @@ def main(argv: list[str]) -> int:
         if job is None:
             print(f"no job {job_id}", file=sys.stderr)
             return EXIT_FAILED
-        raw, folder = dict(job.config), Path(job.output_dir)
+        stored, output_dir, base_model = dict(job.config), job.output_dir, job.base_model
+    folder = files.run_folder(settings, output_dir)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / ERROR_FILE).unlink(missing_ok=True)
     try:
         from engine.config import TrainConfig
         from engine.run import train
 
+        store = files.open_store(settings)
+        with sessions() as session:
+            saved = checkpoints.list_for(session, job_id=job_id, storage=store)
+        latest = saved[-1].path if saved else None
+        raw = files.local_config(settings, store, config=stored, base_model=base_model, output_dir=output_dir)
+        if files.pull_checkpoint(store, key=latest, folder=folder, output_dir=output_dir):
+            print(f"pulled the stored checkpoint {latest}", flush=True)
         config = TrainConfig.model_validate(raw)
-        sink = DatabaseSink(sessions, job_id, "adapter" if config.method.lora else "full")
+        lora = config.method.lora
+        keep = config.checkpoint.keep_last
+        sink = DatabaseSink(
+            sessions,
+            job_id,
+            "adapter" if lora else "full",
+            store=store,
+            output_dir=output_dir,
+            keep_last=keep,
+        )
         result = train(config, sink, cancel, models_dir=settings.models_dir)
     except Exception as exc:
         traceback.print_exc()

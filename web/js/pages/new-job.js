@@ -110,7 +110,11 @@ function datasetLabel(d, kind) {
 }
 
 export async function render(main) {
-  const [models, datasets] = await Promise.all([api("/models"), api("/datasets")]);
+  const [models, datasets, workers] = await Promise.all([
+    api("/models"),
+    api("/datasets"),
+    api("/gpus").catch(() => ({ hosts: [] })),
+  ]);
   const [base, unsupported] = modelPicker(models.data);
   const [trainPick, validationPick] = suitableData(datasets.data);
   const train = choice(
@@ -207,6 +211,15 @@ export async function render(main) {
     el("label", { for: "router-aux-loss" }, routerLoss, " Router load-balancing loss (the model's coefficient)"),
   );
   const name = el("input", { type: "text", placeholder: "defaults to model on dataset", maxlength: 255 });
+  // placement: a job runs on one host's GPUs (GET /api/gpus lists the hosts)
+  const placeHost = choice([
+    ["", "Any host"],
+    ...(workers.hosts || []).map((h) => [
+      h.hostname,
+      `${h.hostname} — ${h.online ? (h.gpus ? `${h.gpus} GPU${h.gpus === 1 ? "" : "s"}` : "no GPU") : "offline"}`,
+    ]),
+  ]);
+  const placeGpus = num("", { min: 1, step: 1, placeholder: "any" });
   const rankField = field("lora-r", "LoRA rank", rank);
   // hyper.batch_size counts a DPO job's pairs (2 sequences each, as the plan card says)
   const batchField = field("batch-size", "Batch size (sequences)", batch);
@@ -251,6 +264,8 @@ export async function render(main) {
       checkpoint: { every_steps: Number(every.value) },
     };
     if (name.value.trim()) b.name = name.value.trim();
+    if (placeHost.value || placeGpus.value)
+      b.placement = { host: placeHost.value || null, gpus: placeGpus.value ? Number(placeGpus.value) : null };
     if (validation.value) b.validation_dataset_id = validation.value;
     else if (Number(heldOut.value) > 0) b.data.validation_fraction = Number(heldOut.value);
     if (maxSteps.value) b.hyper.max_steps = Number(maxSteps.value);
@@ -334,6 +349,17 @@ export async function render(main) {
       field("eval-every", "Validate every (steps)", evalEvery),
     ),
     el(
+      "fieldset",
+      { id: "placement" },
+      el("legend", { text: "Placement" }),
+      el(
+        "div",
+        { class: "grid" },
+        field("placement-host", "Host", placeHost, "runs only there (a job runs on one host's GPUs)"),
+        field("placement-gpus", "GPUs", placeGpus, "a host with at least this many"),
+      ),
+    ),
+    el(
       "details",
       { id: "advanced" },
       el("summary", { text: "Advanced: engine" }),
@@ -401,7 +427,13 @@ export async function render(main) {
       const last = (err.param || "").split(".").pop().replace(/_/g, "-");
       // the error's field -> the control's id where they differ
       const param =
-        { "dataset-id": "dataset", "validation-dataset-id": "validation-dataset", beta: "dpo-beta" }[last] || last;
+        {
+          "dataset-id": "dataset",
+          "validation-dataset-id": "validation-dataset",
+          beta: "dpo-beta",
+          host: "placement-host",
+          gpus: "placement-gpus",
+        }[last] || last;
       const target = param && form.querySelector(`#${CSS.escape(param)}`);
       if (target) {
         target.setAttribute("aria-invalid", "true");

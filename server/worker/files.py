@@ -1,0 +1,188 @@
+"""The worker's home as a cache of the store: a job's inputs pulled in, its checkpoints pushed out.
+
+Rows hold storage keys (``datasets/<file>``, ``runs/<job id>``, ``runs/<job id>/checkpoints/
+step_000123``). With the local folder store (keys relative to ``ROUNDHOUSE_HOME``) the worker's
+home *is* the store: nothing is copied and the run writes under ``home/runs`` as always. With a
+remote store (S3) the worker fetches what the job needs into its own home before training:
+
+- its dataset files into ``home/cache/<key>``;
+- its base model: a folder of the worker's own models folder or Hugging Face cache, else the
+  store's ``models/<name>/`` (``roundhouse models push NAME FOLDER`` puts one there) pulled into
+  ``home/cache/models/<name>``;
+- the job's latest stored checkpoint into ``home/runs/<job id>/checkpoints/``, so that the run
+  resumes from it (``engine.run.Run.resume``), whichever host wrote it;
+
+and pushes each checkpoint the run saves before its row is recorded (a row never names a missing
+object), deletes the ones the run pruned (``checkpoint.keep_last``), and pushes ``train.log``.
+Rows whose paths are absolute (made before the store) are used as they are.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from engine.errors import ConfigError
+
+if TYPE_CHECKING:
+    from server.settings import Settings
+    from server.storage import Storage
+
+log = logging.getLogger("roundhouse.worker")
+CACHE = "cache"
+CHECKPOINTS = "checkpoints"
+LOG = "train.log"
+STEP = re.compile(r"^step_\d{6,}$")  # a checkpoint folder (``engine.checkpoint.step_name``)
+
+
+def open_store(settings: Settings) -> Storage:
+    """The configured store (``ROUNDHOUSE_STORAGE_URL``; unset: the home folder itself)."""
+    from server.storage import open_storage
+
+    return open_storage(settings)
+
+
+def _is_key(value: str) -> bool:
+    return not Path(value).is_absolute()
+
+
+def run_folder(settings: Settings, output_dir: str) -> Path:
+    """The local folder a job's run writes to: ``home/<key>`` (the store's own folder with the local
+    store, a cache folder with a remote one), or the row's absolute path."""
+    return settings.home.resolve() / output_dir if _is_key(output_dir) else Path(output_dir)
+
+
+def same_file(a: Path | None, b: Path) -> bool:
+    return a is not None and a.resolve() == b.resolve()
+
+
+def fetch_file(settings: Settings, store: Storage | None, value: str, *, field: str) -> str:
+    """A dataset file as a local path: an absolute path as it is, the local store's own file, or a
+    copy pulled once into ``home/cache/<key>``."""
+    if not _is_key(value):
+        return value
+    local = store.local_path(value) if store is not None else settings.home.resolve() / value
+    if local is not None and local.is_file():
+        return str(local)
+    cached = settings.home.resolve() / CACHE / value
+    if cached.is_file():  # a key names one upload: its bytes never change
+        return str(cached)
+    if store is None or not store.exists(value):
+        raise ConfigError(field, f"{field}: {value!r} is not in the store", value=value)
+    store.get_file(value, cached)  # atomic: a complete file or none
+    return str(cached)
+
+
+def fetch_model(settings: Settings, store: Storage | None, *, path: str, name: str) -> str:
+    """The base model's folder here: the config's path when it is a model folder on this host (or
+    ``demo``), else the worker's own models folder or Hugging Face cache, else the store's
+    ``models/<name>/`` pulled into ``home/cache/models/<name>``.
+
+    Raises:
+        ConfigError: (``model.path``) none has it; the message says how to provide it.
+    """
+    from server.services import models
+
+    if path == "demo" or (Path(path) / "config.json").is_file():
+        return path
+    found = models.usable_folder(name, settings.models_dir, settings.hf_cache_dir)
+    if found is not None:
+        return str(found)
+    prefix = f"models/{name}"
+    if store is not None and store.exists(f"{prefix}/config.json"):
+        return str(store.materialize(prefix, settings.home.resolve() / CACHE))
+    message = (
+        f"base model {name!r} is not on host {settings.host_name}: put its folder in"
+        f" {settings.models_dir / name} there, or push it to the store once with"
+        f" `roundhouse models push {name} FOLDER`"
+    )
+    raise ConfigError("model.path", message, value=path)
+
+
+def local_config(
+    settings: Settings,
+    store: Storage | None,
+    *,
+    config: dict[str, Any],
+    base_model: str,
+    output_dir: str | None = None,
+) -> dict[str, Any]:
+    """The job's TrainConfig (as stored: keys, or the API host's paths with the local store) with
+    the local paths this host trains with; the run folder is ``run_folder`` of ``output_dir`` (the
+    job row's key; default: the config's)."""
+    raw = dict(config)
+    data = dict(raw.get("data") or {})
+    data["train"] = fetch_file(settings, store, str(data["train"]), field="data.train")
+    if data.get("validation"):
+        data["validation"] = fetch_file(settings, store, str(data["validation"]), field="data.validation")
+    model = dict(raw.get("model") or {})
+    model["path"] = fetch_model(settings, store, path=str(model.get("path", "demo")), name=base_model)
+    folder = run_folder(settings, output_dir or str(raw["output_dir"]))
+    raw.update(data=data, model=model, output_dir=str(folder))
+    return raw
+
+
+def pull_checkpoint(
+    store: Storage | None, *, key: str | None, folder: Path, output_dir: str | None = None
+) -> bool:
+    """Bring the job's latest stored checkpoint ``key`` into ``folder/checkpoints/`` unless it is
+    there already (the local store's own folder, or this host wrote it). Returns whether it pulled.
+
+    With a remote store and the job's key ``output_dir``, the local checkpoints newer than ``key``
+    (or all, with none stored) are removed first: no row names them (a run on this host stopped
+    before it pushed them, and another host went on since), so the run must not resume from them."""
+    if store is None:
+        return False
+    checkpoints = folder / CHECKPOINTS
+    remote = (
+        output_dir is not None and _is_key(output_dir) and not same_file(store.local_path(output_dir), folder)
+    )
+    if remote and checkpoints.is_dir():
+        newest = int(Path(key).name.removeprefix("step_")) if key is not None else -1
+        for old in checkpoints.iterdir():
+            if STEP.match(old.name) and int(old.name.removeprefix("step_")) > newest:
+                shutil.rmtree(old, ignore_errors=True)
+    if key is None or not _is_key(key):
+        return False
+    target = checkpoints / Path(key).name
+    if (target / "state" / "trainer.json").is_file() or same_file(store.local_path(key), target):
+        return False
+    store.get_tree(key, target)  # atomic: a complete folder or none
+    return True
+
+
+def push_checkpoint(store: Storage | None, *, output_dir: str, path: Path, keep_last: int) -> str:
+    """Put a checkpoint the run just saved in the store, then delete the stored ones the run's
+    ``keep_last`` drops (counting those other hosts stored). Returns the row's path: the key."""
+    if not _is_key(output_dir):
+        return str(path)
+    root = f"{output_dir}/{CHECKPOINTS}"
+    key = f"{root}/{path.name}"
+    if store is None or same_file(store.local_path(key), path):
+        return key
+    store.put_tree(key, path)
+    stored = {k[len(root) + 1 :].split("/", 1)[0] for k, _ in store.list(root)}
+    stored = {name for name in stored if STEP.match(name)}
+    here = {p.name for p in path.parent.iterdir() if STEP.match(p.name)}
+    kept = sorted(stored | here, key=lambda name: int(name.removeprefix("step_")))
+    for name in kept[:-keep_last] if keep_last > 0 else []:
+        if name in stored:
+            store.delete_prefix(f"{root}/{name}")
+    return key
+
+
+def push_log(store: Storage | None, *, output_dir: str, folder: Path) -> None:
+    """Put the run's ``train.log`` in the store (a remote one: the local store holds it already)."""
+    source = folder / LOG
+    key = f"{output_dir}/{LOG}"
+    if (
+        store is None
+        or not _is_key(output_dir)
+        or not source.is_file()
+        or same_file(store.local_path(key), source)
+    ):
+        return
+    store.put_file(key, source)
