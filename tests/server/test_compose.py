@@ -1,16 +1,21 @@
-"""The deployment files: docker-compose.yml, the Dockerfile and .dockerignore, read as data.
+"""The deployment files: docker-compose.yml, docker-compose.worker.yml (another GPU host), the
+Dockerfile and .dockerignore, read as data.
 
-No Docker engine is needed: the compose file is parsed with PyYAML (anchors and merge keys
+No Docker engine is needed: the compose files are parsed with PyYAML (anchors and merge keys
 resolved), ``${VAR:-default}`` is resolved with every variable unset, as a plain
-``docker compose up`` sees it, and the commands the containers run are parsed by the real CLI.
+``docker compose up`` sees it (or with the variables of an example .env), and the commands the
+containers run are parsed by the real CLI.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import importlib.util
+import os
 import re
 import shlex
+import subprocess
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,24 +27,53 @@ from server.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
+WORKER_COMPOSE = ROOT / "docker-compose.worker.yml"
 DOCKERFILE = ROOT / "Dockerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"
 APP_SERVICES = ("api", "worker")
-VARIABLE = re.compile(r"\$\{(\w+)(?::?-([^${}]*))?\}")
+ONE_SHOT = ("minio-init",)  # run once and exit: no restart policy, no healthcheck
+# ${VAR}, ${VAR:-default}, ${VAR-default}, ${VAR:?error}, ${VAR?error}; never after a `$` ($$ is a `$`)
+VARIABLE = re.compile(r"(?<!\$)\$\{(\w+)(?:(:?)([-?])([^${}]*))?\}")
+STORAGE_KEYS = (
+    "ROUNDHOUSE_STORAGE_URL",
+    "ROUNDHOUSE_S3_ENDPOINT_URL",
+    "ROUNDHOUSE_S3_ACCESS_KEY_ID",
+    "ROUNDHOUSE_S3_SECRET_ACCESS_KEY",
+    "ROUNDHOUSE_S3_REGION",
+)
 
 
-def interpolate(value: Any) -> Any:
-    """Resolve ``${VAR}`` / ``${VAR:-default}`` (innermost first) as if no variable were set."""
+class Unset(Exception):
+    """A required variable (``${VAR:?message}``) is not set."""
+
+
+def interpolate(value: Any, env: Mapping[str, str] | None = None) -> Any:
+    """Resolve the variables of ``value`` (innermost first) as compose does with ``env`` set
+    (default: nothing set); ``$$`` stays (a literal ``$`` for the container).
+
+    Raises:
+        Unset: a required variable is unset (or empty, for ``:?``), with its message.
+    """
+    env = env or {}
+
+    def one(m: re.Match[str]) -> str:
+        name, colon, kind, word = m.groups()
+        found = env.get(name)
+        missing = found is None or (colon == ":" and found == "")
+        if kind == "?" and missing:
+            raise Unset(f"{name}: {word}")
+        return (word or "") if missing and kind == "-" else (found or "")
+
     if isinstance(value, str):
         while True:
-            resolved = VARIABLE.sub(lambda m: m.group(2) or "", value)
+            resolved = VARIABLE.sub(one, value)
             if resolved == value:
                 return resolved
             value = resolved
     if isinstance(value, dict):
-        return {k: interpolate(v) for k, v in value.items()}
+        return {k: interpolate(v, env) for k, v in value.items()}
     if isinstance(value, list):
-        return [interpolate(v) for v in value]
+        return [interpolate(v, env) for v in value]
     return value
 
 
@@ -87,7 +121,7 @@ def test_services_and_the_postgres_profile(services: dict[str, dict[str, Any]]) 
     for name in ("api", "worker", "redis"):
         assert not services[name].get("profiles"), name
     for name, service in services.items():
-        assert service.get("restart") == "unless-stopped", name
+        assert service.get("restart") == ("no" if name in ONE_SHOT else "unless-stopped"), name
     assert services["redis"]["image"].startswith("redis:7")
     assert services["postgres"]["image"].startswith("postgres:16")
 
@@ -106,6 +140,9 @@ def test_the_worker_reserves_every_nvidia_gpu(services: dict[str, dict[str, Any]
 
 def test_every_service_has_a_healthcheck(services: dict[str, dict[str, Any]]) -> None:
     for name, service in services.items():
+        if name in ONE_SHOT:
+            assert "healthcheck" not in service, f"{name} exits: its dependents wait for its success"
+            continue
         argv = healthcheck_argv(service)
         assert argv[0] in ("CMD", "CMD-SHELL") and len(argv) > 1, name
         assert not service["healthcheck"].get("disable"), name
@@ -134,6 +171,8 @@ def test_depends_on_waits_for_healthy_services(services: dict[str, dict[str, Any
         # PostgreSQL only with its profile: not required, so `docker compose up` runs on SQLite
         assert deps["postgres"]["condition"] == "service_healthy", name
         assert deps["postgres"]["required"] is False, name
+        # the bucket exists before anything is stored (only with the minio profile)
+        assert deps["minio-init"] == {"condition": "service_completed_successfully", "required": False}, name
     # the api migrates the database before the worker starts
     assert services["worker"]["depends_on"]["api"]["condition"] == "service_healthy"
     assert "worker" not in services["api"]["depends_on"]
@@ -162,7 +201,8 @@ def test_named_volumes_are_declared_and_mounted(
 
 def test_api_and_worker_share_data_broker_and_database(services: dict[str, dict[str, Any]]) -> None:
     api, worker = environment(services["api"]), environment(services["worker"])
-    for key in ("ROUNDHOUSE_HOME", "ROUNDHOUSE_REDIS_URL", "ROUNDHOUSE_DATABASE_URL", "ROUNDHOUSE_HF_CACHE"):
+    shared = ("ROUNDHOUSE_HOME", "ROUNDHOUSE_REDIS_URL", "ROUNDHOUSE_DATABASE_URL", "ROUNDHOUSE_HF_CACHE")
+    for key in (*shared, *STORAGE_KEYS):
         assert api[key] == worker[key], key
     assert api["ROUNDHOUSE_REDIS_URL"].startswith("redis://redis:6379/")
     assert mounts(services["api"]) == mounts(services["worker"])
@@ -176,7 +216,17 @@ def test_api_and_worker_share_data_broker_and_database(services: dict[str, dict[
 def test_the_api_publishes_port_8000(services: dict[str, dict[str, Any]]) -> None:
     ports = services["api"]["ports"]
     assert any(str(p).split(":")[-1] == "8000" for p in ports), ports
-    assert "ports" not in services["redis"] and "ports" not in services["postgres"]
+
+
+def test_the_shared_services_are_published_on_this_host_only_by_default() -> None:
+    """PostgreSQL, Redis and MinIO are what other GPU hosts reach: published on
+    ROUNDHOUSE_LAN_ADDRESS, which unset is 127.0.0.1 (nothing is open to the network)."""
+    expected = {"redis": "6379", "postgres": "5432", "minio": "9000"}
+    for env, address in (({}, "127.0.0.1"), ({"ROUNDHOUSE_LAN_ADDRESS": "10.0.0.5"}, "10.0.0.5")):
+        services = interpolate(yaml.safe_load(COMPOSE.read_text()), env)["services"]
+        for name, port in expected.items():
+            assert services[name]["ports"] == [f"{address}:{port}:{port}"], (name, env)
+        assert "ports" not in services["worker"] and "ports" not in services["minio-init"]
 
 
 def test_the_commands_are_the_cli(services: dict[str, dict[str, Any]]) -> None:
@@ -204,6 +254,154 @@ def test_the_postgres_service_matches_the_documented_url(services: dict[str, dic
         env["POSTGRES_PASSWORD"],
         env["POSTGRES_DB"],
     )
+
+
+# ---- the object store (the minio profile) ----
+
+# the .env the compose header documents for the minio profile
+MINIO_ENV = {
+    "COMPOSE_PROFILES": "postgres,minio",
+    "ROUNDHOUSE_STORAGE_URL": "s3://roundhouse/",
+    "ROUNDHOUSE_S3_ENDPOINT_URL": "http://minio:9000",
+}
+
+
+def test_the_minio_profile_runs_a_pinned_server_and_creates_the_bucket(
+    services: dict[str, dict[str, Any]],
+) -> None:
+    minio, init = services["minio"], services["minio-init"]
+    assert minio["profiles"] == init["profiles"] == ["minio"]
+    for service in (minio, init):
+        assert re.fullmatch(
+            r"(quay\.io/)?minio/(minio|mc):RELEASE\.\d{4}-\d\d-\d\dT[\d-]+Z", service["image"]
+        )
+    assert minio["command"] == ["server", "/data"]
+    assert mounts(minio) == {"/data": ("minio", False)}
+    assert healthcheck_argv(minio) == ["CMD", "mc", "ready", "local"]
+    assert init["depends_on"] == {"minio": {"condition": "service_healthy"}}
+    # the server's root user is the one the API and the workers sign with
+    env, app = environment(minio), environment(services["api"])
+    assert env["MINIO_ROOT_USER"] == app["ROUNDHOUSE_S3_ACCESS_KEY_ID"] != ""
+    assert env["MINIO_ROOT_PASSWORD"] == app["ROUNDHOUSE_S3_SECRET_ACCESS_KEY"]
+    assert len(env["MINIO_ROOT_PASSWORD"]) >= 8, "MinIO refuses a shorter root password"
+
+
+@pytest.mark.parametrize(
+    ("url", "bucket"), [(None, "roundhouse"), ("s3://roundhouse/", "roundhouse"), ("s3://b-1/a/b", "b-1")]
+)
+def test_minio_init_creates_the_bucket_of_the_storage_url(
+    tmp_path: Path, url: str | None, bucket: str
+) -> None:
+    """The one-shot's shell command, run by /bin/sh with a stand-in ``mc`` that records its calls."""
+    env = {} if url is None else {"ROUNDHOUSE_STORAGE_URL": url}
+    init = interpolate(yaml.safe_load(COMPOSE.read_text()), env)["services"]["minio-init"]
+    assert init["entrypoint"] == ["/bin/sh", "-c"]
+    (script,) = init["command"]
+    calls = tmp_path / "calls"
+    mc = tmp_path / "mc"
+    mc.write_text(f'#!/bin/sh\necho "$*" >> {calls}\n')
+    mc.chmod(0o755)
+    child = {"PATH": f"{tmp_path}:{os.environ['PATH']}", **environment(init)}
+    subprocess.run(["/bin/sh", "-c", script.replace("$$", "$")], env=child, check=True, timeout=10)
+    assert calls.read_text().splitlines() == [
+        "alias set store http://minio:9000 roundhouse roundhouse-minio",
+        f"mb --ignore-existing store/{bucket}",
+    ]
+
+
+def storage_of(env: Mapping[str, str], home: Path) -> Any:
+    """``open_storage`` of the settings a container with environment ``env`` reads."""
+    from server.storage import open_storage
+
+    with pytest.MonkeyPatch.context() as mp:
+        for key in [k for k in os.environ if k.startswith("ROUNDHOUSE_")]:
+            mp.delenv(key)
+        for key, value in env.items():
+            mp.setenv(key, value)
+        settings = Settings(home=home)
+    return settings, open_storage(settings)
+
+
+def test_the_app_services_read_the_store_from_env(tmp_path: Path) -> None:
+    from server.storage import LocalStorage
+
+    # unset: the volumes, as before
+    plain = interpolate(yaml.safe_load(COMPOSE.read_text()))["services"]
+    _, store = storage_of(environment(plain["api"]), tmp_path)
+    assert isinstance(store, LocalStorage)
+    # the minio profile as documented: the bucket minio-init creates, at the minio service
+    services = interpolate(yaml.safe_load(COMPOSE.read_text()), MINIO_ENV)["services"]
+    for name in APP_SERVICES:
+        settings, store = storage_of(environment(services[name]), tmp_path)
+        assert (store.bucket, store.prefix) == ("roundhouse", ""), name
+        assert store.client.meta.endpoint_url == "http://minio:9000", name
+        assert (settings.s3_access_key_id, settings.s3_region) == ("roundhouse", "us-east-1")
+    assert environment(services["worker"])["ROUNDHOUSE_WORKER_HOST"] == services["worker"]["hostname"]
+    assert "ROUNDHOUSE_WORKER_HOST" not in environment(services["api"])
+
+
+def test_the_documented_minio_settings_are_the_ones_tested() -> None:
+    text = COMPOSE.read_text()
+    for key, value in MINIO_ENV.items():
+        assert re.search(rf"^#\s+{key}={re.escape(value)}(\s|$)", text, re.M), key
+
+
+# ---- docker-compose.worker.yml ----
+
+WORKER_ENV = {
+    "ROUNDHOUSE_WORKER_HOST": "gpu-2",
+    "ROUNDHOUSE_DATABASE_URL": "postgresql+psycopg://roundhouse:roundhouse@10.0.0.5:5432/roundhouse",
+    "ROUNDHOUSE_REDIS_URL": "redis://10.0.0.5:6379/0",
+    "ROUNDHOUSE_STORAGE_URL": "s3://roundhouse/",
+    "ROUNDHOUSE_S3_ENDPOINT_URL": "http://10.0.0.5:9000",
+}
+
+
+def test_the_worker_file_requires_the_main_host_s_addresses() -> None:
+    raw = yaml.safe_load(WORKER_COMPOSE.read_text())
+    for key in (
+        "ROUNDHOUSE_WORKER_HOST",
+        "ROUNDHOUSE_DATABASE_URL",
+        "ROUNDHOUSE_REDIS_URL",
+        "ROUNDHOUSE_STORAGE_URL",
+    ):
+        with pytest.raises(Unset, match=key):
+            interpolate(raw, {k: v for k, v in WORKER_ENV.items() if k != key})
+    # the object store's endpoint may be left empty (AWS S3)
+    interpolate(raw, {k: v for k, v in WORKER_ENV.items() if k != "ROUNDHOUSE_S3_ENDPOINT_URL"})
+
+
+def test_the_worker_file_runs_only_a_worker_like_the_main_one(
+    services: dict[str, dict[str, Any]], tmp_path: Path
+) -> None:
+    compose = interpolate(yaml.safe_load(WORKER_COMPOSE.read_text()), WORKER_ENV)
+    (name,) = compose["services"]
+    worker, main = compose["services"][name], services["worker"]
+    assert name == "worker" and worker.get("restart") == "unless-stopped"
+    assert build_parser().parse_args(worker["command"]).command == "worker"
+    for key in ("image", "init", "deploy", "shm_size", "ulimits", "healthcheck", "stop_grace_period"):
+        assert worker[key] == main[key], key
+    assert "ports" not in worker and "depends_on" not in worker and "profiles" not in worker
+    # its own data volume: a cache of the store, nothing shared with the main host
+    env = environment(worker)
+    assert mounts(worker) == {env["ROUNDHOUSE_HOME"]: ("data", False)} and set(compose["volumes"]) == {"data"}
+    assert worker["hostname"] == env["ROUNDHOUSE_WORKER_HOST"] == "gpu-2"
+    assert env["HF_HUB_OFFLINE"] == "1"
+    # the main file's defaults for what .env may leave out (the minio service's credentials)
+    defaults = environment(main)
+    for key in STORAGE_KEYS[2:]:
+        assert env[key] == defaults[key], key
+    settings, store = storage_of(env, tmp_path)
+    assert settings.host_name == "gpu-2" and settings.redis_url == WORKER_ENV["ROUNDHOUSE_REDIS_URL"]
+    assert settings.url == WORKER_ENV["ROUNDHOUSE_DATABASE_URL"]
+    assert (store.bucket, store.client.meta.endpoint_url) == ("roundhouse", "http://10.0.0.5:9000")
+
+
+def test_the_worker_file_documents_every_variable_it_reads() -> None:
+    text = WORKER_COMPOSE.read_text()
+    header = "\n".join(line for line in text.splitlines() if line.startswith("#"))
+    for key in set(re.findall(r"\$\{(\w+)", text)) - {"ROUNDHOUSE_IMAGE"}:
+        assert key in header, key
 
 
 # ---- Dockerfile ----
