@@ -180,8 +180,11 @@ class ProgressSink:
         width = 24
         bar = "#" * (width * done // max(total, 1))
         eta = int(m.get("time/eta_s", 0))
+        # the engine logs a step's loss once its optimizer step is done, which may be after the
+        # run logged the step's progress: the line shows the latest loss known ("-" before any)
+        loss = f"{m['loss/train']:.4f}" if "loss/train" in m else "-"
         line = (
-            f"[{bar:<{width}}] step {done}/{total} loss {m.get('loss/train', float('nan')):.4f} "
+            f"[{bar:<{width}}] step {done}/{total} loss {loss} "
             f"{m.get('throughput/tokens_per_s', 0):.0f} tok/s ETA {eta // 60}:{eta % 60:02d}"
         )
         if "loss/val" in m:

@@ -78,3 +78,18 @@ def test_plan_reads_a_train_config_and_plans_it_like_the_service(tmp_path, capsy
         model_config, Hardware(num_gpus=2, host_ram_gb=64.0), replace(workload, seq_len=32, steps=5)
     )
     assert short.describe() in capsys.readouterr().out
+
+
+def test_the_progress_line_shows_no_nan_before_the_first_loss() -> None:
+    import io
+
+    from engine.cli import ProgressSink
+
+    out = io.StringIO()
+    sink = ProgressSink(out)
+    sink.log({"progress/step": 1.0, "progress/total_steps": 2.0}, 1)
+    sink.log({"loss/train": 0.5}, 1)
+    sink.log({"progress/step": 2.0, "progress/total_steps": 2.0}, 2)
+    first, second = out.getvalue().splitlines()
+    assert "loss - " in first and "nan" not in first
+    assert "loss 0.5000" in second
