@@ -1,14 +1,14 @@
 """Pipeline bubbles of six schedules on the paper's five models, and our partitioner against the paper's.
 
 Reads the per-layer timings and partitions the RoundPipe paper simulated (8 GPUs, 16 micro-batches)
-and simulates every schedule with ``engine.simulation.simulate`` in both modes:
+and simulates every schedule with ``engine.scheduling.simulate`` in both modes:
 
 - ``paper``: the rules of the paper's simulator (pre-work may run before its inputs, rounds of exactly
   N, each round starting on the GPU that frees up first);
 - ``physical``: every op waits for its inputs and rounds rotate as the engine dispatches them.
 
 RoundPipe runs with the paper's partition (``paper``) and with the partition
-``engine.simulation.partition_search.search_partition`` finds for the same mode (``ours``). Writes
+``engine.scheduling.partition_search.search_partition`` finds for the same mode (``ours``). Writes
 ``bench/results/bubbles.json`` (paper mode), ``bench/results/bubbles_physical.json`` (physical mode),
 ``bench/results/bubbles.md`` and a few timelines under ``bench/results/timelines/``.
 
@@ -23,9 +23,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engine.parallel.partition import Plan
-from engine.simulation.partition_search import search_partition
-from engine.simulation.simulate import (
+from engine.scheduling.partition import Plan
+from engine.scheduling.partition_search import search_partition
+from engine.scheduling.simulate import (
     SimResult,
     closed_form_bubble,
     layers_from_blocks,
@@ -137,7 +137,7 @@ def markdown(runs: dict[str, dict[str, Any]], *, n: int, m: int, evaluations: in
         "",
         f"Written by `bench/bubbles.py` from the per-layer timings and partitions of the RoundPipe paper "
         f"(one RTX 4090, micro-batch 4 × 2048 tokens), simulated for N = {n} GPUs and M = {m} micro-batches "
-        "per iteration with `engine.simulation.simulate`. Bubble = idle ÷ (N × makespan). JSON: "
+        "per iteration with `engine.scheduling.simulate`. Bubble = idle ÷ (N × makespan). JSON: "
         "`bubbles.json` (paper mode) and `bubbles_physical.json` (physical mode).",
         "",
         "With the paper's partitions, paper mode reproduces the bubble ratios and makespans published with "

@@ -113,8 +113,8 @@ def child(seq: int, chunk: int) -> dict:
 
 def predicted(seq: int, chunk: int) -> dict[str, float]:
     """The planner's terms (bytes) of the same stage: the whole model fused, one step."""
-    from engine.parallel.partition import Plan
     from engine.planner import Hardware, Shape, Workload, memory_model
+    from engine.scheduling.partition import Plan
 
     shape = Shape.from_config(model_config())
     job = Workload(

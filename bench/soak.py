@@ -453,7 +453,7 @@ def reference(config: dict[str, Any], folder: Path, models_dir: Path) -> dict[st
     """The same job trained once without interruption, in this process."""
     from engine.config import TrainConfig
     from engine.metrics import ListSink
-    from engine.run import train
+    from engine.training.run import train
 
     sink = ListSink()
     t = time.perf_counter()

@@ -28,10 +28,10 @@ from engine.parallel.executor import Worker
 from engine.parallel.host import DTYPES, HostState
 from engine.parallel.optimizer import OptimizerWorker, StepJob
 from engine.parallel.pairs import Preference
-from engine.parallel.partition import Plan
-from engine.parallel.schedule import build_schedule
 from engine.parallel.stages import choose_plan, measured_costs, memory_budget, memory_costs, plan_grid
 from engine.parallel.transfer import resolve_device
+from engine.scheduling.partition import Plan
+from engine.scheduling.schedule import build_schedule
 
 __all__ = ["Cancelled", "EngineConfig", "EngineError", "RoundPipe"]
 

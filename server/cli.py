@@ -18,8 +18,8 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from engine.cli import build_parser as engine_parser
-from engine.cli import main as engine_main
+from engine.commands.cli import build_parser as engine_parser
+from engine.commands.cli import main as engine_main
 from server.settings import Settings, get_settings
 
 if TYPE_CHECKING:

@@ -444,7 +444,7 @@ class GenerationCreate(BaseModel):
 
 # -- evaluations (server/api/evaluations.py) -------------------------------------------------------
 class EvaluationCreate(BaseModel):
-    """A checkpoint of the job to score on a dataset (``engine.evaluate``)."""
+    """A checkpoint of the job to score on a dataset (``engine.inference.evaluate``)."""
 
     model_config = ConfigDict(extra="forbid")
 

@@ -148,7 +148,7 @@ class BrowserSession(Base):
 
 
 class Evaluation(Base):
-    """A checkpoint of a job scored on a dataset (``engine.evaluate``) by a worker. The whole
+    """A checkpoint of a job scored on a dataset (``engine.inference.evaluate``) by a worker. The whole
     result, samples included, is a JSON file in the checkpoint folder (``path``); the row indexes it
     and keeps its summary figures (``metrics``)."""
 

@@ -126,8 +126,8 @@ def run_demo(
         ValueError: the run wrote no checkpoint, or a bad configuration (``ConfigError``).
     """
     from engine.config import TrainConfig
-    from engine.generate import load_for_inference
-    from engine.run import train as train_run
+    from engine.inference.generate import load_for_inference
+    from engine.training.run import train as train_run
 
     model, tokenizer = load_for_inference(model_folder)
     config = TrainConfig.parse(

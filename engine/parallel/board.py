@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from engine.model.adapter import count_label_tokens
-from engine.parallel.partition import Plan
-from engine.parallel.schedule import SlotRun
+from engine.scheduling.partition import Plan
+from engine.scheduling.schedule import SlotRun
 
 if TYPE_CHECKING:
     import torch

@@ -34,11 +34,11 @@ from engine.parallel.board import Iteration
 from engine.parallel.context import WorkerContext
 from engine.parallel.gradients import send_gradients
 from engine.parallel.pairs import adapters_disabled, fused_output
-from engine.parallel.partition import Stage
 from engine.parallel.replica import meta_copy, rng_lock
 from engine.parallel.routing import RouterAccounting
-from engine.parallel.schedule import SlotRun
 from engine.parallel.transfer import DeviceLink, plan_windows
+from engine.scheduling.partition import Stage
+from engine.scheduling.schedule import SlotRun
 
 Params = dict[int, dict[str, torch.Tensor]]  # layer -> local name -> device tensor
 

@@ -14,8 +14,8 @@ import torch
 
 from engine.parallel.board import Board
 from engine.parallel.host import HostState
-from engine.parallel.partition import Stage
 from engine.parallel.transfer import DeviceLink
+from engine.scheduling.partition import Stage
 
 # one layer's contribution: (host flat fp32 tensor, copy event, [(tensor key, offset, numel)],
 # whether the buffer goes back to the board's pool)

@@ -21,9 +21,9 @@ import torch
 
 from engine.parallel.board import Iteration
 from engine.parallel.host import HostState
-from engine.parallel.partition import LayerCost, Plan, auto_partition, proxy_costs
-from engine.parallel.schedule import build_schedule, render_grid
-from engine.simulation.partition_search import search_partition
+from engine.scheduling.partition import LayerCost, Plan, auto_partition, proxy_costs
+from engine.scheduling.partition_search import search_partition
+from engine.scheduling.schedule import build_schedule, render_grid
 
 ACTIVATIONS_PER_BLOCK_BACKWARD = 16
 GPU_MEMORY_SHARE = 0.45  # of the smallest GPU, for one stage when no budget is given

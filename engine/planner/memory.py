@@ -36,9 +36,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.parallel.partition import LayerCost, Plan, auto_partition
 from engine.planner.shapes import Shape
 from engine.planner.workload import DTYPE_BYTES, GB, Hardware, Workload
+from engine.scheduling.partition import LayerCost, Plan, auto_partition
 
 CUDA_OVERHEAD_BYTES = 0.8 * GB  # CUDA context, allocator slack and workspace per GPU
 PREFETCH_ROUNDS = 2  # partitions tried before one layer per stage (the second with a cut budget)

@@ -16,12 +16,12 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import replace
 
-from engine.parallel.partition import Plan
-from engine.parallel.schedule import SlotRun, build_schedule
 from engine.planner.memory import layer_times
 from engine.planner.shapes import Shape
 from engine.planner.workload import DTYPE_BYTES, GB, Hardware, Workload
-from engine.simulation.timeline import Op, Timeline
+from engine.scheduling.partition import Plan
+from engine.scheduling.schedule import SlotRun, build_schedule
+from engine.scheduling.timeline import Op, Timeline
 
 
 def reference_seconds(

@@ -7,7 +7,6 @@ from typing import Any
 
 from engine.errors import ConfigError
 from engine.model.families import DEFAULT_LORA_TARGETS, FAMILIES
-from engine.parallel.partition import LayerCost, Plan
 from engine.planner.memory import (
     CUDA_OVERHEAD_BYTES,
     Memory,
@@ -28,7 +27,8 @@ from engine.planner.workload import (
     bytes_per_trainable_param,
     check,
 )
-from engine.simulation.simulate import closed_form_bubble, simulate
+from engine.scheduling.partition import LayerCost, Plan
+from engine.scheduling.simulate import closed_form_bubble, simulate
 
 OPTIMIZER_PARAMS_PER_S = 1.5e9  # fused CPU AdamW (memory-bound, ~28 bytes moved per parameter)
 HOST_RAM_SHARE = 0.9  # of the host's RAM a job may plan to use (the OS and the service need some)
@@ -155,7 +155,7 @@ class _Assessment:
 
 
 def lora_targets(shape: Shape, workload: Workload) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """The modules and parameters LoRA adapts, as the run resolves them (``engine.run``): the
+    """The modules and parameters LoRA adapts, as the run resolves them (``engine.training.run``): the
     family's own modules when the run kept the default, ``"experts"`` its expert weights."""
     spec = FAMILIES.get(shape.architecture or "")
     modules = workload.target_modules

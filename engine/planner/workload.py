@@ -42,7 +42,7 @@ REFERENCE_PAIRS_LIMIT = 1 << 40  # pairs a DPO reference pass may cover
 METHODS = ("lora", "full", "dpo")
 TUNINGS = ("lora", "full")
 
-# A CPU host (no GPU): the engine's ``devices: "auto"`` runs one CPU worker thread (engine/run.py
+# A CPU host (no GPU): the engine's ``devices: "auto"`` runs one CPU worker thread (engine/training/run.py
 # ``devices_for``), whose matmuls use every core. Its fp32 rate, achieved, per core: measured on a
 # 2-core x86-64 host (torch 2.13 CPU wheel), where SmolLM2-135M-Instruct LoRA ran at ~190 tokens/s
 # on the demo's data and bench/results/engine_overhead.json's 6-block model (full fine-tune) at
@@ -189,7 +189,7 @@ class Workload:
                 num_sequences = max(1, math.ceil(total / d.max_length))
         steps = h.max_steps
         if steps is None and num_sequences is not None:
-            # the run's own count (engine/run.py): whole batches per epoch, at least one step
+            # the run's own count (engine/training/run.py): whole batches per epoch, at least one step
             steps = max(1, math.ceil((h.epochs or 1.0) * (num_sequences // h.batch_size)))
         named = [] if e.devices == "auto" else list(e.devices)
         gpus = tuple("cuda:0" if d == "cuda" else d for d in named if d == "cuda" or _is_gpu(d))

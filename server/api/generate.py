@@ -14,7 +14,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 
-from engine.chat import Finish, Piece, Sampling
+from engine.inference.chat import Finish, Piece, Sampling
 from server import errors
 from server.errors import ApiError, documented
 from server.schemas import GENERATION_STREAM, GenerationCreate

@@ -1,4 +1,4 @@
-"""Evaluations: a job's checkpoint scored on a dataset by a worker (``engine.evaluate``).
+"""Evaluations: a job's checkpoint scored on a dataset by a worker (``engine.inference.evaluate``).
 
 ``queued -> running -> succeeded | failed``. A worker claims an evaluation with one conditional
 update (so a duplicate message does nothing), writes the whole result as

@@ -24,7 +24,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from engine.chat import Finish, Piece, Sampling, chat_stream
+from engine.inference.chat import Finish, Piece, Sampling, chat_stream
 from server.services import checkpoints, fine_tuned, jobs, models
 from server.storage import Storage
 
@@ -179,7 +179,7 @@ def fine_tuned_target(
 
 
 def _load(target: Target) -> tuple[Any, Any]:
-    from engine.generate import load_for_inference
+    from engine.inference.generate import load_for_inference
     from engine.model.loading import resolve_model_path
 
     folder = resolve_model_path(target.model, target.models_dir)

@@ -3,7 +3,7 @@ child process itself, ``python -m server.worker.evaluator EVALUATION_ID``.
 
 A worker runs one task at a time, so an evaluation sent while the worker trains a job waits in
 the queue and runs after it (on another idle worker sooner). The child loads the checkpoint on
-the first GPU when it fits there, else on the CPU (``engine.evaluate.pick_device``), scores it,
+the first GPU when it fits there, else on the CPU (``engine.inference.evaluate.pick_device``), scores it,
 and writes the result into the checkpoint folder; like the training child, it is a fresh
 interpreter, so the pool process never imports torch and survives a crash of the evaluation.
 """
@@ -115,7 +115,7 @@ def _evaluate(settings: Settings, sessions: sessionmaker[Session], evaluation_id
             "samples": row.num_samples,
         }
         about = {"id": row.id, "job_id": row.job_id, "step": row.step, "dataset_id": row.dataset_id}
-    from engine.evaluate import evaluate_checkpoint
+    from engine.inference.evaluate import evaluate_checkpoint
     from engine.model.loading import resolve_model_path
 
     # the checkpoint, the dataset and the base model here: the store's own files, or pulled into

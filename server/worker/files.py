@@ -10,7 +10,7 @@ remote store (S3) the worker fetches what the job needs into its own home before
   store's ``models/<name>/`` (``roundhouse models push NAME FOLDER`` puts one there) pulled into
   ``home/cache/models/<name>``;
 - the job's latest stored checkpoint into ``home/runs/<job id>/checkpoints/``, so that the run
-  resumes from it (``engine.run.Run.resume``), whichever host wrote it;
+  resumes from it (``engine.training.run.Run.resume``), whichever host wrote it;
 
 and pushes each checkpoint the run saves before its row is recorded (a row never names a missing
 object), deletes the ones the run pruned (``checkpoint.keep_last``), and pushes ``train.log``.
@@ -35,7 +35,7 @@ log = logging.getLogger("roundhouse.worker")
 CACHE = "cache"
 CHECKPOINTS = "checkpoints"
 LOG = "train.log"
-STEP = re.compile(r"^step_\d{6,}$")  # a checkpoint folder (``engine.checkpoint.step_name``)
+STEP = re.compile(r"^step_\d{6,}$")  # a checkpoint folder (``engine.training.checkpoint.step_name``)
 
 
 def open_store(settings: Settings) -> Storage:

@@ -1,6 +1,6 @@
 """The training child process: ``python -m server.worker.trainer JOB_ID``.
 
-It loads the job's TrainConfig, runs ``engine.run.train`` with a sink that writes metrics,
+It loads the job's TrainConfig, runs ``engine.training.run.train`` with a sink that writes metrics,
 events and checkpoints to the database, stops at a step boundary on SIGTERM, and exits with
 ``EXIT_OK``, ``EXIT_CANCELLED`` or ``EXIT_FAILED`` (the reason in ``ERROR_FILE`` of its folder).
 """
@@ -131,7 +131,7 @@ def main(argv: list[str]) -> int:
     (folder / ERROR_FILE).unlink(missing_ok=True)
     try:
         from engine.config import TrainConfig
-        from engine.run import train
+        from engine.training.run import train
 
         store = files.open_store(settings)
         with sessions() as session:

@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from engine import demo
-from engine.checkpoint import load_state
-from engine.cli import main
+from engine.commands.cli import main
 from engine.config import TrainConfig
 from engine.errors import ConfigError
 from engine.metrics import ListSink
 from engine.preference import REFERENCE_FILE
-from engine.run import train
+from engine.training.checkpoint import load_state
+from engine.training.run import train
 from tests.engine.tiny import tiny_model_folder
 
 DPO_METRICS = ("dpo/reward_margin", "dpo/reward_accuracy", "dpo/chosen_reward", "dpo/rejected_reward")

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.checkpoint import list_checkpoints, load_state
-from engine.cli import main
+from engine.commands.cli import main
 from engine.config import TrainConfig
 from engine.metrics import ListSink
-from engine.run import learning_rate, train
+from engine.training.checkpoint import list_checkpoints, load_state
+from engine.training.run import learning_rate, train
 from tests.engine.tiny import tiny_model_folder
 
 
@@ -235,7 +235,7 @@ def test_a_run_puts_lora_on_the_experts_and_exports_an_adapter_peft_loads(worksp
 
 def test_lora_target_parameters_are_checked_against_the_model() -> None:
     from engine.errors import ConfigError
-    from engine.run import lora_target_parameters
+    from engine.training.run import lora_target_parameters
     from tests.engine.tiny import tiny_model
 
     moe = tiny_model("qwen3_moe")

@@ -111,7 +111,7 @@ def trainer_of(worker: WorkerProcess) -> psutil.Process:
 def same_weights(job: dict[str, Any], settings: Settings, reference_dir: Path, step: int) -> None:
     """The job's final adapter is bitwise the one of the same config trained without a stop."""
     from engine.config import TrainConfig
-    from engine.run import train
+    from engine.training.run import train
 
     reference = TrainConfig.model_validate(job["config"] | {"output_dir": str(reference_dir)})
     train(reference, models_dir=settings.models_dir)

@@ -102,7 +102,7 @@ def wait_evaluation(client: TestClient, url: str, workers: list[WorkerProcess]) 
 def test_a_worker_evaluates_a_trained_checkpoint(
     worker_client: TestClient, worker_settings: Settings, workers: list[WorkerProcess], tmp_path: Path
 ) -> None:
-    from engine.evaluate import evaluate_checkpoint
+    from engine.inference.evaluate import evaluate_checkpoint
 
     client = worker_client
     if worker_settings.redis_url is None:

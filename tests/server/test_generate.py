@@ -14,8 +14,8 @@ from typing import Any
 import httpx
 from fastapi.testclient import TestClient
 
-from engine.chat import Piece, Sampling, chat_stream
-from engine.generate import load_for_inference
+from engine.inference.chat import Piece, Sampling, chat_stream
+from engine.inference.generate import load_for_inference
 from server.app import create_app
 from server.services import checkpoints
 from server.services.generation import Playground, Target

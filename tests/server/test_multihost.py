@@ -261,7 +261,7 @@ def test_jobs_run_on_both_hosts_and_a_killed_host_s_job_resumes_on_the_other(
     cluster: Cluster, tmp_path: Path
 ) -> None:
     from engine.config import TrainConfig
-    from engine.run import train
+    from engine.training.run import train
     from server.storage import open_storage
     from server.worker import files
 

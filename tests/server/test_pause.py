@@ -123,7 +123,7 @@ def test_pause_a_running_job_and_resume_it_to_the_same_weights(
     worker_client: TestClient, worker_settings: Settings, workers: list[WorkerProcess], tmp_path: Path
 ) -> None:
     from engine.config import TrainConfig
-    from engine.run import train
+    from engine.training.run import train
 
     if worker_settings.redis_url is None:
         pytest.skip("pause does not depend on the broker: run once, with Redis")

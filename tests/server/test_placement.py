@@ -266,7 +266,7 @@ def test_an_evaluation_on_a_host_that_pulls_from_the_store(
     """The store is the API's home seen as a remote one (every read a copy): the evaluating host
     pulls the checkpoint, the dataset and the base model into its own home and puts the result."""
     from engine.config import TrainConfig
-    from engine.run import train
+    from engine.training.run import train
     from server.services import evaluations
     from server.worker import evaluator
     from server.worker.trainer import DatabaseSink

@@ -145,10 +145,10 @@ def test_upload_train_download_and_replay(
 def test_cancel_a_running_job_leaves_a_resumable_checkpoint(
     worker_client: TestClient, worker_settings: Settings, workers: list[WorkerProcess], tmp_path: Path
 ) -> None:
-    from engine.checkpoint import latest
     from engine.config import TrainConfig
     from engine.metrics import ListSink
-    from engine.run import train
+    from engine.training.checkpoint import latest
+    from engine.training.run import train
 
     if worker_settings.redis_url is None:
         pytest.skip("covered with the folder transport by the first test; cancel needs no broker")
@@ -178,7 +178,7 @@ def test_a_killed_worker_s_job_is_requeued_and_resumes_to_the_same_weights(
     worker_client: TestClient, worker_settings: Settings, workers: list[WorkerProcess], tmp_path: Path
 ) -> None:
     from engine.config import TrainConfig
-    from engine.run import train
+    from engine.training.run import train
 
     if worker_settings.redis_url is None:
         pytest.skip("the sweep and the claim do not depend on the broker; run once, with Redis")

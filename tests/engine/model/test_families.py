@@ -122,7 +122,7 @@ def test_a_llama_shaped_family_is_one_entry(monkeypatch: pytest.MonkeyPatch) -> 
 
 def test_a_run_with_the_default_targets_adapts_its_family_s_linears() -> None:
     from engine.model.families import DEFAULT_LORA_TARGETS, FAMILIES
-    from engine.run import lora_targets
+    from engine.training.run import lora_targets
 
     phi3 = FAMILIES["Phi3ForCausalLM"].lora_targets
     assert "qkv_proj" in phi3 and lora_targets(DEFAULT_LORA_TARGETS, "Phi3ForCausalLM") == list(phi3)

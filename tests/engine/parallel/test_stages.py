@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from engine.parallel.board import Iteration, MicroBatch
-from engine.parallel.partition import LayerCost, Plan, auto_partition
 from engine.parallel.stages import choose_plan, measured_costs, memory_budget, plan_grid
+from engine.scheduling.partition import LayerCost, Plan, auto_partition
 
 
 def iteration(plan: Plan, fwd: dict[int, float], bwd: dict[int, float], m: int) -> Iteration:

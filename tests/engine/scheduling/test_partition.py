@@ -1,4 +1,4 @@
-"""Tests for engine.parallel.partition: plans, validation, costs and the automatic partitioner."""
+"""Tests for engine.scheduling.partition: plans, validation, costs and the automatic partitioner."""
 
 import itertools
 import random
@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from engine.parallel.partition import (
+from engine.scheduling.partition import (
     LayerCost,
     Plan,
     Stage,
@@ -436,13 +436,13 @@ def test_auto_partition_rejects_bad_inputs(costs: list[LayerCost], kwargs: dict,
 
 
 def simulated(plan: Plan, costs: list[LayerCost], **kwargs: object) -> float:
-    from engine.simulation.simulate import simulate
+    from engine.scheduling.simulate import simulate
 
     return simulate("roundpipe-sync", costs, plan=plan, **kwargs).makespan  # type: ignore[arg-type]
 
 
 def test_search_partition_never_loses_to_the_closed_form_plan_or_a_seed() -> None:
-    from engine.simulation.partition_search import search_partition
+    from engine.scheduling.partition_search import search_partition
 
     rng = random.Random(21)
     for trial in range(40):
@@ -461,8 +461,8 @@ def test_search_partition_never_loses_to_the_closed_form_plan_or_a_seed() -> Non
 
 
 def test_search_partition_beats_the_closed_form_when_hops_are_slow() -> None:
-    from engine.simulation.partition_search import search_partition
-    from engine.simulation.simulate import uniform_costs
+    from engine.scheduling.partition_search import search_partition
+    from engine.scheduling.simulate import uniform_costs
 
     # 8 blocks (forward 1, backward 2), N=4, M=8: the closed form picks 12 slots, blind to the hop.
     costs = uniform_costs(8, fwd=1.0, bwd=2.0, head_fwd=1.0, head_bwd=2.0)
@@ -477,8 +477,8 @@ def test_search_partition_beats_the_closed_form_when_hops_are_slow() -> None:
 
 
 def test_search_partition_accounts_for_weight_uploads() -> None:
-    from engine.simulation.partition_search import search_partition
-    from engine.simulation.simulate import uniform_costs
+    from engine.scheduling.partition_search import search_partition
+    from engine.scheduling.simulate import uniform_costs
 
     costs = uniform_costs(8, fwd=1.0, bwd=2.0, head_fwd=1.0, head_bwd=2.0)
     param_bytes = [0.0] + [10.0] * 8 + [20.0]
@@ -490,7 +490,7 @@ def test_search_partition_accounts_for_weight_uploads() -> None:
 
 
 def test_search_partition_respects_the_memory_budget() -> None:
-    from engine.simulation.partition_search import search_partition
+    from engine.scheduling.partition_search import search_partition
 
     rng = random.Random(8)
     for _ in range(15):
@@ -509,8 +509,8 @@ def test_search_partition_respects_the_memory_budget() -> None:
 
 
 def test_search_partition_is_deterministic_and_bounded() -> None:
-    from engine.simulation.partition_search import search_partition
-    from engine.simulation.simulate import uniform_costs
+    from engine.scheduling.partition_search import search_partition
+    from engine.scheduling.simulate import uniform_costs
 
     costs = uniform_costs(12, fwd=1.0, bwd=2.5, head_fwd=2.0, head_bwd=3.0)
     kw = {"num_workers": 4, "num_microbatches": 8, "hop": 0.3}
@@ -537,7 +537,7 @@ def test_search_partition_is_deterministic_and_bounded() -> None:
     ],
 )
 def test_search_partition_rejects_bad_inputs(kwargs: dict, message: str) -> None:
-    from engine.simulation.partition_search import search_partition
+    from engine.scheduling.partition_search import search_partition
 
     args = {"num_workers": 2, "num_microbatches": 2, **kwargs}
     with pytest.raises(ValueError) as info:

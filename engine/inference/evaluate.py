@@ -27,7 +27,7 @@ import torch
 
 from engine.data.encode import encode, ensure_chat_template
 from engine.data.read import read_examples
-from engine.generate import complete, load_for_inference, prompt_and_reference
+from engine.inference.generate import complete, load_for_inference, prompt_and_reference
 
 SHORT_ANSWER_TOKENS = 32
 

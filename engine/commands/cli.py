@@ -25,11 +25,12 @@ import sys
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any
 
-from engine.chat_cli import add_chat_command
+from engine.commands.chat import add_chat_command
+from engine.commands.common import ProgressSink
+from engine.commands.demo import add_demo_command
 from engine.data.read import FORMATS
-from engine.demo_cli import add_demo_command
 
 if TYPE_CHECKING:
     from engine.config import TrainConfig
@@ -99,8 +100,8 @@ def plan_config(args: argparse.Namespace) -> tuple[TrainConfig, int | None]:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from engine.model.adapter import AdaptedModel
-    from engine.parallel.partition import LayerCost, auto_partition, objective, proxy_costs
-    from engine.parallel.schedule import build_schedule, render_grid
+    from engine.scheduling.partition import LayerCost, auto_partition, objective, proxy_costs
+    from engine.scheduling.schedule import build_schedule, render_grid
 
     config, rows = plan_config(args)
     meta = _meta_model(args, args.model or (config.model.path if args.config else None))
@@ -163,47 +164,9 @@ def _fit_report(
     return "\n" + plan_job(model_config, hardware, workload).describe()
 
 
-class ProgressSink:
-    """One status line per step: a live bar on a terminal, a plain line otherwise."""
-
-    def __init__(self, stream: TextIO | None = None) -> None:
-        self.stream = stream or sys.stdout
-        self.tty = self.stream.isatty()
-        self.latest: dict[str, float] = {}
-
-    def log(self, metrics: dict[str, float], step: int) -> None:
-        self.latest.update(metrics)
-        if "progress/step" not in metrics:
-            return
-        m = self.latest
-        done, total = int(m["progress/step"]), int(m["progress/total_steps"])
-        width = 24
-        bar = "#" * (width * done // max(total, 1))
-        eta = int(m.get("time/eta_s", 0))
-        # the engine logs a step's loss once its optimizer step is done, which may be after the
-        # run logged the step's progress: the line shows the latest loss known ("-" before any)
-        loss = f"{m['loss/train']:.4f}" if "loss/train" in m else "-"
-        line = (
-            f"[{bar:<{width}}] step {done}/{total} loss {loss} "
-            f"{m.get('throughput/tokens_per_s', 0):.0f} tok/s ETA {eta // 60}:{eta % 60:02d}"
-        )
-        if "loss/val" in m:
-            line += f" val {m['loss/val']:.4f}"
-        self.stream.write(("\r" + line) if self.tty else line + "\n")
-        self.stream.flush()
-
-    def event(self, kind: str, message: str, data: dict[str, Any] | None = None) -> None:
-        self.stream.write(("\n" if self.tty else "") + f"[{kind}] {message}\n")
-        self.stream.flush()
-
-    def close(self) -> None:
-        if self.tty:
-            self.stream.write("\n")
-
-
 def cmd_train(args: argparse.Namespace) -> int:
     from engine.config import TrainConfig
-    from engine.run import train
+    from engine.training.run import train
 
     config = with_method_flags(TrainConfig.load(args.config), args)
     cancel = threading.Event()
@@ -263,7 +226,7 @@ def cmd_validate_data(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     import shutil
 
-    from engine.generate import base_of
+    from engine.inference.generate import base_of
     from engine.model.export import is_adapter, merge_adapter
 
     src = Path(args.checkpoint)
@@ -284,7 +247,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from engine.generate import generate, load_for_inference
+    from engine.inference.generate import generate, load_for_inference
     from engine.model.loading import resolve_model_path
 
     model_path = resolve_model_path(args.model, args.models_dir) if args.model == "demo" else Path(args.model)
@@ -294,7 +257,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from engine.generate import exact_match, load_for_inference
+    from engine.inference.generate import exact_match, load_for_inference
     from engine.model.loading import resolve_model_path
 
     model_path = resolve_model_path(args.model, args.models_dir) if args.model == "demo" else Path(args.model)
@@ -435,8 +398,8 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_parser("prepare-demo", help="convert the packaged demo model into a model folder")
     )
     pd.set_defaults(func=cmd_prepare_demo)
-    add_demo_command(sub, with_models)  # engine/demo_cli.py
-    add_chat_command(sub, with_models)  # engine/chat_cli.py
+    add_demo_command(sub, with_models)  # engine/commands/demo.py
+    add_chat_command(sub, with_models)  # engine/commands/chat.py
     return parser
 
 

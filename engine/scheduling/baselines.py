@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
-from engine.parallel.partition import LayerCost
-from engine.simulation.timeline import Op
+from engine.scheduling.partition import LayerCost
+from engine.scheduling.timeline import Op
 
 BOUND_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs")
 

@@ -1,11 +1,11 @@
-"""Tests for engine.parallel.schedule: round-robin dispatch, unit timelines and the grid."""
+"""Tests for engine.scheduling.schedule: round-robin dispatch, unit timelines and the grid."""
 
 import itertools
 from fractions import Fraction
 
 import pytest
 
-from engine.parallel.schedule import (
+from engine.scheduling.schedule import (
     SlotRun,
     build_schedule,
     render_grid,

@@ -40,11 +40,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     import time
 
     from engine import demo
-    from engine.cli import ProgressSink
+    from engine.commands.common import ProgressSink
     from engine.config import TrainConfig
-    from engine.generate import exact_match, load_for_inference
+    from engine.inference.generate import exact_match, load_for_inference
     from engine.model.loading import prepare_demo_model
-    from engine.run import train
+    from engine.training.run import train
 
     base = prepare_demo_model(args.models_dir)
     model, tokenizer = load_for_inference(base)
@@ -68,7 +68,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_demo_dpo(args: argparse.Namespace) -> int:
-    from engine.cli import ProgressSink
+    from engine.commands.common import ProgressSink
     from engine.demo.dpo import describe, run_demo
     from engine.model.loading import prepare_demo_model
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from engine.chat import Piece, Sampling, chat_stream
-from engine.generate import load_for_inference
+from engine.inference.chat import Piece, Sampling, chat_stream
+from engine.inference.generate import load_for_inference
 from tests.engine.tiny import tiny_model_folder
 from tests.utils import ROOT, child_env, roundhouse
 
@@ -44,7 +44,7 @@ def test_chat_answers_each_piped_prompt_and_keeps_the_conversation(tmp_path: Pat
 
 
 def test_chat_refuses_bad_sampling_values(tmp_path: Path) -> None:
-    from engine.cli import main
+    from engine.commands.cli import main
 
     folder = tiny_model_folder(tmp_path / "tiny")
     assert main(["chat", str(folder), "--top-p", "0"]) == 2

@@ -1,4 +1,4 @@
-"""``engine.evaluate`` against a hand computation on a tiny model: the loss and token accuracy of
+"""``engine.inference.evaluate`` against a hand computation on a tiny model: the loss and token accuracy of
 one forward per row, exact match on short answers, samples, determinism, checkpoint folders."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import torch
 
 from engine.data.encode import encode
 from engine.data.read import read_examples
-from engine.evaluate import SHORT_ANSWER_TOKENS, evaluate, evaluate_checkpoint
-from engine.generate import generate
+from engine.inference.evaluate import SHORT_ANSWER_TOKENS, evaluate, evaluate_checkpoint
+from engine.inference.generate import generate
 from tests.engine.tiny import tiny_model, tiny_model_folder, tiny_tokenizer
 
 

@@ -2,7 +2,7 @@
 
 Pure Python: nothing here imports torch. :func:`auto_partition` minimises ``(M·S + N(N−1))·t_max``, which
 assumes equal slots, no hop and no weight traffic. :func:`search_partition` starts from that plan and
-searches for a plan with a shorter simulated makespan under :func:`engine.simulation.simulate.simulate`'s
+searches for a plan with a shorter simulated makespan under :func:`engine.scheduling.simulate.simulate`'s
 rules, so hops, uneven slots, the round rotation and (in physical mode, given bytes and bandwidth) weight
 uploads all count, while every stage stays within the memory budget:
 
@@ -22,8 +22,8 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Sequence
 
-from engine.parallel.partition import LayerCost, Plan, auto_partition, stage_memory, validate_plan
-from engine.simulation.simulate import simulate
+from engine.scheduling.partition import LayerCost, Plan, auto_partition, stage_memory, validate_plan
+from engine.scheduling.simulate import simulate
 
 OBJECTIVES = {"sync": "roundpipe-sync", "steady": "roundpipe-async-steady"}
 # the fused stage sizes (in layers beyond the starting plan's) tried with stages of matching cost

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
-from engine.cli import main
+from engine.commands.cli import main
 from engine.config import TrainConfig
 from engine.planner import Hardware, Workload, plan_job
 from tests.engine.tiny import tiny_model_folder
@@ -83,7 +83,7 @@ def test_plan_reads_a_train_config_and_plans_it_like_the_service(tmp_path, capsy
 def test_the_progress_line_shows_no_nan_before_the_first_loss() -> None:
     import io
 
-    from engine.cli import ProgressSink
+    from engine.commands.common import ProgressSink
 
     out = io.StringIO()
     sink = ProgressSink(out)

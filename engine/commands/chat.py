@@ -1,7 +1,7 @@
 """``roundhouse chat CHECKPOINT``: a conversation with a checkpoint (or a model) in the terminal.
 
 Each line read from stdin is a user turn; the answer streams to stdout as it is sampled, through
-the same chat template and sampler as the API's playground (``engine.chat``), and the conversation
+the same chat template and sampler as the API's playground (``engine.inference.chat``), and the conversation
 is kept: each answer sees the turns before it. ``/reset`` starts over, ``/exit`` or end of input
 ends. Status lines (the finish reason and token count of each answer) go to stderr, so a piped
 stdout holds only the answers, one per turn. Ctrl-C stops the answer being written.
@@ -34,8 +34,8 @@ def add_chat_command(
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from engine.chat import Sampling
-    from engine.generate import load_for_inference
+    from engine.inference.chat import Sampling
+    from engine.inference.generate import load_for_inference
     from engine.model.loading import resolve_model_path
 
     sampling = Sampling(args.temperature, args.top_p, args.max_tokens, args.seed)
@@ -62,7 +62,7 @@ def converse(
     err: TextIO,
 ) -> int:
     """The read-answer loop until end of input or ``/exit``."""
-    from engine.chat import Finish, Piece, chat_stream
+    from engine.inference.chat import Finish, Piece, chat_stream
 
     interactive = stdin.isatty()
     if interactive:

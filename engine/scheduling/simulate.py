@@ -18,8 +18,8 @@ Two modes:
   worker has finished (double buffering), and the stage's first micro-batch waits for it. Stage-bound
   schedules keep their weights resident, so they upload nothing.
 
-The RoundPipe dispatch comes from :func:`engine.parallel.schedule.build_schedule`; the stage-bound orders
-from :mod:`engine.simulation.baselines`; the event core from :mod:`engine.simulation.timeline`.
+The RoundPipe dispatch comes from :func:`engine.scheduling.schedule.build_schedule`; the stage-bound orders
+from :mod:`engine.scheduling.baselines`; the event core from :mod:`engine.scheduling.timeline`.
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ import math
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
-from engine.parallel.partition import LayerCost, Plan, validate_plan
-from engine.parallel.schedule import SlotRun, build_schedule, split_rounds
-from engine.simulation.baselines import BOUND_SCHEDULES, bound_ops
-from engine.simulation.timeline import Op, OpTime, Timeline, render_svg
+from engine.scheduling.baselines import BOUND_SCHEDULES, bound_ops
+from engine.scheduling.partition import LayerCost, Plan, validate_plan
+from engine.scheduling.schedule import SlotRun, build_schedule, split_rounds
+from engine.scheduling.timeline import Op, OpTime, Timeline, render_svg
 
 MODES = ("paper", "physical")
 ROUNDPIPE_SCHEDULES = ("roundpipe-sync", "roundpipe-async", "roundpipe-async-steady")

@@ -21,7 +21,6 @@ from typing import Any, TypeVar
 
 import torch
 
-from engine.checkpoint import latest, list_checkpoints, load_state, save_state, write_checkpoint
 from engine.config import EngineConfig, TrainConfig, resolve_compute_dtype
 from engine.data.batches import Batcher, collate, pack
 from engine.data.encode import Encoded, EncodedPair, load_encoded
@@ -32,6 +31,7 @@ from engine.model.families import DEFAULT_LORA_TARGETS, family_for
 from engine.model.loading import load_model, load_tokenizer, resolve_model_path
 from engine.preference import PreferenceRun, load_preference_data
 from engine.roundpipe import RoundPipe
+from engine.training.checkpoint import latest, list_checkpoints, load_state, save_state, write_checkpoint
 
 T = TypeVar("T")
 
@@ -98,7 +98,7 @@ def evaluate(engine: RoundPipe, examples: list[Encoded], batch_size: int, pad_id
         batch = collate(examples[i : i + batch_size], pad_id)
         n = int((batch["labels"][:, 1:] != -100).sum())
         if n:
-            total += engine.evaluate(**batch) * n
+            total += engine.inference.evaluate(**batch) * n
             tokens += n
     return total / max(tokens, 1)
 

@@ -1,4 +1,4 @@
-"""The chat sampler (``engine/chat.py``): KV-cached greedy decoding gives exactly the tokens of
+"""The chat sampler (``engine/inference/chat.py``): KV-cached greedy decoding gives exactly the tokens of
 ``model.generate(do_sample=False)``, sampling is reproducible with a seed, and the text pieces add
 up to the decoded answer."""
 
@@ -9,7 +9,16 @@ import threading
 import pytest
 import torch
 
-from engine.chat import Finish, Piece, Sampling, TextStream, chat_stream, prompt_ids, sample, stop_ids
+from engine.inference.chat import (
+    Finish,
+    Piece,
+    Sampling,
+    TextStream,
+    chat_stream,
+    prompt_ids,
+    sample,
+    stop_ids,
+)
 from tests.engine.tiny import VOCAB, tiny_model, tiny_tokenizer
 
 CHAT = [{"role": "user", "content": "what is two plus three?"}]
@@ -57,7 +66,7 @@ def test_sampling_is_reproducible_with_a_seed() -> None:
 
 
 def test_top_p_samples_only_inside_the_nucleus() -> None:
-    from engine.chat import pick
+    from engine.inference.chat import pick
 
     logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
     generator = torch.Generator().manual_seed(0)

@@ -1,4 +1,4 @@
-"""Tests for engine.simulation.simulate (with its event core and the stage-bound orders)."""
+"""Tests for engine.scheduling.simulate (with its event core and the stage-bound orders)."""
 
 import random
 import subprocess
@@ -7,9 +7,9 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from engine.parallel.partition import LayerCost, Plan
-from engine.simulation.baselines import bound_orders
-from engine.simulation.simulate import (
+from engine.scheduling.baselines import bound_orders
+from engine.scheduling.partition import LayerCost, Plan
+from engine.scheduling.simulate import (
     SCHEDULES,
     closed_form_bubble,
     layers_from_blocks,
@@ -18,7 +18,7 @@ from engine.simulation.simulate import (
     timeline_svg,
     uniform_costs,
 )
-from engine.simulation.timeline import Op, Timeline
+from engine.scheduling.timeline import Op, Timeline
 
 # input (free), one block (forward 2, backward 3), output layer (forward 1, backward 2)
 TWO_STAGE_COSTS = [LayerCost(0, 0, 0, 0), LayerCost(2, 3, 0, 0), LayerCost(1, 2, 0, 0)]
@@ -523,7 +523,7 @@ def test_simulate_rejects_bad_costs() -> None:
 
 
 def test_simulator_imports_no_torch() -> None:
-    code = "import sys, engine.simulation.simulate, engine.simulation.partition_search; "
+    code = "import sys, engine.scheduling.simulate, engine.scheduling.partition_search; "
     code += "print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
