@@ -98,7 +98,7 @@ def evaluate(engine: RoundPipe, examples: list[Encoded], batch_size: int, pad_id
         batch = collate(examples[i : i + batch_size], pad_id)
         n = int((batch["labels"][:, 1:] != -100).sum())
         if n:
-            total += engine.inference.evaluate(**batch) * n
+            total += engine.evaluate(**batch) * n
             tokens += n
     return total / max(tokens, 1)
 
