@@ -121,28 +121,10 @@ def export_folder(storage: Storage, key: str, *, cache: Path) -> Path:
     Raises:
         FileNotFoundError: nothing is stored under ``key``.
     """
-    own = storage.local_path(key)
-    if own is not None:
-        if not own.is_dir():
-            raise FileNotFoundError(f"no checkpoint {key!r} in the store")
-        return own
-    target = cache.joinpath(*PurePosixPath(key).parts)
-    if target.is_dir():
-        return target
-    files = [(k, k[len(key) + 1 :]) for k, _ in storage.list(key)]
-    if not files:
-        raise FileNotFoundError(f"no checkpoint {key!r} in the store")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
     try:
-        for object_key, rel in files:
-            if rel.split("/", 1)[0] != STATE:
-                storage.get_file(object_key, work.joinpath(*PurePosixPath(rel).parts))
-        with contextlib.suppress(OSError):  # pulled by another thread meanwhile: keep that one
-            os.rename(work, target)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    return target
+        return storage.local_copy(key, cache, folder=True, leave_out=(STATE,))
+    except FileNotFoundError as exc:
+        raise FileNotFoundError(f"no checkpoint {key!r} in the store") from exc
 
 
 def stored_archive(storage: Storage, key: str, *, cache: Path, build: Callable[[Path], Path]) -> Path | None:

@@ -7,7 +7,7 @@ import hashlib
 import re
 import uuid
 from collections.abc import Iterator
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any, BinaryIO
 
 from sqlalchemy import select
@@ -138,15 +138,10 @@ def local_file(storage: Storage, dataset: Dataset, *, cache: Path) -> Path:
         key = storage.key_of(dataset.path)
     except ValueError as exc:  # a host path outside the store (a row the migration left)
         raise FileNotFoundError(str(exc)) from exc
-    own = storage.local_path(key)
-    if own is not None:
-        if not own.is_file():
-            raise FileNotFoundError(f"dataset {dataset.id} is not in the store")
-        return own
-    copy = cache.joinpath(*PurePosixPath(key).parts)
-    if not copy.is_file():
-        storage.get_file(key, copy)
-    return copy
+    try:
+        return storage.local_copy(key, cache)
+    except FileNotFoundError as exc:
+        raise FileNotFoundError(f"dataset {dataset.id} is not in the store") from exc
 
 
 def first_examples(dataset: Dataset, limit: int, *, file: Path) -> Iterator[Any]:

@@ -8,11 +8,12 @@ objects under ``prefix/``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path, PurePosixPath
 from typing import BinaryIO
 
@@ -120,25 +121,55 @@ class Storage(ABC):
     def local_path(self, key: str) -> Path | None:
         """The store's own file or folder of ``key`` (no copy), or None when it is not local."""
 
+    def local_copy(
+        self, key: str, cache: Path, *, folder: bool = False, leave_out: Collection[str] = ()
+    ) -> Path:
+        """``key`` on this host: the store's own file (or folder) where the store is local, else a
+        copy in ``cache/<key>``, pulled once (atomically: complete or absent). An object's bytes
+        never change under its key, so a copy once made is used as it is.
+
+        Args:
+            folder: ``key`` is a folder (the objects under it), not one object.
+            leave_out: top-level names under a folder that are not pulled (a checkpoint's resume
+                state).
+
+        Raises:
+            FileNotFoundError: nothing is stored under ``key``.
+        """
+        check_key(key)
+        own = self.local_path(key)
+        if own is not None:
+            if not (own.is_dir() if folder else own.is_file()):
+                raise FileNotFoundError(f"nothing is stored under {key!r}")
+            return own
+        target = cache.joinpath(*PurePosixPath(key).parts)
+        if target.is_dir() if folder else target.is_file():
+            return target
+        if not folder:
+            self.get_file(key, target)
+            return target
+        objects = [(k, relative(k, key)) for k, _ in self.list(key)]
+        if not objects:
+            raise FileNotFoundError(f"nothing is stored under {key!r}")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+        try:
+            for object_key, rel in objects:
+                if rel.split("/", 1)[0] not in leave_out:
+                    self.get_file(object_key, work.joinpath(*PurePosixPath(rel).parts))
+            with contextlib.suppress(OSError):  # pulled by another thread meanwhile: keep that one
+                os.rename(work, target)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        return target
+
     def materialize(self, prefix: str, cache: Path) -> Path:
-        """A local folder with the files under ``prefix``: the store's own folder where it is
-        local, else ``cache/<prefix>``, pulled once (atomically: a complete folder or none).
+        """A local folder with the files under ``prefix`` (``local_copy`` of the folder).
 
         Raises:
             FileNotFoundError: nothing is stored under ``prefix``.
         """
-        check_key(prefix)
-        own = self.local_path(prefix)
-        if own is not None:
-            if not own.is_dir():
-                raise FileNotFoundError(f"nothing is stored under {prefix!r}")
-            return own
-        target = cache.joinpath(*PurePosixPath(prefix).parts)
-        if not target.is_dir():
-            if not self.list(prefix):
-                raise FileNotFoundError(f"nothing is stored under {prefix!r}")
-            self.get_tree(prefix, target)
-        return target
+        return self.local_copy(prefix, cache, folder=True)
 
     def key_of(self, value: str) -> str:
         """The key a row's value names: a key as it is (checked); a local store also takes an

@@ -45,6 +45,12 @@ def open_store(settings: Settings) -> Storage:
     return open_storage(settings)
 
 
+def _home_store(settings: Settings) -> Storage:
+    from server.storage import LocalStorage
+
+    return LocalStorage(settings.home)
+
+
 def _is_key(value: str) -> bool:
     return not Path(value).is_absolute()
 
@@ -64,16 +70,10 @@ def fetch_file(settings: Settings, store: Storage | None, value: str, *, field: 
     copy pulled once into ``home/cache/<key>``."""
     if not _is_key(value):
         return value
-    local = store.local_path(value) if store is not None else settings.home.resolve() / value
-    if local is not None and local.is_file():
-        return str(local)
-    cached = settings.home.resolve() / CACHE / value
-    if cached.is_file():  # a key names one upload: its bytes never change
-        return str(cached)
-    if store is None or not store.exists(value):
-        raise ConfigError(field, f"{field}: {value!r} is not in the store", value=value)
-    store.get_file(value, cached)  # atomic: a complete file or none
-    return str(cached)
+    try:
+        return str((store or _home_store(settings)).local_copy(value, settings.home.resolve() / CACHE))
+    except FileNotFoundError:
+        raise ConfigError(field, f"{field}: {value!r} is not in the store", value=value) from None
 
 
 def fetch_model(settings: Settings, store: Storage | None, *, path: str, name: str) -> str:
