@@ -58,21 +58,48 @@ class DataSpec(_Strict):
 
 
 class MethodSpec(_Strict):
-    kind: Literal["lora", "full", "dpo"] = Field(
+    """What a run trains and on which loss.
+
+    ``objective`` is the training method (``engine.methods``: supervised "sft", or the preference
+    methods "dpo" and "orpo"); ``tuning`` what it trains, a LoRA adapter or every weight. The
+    earlier one-word form stays accepted, for stored jobs and API clients: ``kind`` "lora" or
+    "full" (supervised) or "dpo"/"orpo" with ``dpo_tuning``. After validation ``kind`` and
+    ``dpo_tuning`` always hold that form of the same choice.
+    """
+
+    objective: Literal["sft", "dpo", "orpo"] = Field(
+        "sft",
+        description=(
+            'the training method: supervised fine-tuning ("sft"), or preference tuning on rows with a '
+            'preferred and a rejected answer: "dpo" (against a frozen reference) or "orpo" (reference-free, '
+            "odds ratio); GET /api/methods lists them"
+        ),
+    )
+    tuning: Literal["lora", "full"] = Field(
+        "lora", description='what trains: a LoRA adapter ("lora") or every weight ("full")'
+    )
+    kind: Literal["lora", "full", "dpo", "orpo"] = Field(
         "lora",
         description=(
-            'supervised fine-tuning of a LoRA adapter ("lora") or of every weight ("full"), or preference '
-            'tuning ("dpo") on rows with a preferred and a rejected answer'
+            'the earlier one-word form: "lora" or "full" for supervised fine-tuning, or the preference '
+            'method ("dpo", "orpo"), which trains what dpo_tuning says'
         ),
     )
     beta: float = Field(
-        0.1, gt=0, le=100, description="dpo: how far the policy may move from the reference (the DPO beta)"
+        0.1,
+        gt=0,
+        le=100,
+        description=(
+            "dpo: how far the policy may move from the reference (the DPO beta); orpo: the weight of the "
+            "odds-ratio loss (the paper's lambda)"
+        ),
     )
     dpo_tuning: Literal["lora", "full"] = Field(
         "lora",
         description=(
-            "dpo: what it trains, a LoRA adapter (the reference is the base with the adapter off) or every "
-            "weight (the reference log-probabilities are computed once, before the first step)"
+            'the earlier name of tuning for a preference method: a LoRA adapter ("lora"; DPO\'s reference is '
+            "the base with the adapter off) or every weight (DPO's reference log-probabilities are computed "
+            "once, before the first step)"
         ),
     )
     lora_r: int = Field(16, ge=1, le=4096)
@@ -102,13 +129,44 @@ class MethodSpec(_Strict):
 
     @property
     def lora(self) -> bool:
-        """Whether the run trains a LoRA adapter (supervised or DPO) rather than every weight."""
-        return self.kind == "lora" or (self.kind == "dpo" and self.dpo_tuning == "lora")
+        """Whether the run trains a LoRA adapter (any method) rather than every weight."""
+        return self.tuning == "lora"
 
-    @property
-    def objective(self) -> Literal["sft", "dpo"]:
-        """The loss: next-token cross entropy ("sft") or the DPO preference loss."""
-        return "dpo" if self.kind == "dpo" else "sft"
+    @model_validator(mode="after")
+    def _one_choice(self) -> MethodSpec:
+        # objective/tuning are the choice; kind/dpo_tuning its earlier form; either may be given
+        given = self.model_fields_set
+        from_kind = "kind" in given and "objective" not in given
+        if from_kind:
+            self.objective = "sft" if self.kind in ("lora", "full") else self.kind  # type: ignore[assignment]
+        elif "kind" in given and self.kind != _kind_of(self.objective, self.kind):
+            raise ConfigError(
+                "kind",
+                f"method.kind={self.kind!r} contradicts method.objective={self.objective!r}: "
+                "give one of them",
+                value=self.kind,
+            )
+        if "tuning" not in given:
+            if self.objective == "sft" and self.kind in ("lora", "full") and "kind" in given:
+                self.tuning = self.kind  # type: ignore[assignment]
+            elif "dpo_tuning" in given:
+                self.tuning = self.dpo_tuning
+        elif "dpo_tuning" in given and self.dpo_tuning != self.tuning and self.objective != "sft":
+            raise ConfigError(
+                "dpo_tuning",
+                f"method.dpo_tuning={self.dpo_tuning!r} contradicts method.tuning={self.tuning!r}: "
+                "give one of them",
+                value=self.dpo_tuning,
+            )
+        elif self.objective == "sft" and "kind" in given and self.kind != self.tuning:
+            raise ConfigError(
+                "kind",
+                f"method.kind={self.kind!r} contradicts method.tuning={self.tuning!r}: give one of them",
+                value=self.kind,
+            )
+        self.kind = self.tuning if self.objective == "sft" else self.objective  # type: ignore[assignment]
+        self.dpo_tuning = self.tuning
+        return self
 
     @model_validator(mode="after")
     def _parameter_lora_has_no_dropout(self) -> MethodSpec:
@@ -120,6 +178,27 @@ class MethodSpec(_Strict):
                 value=self.lora_dropout,
             )
         return self
+
+
+def override_method(raw: dict[str, Any], **given: Any) -> dict[str, Any]:
+    """A dumped ``method`` section with settings given in the earlier form (``kind``,
+    ``dpo_tuning``; None: not given) or any other field put on top: a given ``kind`` replaces the
+    dumped objective and tuning, a given ``dpo_tuning`` the dumped tuning."""
+    out = dict(raw)
+    given = {k: v for k, v in given.items() if v is not None}
+    if "kind" in given:
+        out.pop("objective", None)
+        out.pop("tuning", None)
+        out.pop("dpo_tuning", None)
+    if "dpo_tuning" in given:
+        out.pop("tuning", None)
+    out.update(given)
+    return out
+
+
+def _kind_of(objective: str, kind: str) -> str:
+    """The one-word form of a method: the objective, or for supervised runs what trains."""
+    return kind if objective == "sft" and kind in ("lora", "full") else objective
 
 
 class HyperSpec(_Strict):

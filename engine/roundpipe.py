@@ -3,7 +3,7 @@
 ``RoundPipe(hf_model, EngineConfig(...))`` adapts a causal LM into layers, keeps its weights,
 fp32 masters, moments and gradients in host memory, and trains it over a pool of workers
 (CUDA devices, or ``"cpu"`` threads for testing) that receive stages round-robin. Its
-preference-tuning (DPO) methods are in ``engine.parallel.dpo``.
+iterations that score whole sequences (the preference methods') are in ``engine.parallel.sequences``.
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ from engine.model.adapter import AdaptedModel, uses_dropout
 from engine.model.router import RouterLoss
 from engine.parallel.board import Board, Iteration, MicroBatch, split_batch
 from engine.parallel.context import WorkerContext
-from engine.parallel.dpo import PreferenceMethods
 from engine.parallel.executor import Worker
 from engine.parallel.host import DTYPES, HostState
+from engine.parallel.objective import TOKEN_LOSS, Objective
 from engine.parallel.optimizer import OptimizerWorker, StepJob
-from engine.parallel.pairs import Preference
+from engine.parallel.sequences import SequenceMethods
 from engine.parallel.stages import choose_plan, measured_costs, memory_budget, memory_costs, plan_grid
 from engine.parallel.transfer import resolve_device
 from engine.scheduling.partition import Plan
@@ -36,7 +36,7 @@ from engine.scheduling.schedule import build_schedule
 __all__ = ["Cancelled", "EngineConfig", "EngineError", "RoundPipe"]
 
 
-class RoundPipe(PreferenceMethods):
+class RoundPipe(SequenceMethods):
     """Train a Hugging Face causal LM with the RoundPipe schedule.
 
     Args:
@@ -141,10 +141,10 @@ class RoundPipe(PreferenceMethods):
         )
         return self._train(mbs, total).loss_sum() / total
 
-    def _train(self, mbs: list[MicroBatch], total: int, preference: Preference | None = None) -> Iteration:
+    def _train(self, mbs: list[MicroBatch], total: int, objective: Objective | None = None) -> Iteration:
         """Launch a training iteration; return once its loss is handed over (its gradients
         folded, in sync mode)."""
-        it = self._launch(mbs, total, train=True, preference=preference)
+        it = self._launch(mbs, total, train=True, objective=objective)
         m = len(mbs)
         try:
             async_mode = self.config.async_optimizer
@@ -185,7 +185,7 @@ class RoundPipe(PreferenceMethods):
         return it.loss_sum() / total
 
     def _launch(
-        self, mbs: list[MicroBatch], total: int, *, train: bool, preference: Preference | None = None
+        self, mbs: list[MicroBatch], total: int, *, train: bool, objective: Objective | None = None
     ) -> Iteration:
         """Schedule one iteration on the workers (and its gradient fold, when training)."""
         if self.plan is None or (train and self._replan_due()):
@@ -215,7 +215,7 @@ class RoundPipe(PreferenceMethods):
             checkpoints=frozenset(s.start for s in slots if s.start > 0),
             profile=train and not self._manual and self._serial < self.config.calibration_steps,
             train=train,
-            preference=preference,
+            objective=objective or TOKEN_LOSS,
         )
         if train:
             self._serial += 1

@@ -1,6 +1,6 @@
 """``roundhouse``: the engine from the command line.
 
-    roundhouse train CONFIG [--method dpo --beta B --dpo-tuning lora|full]
+    roundhouse train CONFIG [--method dpo|orpo --beta B --dpo-tuning lora|full]
                                                   fine-tune (resumes from the latest checkpoint)
     roundhouse validate-data FILE [--model M]     check every row; token statistics with a model
     roundhouse export CHECKPOINT --out DIR [--merged]
@@ -31,9 +31,14 @@ from engine.commands.chat import add_chat_command
 from engine.commands.common import ProgressSink
 from engine.commands.demo import add_demo_command
 from engine.data.read import FORMATS
+from engine.methods import TUNINGS, method_entry, preference_methods
 
 if TYPE_CHECKING:
     from engine.config import TrainConfig
+
+
+# --method: what trains (supervised), or a preference method of the registry
+METHOD_CHOICES = [*TUNINGS, *preference_methods()]
 
 
 def _meta_model(args: argparse.Namespace, model_path: str | None) -> Any:
@@ -63,7 +68,7 @@ def _meta_model(args: argparse.Namespace, model_path: str | None) -> Any:
 def plan_config(args: argparse.Namespace) -> tuple[TrainConfig, int | None]:
     """The run to plan: ``--config`` (or the command's defaults) with the flags given on top, and
     its training rows when ``hyper.epochs`` needs them and the file can be read."""
-    from engine.config import TrainConfig
+    from engine.config import TrainConfig, override_method
     from engine.data.read import read_records
 
     if args.config:
@@ -75,11 +80,11 @@ def plan_config(args: argparse.Namespace) -> tuple[TrainConfig, int | None]:
             "hyper": {"batch_size": max(microbatches, 16)},
             "engine": {"num_microbatches": microbatches, "compute_dtype": "bfloat16"},
         }
+    raw["method"] = override_method(
+        raw.get("method", {}), kind=args.method, dpo_tuning=args.dpo_tuning, lora_r=args.lora_r
+    )
     flags = {
         ("data", "max_length"): args.seq_len,
-        ("method", "kind"): args.method,
-        ("method", "dpo_tuning"): args.dpo_tuning,
-        ("method", "lora_r"): args.lora_r,
         ("hyper", "batch_size"): args.batch_size,
         ("hyper", "max_steps"): args.steps,
         ("engine", "num_microbatches"): args.microbatches,
@@ -91,8 +96,8 @@ def plan_config(args: argparse.Namespace) -> tuple[TrainConfig, int | None]:
             raw.setdefault(section, {})[key] = value
     config = TrainConfig.parse(raw)
     rows = None
-    # rows give the step count under epochs, and a DPO run's reference pass in any case
-    counted = config.hyper.max_steps is None or config.method.objective == "dpo"
+    # rows give the step count under epochs, and a reference pass (DPO's) in any case
+    counted = config.hyper.max_steps is None or method_entry(config.method.objective).needs_reference
     if args.config and counted and Path(config.data.train).is_file():
         rows = sum(1 for _, record in read_records(config.data.train) if isinstance(record, dict))
     return config, rows
@@ -188,14 +193,13 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def with_method_flags(config: TrainConfig, args: argparse.Namespace) -> TrainConfig:
     """The config with ``--method``, ``--beta`` and ``--dpo-tuning`` applied on top."""
-    from engine.config import TrainConfig
+    from engine.config import TrainConfig, override_method
 
     flags = {"kind": args.method, "beta": args.beta, "dpo_tuning": args.dpo_tuning}
-    given = {k: v for k, v in flags.items() if v is not None}
-    if not given:
+    if all(v is None for v in flags.values()):
         return config
     raw = config.model_dump()
-    raw["method"].update(given)
+    raw["method"] = override_method(raw["method"], **flags)
     return TrainConfig.parse(raw)
 
 
@@ -342,8 +346,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--seq-len", type=int, default=None, help="default 2048")
     p.add_argument("--batch-size", type=int, default=None, help="sequences per step (default max(M, 16))")
-    p.add_argument("--method", choices=["lora", "full", "dpo"], default=None, help="default lora")
-    p.add_argument("--dpo-tuning", choices=["lora", "full"], default=None, help="dpo: default lora")
+    p.add_argument("--method", choices=METHOD_CHOICES, default=None, help="default lora")
+    p.add_argument(
+        "--dpo-tuning", choices=["lora", "full"], default=None, help="dpo/orpo: what trains (default lora)"
+    )
     p.add_argument("--lora-r", type=int, default=None, help="default 16")
     p.add_argument(
         "--dtype",
@@ -365,8 +371,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = with_models(sub.add_parser("train", help="fine-tune from a JSON/YAML TrainConfig"))
     t.add_argument("config")
-    t.add_argument("--method", choices=["lora", "full", "dpo"], help="override method.kind")
-    t.add_argument("--beta", type=float, help="override method.beta (DPO)")
+    t.add_argument("--method", choices=METHOD_CHOICES, help="override method.kind")
+    t.add_argument("--beta", type=float, help="override method.beta (DPO's beta, ORPO's lambda)")
     t.add_argument("--dpo-tuning", choices=["lora", "full"], help="override method.dpo_tuning")
     t.set_defaults(func=cmd_train)
     v = with_models(sub.add_parser("validate-data", help="check a dataset file row by row"))

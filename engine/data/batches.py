@@ -109,3 +109,14 @@ def collate(rows: list[Encoded], pad_id: int) -> dict[str, torch.Tensor]:
 def collate_pairs(pairs: list[EncodedPair], pad_id: int) -> dict[str, torch.Tensor]:
     """Preference pairs as ``collate``'s 2B rows: row 2i is pair i's chosen sequence, 2i + 1 its rejected."""
     return collate([r for p in pairs for r in (p.chosen, p.rejected)], pad_id)
+
+
+def split_validation(examples: list[Any], fraction: float, seed: int) -> tuple[list[Any], list[Any]]:
+    """Hold out ``fraction`` of the examples (at least one), chosen by ``seed``."""
+    if fraction <= 0:
+        return examples, []
+    g = torch.Generator().manual_seed(seed)
+    order = torch.randperm(len(examples), generator=g).tolist()
+    n_val = max(1, round(fraction * len(examples)))
+    held = set(order[:n_val])
+    return [e for i, e in enumerate(examples) if i not in held], [examples[i] for i in sorted(held)]

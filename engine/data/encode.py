@@ -242,18 +242,19 @@ def _checked(
 
 PAIRS = "preference rows (a prompt with a preferred and a rejected answer)"
 DPO_ONLY = (
-    "they train with method.kind 'dpo'; lora and full train on chat, instruction, "
+    "they train with method.kind 'dpo' or 'orpo'; lora and full train on chat, instruction, "
     "prompt/completion or text rows"
 )
 
 
 def _load(
-    path: str, tokenizer: Any, *, fmt: str, max_length: int, field: str, pairs: bool
+    path: str, tokenizer: Any, *, fmt: str, max_length: int, field: str, pairs: bool, method: str = "dpo"
 ) -> list[Encoded | EncodedPair]:
     """Every row of a file encoded, after checking that its rows suit the method."""
     if fmt != "auto" and (fmt == "preference") != pairs:
         message = (
-            f"data.format={fmt!r}: method.kind 'dpo' trains on {PAIRS} (data.format 'preference' or 'auto')"
+            f"data.format={fmt!r}: method.kind {method!r} trains on {PAIRS} "
+            "(data.format 'preference' or 'auto')"
             if pairs
             else f"data.format='preference' names {PAIRS}: {DPO_ONLY}"
         )
@@ -264,7 +265,7 @@ def _load(
         raise ConfigError(field, str(exc), value=path) from exc
     if report.format is not None and (report.format == "preference") != pairs:
         message = (
-            f"{field}: {path} holds {report.format} rows; method.kind 'dpo' trains on {PAIRS}"
+            f"{field}: {path} holds {report.format} rows; method.kind {method!r} trains on {PAIRS}"
             if pairs
             else f"{field}: {path} holds {PAIRS}: {DPO_ONLY}"
         )
@@ -294,16 +295,23 @@ def load_encoded(
 
 
 def load_pairs(
-    path: str, tokenizer: Any, *, fmt: str = "auto", max_length: int = 1024, field: str = "data.train"
+    path: str,
+    tokenizer: Any,
+    *,
+    fmt: str = "auto",
+    max_length: int = 1024,
+    field: str = "data.train",
+    method: str = "dpo",
 ) -> list[EncodedPair]:
     """Every preference row of a file, encoded as its two sequences.
 
     Args:
         field: the configuration field naming the file (``data.train``, ``data.validation``).
+        method: the preference method that trains on them (named in errors).
 
     Raises:
         ConfigError: for ``field``: an unsupported file type, invalid rows listed by line, or rows
             that are not preference rows (for ``data.format`` when it names another format).
     """
-    encoded = _load(path, tokenizer, fmt=fmt, max_length=max_length, field=field, pairs=True)
+    encoded = _load(path, tokenizer, fmt=fmt, max_length=max_length, field=field, pairs=True, method=method)
     return [e for e in encoded if isinstance(e, EncodedPair)]

@@ -20,7 +20,7 @@ from engine import demo
 from engine.data.batches import collate_pairs
 from engine.data.encode import EncodedPair, load_pairs
 from engine.metrics import NullSink, Sink
-from engine.model.preference import sequence_logps
+from engine.model.loss import sequence_logps
 
 
 @dataclass

@@ -33,7 +33,7 @@ from engine.model.loss import (
     chunked_causal_lm_loss_sum,
     finish_logits,
 )
-from engine.model.preference import chunked_sequence_logps
+from engine.model.loss import chunked_sequence_logps
 
 
 class InputLayer(nn.Module):
@@ -83,7 +83,7 @@ class OutputLayer(nn.Module):
         self, hidden: torch.Tensor, labels: torch.Tensor | None = None, *, per_sequence: bool = False
     ) -> torch.Tensor:
         """The logits; given ``labels``, the loss sum, or with ``per_sequence`` the ``[b]`` sums of
-        each row's label-token log-probabilities (``engine.model.preference``)."""
+        each row's label-token log-probabilities (``engine.model.loss``)."""
         normed = self.norm(hidden)
         divisor, cap = self.logits_divisor, self.logit_softcap
         if labels is None:

@@ -4,8 +4,10 @@ The output layer never holds the logits of a whole micro-batch: ``[tokens, vocab
 the largest tensor of a long-sequence step (8 x 4096 tokens x 152k vocab is 20 GB). Each chunk
 of ``chunk_tokens`` positions goes through the LM head, the fp32 cross entropy and — under
 ``torch.utils.checkpoint`` — is recomputed in backward, so the logits that live at any time are
-one chunk's. Going through the head module (not a hand-written ``hidden @ weight.T``) keeps
-whatever the head is: a tied embedding weight, a LoRA-wrapped ``lm_head``.
+one chunk's. The same holds for a whole sequence's log-probability (``chunked_sequence_logps``,
+what the preference methods score). Going through the head module (not a hand-written
+``hidden @ weight.T``) keeps whatever the head is: a tied embedding weight, a LoRA-wrapped
+``lm_head``.
 """
 
 from __future__ import annotations
@@ -114,3 +116,71 @@ def chunked_causal_lm_loss_sum(
     if total is None:
         raise RuntimeError("chunked loss: no chunk was computed")
     return total
+
+
+def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per-row sum of the log-probabilities of the label tokens (fp32), from full logits.
+
+    ``logits [b, s, vocab]`` predict ``labels [b, s]`` shifted by one, as the model's own loss
+    does. The unchunked reference of ``chunked_sequence_logps``.
+
+    Returns:
+        ``[b]`` fp32; 0 for a row without label tokens.
+    """
+    b, s = labels.shape
+    shift = logits[:, :-1, :].float().reshape(-1, logits.shape[-1])
+    targets = labels[:, 1:].reshape(-1).to(shift.device)
+    nll = nn.functional.cross_entropy(shift, targets, ignore_index=IGNORE_INDEX, reduction="none")
+    return -nll.view(b, s - 1).sum(dim=1)
+
+
+def _chunk_token_logps(
+    head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, labels: torch.Tensor
+) -> torch.Tensor:
+    # hidden [n, d] -> logits [n, vocab] -> [n] log-probability of each target (0 where -100)
+    logits = head(hidden).float()
+    return -nn.functional.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="none")
+
+
+def chunked_sequence_logps(
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    head: Callable[[torch.Tensor], torch.Tensor],
+    *,
+    chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS,
+    preserve_rng_state: bool = False,
+) -> torch.Tensor:
+    """Per-row sum of the label tokens' log-probabilities, the logits computed chunk by chunk.
+
+    Equals ``sequence_logps(head(hidden), labels)`` but the logits alive at any time (forward
+    and backward) are at most ``chunk_tokens x vocab``; what is kept per position is one float.
+
+    Args:
+        hidden: ``[b, s, d]``, the final norm's output.
+        labels: ``[b, s]``; position ``t`` of ``hidden`` predicts ``labels[:, t + 1]``.
+        head: the LM head, ``[n, d] -> [n, vocab]`` (called again per chunk in backward).
+        chunk_tokens: positions (over the flattened ``b x (s - 1)``) per chunk.
+        preserve_rng_state: the head draws random numbers (dropout): replay them in backward.
+
+    Returns:
+        ``[b]`` fp32.
+
+    Raises:
+        ConfigError: ``chunk_tokens`` < 1.
+    """
+    check_chunk_tokens(chunk_tokens)
+    b, s = labels.shape
+    flat = hidden[:, :-1, :].reshape(-1, hidden.shape[-1])
+    targets = labels[:, 1:].reshape(-1).to(flat.device)
+    parts = []
+    for start in range(0, max(flat.shape[0], 1), chunk_tokens):
+        h, y = flat[start : start + chunk_tokens], targets[start : start + chunk_tokens]
+        if torch.is_grad_enabled():
+            part = checkpoint(
+                _chunk_token_logps, head, h, y, use_reentrant=False, preserve_rng_state=preserve_rng_state
+            )
+        else:
+            part = _chunk_token_logps(head, h, y)
+        parts.append(part)
+    # [b * (s - 1)] -> [b, s - 1] -> [b]: a fixed summation order, whatever the chunking
+    return torch.cat(parts).view(b, s - 1).sum(dim=1)

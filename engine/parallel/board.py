@@ -14,13 +14,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from engine.model.adapter import count_label_tokens
+from engine.parallel.objective import TOKEN_LOSS, Objective
 from engine.scheduling.partition import Plan
 from engine.scheduling.schedule import SlotRun
 
 if TYPE_CHECKING:
     import torch
-
-    from engine.parallel.pairs import Preference
 
 
 @dataclass
@@ -107,7 +106,7 @@ class Iteration:
     plan: Plan
     runs: list[SlotRun]
     microbatches: list[MicroBatch]
-    total_tokens: int  # what the loss is a mean over: label tokens, or pairs (a DPO iteration)
+    total_tokens: int  # what the loss is a mean over: label tokens, or pairs (a preference method)
     rounds: list[tuple[int, ...]]
     seed: int
     checkpoints: frozenset[int]
@@ -118,9 +117,9 @@ class Iteration:
     act_uses: dict[tuple[int, int], int] = field(default_factory=dict)
     grads: dict[tuple[int, int], tuple[Any, Any]] = field(default_factory=dict)
     # per micro-batch: (host tensor, index, copy event) of its loss sum (read with ``loss_sum``);
-    # a preference iteration's rows' log-probabilities follow it (engine.parallel.pairs)
+    # an objective's report follows it (a sequence-scoring iteration's rows' log-probabilities)
     loss_sums: dict[int, tuple[Any, int, Any]] = field(default_factory=dict)
-    preference: Preference | None = None  # scores whole sequences (DPO) instead of tokens
+    objective: Objective = TOKEN_LOSS  # what the fused stage makes of the output layer's result
     # busy spans (worker, stage name, start, end): clock readings, or CUDA timing events
     spans: list[tuple[int, str, Any, Any]] = field(default_factory=list)
     # MoE router loss: (micro-batch, forward stage start) -> that stage's summed (counts, probs),

@@ -33,7 +33,7 @@ from engine.model.adapter import Layer, run_layer
 from engine.parallel.board import Iteration
 from engine.parallel.context import WorkerContext
 from engine.parallel.gradients import send_gradients
-from engine.parallel.pairs import adapters_disabled, fused_output
+from engine.parallel.pairs import adapters_disabled
 from engine.parallel.replica import meta_copy, rng_lock
 from engine.parallel.routing import RouterAccounting
 from engine.parallel.transfer import DeviceLink, plan_windows
@@ -203,7 +203,7 @@ class Worker:
     # -- one slot run --------------------------------------------------------------------------
     def _run(self, it: Iteration, run: SlotRun, stage: Stage, owners: set[int], released: list[bool]) -> None:
         with contextlib.ExitStack() as stack:
-            if it.preference is not None and not it.preference.adapters:  # the LoRA reference: the base
+            if not it.objective.adapters:  # e.g. DPO's LoRA reference: the base model
                 stack.enter_context(adapters_disabled(self.modules[i] for i in stage.layers))
             if it.train:
                 self._run_stage(it, run, stage, owners, released)
@@ -252,8 +252,8 @@ class Worker:
                 send_gradients(
                     self.link, self.board, self.host, (it.serial, run.round), stage, params, summed
                 )
-            # the losses go down in one copy and are read, with the times, once per iteration (a
-            # preference micro-batch's loss sum is followed by its rows' log-probabilities)
+            # the losses go down in one copy and are read, with the times, once per iteration (an
+            # objective's report: the loss sum followed by what the objective reads back)
             sent = self.link.download(torch.cat([v.reshape(-1) for v in losses])) if losses else None
             starts = list(itertools.accumulate((v.numel() for v in losses), initial=0))
             with self.board.cv:
@@ -350,7 +350,7 @@ class Worker:
             return functional_call(module, tensors, args, kwargs, tie_weights=False, strict=False)
 
         with self._rng(it, mb, layer.index):
-            return run_layer(layer, call, x, ctx, labels, per_sequence=it.preference is not None)
+            return run_layer(layer, call, x, ctx, labels, per_sequence=it.objective.per_sequence)
 
     def _context(self, it: Iteration, mb: int, hidden: torch.Tensor) -> Any:
         am = it.microbatches[mb].attention_mask
@@ -396,7 +396,8 @@ class Worker:
                 self.routing.statistics(it, mb, i)  # an evaluation adds no router loss
                 if ctx is None:
                     ctx = self._context(it, mb, x)
-            return x if it.preference is None else fused_output(it, mb, x, self.link.upload)[1]
+            loss_sum, report = it.objective.fused_loss(mb, x, self.link.upload)
+            return loss_sum if report is None else report
 
     def _backward(
         self,
@@ -430,9 +431,8 @@ class Worker:
                 saved.append((inp, x))
             loss_sum, report = None, None
             if stage.kind == "fused":
-                loss_sum = x
-                if it.preference is not None:  # x: the rows' log-probabilities
-                    loss_sum, report = fused_output(it, mb, x, self.link.upload)
+                # x: the output layer's result (a token loss sum, or the rows' log-probabilities)
+                loss_sum, report = it.objective.fused_loss(mb, x, self.link.upload)
                 scale = self.board.scale_for(it) / it.total_tokens
                 top: torch.Tensor | None = loss_sum * scale
                 grad: torch.Tensor | None = None

@@ -31,7 +31,7 @@ from engine.optimizers import optimizer_spec
 from engine.parallel.board import Board, Iteration
 from engine.parallel.gradients import add_gradients
 from engine.parallel.host import HostState
-from engine.parallel.pairs import step_metrics
+from engine.parallel.objective import objective_metrics
 from engine.parallel.transfer import DeviceLink
 
 GROWTH_INTERVAL = 1000  # good float16 steps before the loss scale doubles
@@ -48,7 +48,7 @@ class StepJob:
 
     def metrics(self, *, loss_scale: float, num_workers: int) -> dict[str, float]:
         """The step's metrics for the sink, once it finished (``loss/train``, ``time/*``, ...;
-        ``dpo/*`` for preference iterations, whose ``loss/train`` is the mean over pairs)."""
+        and the objective's own, e.g. ``dpo/*``, whose ``loss/train`` is the mean over pairs)."""
         its = self.iterations
         wall = max(time.perf_counter() - its[0].started, 1e-9)
         span = max(max(it.finished for it in its) - its[0].started, 1e-9)
@@ -75,7 +75,7 @@ class StepJob:
         for it in its:
             for name, s in it.stage_s.items():
                 metrics[f"time/stage/{name}_s"] = metrics.get(f"time/stage/{name}_s", 0.0) + s
-        metrics.update(step_metrics(its))  # a DPO step's rewards (and its answers' tokens)
+        metrics.update(objective_metrics(its))  # e.g. a DPO step's rewards (and its answers' tokens)
         return metrics
 
 

@@ -1,55 +1,89 @@
-"""Preference (DPO) iterations: whole pairs per micro-batch, the fused stage's loss, the rewards.
+"""Iterations that score whole sequences: pairs kept in one micro-batch, per-row log-probabilities.
 
-A preference batch interleaves its pairs (row ``2i`` chosen, ``2i + 1`` rejected;
-``engine.model.preference``). The engine cuts it only at even rows, so both answers of a pair
-reach the fused stage in one micro-batch with their reference log-probabilities. The output
-layer then returns each row's summed log-probability instead of a token loss sum; the fused
-stage turns them into the micro-batch's summed DPO loss, back-propagates it divided by the
-batch's pair count, and reports one host vector per micro-batch: the loss sum followed by the
-rows' log-probabilities, from which the rewards are computed once the iteration finished.
+A preference batch interleaves its pairs (row ``2i`` chosen, ``2i + 1`` rejected). The engine
+cuts it only at even rows, so both answers of a pair reach the fused stage in one micro-batch.
+The output layer of such an iteration returns each row's summed log-probability instead of a
+token loss sum (``Objective.per_sequence``); the iteration's objective (a preference method's,
+``engine.methods``) turns them into the micro-batch's loss sum and reports one host vector per
+micro-batch: the loss sum followed by the rows' log-probabilities (``policy_logps`` reads them).
 
-The same path without reference log-probabilities measures the log-probabilities only
-(``RoundPipe.sequence_logps``), with the LoRA adapters on or off.
+``SequenceScores`` measures the log-probabilities only (``RoundPipe.sequence_logps``), with the
+LoRA adapters on or off.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import itertools
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-from engine.model.adapter import count_label_tokens
-from engine.model.preference import PairStats, dpo_loss_sum, pair_rewards
 from engine.parallel.board import Iteration, MicroBatch, check_batch, cut_batch
+from engine.parallel.objective import Objective, Upload
 
 
-@dataclass
-class Preference:
-    """What the fused stage of a preference iteration needs besides the labels.
+class SequenceScores(Objective):
+    """Score each row: the output layer returns its summed log-probability; the loss sum is the
+    rows' negative log-likelihood (what a preference method's objective replaces).
 
-    Attributes:
-        beta: the DPO temperature.
-        reference: per micro-batch, the reference's log-probabilities of its rows (``[rows]``
-            fp32, host); None: the iteration only measures the policy's log-probabilities.
+    Args:
         adapters: run the LoRA layers with their adapters on (False: the base model).
     """
 
-    beta: float = 0.0
-    reference: list[torch.Tensor] | None = None
-    adapters: bool = True
+    per_sequence = True
+
+    def __init__(self, *, adapters: bool = True) -> None:
+        self.adapters = adapters
+
+    def sequence_loss(self, mb: int, logps: torch.Tensor, upload: Upload) -> torch.Tensor:
+        """The loss sum of micro-batch ``mb`` from its rows' log-probabilities ``[rows]``."""
+        return -logps.sum()
+
+    def fused_loss(
+        self, mb: int, output: torch.Tensor, upload: Upload
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The loss sum, and the report ``[1 + rows]``: that sum, then the log-probabilities."""
+        loss = self.sequence_loss(mb, output, upload)
+        return loss, torch.cat([loss.detach().reshape(1), output.detach()])
+
+
+class PairScores(SequenceScores):
+    """A preference method's objective over whole pairs (``engine.methods``).
+
+    Per micro-batch it holds its rows' reference log-probabilities (a method with a reference
+    pass) and label token counts, set by ``bind`` once the batch is cut; ``sequence_loss`` is
+    the method's summed loss of the micro-batch's pairs, which the engine divides by the whole
+    batch's pair count.
+
+    Attributes:
+        name: the method's name, for error messages.
+        reference_logps: ``[2P]`` the batch's reference log-probabilities, or None.
+    """
+
+    name = "preference"
+
+    def __init__(self, *, reference_logps: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.reference_logps = reference_logps
+        self.reference: list[torch.Tensor] = []
+        self.tokens: list[torch.Tensor] = []
+
+    def bind(self, microbatches: list[MicroBatch], reference: list[torch.Tensor], *, pin: bool) -> None:
+        """Keep, per micro-batch, its rows' reference log-probabilities and label token counts
+        (``[rows]`` fp32 host tensors, pinned with ``pin``)."""
+        self.reference = reference
+        counts = [(mb.labels[:, 1:] != -100).sum(dim=1).float() for mb in microbatches]
+        self.tokens = [c.pin_memory() if pin else c for c in counts]
 
 
 def split_pairs(
     input_ids: torch.Tensor,
     labels: torch.Tensor,
     attention_mask: torch.Tensor | None,
-    reference_logps: torch.Tensor,
+    reference_logps: torch.Tensor | None,
     num_microbatches: int,
     *,
     pin: bool = False,
@@ -59,12 +93,13 @@ def split_pairs(
     Args:
         input_ids: ``[2P, seq]``: row ``2i`` the chosen, row ``2i + 1`` the rejected answer of
             pair ``i`` (``labels`` and ``attention_mask`` alike).
-        reference_logps: ``[2P]`` the reference's log-probability of each row.
+        reference_logps: ``[2P]`` the reference's log-probability of each row (DPO), or None.
         num_microbatches: micro-batches to cut (each gets ``P // M`` or ``P // M + 1`` pairs).
         pin: pin the host copies (GPU workers upload them asynchronously).
 
     Returns:
-        The micro-batches and, per micro-batch, its rows' reference log-probabilities.
+        The micro-batches and, per micro-batch, its rows' reference log-probabilities (an
+        empty list without ``reference_logps``).
 
     Raises:
         ValueError: bad shapes, an odd number of rows, fewer pairs than micro-batches, a row
@@ -83,12 +118,12 @@ def split_pairs(
             f"batch of {pairs} pairs ({rows} rows) cannot fill num_microbatches={m}: "
             "a pair is never split between micro-batches"
         )
-    if tuple(reference_logps.shape) != (rows,):
+    if reference_logps is not None and tuple(reference_logps.shape) != (rows,):
         raise ValueError(
             f"reference_logps has shape {tuple(reference_logps.shape)}: expected ({rows},), one per row"
         )
-    reference = reference_logps.detach().float().cpu()
-    if not bool(torch.isfinite(reference).all()):
+    reference = None if reference_logps is None else reference_logps.detach().float().cpu()
+    if reference is not None and not bool(torch.isfinite(reference).all()):
         raise ValueError("reference_logps: every value must be finite")
     counts = (labels[:, 1:] != -100).sum(dim=1)
     empty = (counts == 0).nonzero().flatten().tolist()
@@ -99,38 +134,15 @@ def split_pairs(
     sizes = [2 * len(part) for part in torch.arange(pairs).tensor_split(m)]
     cuts = list(itertools.accumulate(sizes[:-1]))
     mbs = cut_batch(input_ids, labels, attention_mask, cuts, pin=pin)
+    if reference is None:
+        return mbs, []
     refs = [r.contiguous().pin_memory() if pin else r.contiguous() for r in reference.split(sizes)]
     return mbs, refs
 
 
-def fused_output(
-    it: Iteration, mb: int, logps: torch.Tensor, upload: Callable[[torch.Tensor], torch.Tensor]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The loss of one micro-batch of a preference iteration, in its fused stage.
-
-    Args:
-        logps: ``[rows]`` the policy's per-row log-probabilities (the output layer's result,
-            differentiable when training).
-        upload: copies a host tensor to the stage's device.
-
-    Returns:
-        The loss sum to back-propagate (the summed DPO loss of the pairs; without reference,
-        the rows' negative log-likelihood) and the report ``[1 + rows]``: that sum, then the
-        log-probabilities, detached.
-    """
-    pref = it.preference
-    if pref is None:
-        raise RuntimeError(f"iteration {it.serial} is not a preference iteration")
-    if pref.reference is None:
-        loss = -logps.sum()
-    else:
-        loss = dpo_loss_sum(logps, upload(pref.reference[mb]), pref.beta)
-    return loss, torch.cat([loss.detach().reshape(1), logps.detach()])
-
-
 def policy_logps(it: Iteration) -> torch.Tensor:
-    """``[rows]`` the policy's log-probability of every row of a finished preference iteration,
-    in batch order (waiting for their copies)."""
+    """``[rows]`` the policy's log-probability of every row of a finished iteration whose
+    objective scores sequences, in batch order (waiting for their copies)."""
     parts = []
     for mb, batch in enumerate(it.microbatches):
         host, j, event = it.loss_sums[mb]
@@ -138,34 +150,6 @@ def policy_logps(it: Iteration) -> torch.Tensor:
             event.synchronize()
         parts.append(host[j + 1 : j + 1 + int(batch.input_ids.shape[0])])
     return torch.cat(parts).float().clone()
-
-
-def step_metrics(its: Iterable[Iteration]) -> dict[str, float]:
-    """The DPO metrics of a step's preference iterations (none when it has none):
-    ``dpo/reward_margin``, ``dpo/reward_accuracy``, ``dpo/chosen_reward``,
-    ``dpo/rejected_reward``, ``dpo/pairs``, and ``tokens/label`` (the answers' tokens)."""
-    chosen, rejected, tokens = [], [], 0
-    for it in its:
-        pref = it.preference
-        if pref is None or pref.reference is None:
-            continue
-        c, r = pair_rewards(policy_logps(it), torch.cat(pref.reference), pref.beta)
-        chosen.append(c)
-        rejected.append(r)
-        tokens += sum(count_label_tokens(mb.labels) for mb in it.microbatches)
-    if not chosen:
-        return {}
-    stats = PairStats.from_rewards(torch.cat(chosen), torch.cat(rejected))
-    return {**stats.metrics(), "dpo/pairs": float(stats.pairs), "tokens/label": float(tokens)}
-
-
-def batch_stats(it: Iteration) -> PairStats:
-    """The statistics of one finished preference iteration; ``loss`` is the fused stages' mean."""
-    pref = it.preference
-    if pref is None or pref.reference is None:
-        raise RuntimeError(f"iteration {it.serial} has no reference log-probabilities")
-    stats = PairStats.of(policy_logps(it), torch.cat(pref.reference), pref.beta)
-    return dataclasses.replace(stats, loss=it.loss_sum() / it.total_tokens)
 
 
 def lora_layers(modules: Iterable[nn.Module]) -> list[Any]:

@@ -23,8 +23,8 @@ assumed hidden behind the next iteration unless it is slower than it, and commun
 weight uploads and stage-boundary hops is ignored.
 """
 
+from engine.methods.reference import reference_seconds
 from engine.planner.memory import CUDA_OVERHEAD_BYTES, Memory, layer_times, memory_model
-from engine.planner.reference import reference_seconds
 from engine.planner.report import (
     SEQ_LEN_STEP,
     PlanReport,

@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from engine.errors import ConfigError
+from engine.methods.reference import reference_seconds
 from engine.model.families import DEFAULT_LORA_TARGETS, FAMILIES
 from engine.planner.memory import (
     CUDA_OVERHEAD_BYTES,
@@ -15,7 +16,6 @@ from engine.planner.memory import (
     layers_fit,
     memory_model,
 )
-from engine.planner.reference import reference_seconds
 from engine.planner.shapes import Shape
 from engine.planner.workload import (
     DTYPE_BYTES,
@@ -109,14 +109,16 @@ class PlanReport:
                 f"{100 * self.bubble:.1f}% (closed form {100 * self.closed_form_bubble:.1f}%)"
             )
         a = self.assumptions
-        if a.get("method") == "dpo":
+        if a.get("objective", "sft") != "sft":  # a preference method: pairs, maybe a reference pass
             pairs = a.get("reference_pairs")
             lines.append(
-                f"DPO: 2 sequences a pair ({a['sequences_per_step']:,} a step); reference pass "
+                f"{a['objective'].upper()}: 2 sequences a pair ({a['sequences_per_step']:,} a step); "
                 + (
-                    f"over {pairs:,} pairs: {self.reference_s:.1f} s (in the ETA)"
+                    "no reference pass"
+                    if not a.get("needs_reference")
+                    else f"reference pass over {pairs:,} pairs: {self.reference_s:.1f} s (in the ETA)"
                     if pairs is not None and self.reference_s is not None
-                    else "not counted (the pair count is unknown)"
+                    else "reference pass not counted (the pair count is unknown)"
                 )
             )
         if self.eta_s is not None:
@@ -397,9 +399,11 @@ def _report(shape: Shape, hardware: Hardware, workload: Workload) -> PlanReport:
             "optimizer_params_per_s": OPTIMIZER_PARAMS_PER_S,
             "loss_chunk_tokens": w.loss_chunk_tokens,
             "method": w.method,
+            "objective": w.objective,
             "tuning": w.tuning,
+            "needs_reference": w.needs_reference,
             "sequences_per_step": w.sequences,
-            "reference_pairs": w.reference_pairs if w.method == "dpo" else None,
+            "reference_pairs": w.reference_pairs if w.needs_reference else None,
         },
     )
 

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 from engine.config import EngineConfig, TrainConfig, resolve_compute_dtype
 from engine.errors import ConfigError
+from engine.methods import METHODS as METHOD_TABLE
+from engine.methods import TUNINGS
 from engine.model.families import DEFAULT_LORA_TARGETS
 from engine.optimizers import optimizer_spec
 
@@ -39,8 +41,8 @@ WORKLOAD_LIMITS: dict[str, int] = {
     "loss_chunk_tokens": 1 << 30,
 }
 REFERENCE_PAIRS_LIMIT = 1 << 40  # pairs a DPO reference pass may cover
-METHODS = ("lora", "full", "dpo")
-TUNINGS = ("lora", "full")
+# a workload's ``method``: what trains (supervised) or a method of the registry (engine.methods)
+METHODS = (*TUNINGS, *(name for name in METHOD_TABLE if name != "sft"))
 
 # A CPU host (no GPU): the engine's ``devices: "auto"`` runs one CPU worker thread (engine/training/run.py
 # ``devices_for``), whose matmuls use every core. Its fp32 rate, achieved, per core: measured on a
@@ -94,17 +96,18 @@ class Workload:
     ``devices`` are the run's GPU workers when it names them (``engine.devices``; a GPU named
     twice holds two workers that share its memory); empty: one worker per GPU of the box.
 
-    A DPO job (``method="dpo"``) trains a LoRA adapter or every weight (``dpo_tuning``) on
-    preference pairs: ``batch_size`` counts pairs, and each pair's chosen and rejected sequence
-    share a micro-batch, so a step trains ``2 * batch_size`` sequences (``sequences``). Before the
-    first step the engine runs one forward-only pass over the ``reference_pairs`` training and
-    validation pairs for the reference log-probabilities (``engine.preference``).
+    A preference job (``method="dpo"`` or ``"orpo"``, ``engine.methods``) trains a LoRA adapter
+    or every weight (``dpo_tuning``) on preference pairs: ``batch_size`` counts pairs, and each
+    pair's chosen and rejected sequence share a micro-batch, so a step trains ``2 * batch_size``
+    sequences (``sequences``). Before the first step a method with a reference (DPO) runs one
+    forward-only pass over the ``reference_pairs`` training and validation pairs for the reference
+    log-probabilities (``engine.methods.dpo``).
     """
 
     seq_len: int = 2048
     batch_size: int = 16
-    method: str = "lora"  # "lora", "full" or "dpo"
-    dpo_tuning: str = "lora"  # a DPO job's: "lora" or "full"
+    method: str = "lora"  # "lora" or "full" (supervised), or a preference method: "dpo", "orpo"
+    dpo_tuning: str = "lora"  # a preference job's: "lora" or "full"
     lora_r: int = 16
     target_modules: tuple[str, ...] = DEFAULT_LORA_TARGETS
     target_parameters: tuple[str, ...] = ()
@@ -119,14 +122,24 @@ class Workload:
     reference_pairs: int | None = None  # DPO: the pairs of the reference pass, when known
 
     @property
+    def objective(self) -> str:
+        """The training method (``engine.methods``): ``"sft"`` for ``lora`` and ``full``."""
+        return "sft" if self.method in TUNINGS else self.method
+
+    @property
     def tuning(self) -> str:
-        """What trains: ``"lora"`` (an adapter) or ``"full"`` (every weight), DPO's included."""
-        return self.dpo_tuning if self.method == "dpo" else self.method
+        """What trains: ``"lora"`` (an adapter) or ``"full"`` (every weight), a preference job's included."""
+        return self.method if self.method in TUNINGS else self.dpo_tuning
 
     @property
     def sequences_per_example(self) -> int:
-        """Sequences one example of the batch runs as: 2 for a DPO pair (chosen and rejected), else 1."""
-        return 2 if self.method == "dpo" else 1
+        """Sequences one example of the batch runs as: 2 for a preference pair, else 1."""
+        return METHOD_TABLE[self.objective].sequences_per_example
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether the method runs a reference pass before the first step (DPO)."""
+        return METHOD_TABLE[self.objective].needs_reference
 
     @property
     def sequences(self) -> int:
@@ -168,11 +181,12 @@ class Workload:
         """
         h, e, m, d = config.hyper, config.engine, config.method, config.data
         mean = None
-        per_example = 2 if m.kind == "dpo" else 1
-        if per_example == 2 and d.packing:  # as the run refuses it (engine.preference)
+        entry = METHOD_TABLE[m.objective]
+        per_example = entry.sequences_per_example
+        if per_example == 2 and d.packing:  # as the run refuses it (engine.methods.preference)
             raise ConfigError(
                 "data.packing",
-                "data.packing=true: DPO trains on whole pairs and cannot pack them",
+                f"data.packing=true: {m.objective.upper()} trains on whole pairs and cannot pack them",
                 value=True,
             )
         if token_lengths:
@@ -194,13 +208,13 @@ class Workload:
         named = [] if e.devices == "auto" else list(e.devices)
         gpus = tuple("cuda:0" if d == "cuda" else d for d in named if d == "cuda" or _is_gpu(d))
         reference = None
-        if m.kind == "dpo" and num_sequences is not None:
+        if entry.needs_reference and num_sequences is not None:
             reference = num_sequences + (num_validation or 0)
         return cls(
             seq_len=config.data.max_length,
             batch_size=h.batch_size,
-            method=m.kind,
-            dpo_tuning=m.dpo_tuning if m.kind == "dpo" else "lora",
+            method=m.tuning if m.objective == "sft" else m.objective,
+            dpo_tuning=m.tuning if m.objective != "sft" else "lora",
             lora_r=m.lora_r,
             target_modules=tuple(m.target_modules),
             target_parameters=tuple(m.target_parameters),

@@ -4,9 +4,9 @@ It builds the tokenizer, the model (+ LoRA), the data and the RoundPipe engine, 
 one batch, one optimizer step at the scheduled learning rate, metrics to the sink, validation
 and checkpoints on their schedules. It always starts by resuming from the latest checkpoint of
 its output folder, so a stopped or redelivered run continues exactly where it was; on cancel it
-stops at a step boundary and writes a final checkpoint. A DPO run (``method.kind`` "dpo") trains
-on preference pairs against reference log-probabilities computed once, before the first step
-(``engine.preference``).
+stops at a step boundary and writes a final checkpoint. What it trains on and how (examples or
+preference pairs, a reference pass before the first step, the loss and its metrics) is the
+method's (``engine.methods``: ``method.objective``), behind one ``MethodRun``.
 """
 
 from __future__ import annotations
@@ -22,14 +22,13 @@ from typing import Any, TypeVar
 import torch
 
 from engine.config import EngineConfig, TrainConfig, resolve_compute_dtype
-from engine.data.batches import Batcher, collate, pack
-from engine.data.encode import Encoded, EncodedPair, load_encoded
+from engine.data.batches import Batcher
 from engine.errors import Cancelled, ConfigError
+from engine.methods import method_entry
 from engine.metrics import NullSink, Sink
 from engine.model.export import base_model_name, save_export
 from engine.model.families import DEFAULT_LORA_TARGETS, family_for
 from engine.model.loading import load_model, load_tokenizer, resolve_model_path
-from engine.preference import PreferenceRun, load_preference_data
 from engine.roundpipe import RoundPipe
 from engine.training.checkpoint import latest, list_checkpoints, load_state, save_state, write_checkpoint
 
@@ -63,44 +62,6 @@ def devices_for(spec: str | list[str]) -> list[str]:
         return list(spec)
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return [f"cuda:{i}" for i in range(count)] or ["cpu"]
-
-
-def split_validation(examples: list[T], fraction: float, seed: int) -> tuple[list[T], list[T]]:
-    """Hold out ``fraction`` of the examples (at least one), chosen by ``seed``."""
-    if fraction <= 0:
-        return examples, []
-    g = torch.Generator().manual_seed(seed)
-    order = torch.randperm(len(examples), generator=g).tolist()
-    n_val = max(1, round(fraction * len(examples)))
-    held = set(order[:n_val])
-    return [e for i, e in enumerate(examples) if i not in held], [examples[i] for i in sorted(held)]
-
-
-def load_examples(config: TrainConfig, tokenizer: Any) -> tuple[list[Encoded], list[Encoded]]:
-    """The training and validation examples of a supervised run (packed when asked)."""
-    data = config.data
-    train = load_encoded(data.train, tokenizer, fmt=data.format, max_length=data.max_length)
-    if data.validation:
-        val = load_encoded(
-            data.validation, tokenizer, fmt=data.format, max_length=data.max_length, field="data.validation"
-        )
-    else:
-        train, val = split_validation(train, data.validation_fraction, config.hyper.seed)
-    if data.packing:
-        train = pack(train, data.max_length)
-    return train, val
-
-
-def evaluate(engine: RoundPipe, examples: list[Encoded], batch_size: int, pad_id: int) -> float:
-    """Token-weighted mean validation loss."""
-    total, tokens = 0.0, 0
-    for i in range(0, len(examples), batch_size):
-        batch = collate(examples[i : i + batch_size], pad_id)
-        n = int((batch["labels"][:, 1:] != -100).sum())
-        if n:
-            total += engine.evaluate(**batch) * n
-            tokens += n
-    return total / max(tokens, 1)
 
 
 def lora_targets(configured: Sequence[str], architecture: str) -> list[str]:
@@ -171,15 +132,9 @@ class Run:
         self.folder = resolve_model_path(config.model.path, models_dir)
         self.base_name = base_model_name(config.model.name, self.folder)  # a hub id, never a path
         self.tokenizer = load_tokenizer(self.folder)
-        self.preference: PreferenceRun | None = None  # a DPO run's pairs and reference
-        train: list[Encoded] | list[EncodedPair]
-        self.validation: list[Encoded] = []  # a supervised run's; a DPO run's are in ``preference``
-        if config.method.objective == "dpo":
-            pairs, held = load_preference_data(config, self.tokenizer, split_validation)
-            self.preference = PreferenceRun(pairs, held, beta=config.method.beta, lora=config.method.lora)
-            train = pairs
-        else:
-            train, self.validation = load_examples(config, self.tokenizer)
+        # the method's examples (or pairs), steps and validation
+        self.method = method_entry(config.method.objective).run_class()(config, self.tokenizer)
+        train = self.method.train
         torch.manual_seed(config.hyper.seed)  # LoRA initialisation
         self.model = self._model()
         devices = devices_for(config.engine.devices)
@@ -240,17 +195,17 @@ class Run:
             ) from exc
 
     def prepare(self) -> None:
-        """DPO: the reference log-probabilities, on the initial weights (so before ``resume``)."""
-        if self.preference is not None:
-            self.preference.prepare(
-                self.engine,
-                Path(self.config.output_dir),
-                base=str(self.folder),
-                compute_dtype=self.compute_dtype,
-                batch_size=self.config.hyper.batch_size,
-                pad_id=self.pad_id,
-                sink=self.sink,
-            )
+        """The method's work before the first step (DPO's reference log-probabilities), on the
+        initial weights, so before ``resume``."""
+        self.method.prepare(
+            self.engine,
+            Path(self.config.output_dir),
+            base=str(self.folder),
+            compute_dtype=self.compute_dtype,
+            batch_size=self.config.hyper.batch_size,
+            pad_id=self.pad_id,
+            sink=self.sink,
+        )
 
     def resume(self) -> None:
         found = latest(self.checkpoints)
@@ -288,12 +243,7 @@ class Run:
     def validate(self) -> float | None:
         batch_size = self.config.hyper.batch_size
         try:
-            if self.preference is not None:
-                metrics = self.preference.validate(self.engine, batch_size, self.pad_id)
-            elif self.validation:
-                metrics = {"loss/val": evaluate(self.engine, self.validation, batch_size, self.pad_id)}
-            else:
-                metrics = None
+            metrics = self.method.validate(self.engine, batch_size, self.pad_id)
         except Cancelled:
             return None  # the loop stops at its next check
         if metrics is None:
@@ -314,13 +264,8 @@ class Run:
             lr = learning_rate(
                 self.step, total=self.total, peak=h.learning_rate, warmup=h.warmup_steps, schedule=h.schedule
             )
-            extra: dict[str, float] = {}
-            try:
-                if self.preference is not None:  # DPO: the engine logs the rewards with the step
-                    stats = self.preference.forward_backward(self.engine, batch)
-                    loss, extra = stats.loss, stats.metrics()
-                else:
-                    loss = self.engine.forward_backward(**batch)
+            try:  # the engine logs a method's own metrics (e.g. DPO's rewards) with the step
+                loss, extra = self.method.forward_backward(self.engine, batch)
             except Cancelled:
                 self.batcher.load_state_dict(position)  # the batch was not trained on
                 status = "cancelled"
@@ -382,7 +327,7 @@ def train(
     try:
         try:
             run.prepare()
-        except Cancelled:  # while computing DPO's reference log-probabilities
+        except Cancelled:  # while computing a reference pass (DPO's log-probabilities)
             last = latest(run.checkpoints)
             return TrainResult("cancelled", last[0] if last else 0, run.total, last[1] if last else None)
         run.resume()

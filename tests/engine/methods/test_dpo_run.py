@@ -12,8 +12,8 @@ from engine import demo
 from engine.commands.cli import main
 from engine.config import TrainConfig
 from engine.errors import ConfigError
+from engine.methods.dpo import REFERENCE_FILE
 from engine.metrics import ListSink
-from engine.preference import REFERENCE_FILE
 from engine.training.checkpoint import load_state
 from engine.training.run import train
 from tests.engine.tiny import tiny_model_folder

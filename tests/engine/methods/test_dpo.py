@@ -9,15 +9,10 @@ import pytest
 import torch
 
 from engine import EngineConfig, RoundPipe
+from engine.methods import dpo
+from engine.methods.dpo import PairStats, dpo_loss_sum, dpo_losses, pair_rewards
 from engine.metrics import ListSink
-from engine.model.preference import (
-    PairStats,
-    chunked_sequence_logps,
-    dpo_loss_sum,
-    dpo_losses,
-    pair_rewards,
-    sequence_logps,
-)
+from engine.model.loss import chunked_sequence_logps, sequence_logps
 from engine.parallel.pairs import split_pairs
 from tests.engine.tiny import SPLIT_PLAN, VOCAB, bitwise_equal, max_diff, tiny_model
 
@@ -106,7 +101,7 @@ def engine_dpo_loop(model, batches, config: EngineConfig, *, lora: bool, sink=No
         references = [rp.sequence_logps(**b, adapters=not lora) for b in batches]
         stats = []
         for batch, reference in zip(batches, references, strict=True):
-            stats.append(rp.forward_backward_dpo(**batch, reference_logps=reference, beta=BETA))
+            stats.append(dpo.forward_backward(rp, **batch, reference_logps=reference, beta=BETA))
             rp.step()
         return stats, rp.master_state_dict()
 
@@ -161,7 +156,8 @@ def test_async_dpo_takes_its_first_two_gradients_at_the_initial_weights(pair_bat
     sync_stats, _ = engine_dpo_loop(model, pair_batches, sync, lora=True)
     async_stats, async_state = engine_dpo_loop(model, pair_batches, lagged, lora=True)
     with RoundPipe(copy.deepcopy(model), sync) as rp:  # batch 2 at the initial weights
-        second = rp.evaluate_dpo(
+        second = dpo.evaluate(
+            rp,
             **pair_batches[1],
             reference_logps=rp.sequence_logps(**pair_batches[1], adapters=False),
             beta=BETA,
@@ -193,10 +189,10 @@ def test_the_preferred_answer_gains_on_the_rejected_one(pair_batches) -> None:
     with RoundPipe(copy.deepcopy(model), config) as rp:
         before = rp.sequence_logps(**batch)
         for _ in range(6):
-            rp.forward_backward_dpo(**batch, reference_logps=before, beta=BETA)
+            dpo.forward_backward(rp, **batch, reference_logps=before, beta=BETA)
             rp.step()
         after = rp.sequence_logps(**batch)
-        stats = rp.evaluate_dpo(**batch, reference_logps=before, beta=BETA)
+        stats = dpo.evaluate(rp, **batch, reference_logps=before, beta=BETA)
     gain = (after[0::2] - before[0::2]) - (after[1::2] - before[1::2])
     assert bool((gain > 0).all()), gain
     assert stats.reward_accuracy == 1.0 and stats.reward_margin > 0
@@ -333,12 +329,12 @@ def test_the_engine_refuses_a_batch_it_cannot_keep_in_pairs() -> None:
     with RoundPipe(tiny_model("llama"), config) as rp:
         ref = torch.zeros(4)
         with pytest.raises(ValueError, match=r"batch of 2 pairs \(4 rows\) cannot fill num_microbatches=3"):
-            rp.forward_backward_dpo(**batch, reference_logps=ref, beta=0.1)
+            dpo.forward_backward(rp, **batch, reference_logps=ref, beta=0.1)
         odd = {k: v[:3] for k, v in batch.items()}
         with pytest.raises(ValueError, match="has 3 rows"):
-            rp.forward_backward_dpo(**odd, reference_logps=ref[:3], beta=0.1)
+            dpo.forward_backward(rp, **odd, reference_logps=ref[:3], beta=0.1)
         with pytest.raises(ValueError, match="beta=0: must be a finite number > 0"):
-            rp.forward_backward_dpo(**batch, reference_logps=ref, beta=0)
+            dpo.forward_backward(rp, **batch, reference_logps=ref, beta=0)
         # the engine is still usable: evaluation takes fewer pairs than micro-batches
-        stats = rp.evaluate_dpo(**batch, reference_logps=rp.sequence_logps(**batch), beta=0.1)
+        stats = dpo.evaluate(rp, **batch, reference_logps=rp.sequence_logps(**batch), beta=0.1)
         assert stats.pairs == 2 and stats.loss == pytest.approx(math.log(2), abs=1e-6)

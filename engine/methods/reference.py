@@ -1,6 +1,6 @@
-"""DPO's reference pass: the time of one forward-only pass over every pair, before the first step.
+"""A reference pass (DPO's): the time of one forward-only pass over every pair, before the first step.
 
-The engine computes the reference log-probabilities once (``engine.preference``): the training
+The engine computes the reference log-probabilities once (``engine.methods.dpo``): the training
 pairs, then the validation pairs, ``batch_size`` pairs at a time in file order, each batch's 2B
 rows through ``sequence_logps`` (a LoRA run's with its adapters off, the base model; a full
 fine-tune's on the initial weights), which splits them into ``min(num_microbatches, 2B)``
@@ -31,7 +31,7 @@ def reference_seconds(
 
     Args:
         shape: the model's sizes.
-        workload: the DPO job (``method="dpo"``).
+        workload: the job; a method without a reference pass (``needs_reference``) takes none.
         hardware: the box; uploads run at ``link_gb_s`` per worker.
         plan: the job's partition (its forward stages and fused stage run).
         weights: bytes of each engine layer's upload.
@@ -40,7 +40,7 @@ def reference_seconds(
         The seconds, 0 for no pairs; None when the job is not DPO or its pair count is unknown.
     """
     w = workload
-    if w.method != "dpo" or w.reference_pairs is None:
+    if not w.needs_reference or w.reference_pairs is None:
         return None
     full, rest = divmod(w.reference_pairs, w.batch_size)
     seconds = full * _batch_seconds(shape, w, hardware, plan, weights) if full else 0.0

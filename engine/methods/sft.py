@@ -1,0 +1,66 @@
+"""Supervised fine-tuning: next-token cross entropy on the answers' tokens.
+
+Its objective is the engine's default (``engine.parallel.objective.TOKEN_LOSS``): the output
+layer returns each micro-batch's token loss sum and the step's loss is the mean over every label
+token of the batch. Its examples are chat, instruction, prompt/completion or text rows, packed
+when ``data.packing`` is set.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from engine.data.batches import collate, pack, split_validation
+from engine.data.encode import Encoded, load_encoded
+from engine.methods.base import MethodRun
+from engine.roundpipe import RoundPipe
+
+
+def load_examples(config: Any, tokenizer: Any) -> tuple[list[Encoded], list[Encoded]]:
+    """The training and validation examples of a supervised run (packed when asked)."""
+    data = config.data
+    train = load_encoded(data.train, tokenizer, fmt=data.format, max_length=data.max_length)
+    if data.validation:
+        val = load_encoded(
+            data.validation, tokenizer, fmt=data.format, max_length=data.max_length, field="data.validation"
+        )
+    else:
+        train, val = split_validation(train, data.validation_fraction, config.hyper.seed)
+    if data.packing:
+        train = pack(train, data.max_length)
+    return train, val
+
+
+def evaluate(engine: RoundPipe, examples: list[Encoded], batch_size: int, pad_id: int) -> float:
+    """Token-weighted mean validation loss."""
+    total, tokens = 0.0, 0
+    for i in range(0, len(examples), batch_size):
+        batch = collate(examples[i : i + batch_size], pad_id)
+        n = int((batch["labels"][:, 1:] != -100).sum())
+        if n:
+            total += engine.evaluate(**batch) * n
+            tokens += n
+    return total / max(tokens, 1)
+
+
+class SupervisedRun(MethodRun):
+    """A supervised run's examples (training and held-out), its steps and its validation loss."""
+
+    def __init__(self, config: Any, tokenizer: Any) -> None:
+        super().__init__(config, tokenizer)
+        self.train, self.validation = load_examples(config, tokenizer)
+
+    def forward_backward(
+        self, engine: RoundPipe, batch: dict[str, torch.Tensor]
+    ) -> tuple[float, dict[str, float]]:
+        return engine.forward_backward(**batch), {}
+
+    def validate(self, engine: RoundPipe, batch_size: int, pad_id: int) -> dict[str, float] | None:
+        if not self.validation:
+            return None
+        return {"loss/val": evaluate(engine, self.validation, batch_size, pad_id)}
+
+
+RUN = SupervisedRun

@@ -1,0 +1,72 @@
+"""The objective hook: what the fused stage makes of the output layer's result.
+
+Every iteration carries one ``Objective``. The executor asks it three things and nothing else
+about the training method: whether the output layer scores whole sequences (``per_sequence``:
+each row's summed log-probability) or tokens (the micro-batch's token loss sum), whether the
+LoRA layers run with their adapters on (``adapters``), and, in the fused stage, which loss sum to
+back-propagate and which report to send to the host (``fused_loss``). After a step, the
+optimizer asks the objective of the step's iterations for its metrics (``step_metrics``).
+
+The base class is the supervised objective (next-token cross entropy); the training methods
+(``engine.methods``) subclass it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from engine.parallel.board import Iteration
+
+Upload = Callable[[torch.Tensor], torch.Tensor]
+
+
+class Objective:
+    """The supervised objective: the output layer returns the micro-batch's token loss sum.
+
+    Attributes:
+        per_sequence: the output layer returns ``[rows]`` per-row summed log-probabilities of
+            the label tokens instead of the token loss sum.
+        adapters: run the LoRA layers with their adapters on (False: the base model).
+    """
+
+    per_sequence: bool = False
+    adapters: bool = True
+
+    def fused_loss(
+        self, mb: int, output: torch.Tensor, upload: Upload
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The loss sum of micro-batch ``mb`` and what goes to the host for it.
+
+        Args:
+            mb: the micro-batch's index in its iteration.
+            output: the output layer's result (differentiable when training).
+            upload: copies a host tensor to the stage's device.
+
+        Returns:
+            ``(loss_sum, report)``: the sum to back-propagate (scaled by the iteration's
+            ``total_tokens``), and ``None`` when the loss sum alone goes down, or a 1-D tensor
+            whose first element is the loss sum and whose rest the objective reads back later.
+        """
+        return output, None
+
+    def step_metrics(self, iterations: Sequence[Iteration]) -> dict[str, float]:
+        """Metrics of a step's iterations that share this objective's type (none here)."""
+        return {}
+
+
+TOKEN_LOSS = Objective()
+
+
+def objective_metrics(iterations: Sequence[Iteration]) -> dict[str, float]:
+    """The objectives' own metrics of a step's iterations, each type asked once for its group."""
+    groups: dict[type, list[Iteration]] = {}
+    for it in iterations:
+        groups.setdefault(type(it.objective), []).append(it)
+    metrics: dict[str, float] = {}
+    for group in groups.values():
+        metrics.update(group[0].objective.step_metrics(group))
+    return metrics
