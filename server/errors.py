@@ -2,7 +2,8 @@
 
 Under ``/v1`` (the OpenAI-compatible API) the same handlers answer in OpenAI's shape,
 ``{"error": {"message", "type", "param", "code"}}``, and a request that does not validate is a
-400 (OpenAI's status for it) instead of a 422."""
+400 (OpenAI's status for it) instead of a 422. A service's refusal (``server.services.failures``)
+and a job's illegal transition (409) get their HTTP status here, once."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.schemas import LINE_PATTERN, ErrorBody
+from server.services.failures import Conflict, Invalid, NotFound, Refusal, TooLarge
+from server.services.job_states import IllegalTransition
 
 
 class ApiError(Exception):
@@ -61,6 +64,10 @@ OPENAI_TYPES = {
 }
 
 
+# the HTTP status of each refusal of a service (``server.services.failures``)
+REFUSAL_STATUS: dict[type[Refusal], int] = {NotFound: 404, Conflict: 409, TooLarge: 413, Invalid: 422}
+
+
 def openai_body(status: int, code: str, message: str, param: str | None = None) -> dict:
     """The error body of the OpenAI-compatible API."""
     kind = "server_error" if status >= 500 else OPENAI_TYPES.get(status, "invalid_request_error")
@@ -81,6 +88,11 @@ def _field(param: str | None) -> str | None:
     return ".".join(parts)
 
 
+def _openai(request: Request) -> bool:
+    path = request.url.path
+    return path == OPENAI_PREFIX or path.startswith(OPENAI_PREFIX + "/")
+
+
 def _respond(
     request: Request,
     status: int,
@@ -89,8 +101,7 @@ def _respond(
     headers: Mapping[str, str] | None = None,
 ) -> JSONResponse:
     """``error`` (a ``body()``) as the response, in OpenAI's shape under ``/v1``."""
-    path = request.url.path
-    if path == OPENAI_PREFIX or path.startswith(OPENAI_PREFIX + "/"):
+    if _openai(request):
         status = 400 if status == 422 else status
         inner = error["error"]
         param, message = _field(inner["param"]), inner["message"]
@@ -128,6 +139,17 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api(request: Request, exc: ApiError) -> JSONResponse:
         return _respond(request, exc.status, body(exc.code, exc.message, exc.param, exc.details, exc.extra))
+
+    @app.exception_handler(Refusal)
+    async def _refusal(request: Request, exc: Refusal) -> JSONResponse:
+        status = next((s for kind, s in REFUSAL_STATUS.items() if isinstance(exc, kind)), 422)
+        return _respond(request, status, body(exc.code, exc.message, exc.param, exc.details, exc.extra))
+
+    @app.exception_handler(IllegalTransition)
+    async def _transition(request: Request, exc: IllegalTransition) -> JSONResponse:
+        # /v1 names the job by its path parameter; /api by the state it is in
+        param = "fine_tuning_job_id" if _openai(request) else "status"
+        return _respond(request, 409, body("illegal_transition", str(exc), param))
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:

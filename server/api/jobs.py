@@ -7,13 +7,10 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.responses import StreamingResponse
-from sqlalchemy.orm import Session
 
-from engine.errors import ConfigError
-from server import queue
 from server.deps import JobDep, SessionDep, SettingsDep, StorageDep, current_key
 from server.errors import ApiError, documented
-from server.kinds import EventKind, JobStatus
+from server.kinds import JobStatus
 from server.schemas import (
     EVENT_STREAM,
     MAX_INT,
@@ -23,8 +20,7 @@ from server.schemas import (
     JobsPublic,
     MetricsPublic,
 )
-from server.services import datasets, disk, gpus, jobs, models, placement
-from server.settings import Settings
+from server.services import disk, jobs, submission
 from server.storage import Storage
 from server.streams import job_stream, stream_job
 from server.tables import Job
@@ -44,91 +40,10 @@ def public(job: Job, storage: Storage) -> JobPublic:
     return shown
 
 
-def send(session: Session, settings: Settings, job_id: str) -> None:
-    """Send a queued job to the workers; if the broker is down the job is kept, and a worker's
-    reconcile sends it when the broker answers."""
-    job = jobs.get_job(session, job_id=job_id)
-    try:
-        queue.enqueue(settings, job_id, where=job.placement if job is not None else None)
-    except Exception as exc:
-        jobs.send_failed(session, job_id=job_id)
-        jobs.add_event(
-            session,
-            job_id=job_id,
-            kind=EventKind.LOG,
-            message=f"the job queue is unreachable ({exc}); the job is sent when it answers",
-            data={"send_pending": True},
-        )
-
-
 @router.post("", response_model=JobPublic, status_code=201, responses=documented(400, 404))
 def create_job(session: SessionDep, settings: SettingsDep, storage: StorageDep, body: JobCreate) -> Any:
     """Start a fine-tune: a base model, a dataset, and the TrainConfig sections."""
-    return public(submit(session, settings, body, storage=storage), storage)
-
-
-def submit(session: Session, settings: Settings, body: JobCreate, *, storage: Storage) -> Job:
-    """Check a job request (base model, datasets, TrainConfig), store the job queued and send it:
-    what ``POST /api/jobs`` and ``POST /v1/fine_tuning/jobs`` do. Raises ``ApiError`` naming the field."""
-    model = models.find(body.base_model, settings.models_dir, settings.hf_cache_dir)
-    if model is None:
-        raise ApiError(
-            404, "not_found", f"no base model {body.base_model!r} (see GET /api/models)", param="base_model"
-        )
-    if not model.supported:  # refused now, not failed later by the worker
-        raise ApiError(
-            422,
-            "unsupported_model",
-            f"base model {body.base_model!r} cannot be fine-tuned: {model.unsupported_reason}",
-            param="base_model",
-        )
-    train = datasets.get_dataset(session, dataset_id=body.dataset_id)
-    if train is None:
-        raise ApiError(404, "not_found", f"no dataset {body.dataset_id!r}", param="dataset_id")
-    validation = None
-    if body.validation_dataset_id is not None:
-        validation = datasets.get_dataset(session, dataset_id=body.validation_dataset_id)
-        if validation is None:
-            raise ApiError(
-                404, "not_found", f"no dataset {body.validation_dataset_id!r}", param="validation_dataset_id"
-            )
-    ident = jobs.new_id()
-    output_dir = jobs.run_key(ident)
-    try:
-        config = jobs.build_config(
-            request=body.model_dump(),
-            model_path=model.path if model.path is not None else body.base_model,
-            train_path=jobs.config_path(storage, storage.key_of(train.path)),
-            validation_path=jobs.config_path(storage, storage.key_of(validation.path))
-            if validation
-            else None,
-            output_dir=jobs.config_path(storage, output_dir),
-        )
-        jobs.check_formats(config=config, train=train, validation=validation)  # dpo: preference data
-    except ValueError as exc:
-        param = exc.field if isinstance(exc, ConfigError) else None
-        raise ApiError(422, "invalid_config", str(exc), param=param) from exc
-    job = jobs.create_job(
-        session,
-        ident=ident,
-        name=body.name,
-        base_model=body.base_model,
-        dataset_id=train.id,
-        dataset_name=train.name,
-        validation_dataset_id=validation.id if validation else None,
-        config=config,
-        output_dir=output_dir,
-    )
-    where = placement.normalized(body.placement.model_dump() if body.placement else None)
-    if where is not None:
-        placement.record(
-            session,
-            job=job,
-            where=where,
-            hosts=gpus.hosts(session, stale_after=settings.telemetry_seconds * 5),
-        )
-    send(session, settings, job.id)
-    return job
+    return public(submission.submit(session, request=body, settings=settings, storage=storage), storage)
 
 
 @router.get("", response_model=JobsPublic)
@@ -156,31 +71,22 @@ def get_job(storage: StorageDep, job: JobDep) -> Any:
 @router.post("/{job_id}/cancel", response_model=JobPublic, responses=documented(404, 409))
 def cancel_job(session: SessionDep, storage: StorageDep, job: JobDep) -> Any:
     """Cancel: a queued job at once; a running one stops at its next step with a checkpoint."""
-    try:
-        jobs.request_cancel(session, job=job)
-    except jobs.IllegalTransition as exc:
-        raise ApiError(409, "illegal_transition", str(exc), param="status") from exc
+    jobs.request_cancel(session, job=job)
     return public(job, storage)
 
 
 @router.post("/{job_id}/pause", response_model=JobPublic, responses=documented(404, 409))
 def pause_job(session: SessionDep, storage: StorageDep, job: JobDep) -> Any:
     """Pause: a queued job at once; a running one stops at its next step with a checkpoint."""
-    try:
-        jobs.request_pause(session, job=job)
-    except jobs.IllegalTransition as exc:
-        raise ApiError(409, "illegal_transition", str(exc), param="status") from exc
+    jobs.request_pause(session, job=job)
     return public(job, storage)
 
 
 @router.post("/{job_id}/resume", response_model=JobPublic, responses=documented(404, 409))
 def resume_job(session: SessionDep, settings: SettingsDep, storage: StorageDep, job: JobDep) -> Any:
     """Resume a cancelled, failed, interrupted or paused job: queued again, from its latest checkpoint."""
-    try:
-        jobs.resume(session, job=job)
-    except jobs.IllegalTransition as exc:
-        raise ApiError(409, "illegal_transition", str(exc), param="status") from exc
-    send(session, settings, job.id)
+    jobs.resume(session, job=job)
+    submission.send(session, settings=settings, job_id=job.id)
     return public(job, storage)
 
 
@@ -188,10 +94,7 @@ def resume_job(session: SessionDep, settings: SettingsDep, storage: StorageDep, 
 def delete_job(session: SessionDep, storage: StorageDep, job: JobDep) -> Response:
     """Delete a finished or interrupted job with its events, checkpoints and files."""
     folder = job.output_dir
-    try:
-        jobs.delete_job(session, job=job)
-    except jobs.IllegalTransition as exc:
-        raise ApiError(409, "illegal_transition", str(exc), param="status") from exc
+    jobs.delete_job(session, job=job)
     disk.remove_job_folder(storage, folder, job_id=job.id)
     return Response(status_code=204)
 

@@ -1,8 +1,10 @@
-"""Plans: a job request as the planner's workload, the training data's token counts, and the
-hardware the workers report."""
+"""Plans: a job request as the planner's workload, the training data's token counts, the hardware
+the workers report, and the whole plan of ``POST /api/plan``."""
 
 from __future__ import annotations
 
+import json
+import statistics
 import threading
 from collections.abc import Sequence
 from dataclasses import replace
@@ -11,17 +13,21 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from engine.planner import Hardware, Workload
-from server.services import gpus, jobs
+from engine.config import TrainConfig
+from engine.errors import ConfigError
+from engine.planner import HARDWARE_RANGES, Hardware, Shape, Workload, calibrate, plan_job
+from server.schemas import PlanRequest
+from server.services import datasets, gpus, jobs, models, tokenizers
+from server.services.failures import Conflict, Invalid, NotFound
+from server.settings import Settings
+from server.storage import Storage
 from server.tables import Dataset
 
 NOT_READ = "(not read: planning only)"  # the training file and output folder a plan never touches
 TOKEN_COUNT_ROWS = 20_000  # rows a plan tokenizes (the first ones): their lengths stand for all
 _CACHE_SIZE = 16  # datasets x tokenizers whose counts are kept
-_TOKENIZERS = 4  # tokenizers kept loaded
 _lengths: dict[tuple[str, str, str], list[int]] = {}
-_tokenizers: dict[str, Any] = {}
-_lock = threading.Lock()  # one tokenizer load and one count at a time (transformers' first import)
+_counting = threading.Lock()  # one count at a time
 
 
 def token_lengths(dataset: Dataset, *, tokenizer_folder: Path, file: Path | None = None) -> list[int]:
@@ -31,18 +37,13 @@ def token_lengths(dataset: Dataset, *, tokenizer_folder: Path, file: Path | None
     prompt with the preferred answer and with the rejected one, one after the other
     (``encode_pair``, as a DPO run batches them)."""
     from engine.data.encode import encode, encode_pair
-    from engine.model.loading import load_tokenizer
     from server.services.datasets import first_examples
 
     key = (dataset.id, dataset.sha256, str(tokenizer_folder))
-    with _lock:
+    with _counting:
         if key in _lengths:
             return _lengths[key]
-        tokenizer = _tokenizers.get(str(tokenizer_folder))
-        if tokenizer is None:
-            while len(_tokenizers) >= _TOKENIZERS:
-                _tokenizers.pop(next(iter(_tokenizers)))
-            tokenizer = _tokenizers[str(tokenizer_folder)] = load_tokenizer(tokenizer_folder)
+        tokenizer = tokenizers.load(tokenizer_folder)
         big = 1 << 30  # no truncation: the planner cuts at the run's max_length
         lengths: list[int] = []
         # file: the dataset's local copy (``datasets.local_file``); once counted, not needed
@@ -141,3 +142,122 @@ def hardware(
         rates = {k: v for k, v in fields.items() if k in ("gpu_tflops", "efficiency", "link_gb_s")}
         return replace(base, **rates)
     return Hardware(**fields, detected=tuple(detected))
+
+
+def model_config(name: str, *, settings: Settings) -> dict[str, Any]:
+    """The config.json of the base model ``name`` (the demo's ships with the engine).
+
+    Raises:
+        NotFound: no such base model (naming ``base_model``).
+        Invalid: a model that cannot be fine-tuned.
+    """
+    found = models.find(name, settings.models_dir, settings.hf_cache_dir)
+    if found is None:
+        raise NotFound(f"no base model {name!r} (see GET /api/models)", param="base_model")
+    if not found.supported:
+        reason = f"base model {name!r} cannot be fine-tuned: {found.unsupported_reason}"
+        raise Invalid("unsupported_model", reason, param="base_model")
+    if found.path is None:  # the demo before its first preparation: its config ships with the engine
+        from engine.model.loading import demo_config
+
+        return demo_config()
+    return dict(json.loads((found.path / "config.json").read_text()))
+
+
+def _dataset(session: Session, dataset_id: str | None, *, param: str) -> Dataset | None:
+    if dataset_id is None:
+        return None
+    dataset = datasets.get_dataset(session, dataset_id=dataset_id)
+    if dataset is None:
+        raise NotFound(f"no dataset {dataset_id!r}", param=param)
+    return dataset
+
+
+def _token_lengths(
+    dataset: Dataset | None, request: PlanRequest, *, settings: Settings, storage: Storage
+) -> list[int] | None:
+    """The training rows' token counts through the base model's tokenizer; None without a
+    dataset, for a plan of a bare config.json, before the model's folder is ready (the demo before
+    its preparation), or for a dataset the job's method does not train on (``POST /api/jobs``
+    refuses that job: preference pairs are DPO's alone): the plan then assumes every sequence is
+    ``max_length`` long. A preference dataset's list each pair's two sequences."""
+    if dataset is None or request.config is not None:
+        return None
+    if (dataset.format == "preference") != (request.method.get("kind") == "dpo"):
+        return None
+    folder = models.usable_folder(request.base_model or "demo", settings.models_dir, settings.hf_cache_dir)
+    if folder is None:
+        return None
+    try:
+        file = datasets.local_file(storage, dataset, cache=settings.cache_dir)
+        return token_lengths(dataset, tokenizer_folder=folder, file=file) or None
+    except (OSError, ValueError, KeyError, TypeError):  # an unreadable tokenizer or file: no counts
+        return None
+
+
+def _calibrated(session: Session, *, settings: Settings, job_id: str, hardware: Hardware) -> Hardware:
+    """Scale the assumed rate by what a finished or running job measured on this box."""
+    job = jobs.get_job(session, job_id=job_id)
+    if job is None:
+        raise NotFound(f"no job {job_id!r}", param="calibrate_job_id")
+    rates = jobs.measured_rates(session, job_id=job_id)
+    if not rates:
+        raise Conflict(
+            "not_measured", f"job {job_id!r} has no throughput measured yet", param="calibrate_job_id"
+        )
+    past = Workload.from_train_config(TrainConfig.model_validate(job.config), on_gpu=hardware.device != "cpu")
+    config = model_config(job.base_model, settings=settings)
+    try:
+        predicted = plan_job(config, hardware, past).tokens_per_s
+        return calibrate(
+            hardware, predicted_tokens_per_s=predicted, measured_tokens_per_s=statistics.median(rates)
+        )
+    except ValueError as exc:  # e.g. the past job does not fit the hardware given: nothing to scale
+        raise Invalid("invalid_request", str(exc), param="calibrate_job_id") from exc
+
+
+def plan(session: Session, *, request: PlanRequest, settings: Settings, storage: Storage) -> dict[str, Any]:
+    """The plan of a job request (``POST /api/plan``): fit (and what to change), memory by stage,
+    host RAM, longest sequence, tokens/s and ETA, and the job it was calibrated by.
+
+    Raises:
+        NotFound: no such base model, dataset or job to calibrate by.
+        Invalid: an invalid config, section or hardware (naming the field).
+        Conflict: the job to calibrate by has no throughput measured yet.
+    """
+    config = (
+        request.config
+        if request.config is not None
+        else model_config(request.base_model or "demo", settings=settings)
+    )
+    try:
+        Shape.from_config(config)
+    except ConfigError as exc:
+        where = f"config.{exc.field}" if request.config is not None else "base_model"
+        raise Invalid("invalid_config", str(exc), param=where) from exc
+    dataset = _dataset(session, request.dataset_id, param="dataset_id")
+    validation = _dataset(session, request.validation_dataset_id, param="validation_dataset_id")
+    given = request.hardware.model_dump(exclude_none=True)
+    host = request.placement.host if request.placement is not None else None
+    box = hardware(session, given=given, stale_after=settings.telemetry_seconds * 5, host=host)
+    try:
+        job = workload(
+            request=request.model_dump(),
+            num_sequences=int(dataset.rows) if dataset is not None else None,
+            on_gpu=box.device != "cpu",
+            token_lengths=_token_lengths(dataset, request, settings=settings, storage=storage),
+            num_validation=int(validation.rows) if validation is not None else None,
+        )
+    except ValueError as exc:
+        field = exc.field if isinstance(exc, ConfigError) else None
+        raise Invalid("invalid_config", str(exc), param=field) from exc
+    if request.calibrate_job_id:
+        box = _calibrated(session, settings=settings, job_id=request.calibrate_job_id, hardware=box)
+    try:
+        report = plan_job(config, box, job)
+    except ValueError as exc:  # a ConfigError names the field; the partitioner's own checks do not
+        param = exc.field if isinstance(exc, ConfigError) else None
+        if param in HARDWARE_RANGES:  # given, detected on a worker, or calibrated
+            param = f"hardware.{param}"
+        raise Invalid("invalid_request", str(exc), param=param) from exc
+    return report.to_dict() | {"calibrated_from": request.calibrate_job_id}

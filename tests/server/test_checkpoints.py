@@ -20,7 +20,7 @@ import anyio
 import pytest
 from fastapi.testclient import TestClient
 
-from server.api.checkpoints import byte_range
+from server.downloads import byte_range
 from server.services import checkpoints
 from server.settings import Settings
 from tests.utils import ROOT

@@ -5,14 +5,15 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, File, Form, Query, UploadFile
+from fastapi.concurrency import run_in_threadpool
 from starlette.responses import Response
 
-from server.api import datasets as datasets_api
-from server.api.downloads import stored_response
 from server.api.openai.shapes import FileDeleted, FileList, FileObject, documented
 from server.deps import IdPath, SessionDep, SettingsDep, StorageDep, current_key
+from server.downloads import stored_response
 from server.errors import ApiError
-from server.services import datasets, openai_compat
+from server.limits import LimitedBodyRoute
+from server.services import datasets, openai_compat, uploads
 from server.services.openai_compat import FILE
 from server.tables import Dataset
 
@@ -21,7 +22,7 @@ router = APIRouter(
     tags=["openai"],
     dependencies=[Depends(current_key)],
     responses=documented(400, 401),
-    route_class=datasets_api.LimitedBodyRoute,  # the upload is refused while it arrives, past the limit
+    route_class=LimitedBodyRoute,  # the upload is refused while it arrives, past the limit
 )
 
 
@@ -51,7 +52,16 @@ async def create_file(
         raise ApiError(
             400, "invalid_purpose", f"purpose {purpose!r}: only 'fine-tune' is kept", param="purpose"
         )
-    stored = await datasets_api.upload_dataset(session, settings, storage, file, name=None)
+    stored = await run_in_threadpool(
+        uploads.upload,
+        session,
+        source=file.file,
+        filename=file.filename,
+        name=None,
+        storage=storage,
+        scratch=settings.cache_dir / "incoming",
+        max_bytes=settings.max_upload_bytes,
+    )
     return openai_compat.file_object(stored)
 
 

@@ -7,7 +7,6 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request
 
-from server.api import jobs as jobs_api
 from server.api.openai.shapes import (
     AUTO_DEFAULTS,
     FineTuningJob,
@@ -22,7 +21,8 @@ from server.api.openai.shapes import (
 from server.deps import IdPath, SessionDep, SettingsDep, StorageDep, current_key
 from server.errors import ApiError
 from server.schemas import JobCreate
-from server.services import datasets, jobs, openai_compat
+from server.services import datasets, jobs, openai_compat, submission
+from server.services.failures import Refusal
 from server.services.openai_compat import FILE, JOB
 from server.tables import Dataset, Job
 
@@ -108,13 +108,13 @@ def create_job(
         eval=options.eval,
     )
     try:
-        job = jobs_api.submit(session, settings, request, storage=storage)
-    except ApiError as exc:  # named as the OpenAI request names it; a missing base model is a 400
+        job = submission.submit(session, request=request, settings=settings, storage=storage)
+    except Refusal as exc:  # named as the OpenAI request names it; a missing base model is a 400
         param = openai_compat.request_param(exc.param, method_type=method_type, given=given)
-        if exc.param and param != exc.param and exc.message.startswith(f"{exc.param}:"):
-            exc.message = f"{param}:{exc.message.removeprefix(f'{exc.param}:')}"
-        exc.param, exc.status = param, 400 if exc.status in (404, 422) else exc.status
-        raise
+        message = exc.message
+        if exc.param and param != exc.param and message.startswith(f"{exc.param}:"):
+            message = f"{param}:{message.removeprefix(f'{exc.param}:')}"
+        raise ApiError(400, exc.code, message, param=param) from exc
     openai_compat.label(session, job=job, metadata=body.metadata, suffix=body.suffix)
     return openai_compat.job_object(job)
 
@@ -169,20 +169,14 @@ def retrieve_job(job: JobDep) -> Any:
 @router.post("/{fine_tuning_job_id}/cancel", response_model=FineTuningJob, responses=documented(404, 409))
 def cancel_job(session: SessionDep, job: JobDep) -> Any:
     """Cancel: a queued or paused job at once; a running one stops at its next step."""
-    try:
-        jobs.request_cancel(session, job=job)
-    except jobs.IllegalTransition as exc:
-        raise ApiError(409, "illegal_transition", str(exc), param="fine_tuning_job_id") from exc
+    jobs.request_cancel(session, job=job)
     return openai_compat.job_object(job)
 
 
 @router.post("/{fine_tuning_job_id}/pause", response_model=FineTuningJob, responses=documented(404, 409))
 def pause_job(session: SessionDep, job: JobDep) -> Any:
     """Pause: a running job stops at its next step with a checkpoint (it shows running until then)."""
-    try:
-        jobs.request_pause(session, job=job)
-    except jobs.IllegalTransition as exc:
-        raise ApiError(409, "illegal_transition", str(exc), param="fine_tuning_job_id") from exc
+    jobs.request_pause(session, job=job)
     session.refresh(job)
     return openai_compat.job_object(job)
 
@@ -190,11 +184,8 @@ def pause_job(session: SessionDep, job: JobDep) -> Any:
 @router.post("/{fine_tuning_job_id}/resume", response_model=FineTuningJob, responses=documented(404, 409))
 def resume_job(session: SessionDep, settings: SettingsDep, job: JobDep) -> Any:
     """Resume a paused (or cancelled, failed) job: queued again, from its latest checkpoint."""
-    try:
-        jobs.resume(session, job=job)
-    except jobs.IllegalTransition as exc:
-        raise ApiError(409, "illegal_transition", str(exc), param="fine_tuning_job_id") from exc
-    jobs_api.send(session, settings, job.id)
+    jobs.resume(session, job=job)
+    submission.send(session, settings=settings, job_id=job.id)
     return openai_compat.job_object(job)
 
 

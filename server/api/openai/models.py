@@ -8,9 +8,9 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Query, Response
 from fastapi import Path as PathParam
 
-from server.api import checkpoints as checkpoints_api
 from server.api.openai.shapes import ModelList, ModelObject, documented
 from server.deps import SessionDep, SettingsDep, StorageDep, current_key
+from server.downloads import archive_response
 from server.errors import ApiError
 from server.schemas import LINE_PATTERN, TAR_FILE
 from server.services import fine_tuned, models, openai_compat
@@ -75,7 +75,7 @@ async def download_model(
 ) -> Response:
     """Download a fine-tuned model or checkpoint by name: GET /api/jobs/{id}/checkpoints/{step}/download."""
     job, checkpoint = _resolve(session, model, storage)
-    return await checkpoints_api.download_checkpoint(session, settings, storage, job, checkpoint.step, merged)
+    return await archive_response(job, checkpoint, merged=merged, settings=settings, storage=storage)
 
 
 @router.get("/{model:path}", response_model=ModelObject, responses=documented(404))

@@ -1,18 +1,24 @@
 """Download responses: a local file sent whole or not at all (with one byte range), or an object
-of the store streamed from it, or a redirect to a presigned URL of it."""
+of the store streamed from it, or a redirect to a presigned URL of it; a checkpoint's archive
+(``GET /api/jobs/{id}/checkpoints/{step}/download``, ``GET /v1/models/{model}/content``)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from pathlib import Path
 
 import anyio
+from fastapi.concurrency import run_in_threadpool
 from starlette.datastructures import Headers
 from starlette.responses import RedirectResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from server.services import archives
+from server.settings import Settings
 from server.storage import Storage
+from server.tables import Checkpoint, Job
 
 
 def byte_range(header: str | None, size: int) -> tuple[int, int] | None:
@@ -107,3 +113,27 @@ def stored_response(
     if size is not None:
         headers["content-length"] = str(size)
     return StreamingResponse(storage.iter_bytes(key), media_type=media_type, headers=headers)
+
+
+async def archive_response(
+    job: Job, checkpoint: Checkpoint, *, merged: bool, settings: Settings, storage: Storage
+) -> Response:
+    """The download of a checkpoint's archive (built on first use, off the event loop)."""
+    archive = await run_in_threadpool(
+        functools.partial(
+            archives.checkpoint_archive,
+            job=job,
+            checkpoint=checkpoint,
+            merged=merged,
+            settings=settings,
+            storage=storage,
+        )
+    )
+    return stored_response(
+        storage,
+        archive.key,
+        filename=archive.filename,
+        media_type="application/x-tar",
+        presigned=settings.storage_presigned_downloads,
+        local=archive.local,
+    )
