@@ -26,7 +26,58 @@ class ConfigError(ValueError):
 
 
 class EngineError(RuntimeError):
-    """A worker or the optimizer failed; the message names the stage and the worker."""
+    """A worker or the optimizer failed.
+
+    The message names where; the fields say it for a program (None where they do not apply).
+
+    Args:
+        message: what failed, with the stage and the worker.
+        stage: the stage's name (``"B3"``), or ``"optimizer"``.
+        stage_kind: ``"forward"``, ``"fused"`` or ``"backward"`` (``engine.kinds.StageKind``).
+        worker: the worker's device (``"cuda:1"``, ``"cpu"``).
+        iteration: the engine's iteration serial (``forward_backward`` calls, from 0).
+        step: the run's step that failed (1-based), set by the training loop.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        stage: str | None = None,
+        stage_kind: str | None = None,
+        worker: str | None = None,
+        iteration: int | None = None,
+        step: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.stage = stage
+        self.stage_kind = stage_kind
+        self.worker = worker
+        self.iteration = iteration
+        self.step = step
+
+    def where(self) -> str:
+        """``"in backward stage B3 on cuda:1 at step 120"``: the parts that are known."""
+        parts = []
+        if self.stage is not None:
+            parts.append(f"in {self.stage_kind + ' stage ' if self.stage_kind else ''}{self.stage}")
+        if self.worker is not None:
+            parts.append(f"on {self.worker}")
+        if self.step is not None:
+            parts.append(f"at step {self.step}")
+        elif self.iteration is not None:
+            parts.append(f"at iteration {self.iteration}")
+        return " ".join(parts)
+
+    def fields(self) -> dict[str, Any]:
+        """The fields as JSON."""
+        return {
+            "stage": self.stage,
+            "stage_kind": self.stage_kind,
+            "worker": self.worker,
+            "iteration": self.iteration,
+            "step": self.step,
+        }
 
 
 class Cancelled(RuntimeError):

@@ -18,6 +18,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.errors import Cancelled, ConfigError, EngineError
+from engine.kinds import EngineEvent
 from engine.metrics import NullSink, Sink
 from engine.model.adapter import AdaptedModel, uses_dropout
 from engine.model.router import RouterLoss
@@ -448,10 +449,11 @@ class RoundPipe(SequenceMethods):
         }
         if measured:
             same = " (unchanged)" if plan == self.plan else ""
-            self._event("repartition", f"partition from measured layer times: {plan.describe()}{same}", data)
+            message = f"partition from measured layer times: {plan.describe()}{same}"
+            self._event(EngineEvent.REPARTITION, message, data)
             self._calibration = []
         else:
-            self._event("partition", f"partition from parameter bytes: {plan.describe()}", data)
+            self._event(EngineEvent.PARTITION, f"partition from parameter bytes: {plan.describe()}", data)
         return plan
 
     def _event(self, kind: str, message: str, data: dict[str, Any]) -> None:

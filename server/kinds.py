@@ -1,12 +1,15 @@
-"""The words the worker, the API and the UI share: job statuses and event kinds.
+"""The words the worker, the API and the UI share: job statuses, event kinds, evaluation statuses.
 
-Tables hold them as plain strings; code compares against these enums. The UI's copy is
+Tables hold them as plain strings; code compares against these enums. The event kinds the engine
+reports through its sink are the engine's own (``engine.kinds.EngineEvent``). The UI's copy is
 ``web/js/kinds.js`` (``tests/web/test_kinds.py`` checks that the two agree).
 """
 
 from __future__ import annotations
 
 from enum import StrEnum
+
+from engine.kinds import EngineEvent
 
 
 class JobStatus(StrEnum):
@@ -31,11 +34,21 @@ class EventKind(StrEnum):
     METRICS = "metrics"  # training metrics of one step (the engine sink's ``log``)
     TELEMETRY = "telemetry"  # the worker host's GPU and CPU sample (gpu/*, host/*), no step
     LOG = "log"  # a line for the user (e.g. a cancel relayed)
-    CHECKPOINT = "checkpoint"  # the run saved a checkpoint: data {"step", "path"}
-    RESUME = "resume"  # the run resumed from a checkpoint: data {"step"}
-    PARTITION = "partition"  # the pipeline's layer partition, from parameter sizes
-    REPARTITION = "repartition"  # the partition recomputed from measured layer times
-    REFERENCE = "reference"  # a DPO run's reference log-probabilities, computed or read back
+    # the engine's (its sink's ``event``)
+    CHECKPOINT = EngineEvent.CHECKPOINT.value  # the run saved a checkpoint: data {"step", "path"}
+    RESUME = EngineEvent.RESUME.value  # the run resumed from a checkpoint: data {"step"}
+    PARTITION = EngineEvent.PARTITION.value  # the pipeline's layer partition, from parameter sizes
+    REPARTITION = EngineEvent.REPARTITION.value  # the partition recomputed from measured layer times
+    REFERENCE = EngineEvent.REFERENCE.value  # a reference pass (DPO's log-probabilities), computed or read
+
+
+class EvaluationStatus(StrEnum):
+    """Where a checkpoint's evaluation is (a worker runs it)."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
 
 
 # the kinds whose data are metric values: GET /api/jobs/{id}/metrics reads them, the UI charts them

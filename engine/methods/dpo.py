@@ -38,6 +38,7 @@ from torch import nn
 
 from engine.data.batches import collate_pairs
 from engine.data.encode import EncodedPair
+from engine.kinds import EngineEvent
 from engine.methods.preference import (
     PreferenceObjective,
     PreferenceRun,
@@ -272,7 +273,7 @@ class DpoRun(PreferenceRun):
         stored = _read(path)
         if stored is not None and stored.get("fingerprint") == fingerprint:
             train, val = stored["train"], stored["validation"]
-            sink.event("reference", f"reference log-probabilities read from {REFERENCE_FILE}", {})
+            sink.event(EngineEvent.REFERENCE, f"reference log-probabilities read from {REFERENCE_FILE}", {})
         else:
             started = time.perf_counter()
             train = self.reference_logps(engine, self.train, batch_size, pad_id)
@@ -282,7 +283,7 @@ class DpoRun(PreferenceRun):
             seconds = time.perf_counter() - started
             what = "the base model (adapters off)" if self.lora else "the initial weights"
             sink.event(
-                "reference",
+                EngineEvent.REFERENCE,
                 f"reference log-probabilities of {n} pairs from {what} in {seconds:.1f} s",
                 {"pairs": n, "seconds": seconds},
             )

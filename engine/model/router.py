@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from engine.errors import ConfigError
+from engine.kinds import LayerKind
 from engine.model.families import model_kind
 
 
@@ -75,7 +76,8 @@ class RouterLoss:
         blocks = sum(
             1
             for layer in adapted.layers
-            if layer.kind == "block" and any(type(m).__name__ == moe.router for m in layer.module.modules())
+            if layer.kind == LayerKind.BLOCK
+            and any(type(m).__name__ == moe.router for m in layer.module.modules())
         )
         if coef is None:
             coef = float(getattr(adapted.config, "router_aux_loss_coef", 0.0) or 0.0)

@@ -29,6 +29,7 @@ import torch
 from torch.func import functional_call
 
 from engine.errors import Cancelled, EngineError
+from engine.kinds import LayerKind
 from engine.model.adapter import Layer, run_layer
 from engine.parallel.board import Iteration
 from engine.parallel.context import WorkerContext
@@ -37,7 +38,7 @@ from engine.parallel.pairs import adapters_disabled
 from engine.parallel.replica import meta_copy, rng_lock
 from engine.parallel.routing import RouterAccounting
 from engine.parallel.transfer import DeviceLink, plan_windows
-from engine.scheduling.partition import Stage
+from engine.scheduling.partition import Stage, StageKind
 from engine.scheduling.schedule import SlotRun
 
 Params = dict[int, dict[str, torch.Tensor]]  # layer -> local name -> device tensor
@@ -103,7 +104,14 @@ class Worker:
                     it.aborted = it.aborted or exc.with_traceback(None)
             except BaseException as exc:
                 what = f"stage {stage.name} (layers {stage.start}-{stage.stop - 1}) on {self}"
-                self.board.fail(EngineError(f"{what}, iteration {it.serial}: {type(exc).__name__}: {exc}"))
+                error = EngineError(
+                    f"{what}, iteration {it.serial}: {type(exc).__name__}: {exc}",
+                    stage=stage.name,
+                    stage_kind=str(stage.kind),
+                    worker=str(self.device),
+                    iteration=it.serial,
+                )
+                self.board.fail(error)
                 traceback.clear_frames(exc.__traceback__)
             finally:
                 if it.aborted is not None or self.board.error is not None:
@@ -196,7 +204,7 @@ class Worker:
             for local, k in host.layer_keys[i].items():
                 if self.link.is_cuda:
                     params[i][local].record_stream(self.link.compute)
-                if stage.kind != "forward" and it.train and host.tensors[k].trainable:
+                if stage.kind != StageKind.FORWARD and it.train and host.tensors[k].trainable:
                     params[i][local].requires_grad_(True)
         return params
 
@@ -236,7 +244,7 @@ class Worker:
                     window = prefetch[2][w - first]
                     self.link.copy_pieces(self._pieces(prefetch[1], window, prefetch[3]), after)
                 t0 = self._mark()
-                if stage.kind == "forward":
+                if stage.kind == StageKind.FORWARD:
                     self._forward(it, stage, mb, params, x)
                 elif not it.train:
                     losses.append(self._evaluate(it, stage, mb, params, x))
@@ -247,7 +255,7 @@ class Worker:
                 spans.append((t0, self._mark()))
             if prefetch is not None:
                 self.prefetched[id(prefetch[0])] = (prefetch[1], self.link.record(self.link.param_up))
-            if stage.kind != "forward" and it.train:  # the gradients go down before anything waits
+            if stage.kind != StageKind.FORWARD and it.train:  # the gradients go down before anything waits
                 summed = accum if self.context.fp32_accumulate else None
                 send_gradients(
                     self.link, self.board, self.host, (it.serial, run.round), stage, params, summed
@@ -391,7 +399,7 @@ class Worker:
             for i in stage.layers:
                 # the output layer (last) returns the loss sum
                 x = self._call(
-                    it, mb, layers[i], params, x, ctx, labels if layers[i].kind == "output" else None
+                    it, mb, layers[i], params, x, ctx, labels if layers[i].kind == LayerKind.OUTPUT else None
                 )
                 self.routing.statistics(it, mb, i)  # an evaluation adds no router loss
                 if ctx is None:
@@ -413,14 +421,20 @@ class Worker:
         saved: list[tuple[torch.Tensor, torch.Tensor]] = []
         routed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         weights: torch.Tensor | None = None  # the router loss's per-expert weights
-        labels = self.link.upload(it.microbatches[mb].labels) if stage.kind == "fused" else None
+        labels = self.link.upload(it.microbatches[mb].labels) if stage.kind == StageKind.FUSED else None
         with torch.enable_grad():
             for i in stage.layers:
                 t0 = self._clock(it)
                 inp = x if i == 0 else x.detach().requires_grad_(self._needs_input_grad(i))
                 # the fused stage's output layer (last) returns the loss sum, chunk by chunk
                 x = self._call(
-                    it, mb, layers[i], params, inp, ctx, labels if layers[i].kind == "output" else None
+                    it,
+                    mb,
+                    layers[i],
+                    params,
+                    inp,
+                    ctx,
+                    labels if layers[i].kind == LayerKind.OUTPUT else None,
                 )
                 if it.profile:
                     self._record(it.layer_fwd_s, i, self._elapsed(t0))
@@ -430,7 +444,7 @@ class Worker:
                     ctx = self._context(it, mb, x)
                 saved.append((inp, x))
             loss_sum, report = None, None
-            if stage.kind == "fused":
+            if stage.kind == StageKind.FUSED:
                 # x: the output layer's result (a token loss sum, or the rows' log-probabilities)
                 loss_sum, report = it.objective.fused_loss(mb, x, self.link.upload)
                 scale = self.board.scale_for(it) / it.total_tokens

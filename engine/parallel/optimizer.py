@@ -147,7 +147,12 @@ class OptimizerWorker:
                 else:
                     self._step(payload)
             except BaseException as exc:  # surfaces in the caller's next engine call
-                self.board.fail(EngineError(f"optimizer worker: {type(exc).__name__}: {exc}"))
+                if isinstance(exc, EngineError):
+                    exc.stage = exc.stage or "optimizer"
+                    self.board.fail(exc)
+                else:
+                    error = EngineError(f"optimizer worker: {type(exc).__name__}: {exc}", stage="optimizer")
+                    self.board.fail(error)
             finally:
                 self.jobs.task_done()
 

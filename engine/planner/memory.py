@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 from engine.planner.shapes import Shape
 from engine.planner.workload import DTYPE_BYTES, GB, Hardware, Workload
-from engine.scheduling.partition import LayerCost, Plan, auto_partition
+from engine.scheduling.partition import LayerCost, Plan, StageKind, auto_partition
 
 CUDA_OVERHEAD_BYTES = 0.8 * GB  # CUDA context, allocator slack and workspace per GPU
 PREFETCH_ROUNDS = 2  # partitions tried before one layer per stage (the second with a cut budget)
@@ -85,7 +85,7 @@ class Memory:
         """The terms of one stage of ``plan``, in bytes (``total`` their sum)."""
         stage = plan.slots[slot]
         nxt = plan.slots[(slot + num_workers) % plan.num_slots]
-        backward = stage.kind != "forward"
+        backward = stage.kind != StageKind.FORWARD
         terms = {
             "weights": sum(self.weights[i] for i in stage.layers),
             "prefetch": sum(self.weights[i] for i in nxt.layers),

@@ -9,22 +9,34 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 
-KINDS = ("forward", "fused", "backward")
+
+class StageKind(StrEnum):
+    """A stage's part of a round: forward only, fused (forward, loss and backward), or backward
+    with its forward recomputed."""
+
+    FORWARD = "forward"
+    FUSED = "fused"
+    BACKWARD = "backward"
+
+
+KINDS = tuple(StageKind)
 
 
 @dataclass(frozen=True)
 class Stage:
     """A run of consecutive layers ``[start, stop)`` executed by one worker in one slot."""
 
-    kind: str  # "forward" | "fused" | "backward"
+    kind: StageKind  # a plain string is taken and checked
     start: int
     stop: int
     name: str  # forward: "F1".."Fk" bottom-up; fused: "B1"; backward: "B2".."Bk" top-down
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
-            raise ValueError(f"Stage kind={self.kind!r} must be one of {KINDS}")
+            raise ValueError(f"Stage kind={self.kind!r} must be one of {tuple(str(k) for k in KINDS)}")
+        object.__setattr__(self, "kind", StageKind(self.kind))
 
     @property
     def layers(self) -> range:
@@ -92,14 +104,14 @@ class Plan:
         fwd: list[Stage] = []
         at = 0
         for i, n in enumerate(forward):
-            fwd.append(Stage("forward", at, at + n, f"F{i + 1}"))
+            fwd.append(Stage(StageKind.FORWARD, at, at + n, f"F{i + 1}"))
             at += n
         bwd: list[Stage] = []
         at = boundary
         for i, n in enumerate(backward):
-            bwd.append(Stage("backward", at - n, at, f"B{i + 2}"))
+            bwd.append(Stage(StageKind.BACKWARD, at - n, at, f"B{i + 2}"))
             at -= n
-        plan = cls(num_layers, tuple(fwd), Stage("fused", boundary, num_layers, "B1"), tuple(bwd))
+        plan = cls(num_layers, tuple(fwd), Stage(StageKind.FUSED, boundary, num_layers, "B1"), tuple(bwd))
         validate_plan(plan)
         return plan
 

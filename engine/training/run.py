@@ -23,7 +23,8 @@ import torch
 
 from engine.config import EngineConfig, TrainConfig, resolve_compute_dtype
 from engine.data.batches import Batcher
-from engine.errors import Cancelled, ConfigError
+from engine.errors import Cancelled, ConfigError, EngineError
+from engine.kinds import EngineEvent, RunStatus
 from engine.methods import method_entry
 from engine.metrics import NullSink, Sink
 from engine.model.export import base_model_name, save_export
@@ -37,7 +38,7 @@ T = TypeVar("T")
 
 @dataclass
 class TrainResult:
-    status: str  # "succeeded" | "cancelled"
+    status: RunStatus
     step: int
     total_steps: int
     checkpoint: Path | None
@@ -215,7 +216,7 @@ class Run:
         self.engine.load_state_dict(engine_state)
         self.batcher.load_state_dict(trainer_state["batcher"])
         self.step = int(trainer_state["step"])
-        self.sink.event("resume", f"resumed from {found[1].name}", {"step": self.step})
+        self.sink.event(EngineEvent.RESUME, f"resumed from {found[1].name}", {"step": self.step})
 
     def save(self) -> Path:
         engine = self.engine
@@ -237,7 +238,7 @@ class Run:
             save_state(tmp, engine.state_dict(), trainer_state)
 
         path = write_checkpoint(self.checkpoints, self.step, fill, keep_last=self.config.checkpoint.keep_last)
-        self.sink.event("checkpoint", f"saved {path.name}", {"step": self.step, "path": str(path)})
+        self.sink.event(EngineEvent.CHECKPOINT, f"saved {path.name}", {"step": self.step, "path": str(path)})
         return path
 
     def validate(self) -> float | None:
@@ -254,10 +255,10 @@ class Run:
     def loop(self) -> TrainResult:
         h, every_eval = self.config.hyper, self.config.eval.every_steps
         started, first = time.perf_counter(), self.step
-        status, last_saved, metrics = "succeeded", None, {}
+        status, last_saved, metrics = RunStatus.SUCCEEDED, None, {}
         while self.step < self.total:
             if self.cancel is not None and self.cancel.is_set():
-                status = "cancelled"
+                status = RunStatus.CANCELLED
                 break
             position = self.batcher.state_dict()
             batch = self.batcher.next()
@@ -268,7 +269,7 @@ class Run:
                 loss, extra = self.method.forward_backward(self.engine, batch)
             except Cancelled:
                 self.batcher.load_state_dict(position)  # the batch was not trained on
-                status = "cancelled"
+                status = RunStatus.CANCELLED
                 break
             self.engine.step(lr=lr)
             self.step += 1
@@ -293,7 +294,7 @@ class Run:
                         metrics["loss/val"] = val
                 last_saved = self.save()
         found = latest(self.checkpoints)
-        if status == "cancelled" and (found is None or found[0] != self.step):
+        if status == RunStatus.CANCELLED and (found is None or found[0] != self.step):
             last_saved = self.save()
         self.engine.synchronize()
         return TrainResult(
@@ -329,11 +330,17 @@ def train(
             run.prepare()
         except Cancelled:  # while computing a reference pass (DPO's log-probabilities)
             last = latest(run.checkpoints)
-            return TrainResult("cancelled", last[0] if last else 0, run.total, last[1] if last else None)
+            return TrainResult(
+                RunStatus.CANCELLED, last[0] if last else 0, run.total, last[1] if last else None
+            )
         run.resume()
         if run.step >= run.total:
             found = list_checkpoints(run.checkpoints)
-            return TrainResult("succeeded", run.step, run.total, found[-1][1] if found else None)
-        return run.loop()
+            return TrainResult(RunStatus.SUCCEEDED, run.step, run.total, found[-1][1] if found else None)
+        try:
+            return run.loop()
+        except EngineError as exc:  # the step it failed at: the one being trained
+            exc.step = run.step + 1 if exc.step is None else exc.step
+            raise
     finally:
         run.engine.close()

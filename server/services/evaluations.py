@@ -19,10 +19,10 @@ from typing import Any
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
+from server.kinds import EvaluationStatus
 from server.storage import Storage
 from server.tables import Evaluation, Worker, now
 
-QUEUED, RUNNING, SUCCEEDED, FAILED = "queued", "running", "succeeded", "failed"
 FOLDER = "evaluations"  # inside a checkpoint folder
 
 
@@ -42,7 +42,7 @@ def create(
         job_id=job_id,
         step=step,
         dataset_id=dataset_id,
-        status=QUEUED,
+        status=EvaluationStatus.QUEUED,
         max_rows=max_rows,
         max_new_tokens=max_new_tokens,
         num_samples=num_samples,
@@ -68,8 +68,8 @@ def claim(session: Session, *, evaluation_id: str, worker_id: str) -> bool:
     """Take a queued evaluation for ``worker_id`` (one conditional update); False if not queued."""
     taken = session.execute(
         update(Evaluation)
-        .where(Evaluation.id == evaluation_id, Evaluation.status == QUEUED)
-        .values(status=RUNNING, worker_id=worker_id, started_at=now(), error=None)
+        .where(Evaluation.id == evaluation_id, Evaluation.status == EvaluationStatus.QUEUED)
+        .values(status=EvaluationStatus.RUNNING, worker_id=worker_id, started_at=now(), error=None)
     )
     session.commit()
     return bool(taken.rowcount == 1)  # type: ignore[attr-defined]
@@ -89,10 +89,12 @@ def finish(
     done = session.execute(
         update(Evaluation)
         .where(
-            Evaluation.id == evaluation_id, Evaluation.worker_id == worker_id, Evaluation.status == RUNNING
+            Evaluation.id == evaluation_id,
+            Evaluation.worker_id == worker_id,
+            Evaluation.status == EvaluationStatus.RUNNING,
         )
         .values(
-            status=FAILED if error is not None else SUCCEEDED,
+            status=EvaluationStatus.FAILED if error is not None else EvaluationStatus.SUCCEEDED,
             path=path,
             metrics=metrics or {},
             error=error,
@@ -112,13 +114,17 @@ def requeue_abandoned(session: Session, *, worker_id: str, silent_before: dateti
     session.execute(
         update(Evaluation)
         .where(
-            Evaluation.status == RUNNING,
+            Evaluation.status == EvaluationStatus.RUNNING,
             (Evaluation.worker_id == worker_id) | Evaluation.worker_id.not_in(alive),
         )
-        .values(status=QUEUED, worker_id=None, started_at=None)
+        .values(status=EvaluationStatus.QUEUED, worker_id=None, started_at=None)
     )
     session.commit()
-    q = select(Evaluation.id).where(Evaluation.status == QUEUED).order_by(Evaluation.created_at)
+    q = (
+        select(Evaluation.id)
+        .where(Evaluation.status == EvaluationStatus.QUEUED)
+        .order_by(Evaluation.created_at)
+    )
     return list(session.scalars(q))
 
 

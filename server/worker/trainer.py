@@ -154,10 +154,24 @@ def main(argv: list[str]) -> int:
         result = train(config, sink, cancel, models_dir=settings.models_dir)
     except Exception as exc:
         traceback.print_exc()
-        (folder / ERROR_FILE).write_text(f"{type(exc).__name__}: {exc}"[:4000])
+        (folder / ERROR_FILE).write_text(failure_text(exc)[:4000])
+        where = getattr(exc, "fields", None)
+        if callable(where):  # an EngineError: where it failed, as data on the job's events too
+            with sessions() as session:
+                message = failure_text(exc)
+                jobs.add_event(session, job_id=job_id, kind=EventKind.LOG, message=message, data=where())
         return EXIT_FAILED
     print(f"finished: {result.status} at step {result.step}/{result.total_steps}", flush=True)
     return EXIT_CANCELLED if result.status == "cancelled" else EXIT_OK
+
+
+def failure_text(exc: BaseException) -> str:
+    """What a failed job's ``error`` says: for an engine failure where it happened first ("failed
+    in backward stage B3 on cuda:1 at step 120: ..."), else the exception's type and message."""
+    where = getattr(exc, "where", None)
+    place = where() if callable(where) else ""
+    text = f"{type(exc).__name__}: {exc}"
+    return f"failed {place}: {text}" if place else text
 
 
 if __name__ == "__main__":
