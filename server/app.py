@@ -21,6 +21,7 @@ from server.api import (
     gpus,
     health,
     jobs,
+    methods,
     models,
     plan,
 )
@@ -71,7 +72,7 @@ def create_app(settings: Settings | None = None, *, apply_migrations: bool = Tru
     tick = settings.telemetry_seconds
     app.state.streams = Hub(sessions, stale_after=tick * 5, gpu_every=tick / 2)
     errors.install(app)
-    for module in (health, datasets, models, jobs, checkpoints, gpus, plan, disk):
+    for module in (health, datasets, models, methods, jobs, checkpoints, gpus, plan, disk):
         app.include_router(module.router)
     app.include_router(evaluations.router)
     app.include_router(generate.router)  # the playground: a stream with no session held open

@@ -496,3 +496,28 @@ class EvaluationDetail(EvaluationPublic):
         description="empty until it succeeded, or when its file went with a pruned checkpoint"
     )
     stored: bool = Field(description="the result file is still in the checkpoint folder")
+
+
+# -- methods (server/api/methods.py) ---------------------------------------------------------------
+class MethodPublic(BaseModel):
+    """A training method (``method.objective``) and what it needs."""
+
+    name: str = Field(
+        description='the value of method.objective (and of the earlier method.kind), e.g. "dpo"'
+    )
+    title: str
+    description: str
+    data_format: Literal["supervised", "preference"] = Field(
+        description="the rows it trains on: chat, instruction, prompt/completion or text; or preference pairs"
+    )
+    sequences_per_example: int
+    needs_reference: bool = Field(
+        description="a reference pass over every example runs before the first step"
+    )
+    config_fields: dict[str, str] = Field(description="the method.* fields it reads, with what each means")
+    metric_keys: list[str] = Field(description="what it logs besides loss/train and loss/val")
+    tunings: list[str] = Field(description="what it can train (method.tuning)")
+
+
+class MethodsPublic(BaseModel):
+    data: list[MethodPublic]

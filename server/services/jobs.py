@@ -14,6 +14,7 @@ from sqlalchemy.orm import Session
 
 from engine.config import TrainConfig
 from engine.errors import ConfigError
+from engine.methods import method_entry, preference_methods
 from server.kinds import METRIC_KINDS, EventKind, JobStatus
 from server.services import checkpoints
 from server.services.job_states import DELETABLE as DELETABLE
@@ -70,14 +71,15 @@ def build_config(
 
 
 def check_formats(*, config: TrainConfig, train: Dataset, validation: Dataset | None) -> None:
-    """A DPO job trains on preference datasets (rows with a preferred and a rejected answer); a
-    supervised one (``lora``, ``full``) on any other format.
+    """A preference job (DPO, ORPO: ``GET /api/methods``) trains on preference datasets (rows with
+    a preferred and a rejected answer); a supervised one (``lora``, ``full``) on any other format.
 
     Raises:
         ConfigError: naming ``dataset_id``, ``validation_dataset_id`` or ``data.format``, with the
             dataset's name and format and the method.
     """
-    dpo, kind, given = config.method.objective == "dpo", config.method.kind, config.data.format
+    entry = method_entry(config.method.objective)
+    dpo, kind, given = entry.data_format == "preference", config.method.kind, config.data.format
     if given != "auto" and (given == "preference") != dpo:
         wanted = "preference" if dpo else "a supervised format"
         message = f"data.format={given!r} does not suit method.kind={kind!r}: it takes {wanted} (or auto)"
@@ -86,9 +88,11 @@ def check_formats(*, config: TrainConfig, train: Dataset, validation: Dataset | 
         if dataset is None or (dataset.format == "preference") == dpo:
             continue
         if dpo:
-            why = "is not a preference dataset: DPO needs rows with a preferred and a rejected answer"
+            need = "rows with a preferred and a rejected answer"
+            why = f"is not a preference dataset: {kind.upper()} needs {need}"
         else:
-            why = f"is a preference dataset: it trains with method.kind 'dpo', not {kind!r}"
+            methods = " or ".join(repr(m) for m in preference_methods())
+            why = f"is a preference dataset: it trains with method.kind {methods}, not {kind!r}"
         message = f"{field}: dataset {dataset.name!r} ({dataset.format}) {why}"
         raise ConfigError(field, message, value=dataset.id)
 

@@ -16,8 +16,9 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from engine.config import MAX_SEED
+from engine.methods import preference_methods
 from server.kinds import EventKind, JobStatus
-from server.services import checkpoints
+from server.services import checkpoints, methods
 from server.services.fine_tuned import ORGANIZATION, checkpoint_name, model_name
 from server.storage import Storage
 from server.tables import Checkpoint, Dataset, Job, JobEvent
@@ -116,12 +117,6 @@ def page_files(
 
 
 # -- jobs --------------------------------------------------------------------------------------------
-def _tuning(method: dict[str, Any]) -> str:
-    """What a job's config trains: "lora" or "full" (a DPO job's dpo_tuning)."""
-    kind = method.get("kind", "lora")
-    return str(method.get("dpo_tuning", "lora") if kind == "dpo" else kind)
-
-
 def job_object(job: Job) -> dict[str, Any]:
     config = job.config
     method, hyper = config.get("method") or {}, config.get("hyper") or {}
@@ -129,11 +124,12 @@ def job_object(job: Job) -> dict[str, Any]:
     rate = float(hyper.get("learning_rate") or 0)
     shown: dict[str, Any] = {
         "batch_size": hyper.get("batch_size"),
-        "learning_rate_multiplier": rate / BASE_LEARNING_RATE[_tuning(method)],
+        "learning_rate_multiplier": rate / BASE_LEARNING_RATE[methods.tuning_of(method)],
         "n_epochs": int(epochs) if isinstance(epochs, float) and epochs.is_integer() else epochs or "auto",
     }
-    kind = "dpo" if method.get("kind") == "dpo" else "supervised"
-    if kind == "dpo":
+    objective = methods.objective_of(method)
+    kind = "supervised" if objective == "sft" else objective  # method.type: dpo, orpo (our extension)
+    if objective != "sft":
         shown["beta"] = method.get("beta")
     failed = job.status == JobStatus.FAILED
     return {
@@ -183,18 +179,27 @@ def train_sections(
     """
     method, hyper = dict(options.get("method") or {}), dict(options.get("hyper") or {})
     kind = method.get("kind")
+    given = methods.objective_of(method) if ("kind" in method or "objective" in method) else None
     if method_type == "reinforcement":
-        raise Invalid("method.type", "reinforcement fine-tuning is not supported: use supervised or dpo")
-    if method_type == "dpo":
-        if kind not in (None, "dpo"):
-            raise Invalid("roundhouse.method.kind", f"{kind!r} contradicts method.type dpo: use dpo_tuning")
-        method["kind"] = "dpo"
-        method["beta"] = _auto(hyperparameters.get("beta"), method.get("beta", AUTO_BETA))
-    elif kind not in (None, "lora", "full"):
         raise Invalid(
-            "roundhouse.method.kind", f"{kind!r}: a supervised job is lora or full (dpo: method.type)"
+            "method.type", "reinforcement fine-tuning is not supported: use supervised, dpo or orpo"
         )
-    base = hyper.get("learning_rate", BASE_LEARNING_RATE.get(_tuning(method), BASE_LEARNING_RATE["lora"]))
+    if method_type in preference_methods():  # dpo, and our extension orpo
+        if given not in (None, method_type):
+            raise Invalid(
+                "roundhouse.method.kind",
+                f"{kind or method.get('objective')!r} contradicts method.type {method_type}: use dpo_tuning",
+            )
+        method["kind"] = method_type
+        method["beta"] = _auto(hyperparameters.get("beta"), method.get("beta", AUTO_BETA))
+    elif given not in (None, "sft"):
+        raise Invalid(
+            "roundhouse.method.kind",
+            f"{kind or method.get('objective')!r}: a supervised job is lora or full (dpo, orpo: method.type)",
+        )
+    base = hyper.get(
+        "learning_rate", BASE_LEARNING_RATE.get(methods.tuning_of(method), BASE_LEARNING_RATE["lora"])
+    )
     if not isinstance(base, int | float) or isinstance(base, bool):
         raise Invalid("roundhouse.hyper.learning_rate", f"must be a number, got {base!r}")
     multiplier = _auto(hyperparameters.get("learning_rate_multiplier"), AUTO_LEARNING_RATE_MULTIPLIER)

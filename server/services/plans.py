@@ -17,7 +17,7 @@ from engine.config import TrainConfig
 from engine.errors import ConfigError
 from engine.planner import HARDWARE_RANGES, Hardware, Shape, Workload, calibrate, plan_job
 from server.schemas import PlanRequest
-from server.services import datasets, gpus, jobs, models, tokenizers
+from server.services import datasets, gpus, jobs, methods, models, tokenizers
 from server.services.failures import Conflict, Invalid, NotFound
 from server.settings import Settings
 from server.storage import Storage
@@ -179,11 +179,11 @@ def _token_lengths(
     """The training rows' token counts through the base model's tokenizer; None without a
     dataset, for a plan of a bare config.json, before the model's folder is ready (the demo before
     its preparation), or for a dataset the job's method does not train on (``POST /api/jobs``
-    refuses that job: preference pairs are DPO's alone): the plan then assumes every sequence is
-    ``max_length`` long. A preference dataset's list each pair's two sequences."""
+    refuses that job: preference pairs are the preference methods' alone): the plan then assumes
+    every sequence is ``max_length`` long. A preference dataset's list each pair's two sequences."""
     if dataset is None or request.config is not None:
         return None
-    if (dataset.format == "preference") != (request.method.get("kind") == "dpo"):
+    if (dataset.format == "preference") != methods.takes_preference_data(request.method):
         return None
     folder = models.usable_folder(request.base_model or "demo", settings.models_dir, settings.hf_cache_dir)
     if folder is None:

@@ -183,7 +183,7 @@ def test_config_errors_name_the_field_and_value(tmp_path: Path) -> None:
         TrainConfig.parse(
             {"data": {"train": "x.jsonl"}, "hyper": {"batch_size": 4}, "engine": {"num_microbatches": 8}}
         )
-    kinds = r"method.kind: Input should be 'lora', 'full' or 'dpo' \(got \"qlora\"\)"
+    kinds = r"method.kind: Input should be 'lora', 'full', 'dpo' or 'orpo' \(got \"qlora\"\)"
     with pytest.raises(ValueError, match=kinds):
         TrainConfig.parse({"data": {"train": "x.jsonl"}, "method": {"kind": "qlora"}})
     with pytest.raises(ValueError, match=r"data: Field required"):

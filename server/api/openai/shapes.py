@@ -84,12 +84,14 @@ class DpoMethod(_Request):
 
 
 class Method(_Request):
-    type: Literal["supervised", "dpo", "reinforcement"] = Field(
+    type: Literal["supervised", "dpo", "orpo", "reinforcement"] = Field(
         description='supervised: a LoRA adapter (or every weight: roundhouse.method.kind "full"); dpo: '
-        "preference tuning (roundhouse.method.dpo_tuning lora or full); reinforcement is not supported"
+        "preference tuning (roundhouse.method.dpo_tuning lora or full); orpo (our extension): "
+        "reference-free preference tuning by odds ratio, beta its weight; reinforcement is not supported"
     )
     supervised: SupervisedMethod | None = None
     dpo: DpoMethod | None = None
+    orpo: DpoMethod | None = Field(None, description="as dpo's: hyperparameters with beta (ORPO's lambda)")
     reinforcement: dict[str, Any] | None = None
 
 
@@ -180,9 +182,10 @@ class JobMethodOptions(BaseModel):
 
 
 class JobMethod(BaseModel):
-    type: Literal["supervised", "dpo"]
+    type: Literal["supervised", "dpo", "orpo"]
     supervised: JobMethodOptions | None = None
     dpo: JobMethodOptions | None = None
+    orpo: JobMethodOptions | None = None
 
 
 class FineTuningJob(BaseModel):

@@ -14,10 +14,53 @@ const DELETABLE = ["succeeded", "failed", "cancelled", "interrupted", "paused"];
 const PAUSABLE = ["queued", "running", "interrupted"];
 const RUNS = ["running", "pausing", "cancelling"]; // a worker runs it: the ETA means something
 
-// "LoRA (r 16)", "Full fine-tune", "DPO (LoRA), beta 0.1"
+// The preference methods' charts: a line chart of the pair metrics, and the share of pairs won
+const PREFERENCE_CHARTS = {
+  dpo: {
+    title: "Rewards (DPO)",
+    hint: "Implicit rewards of the preferred (chosen) and rejected answers; the margin is their difference.",
+    label: "DPO reward margin",
+    ylabel: "reward",
+    lines: [
+      ["margin", "dpo/reward_margin"],
+      ["chosen", "dpo/chosen_reward"],
+      ["rejected", "dpo/rejected_reward"],
+    ],
+    accuracyTitle: "Reward accuracy (DPO)",
+    accuracyHint: "The share of pairs whose preferred answer gets the higher reward.",
+    accuracyLabel: "DPO reward accuracy",
+    accuracy: "dpo/reward_accuracy",
+  },
+  orpo: {
+    title: "Odds ratio (ORPO)",
+    hint: "The log odds ratio of the preferred over the rejected answer, and each answer's mean token log-probability.",
+    label: "ORPO log odds ratio",
+    ylabel: "log odds",
+    lines: [
+      ["log odds ratio", "orpo/log_odds_ratio"],
+      ["chosen", "orpo/chosen_logp"],
+      ["rejected", "orpo/rejected_logp"],
+    ],
+    accuracyTitle: "Accuracy (ORPO)",
+    accuracyHint: "The share of pairs whose preferred answer has the higher odds.",
+    accuracyLabel: "ORPO accuracy",
+    accuracy: "orpo/reward_accuracy",
+  },
+};
+
+// A job's method (either form of its method section): "sft", "dpo", "orpo"
+export function methodObjective(m = {}) {
+  if (m.objective) return m.objective;
+  return m.kind === "lora" || m.kind === "full" || !m.kind ? "sft" : m.kind;
+}
+
+// "LoRA (r 16)", "Full fine-tune", "DPO (LoRA), beta 0.1", "ORPO (full), beta 0.1"
 export function methodLabel(m = {}) {
-  if (m.kind === "dpo") return `DPO (${m.dpo_tuning === "full" ? "full" : "LoRA"}), beta ${m.beta ?? 0.1}`;
-  if (m.kind === "full") return "Full fine-tune";
+  const objective = methodObjective(m);
+  const tuning = m.tuning ?? (objective === "sft" ? m.kind : m.dpo_tuning) ?? "lora";
+  if (objective !== "sft")
+    return `${objective.toUpperCase()} (${tuning === "full" ? "full" : "LoRA"}), beta ${m.beta ?? 0.1}`;
+  if (tuning === "full") return "Full fine-tune";
   return `LoRA (r ${m.lora_r ?? 16})`;
 }
 
@@ -84,17 +127,19 @@ export async function render(main, jobId) {
   const diskUse = el("span", { id: "job-disk" });
   const error = el("div", { id: "job-error" });
   const title = el("h1", { text: job.name });
-  const dpo = job.config.method?.kind === "dpo";
+  const objective = methodObjective(job.config.method);
+  const dpo = objective in PREFERENCE_CHARTS; // a preference method: its charts are shown
+  const charts = PREFERENCE_CHARTS[objective] ?? PREFERENCE_CHARTS.dpo;
   const marginChart = el("rh-line-chart", {
     id: "reward-margin-chart",
-    label: "DPO reward margin",
+    label: charts.label,
     xlabel: "step",
-    ylabel: "reward",
+    ylabel: charts.ylabel,
     empty: "no reward logged yet",
   });
   const accuracyChart = el("rh-line-chart", {
     id: "reward-accuracy-chart",
-    label: "DPO reward accuracy",
+    label: charts.accuracyLabel,
     xlabel: "step",
     ylabel: "accuracy",
     zero: true,
@@ -105,18 +150,15 @@ export async function render(main, jobId) {
     el(
       "section",
       { class: "card dpo-card", hidden: !dpo },
-      el("h2", { text: "Rewards (DPO)" }),
-      el("p", {
-        class: "hint",
-        text: "Implicit rewards of the preferred (chosen) and rejected answers; the margin is their difference.",
-      }),
+      el("h2", { text: charts.title }),
+      el("p", { class: "hint", text: charts.hint }),
       marginChart,
     ),
     el(
       "section",
       { class: "card dpo-card", hidden: !dpo },
-      el("h2", { text: "Reward accuracy (DPO)" }),
-      el("p", { class: "hint", text: "The share of pairs whose preferred answer gets the higher reward." }),
+      el("h2", { text: charts.accuracyTitle }),
+      el("p", { class: "hint", text: charts.accuracyHint }),
       accuracyChart,
     ),
   ];
@@ -201,11 +243,9 @@ export async function render(main, jobId) {
     "loss/train": [],
     "loss/val": [],
     "throughput/tokens_per_s": [],
-    "dpo/reward_margin": [],
-    "dpo/chosen_reward": [],
-    "dpo/rejected_reward": [],
-    "dpo/reward_accuracy": [],
   };
+  for (const c of Object.values(PREFERENCE_CHARTS))
+    for (const key of [...c.lines.map((l) => l[1]), c.accuracy]) series[key] = [];
   const devices = new Map();
   const memory = new Map();
   let runStart = null; // when the run first started (ms): the x origin of the device charts
@@ -251,14 +291,10 @@ export async function render(main, jobId) {
       { name: "validation", points: series["loss/val"] },
     ]);
     speedChart.setSeries([{ name: "tokens/s", points: series["throughput/tokens_per_s"] }]);
-    if (series["dpo/reward_margin"].length || series["dpo/reward_accuracy"].length)
-      for (const card of dpoCards) card.hidden = false; // DPO metrics shown wherever they come from
-    marginChart.setSeries([
-      { name: "margin", points: series["dpo/reward_margin"] },
-      { name: "chosen", points: series["dpo/chosen_reward"] },
-      { name: "rejected", points: series["dpo/rejected_reward"] },
-    ]);
-    accuracyChart.setSeries([{ name: "accuracy", points: series["dpo/reward_accuracy"] }]);
+    if (series[charts.lines[0][1]].length || series[charts.accuracy].length)
+      for (const card of dpoCards) card.hidden = false; // the metrics shown wherever they come from
+    marginChart.setSeries(charts.lines.map(([name, key]) => ({ name, points: series[key] })));
+    accuracyChart.setSeries([{ name: "accuracy", points: series[charts.accuracy] }]);
     gpuChart.setSeries([...devices.entries()].map(([k, points]) => ({ name: k, points })));
     memoryChart.setSeries([...memory.entries()].map(([k, points]) => ({ name: k, points })));
   }

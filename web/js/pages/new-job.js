@@ -1,4 +1,5 @@
-// New job: base model, dataset, method (LoRA, full, or DPO on preference pairs) and the key
+// New job: base model, dataset, method (LoRA, full, or a preference method on pairs: DPO, ORPO,
+// as GET /api/methods lists them) and the key
 // hyperparameters (engine settings under "Advanced"); the equivalent API request is shown and can be
 // copied.
 
@@ -98,23 +99,33 @@ export function suitableData(list, kind = "lora") {
   return train ? [train.id, heldOutFor(list, train.id)] : ["", ""];
 }
 
-// Which datasets a method trains on: DPO on preference datasets (a preferred and a rejected answer
-// per prompt), the supervised methods on every other format. POST /api/jobs refuses the others.
+// The methods that train on preference datasets (GET /api/methods: data_format "preference"),
+// set when the page renders.
+const preferenceMethods = new Set(["dpo", "orpo"]);
+
+// Which datasets a method trains on: a preference method (DPO, ORPO) on preference datasets (a
+// preferred and a rejected answer per prompt), the supervised methods on every other format.
+// POST /api/jobs refuses the others.
 export function fits(dataset, kind) {
-  return (dataset.format === "preference") === (kind === "dpo");
+  return (dataset.format === "preference") === preferenceMethods.has(kind);
 }
 
 function datasetLabel(d, kind) {
   const rows = d.format === "preference" ? `${d.rows} pairs, preference` : `${d.rows} rows, ${d.format}`;
-  return `${d.name} (${rows})${fits(d, kind) ? "" : kind === "dpo" ? " — not preference pairs" : " — for DPO"}`;
+  const why = preferenceMethods.has(kind) ? " — not preference pairs" : " — for preference methods";
+  return `${d.name} (${rows})${fits(d, kind) ? "" : why}`;
 }
 
 export async function render(main) {
-  const [models, datasets, workers] = await Promise.all([
+  const [models, datasets, workers, methods] = await Promise.all([
     api("/models"),
     api("/datasets"),
     api("/gpus").catch(() => ({ hosts: [] })),
+    api("/methods"),
   ]);
+  const preference = methods.data.filter((m) => m.data_format === "preference");
+  preferenceMethods.clear();
+  for (const m of preference) preferenceMethods.add(m.name);
   const [base, unsupported] = modelPicker(models.data);
   const [trainPick, validationPick] = suitableData(datasets.data);
   const train = choice(
@@ -129,36 +140,47 @@ export async function render(main) {
   const heldOut = num(0, { min: 0, max: 0.5, step: 0.01 });
   const lora = el("input", { type: "radio", name: "method", value: "lora", id: "method-lora", checked: true });
   const full = el("input", { type: "radio", name: "method", value: "full", id: "method-full" });
-  const dpo = el("input", { type: "radio", name: "method", value: "dpo", id: "method-dpo" });
-  // DPO: what it trains (method.dpo_tuning) and how far it may move from the reference (method.beta)
+  // one radio per preference method of the listing: #method-dpo, #method-orpo
+  const prefRadios = preference.map((m) =>
+    el("input", { type: "radio", name: "method", value: m.name, id: `method-${m.name}` }),
+  );
+  const shortName = (m) => m.title.split(" ")[0];
+  // a preference method: what it trains (method.dpo_tuning) and its beta (method.beta)
   const dpoTuning = choice(
     [
-      ["lora", "LoRA adapter (the reference is the base model)"],
-      ["full", "every weight (reference computed once, first)"],
+      ["lora", "LoRA adapter"],
+      ["full", "every weight"],
     ],
     "lora",
   );
   const beta = num(0.1, { min: 0.001, max: 100, step: "any" });
+  const prefLegend = el("legend", { text: "Preference tuning" });
+  const prefHint = el("p", { class: "hint" });
+  const betaField = field("dpo-beta", "Beta", beta, preference[0]?.config_fields.beta ?? " ");
   const dpoOptions = el(
     "fieldset",
     { id: "dpo-options", hidden: true },
-    el("legend", { text: "Preference tuning (DPO)" }),
-    el("p", {
-      class: "hint",
-      text:
-        "Direct preference optimization learns from pairs: for each prompt a preferred and a rejected answer. " +
-        "It needs a preference dataset.",
-    }),
+    prefLegend,
+    prefHint,
     field("dpo-tuning", "Trains", dpoTuning),
-    field(
-      "dpo-beta",
-      "Beta",
-      beta,
-      "how far the model may move from the reference: smaller lets it move further (0.1 is usual)",
-    ),
+    betaField,
   );
-  const kind = () => (dpo.checked ? "dpo" : full.checked ? "full" : "lora");
-  const usesLora = () => lora.checked || (dpo.checked && dpoTuning.value === "lora");
+  const kind = () => prefRadios.find((r) => r.checked)?.value ?? (full.checked ? "full" : "lora");
+  const chosenMethod = () => preference.find((m) => m.name === kind());
+  const usesLora = () => lora.checked || (Boolean(chosenMethod()) && dpoTuning.value === "lora");
+  // the fieldset says what the chosen preference method is and what its fields mean
+  function describeMethod(m) {
+    prefLegend.textContent = `Preference tuning (${shortName(m)})`;
+    prefHint.textContent = `${m.title}: ${m.description}. It needs a preference dataset.`;
+    const help = betaField.querySelector(".hint");
+    if (help) help.textContent = m.config_fields.beta ?? "";
+    dpoTuning.options[0].textContent = m.needs_reference
+      ? "LoRA adapter (the reference is the base model)"
+      : "LoRA adapter";
+    dpoTuning.options[1].textContent = m.needs_reference
+      ? "every weight (reference computed once, first)"
+      : "every weight";
+  }
   const maxSteps = num(60, { min: 1 });
   const epochs = num("", { min: 0.01, step: 0.01, placeholder: "or epochs" });
   const batch = num(8, { min: 1 });
@@ -234,9 +256,9 @@ export async function render(main) {
       data: { max_length: Number(maxLength.value) },
       method: lora.checked
         ? { kind: "lora", lora_r: Number(rank.value) }
-        : dpo.checked
+        : chosenMethod()
           ? {
-              kind: "dpo",
+              kind: kind(),
               dpo_tuning: dpoTuning.value,
               beta: Number(beta.value),
               ...(usesLora() ? { lora_r: Number(rank.value) } : {}),
@@ -281,9 +303,11 @@ export async function render(main) {
   // only the fields of the chosen method; the dataset pickers say which datasets fit it
   function showMethod() {
     const k = kind();
-    dpoOptions.hidden = k !== "dpo";
+    const m = chosenMethod();
+    dpoOptions.hidden = !m;
+    if (m) describeMethod(m);
     rankField.hidden = !usesLora();
-    batchField.querySelector("label").textContent = `Batch size (${k === "dpo" ? "pairs" : "sequences"})`;
+    batchField.querySelector("label").textContent = `Batch size (${m ? "pairs" : "sequences"})`;
     for (const [picker, offset] of [
       [train, 0],
       [validation, 1],
@@ -294,10 +318,9 @@ export async function render(main) {
         option.dataset.fits = String(fits(d, k));
       });
     const chosen = datasets.data.find((d) => d.id === train.value);
-    const wanted =
-      k === "dpo"
-        ? "a preference dataset (a preferred and a rejected answer per prompt)"
-        : "a chat, instruction, prompt/completion or text dataset";
+    const wanted = m
+      ? "a preference dataset (a preferred and a rejected answer per prompt)"
+      : "a chat, instruction, prompt/completion or text dataset";
     const fitting = datasets.data.filter((d) => fits(d, k)).length;
     dataHint.textContent =
       chosen && !fits(chosen, k)
@@ -330,7 +353,14 @@ export async function render(main) {
       el("legend", { text: "Method" }),
       el("label", { for: "method-lora" }, lora, " LoRA (adapter; small download)"),
       el("label", { for: "method-full" }, full, " Full fine-tune"),
-      el("label", { for: "method-dpo" }, dpo, " DPO (preference pairs)"),
+      ...preference.map((m, i) =>
+        el(
+          "label",
+          { for: `method-${m.name}`, title: m.description },
+          prefRadios[i],
+          ` ${shortName(m)} (preference pairs)`,
+        ),
+      ),
     ),
     dpoOptions,
     moeOptions,
@@ -392,7 +422,7 @@ export async function render(main) {
     if (!validationPicked) validation.value = heldOutFor(datasets.data, train.value);
   });
   // a method change moves the training set to one that fits it, when the chosen one does not
-  for (const radio of [lora, full, dpo])
+  for (const radio of [lora, full, ...prefRadios])
     radio.addEventListener("change", () => {
       const chosen = datasets.data.find((d) => d.id === train.value);
       const [better] = suitableData(datasets.data, kind());

@@ -12,17 +12,19 @@ const SEQ_LIMITS = {
   context: "model context",
   planner: "planner range",
 };
-// A DPO job: each step trains 2 sequences a pair (the batch counts pairs), and before the first
-// step one forward over every pair gives the reference log-probabilities (POST /api/plan's
-// reference_s, part of the ETA; null when the pair count is unknown).
-function dpoNote(p) {
+// A preference job (DPO, ORPO): each step trains 2 sequences a pair (the batch counts pairs); for
+// a method with a reference (DPO), before the first step one forward over every pair gives the
+// reference log-probabilities (POST /api/plan's reference_s, part of the ETA; null when the pair
+// count is unknown).
+function pairsNote(p) {
   const a = p.assumptions;
   const what = a.tuning === "lora" ? "the base model, adapter off" : "the initial weights";
-  const pass =
-    p.reference_s === null
+  const pass = !a.needs_reference
+    ? "no reference pass"
+    : p.reference_s === null
       ? "the reference pass is not counted (pick a dataset for its pair count)"
       : `the reference pass over ${a.reference_pairs.toLocaleString("en-US")} pairs (${what}) takes ${duration(p.reference_s)}, in the ETA`;
-  return `DPO: 2 sequences (preferred and rejected) per pair, ${a.sequences_per_step} a step; ${pass}.`;
+  return `${a.objective.toUpperCase()}: 2 sequences (preferred and rejected) per pair, ${a.sequences_per_step} a step; ${pass}.`;
 }
 
 // The card (``element``); ``schedule()`` plans ``body()`` 300 ms after the last call, a newer
@@ -105,7 +107,7 @@ export function planCard(body) {
               el("dt", { text: "predicted tokens/s" }),
               el("dd", { id: "plan-tokens", text: number(p.tokens_per_s) }),
             ),
-            p.assumptions.method === "dpo"
+            p.assumptions.needs_reference
               ? el(
                   "div",
                   {},
@@ -119,7 +121,9 @@ export function planCard(body) {
             class: "muted small",
             text: `${p.partition ? `Stages ${p.partition}; ` : ""}${rate}; ${perSeq} (${hw}). An estimate: a finished job on this box calibrates it (POST /api/plan with calibrate_job_id).`,
           }),
-          p.assumptions.method === "dpo" ? el("p", { id: "plan-dpo", class: "muted small", text: dpoNote(p) }) : null,
+          p.assumptions.objective !== "sft"
+            ? el("p", { id: "plan-dpo", class: "muted small", text: pairsNote(p) })
+            : null,
         ].filter(Boolean),
       );
     } catch (err) {
