@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
 from pathlib import Path
-from typing import Annotated, Any
 
-from fastapi import Depends, FastAPI, Query, Request
-from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse
+from fastapi import Depends, FastAPI
+from fastapi.responses import HTMLResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 
 from server import __version__, errors
@@ -21,6 +19,7 @@ from server.api import (
     gpus,
     health,
     jobs,
+    login,
     methods,
     models,
     plan,
@@ -29,7 +28,7 @@ from server.api.openai import files as openai_files
 from server.api.openai import fine_tuning as openai_fine_tuning
 from server.api.openai import models as openai_models
 from server.db import make_engine, migrate, session_factory
-from server.deps import COOKIE, SessionDep, current_key, plain_parameters
+from server.deps import current_key, plain_parameters
 from server.services import keys
 from server.settings import Settings, get_settings
 from server.storage import open_storage
@@ -38,10 +37,6 @@ from server.streams import Hub, lifespan
 WEB = Path(__file__).resolve().parent.parent / "web"
 LANDING = """<!doctype html><html lang="en"><head><meta charset="utf-8"><title>Roundhouse</title></head>
 <body><h1>Roundhouse</h1><p>The REST API is described at <a href="/docs">/docs</a>.</p></body></html>"""
-LINK_USED = """<!doctype html><html lang="en"><head><meta charset="utf-8"><link rel="icon" href="data:,">
-<title>Login link used or expired</title></head><body><h1>This login link was already used or has expired</h1>
-<p>A login link works once, for {minutes:g} minutes. For a new one, run <code>roundhouse login-url</code>
-on the server (<code>docker compose exec api roundhouse login-url</code> with Docker).</p></body></html>"""
 
 
 def create_app(settings: Settings | None = None, *, apply_migrations: bool = True) -> FastAPI:
@@ -86,22 +81,7 @@ def create_app(settings: Settings | None = None, *, apply_migrations: bool = Tru
         return JSONResponse(app.openapi())
 
     app.include_router(docs.router)  # /docs, /redoc and their scripts, served from here
-
-    @app.get("/login", include_in_schema=False)
-    def login(request: Request, session: SessionDep, token: Annotated[str, Query(min_length=1)]) -> Any:
-        """Trade a one-time login link's token for a session cookie, then open the app."""
-        lifetime = timedelta(days=settings.session_days)
-        secret = keys.redeem_login(session, token=token, lifetime=lifetime)
-        if secret is None:
-            page = LINK_USED.format(minutes=settings.login_link_minutes)
-            return HTMLResponse(page, status_code=401, headers={"Cache-Control": "no-store"})
-        response = RedirectResponse("/", status_code=303, headers={"Cache-Control": "no-store"})
-        # Secure when this request came over https (as the ASGI server reports it) or the public
-        # URL is https; X-Forwarded-Proto is not read here
-        secure = request.url.scheme == "https" or (settings.public_url or "").lower().startswith("https:")
-        max_age = int(lifetime.total_seconds())
-        response.set_cookie(COOKIE, secret, max_age=max_age, httponly=True, samesite="strict", secure=secure)
-        return response
+    app.include_router(login.router)
 
     web = settings.web_dir or WEB
     if web.is_dir():
@@ -118,10 +98,3 @@ def create_app(settings: Settings | None = None, *, apply_migrations: bool = Tru
 def app_for_process() -> FastAPI:
     """The app of one of several server processes (the parent applied the migrations)."""
     return create_app(get_settings(), apply_migrations=False)
-
-
-def login_url(settings: Settings, token: str) -> str:
-    """The login link of a one-time token (``keys.create_login``)."""
-    host = "127.0.0.1" if settings.host in ("0.0.0.0", "::", "") else settings.host  # a bind-all address
-    base = settings.public_url or f"http://{host}:{settings.port}"
-    return f"{base.rstrip('/')}/login?token={token}"

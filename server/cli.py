@@ -210,7 +210,7 @@ def _login_link(session: Session, settings: Settings, *, key_id: int | None) -> 
     """A new one-time login link for the key ``key_id`` (None: the first key)."""
     from datetime import timedelta
 
-    from server.app import login_url
+    from server.api.login import login_url
     from server.services import keys
 
     lifetime = timedelta(minutes=settings.login_link_minutes)
