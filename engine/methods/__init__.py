@@ -20,6 +20,7 @@ from engine.optimizers import choices
 
 if TYPE_CHECKING:
     from engine.methods.base import MethodRun
+    from engine.parallel.objective import Objective
 
 TUNINGS = ("lora", "full")
 
@@ -40,7 +41,8 @@ class MethodEntry:
         config_fields: the ``method.*`` fields it reads besides what trains (``tuning``) and the
             LoRA settings, each with what it means for this method.
         metric_keys: the metrics it logs besides ``loss/train`` and ``loss/val``.
-        module: the module holding its objective and its ``MethodRun`` (``RUN``).
+        module: the module holding its fused-stage loss (``OBJECTIVE``, an
+            ``engine.parallel.objective.Objective`` class) and its ``MethodRun`` (``RUN``).
     """
 
     name: str
@@ -57,6 +59,11 @@ class MethodEntry:
         """The method's ``MethodRun`` class (imports its module, and torch)."""
         run: type[MethodRun] = importlib.import_module(self.module).RUN
         return run
+
+    def objective_class(self) -> type[Objective]:
+        """The method's fused-stage loss: its ``Objective`` class (imports its module, and torch)."""
+        objective: type[Objective] = importlib.import_module(self.module).OBJECTIVE
+        return objective
 
     def listing(self) -> dict[str, Any]:
         """The entry as JSON for the service's method listing."""

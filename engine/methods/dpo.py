@@ -330,6 +330,7 @@ class DpoRun(PreferenceRun):
 
 
 RUN = DpoRun
+OBJECTIVE = DpoObjective
 
 
 def _read(path: Path) -> dict[str, Any] | None:

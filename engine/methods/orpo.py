@@ -211,3 +211,4 @@ class OrpoRun(PreferenceRun):
 
 
 RUN = OrpoRun
+OBJECTIVE = OrpoObjective

@@ -15,6 +15,7 @@ import torch
 from engine.data.batches import collate, pack, split_validation
 from engine.data.encode import Encoded, load_encoded
 from engine.methods.base import MethodRun
+from engine.parallel.objective import Objective
 from engine.roundpipe import RoundPipe
 
 
@@ -64,3 +65,4 @@ class SupervisedRun(MethodRun):
 
 
 RUN = SupervisedRun
+OBJECTIVE = Objective  # the engine's default: the output layer's token loss sum

@@ -144,3 +144,18 @@ def test_orpo_refuses_bad_input_and_evaluates_without_training(pair_batches) -> 
         stats = orpo.evaluate(rp, **batch, beta=0.1)
         assert stats.pairs == 2 and math.isfinite(stats.loss)
         assert bitwise_equal(rp.master_state_dict(), before)
+
+
+def test_every_registered_method_has_its_run_and_objective() -> None:
+    from engine.methods import METHODS
+    from engine.methods.base import MethodRun
+    from engine.parallel.objective import Objective
+    from engine.parallel.pairs import PairScores
+
+    for entry in METHODS.values():
+        assert issubclass(entry.run_class(), MethodRun), entry.name
+        objective = entry.objective_class()
+        assert issubclass(objective, Objective), entry.name
+        # a method on pairs scores whole sequences; a supervised one scores tokens
+        assert issubclass(objective, PairScores) == (entry.sequences_per_example == 2), entry.name
+        assert objective.per_sequence == (entry.data_format == "preference"), entry.name
