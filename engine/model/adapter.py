@@ -2,9 +2,9 @@
 
 One generic adapter serves every supported family: a family's ``FamilySpec``
 (``engine.model.families``) says where its embeddings, decoder blocks, final norm, rotary
-embedding and LM head are, and which attention mask each block gets. A ``peft`` wrapper (LoRA)
-is unwrapped to the ``*ForCausalLM``; the LoRA modules stay inside the decoder blocks and are
-ordinary parameters of those layers.
+embedding and LM head are, which attention mask each block gets and what a block is called
+with. A ``peft`` wrapper (LoRA) is unwrapped to the ``*ForCausalLM``; the LoRA modules stay
+inside the decoder blocks and are ordinary parameters of those layers.
 
 Layer 0 is the input layer (token embeddings), layers 1..B are the decoder blocks and layer
 B+1 is the output layer (final norm + LM head; the loss is computed next to it). The per
@@ -27,13 +27,14 @@ from torch.func import functional_call
 
 from engine.errors import ConfigError
 from engine.model.families import FAMILIES, FamilySpec, family_for
+from engine.model.family_spec import llama_block_arguments
 from engine.model.loss import (
     DEFAULT_LOSS_CHUNK_TOKENS,
     check_chunk_tokens,
     chunked_causal_lm_loss_sum,
+    chunked_sequence_logps,
     finish_logits,
 )
-from engine.model.loss import chunked_sequence_logps
 
 
 class InputLayer(nn.Module):
@@ -114,6 +115,8 @@ class Layer:
 
     ``tensors`` maps the layer-local name of every parameter and buffer to the tensor of the
     original model (the same object when a parameter is tied between two layers).
+    ``arguments(context, attention_type)`` gives a decoder block's keyword arguments (its
+    family's ``FamilySpec.block_arguments``).
     """
 
     index: int
@@ -121,6 +124,7 @@ class Layer:
     module: nn.Module
     attention_type: str = "full_attention"
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    arguments: Callable[[Context, str], dict[str, Any]] = llama_block_arguments
 
 
 @dataclass
@@ -181,7 +185,8 @@ class AdaptedModel:
         multiplier = self._config_float(family.embedding_multiplier)
         self.layers: list[Layer] = [Layer(0, "input", InputLayer(embeddings, multiplier=multiplier))]
         for i, block in enumerate(blocks):
-            self.layers.append(Layer(i + 1, "block", block, family.attention_type(self.config, i)))
+            attention = family.attention_type(self.config, i)
+            self.layers.append(Layer(i + 1, "block", block, attention, arguments=family.block_arguments))
         lm_head = attrgetter(family.lm_head)(causal_lm)
         divisor = self._config_float(family.logits_divisor)
         cap = self._config_float(family.logit_softcap, optional=True)
@@ -301,14 +306,7 @@ def run_layer(
         return call(x)  # type: ignore[no-any-return]
     if ctx is None:
         raise RuntimeError(f"layer {layer.index}: a decoder block needs its context")
-    out = call(
-        x,
-        attention_mask=ctx.masks[layer.attention_type],
-        position_embeddings=ctx.position_embeddings[layer.attention_type],
-        position_ids=ctx.position_ids,
-        cache=None,
-        use_cache=False,
-    )
+    out = call(x, **layer.arguments(ctx, layer.attention_type))
     return out[0] if isinstance(out, tuple) else out
 
 

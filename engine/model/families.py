@@ -1,26 +1,28 @@
-"""The Hugging Face model families the engine trains, one ``FamilySpec`` each.
+"""The Hugging Face model families the engine trains, one ``FamilySpec`` each
+(``engine.model.family_spec``).
 
 A spec says where the adapter finds the parts of a ``*ForCausalLM`` (embeddings, decoder
-blocks, final norm, rotary embedding, LM head), which attention mask each block gets, and which
-linear layers LoRA adapts by default. The families supported today share the Llama skeleton,
-so adding another Llama-shaped family is one line in ``FAMILIES``; what a family does outside
-its decoder blocks besides the Llama steps (Granite scales the embeddings and divides the
-logits, Gemma 3 soft-caps the logits and has one rotary table per attention type) is a config
-attribute or a flag named in its spec. Whatever differs inside the blocks (Gemma 3's extra
-norms, GPT-OSS's attention sinks, DeepSeek-V3's latent attention, the experts and routers of
-the mixture-of-experts families) runs in the model's own block modules. No torch import here.
+blocks, final norm, rotary embedding, LM head), which attention mask each block gets, how a
+block is called, and which linear layers LoRA adapts by default; what the planner counts
+differently (fused projections, extra norms, biases, latent attention); the family's readable
+name; and the config of its tiny test model. The families supported today share the Llama
+skeleton, so adding another Llama-shaped family is one entry in ``FAMILIES``; what a family
+does outside its decoder blocks besides the Llama steps (Granite scales the embeddings and
+divides the logits, Gemma 3 soft-caps the logits and has one rotary table per attention type)
+is a config attribute or a flag named in its spec. Whatever differs inside the blocks (Gemma
+3's extra norms, GPT-OSS's attention sinks, DeepSeek-V3's latent attention, the experts and
+routers of the mixture-of-experts families) runs in the model's own block modules. No torch
+import here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from engine.errors import ConfigError
+from engine.model.family_spec import LLAMA_LINEAR, FamilySpec, MoeSpec, config_value
 
-# the attention and MLP projections of a Llama-shaped decoder block
-LLAMA_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # GLM-4 fuses the MLP's gate and up projections; Phi-3 also fuses q/k/v
 GLM4_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj")
 PHI3_LINEAR = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -46,154 +48,205 @@ GEMMA3_REFUSED = (
 )
 
 
-def config_attention_type(config: Any, block_index: int) -> str:
-    """The attention kind of decoder block ``block_index``, read from the model config.
-
-    ``layer_types`` (per-block, Qwen2/Qwen3) wins; else a ``sliding_window`` (Mistral) makes
-    every block sliding; else full causal attention.
-    """
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types:
-        return str(layer_types[block_index])
-    if getattr(config, "sliding_window", None) is not None:
-        return "sliding_attention"
-    return "full_attention"
-
-
 def qwen3_moe_dense_blocks(config: Any) -> frozenset[int]:
     """Qwen3-MoE: blocks in ``mlp_only_layers`` or off the ``decoder_sparse_step`` are dense."""
-    step = int(_get(config, "decoder_sparse_step", 1) or 1)
-    only = set(_get(config, "mlp_only_layers", None) or ())
-    blocks = int(_get(config, "num_hidden_layers", 0))
+    step = int(config_value(config, "decoder_sparse_step", 1) or 1)
+    only = set(config_value(config, "mlp_only_layers", None) or ())
+    blocks = int(config_value(config, "num_hidden_layers", 0))
     return frozenset(i for i in range(blocks) if i in only or (i + 1) % step != 0)
 
 
 def deepseek_dense_blocks(config: Any) -> frozenset[int]:
     """DeepSeek-V3: the first ``first_k_dense_replace`` blocks are dense."""
-    return frozenset(range(int(_get(config, "first_k_dense_replace", 0) or 0)))
+    return frozenset(range(int(config_value(config, "first_k_dense_replace", 0) or 0)))
 
 
-def _get(config: Any, name: str, default: Any = None) -> Any:
-    """An attribute of a config object or a key of a ``config.json`` dict."""
-    if isinstance(config, dict):
-        return config.get(name, default)
-    return getattr(config, name, default)
-
-
-@dataclass(frozen=True)
-class FamilySpec:
-    """What the adapter needs to know about one family of causal LMs.
-
-    Attributes:
-        architecture: the ``*ForCausalLM`` class name (as in ``config.architectures``).
-        embeddings, blocks, norm, rotary, lm_head: dotted attribute paths from the
-            ``*ForCausalLM`` to the token embeddings, the list of decoder blocks, the final norm,
-            the rotary embedding and the LM head.
-        lora_targets: the module names LoRA adapts when a run names none.
-        attention_type: ``attention_type(config, block_index)``: the attention kind
-            (``"full_attention"`` or ``"sliding_attention"``) of a block, which picks its mask.
-        embedding_multiplier: the config attribute the token embeddings are multiplied by
-            before the first block (Granite's ``embedding_multiplier``), or None.
-        logits_divisor: the config attribute the LM head's logits are divided by (Granite's
-            ``logits_scaling``), or None.
-        logit_softcap: the config attribute with the final logit soft-cap ``c`` (Gemma 3's
-            ``final_logit_softcapping``: ``logits = tanh(logits / c) * c``), or None; a config
-            value of None means no cap.
-        rotary_per_attention_type: the rotary embedding takes the block's attention type
-            (Gemma 3: local and global ``rope_theta``) and is called once per type.
-        refused: ``(attribute, why)`` pairs: config flags the engine cannot train with when set.
-        moe: the expert facts of a mixture-of-experts family, or None.
-        expert_parameters: the expert weights LoRA can adapt (peft ``target_parameters``
-            names): what ``"experts"`` stands for in a run's ``method.target_parameters``.
-    """
-
-    architecture: str
-    embeddings: str = "model.embed_tokens"
-    blocks: str = "model.layers"
-    norm: str = "model.norm"
-    rotary: str = "model.rotary_emb"
-    lm_head: str = "lm_head"
-    lora_targets: tuple[str, ...] = LLAMA_LINEAR
-    attention_type: Callable[[Any, int], str] = config_attention_type
-    embedding_multiplier: str | None = None
-    logits_divisor: str | None = None
-    logit_softcap: str | None = None
-    rotary_per_attention_type: bool = False
-    refused: tuple[tuple[str, str], ...] = ()
-    moe: MoeSpec | None = None
-    expert_parameters: tuple[str, ...] = ()
-
-    def refusal(self, config: Any) -> str | None:
-        """Why the engine cannot train a model with ``config`` (None when it can)."""
-        for attribute, why in self.refused:
-            value = _get(config, attribute, None)
-            if value:
-                return f"{self.architecture}: config.{attribute}={value!r} is not supported: {why}"
-        return None
-
-
-@dataclass(frozen=True)
-class MoeSpec:
-    """Where a mixture-of-experts family keeps its expert facts.
-
-    Attributes:
-        experts: the config attribute with the number of routed experts per MoE block.
-        active: the config attribute with the experts each token is routed to.
-        expert_intermediate: the config attribute with one expert's MLP width.
-        router: the class name of the router module; its forward returns the router logits
-            first (what the auxiliary load-balancing loss is computed from).
-        aux_loss: whether the family's ``*ForCausalLM`` adds the load-balancing loss
-            (``router_aux_loss_coef``) when asked for router logits.
-        shared_experts: the config attribute with the number of always-active shared experts
-            (DeepSeek-V3), or None.
-        dense_blocks: ``dense_blocks(config)``: indexes of the decoder blocks whose MLP is dense.
-    """
-
-    experts: str
-    active: str = "num_experts_per_tok"
-    expert_intermediate: str = "moe_intermediate_size"
-    router: str = ""
-    aux_loss: bool = True
-    shared_experts: str | None = None
-    dense_blocks: Callable[[Any], frozenset[int]] = lambda config: frozenset()
-
+# The tiny test models' special token ids, for the families whose configs' defaults lie outside
+# the tiny vocabulary
+_TINY_TOKEN_IDS: dict[str, Any] = {"pad_token_id": None, "bos_token_id": 1, "eos_token_id": 2}
+# the YaRN rotary of the tiny GPT-OSS and DeepSeek-V3 models (as their released models)
+_TINY_YARN: dict[str, Any] = {
+    "rope_type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 16,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+}
 
 FAMILIES: dict[str, FamilySpec] = {
     spec.architecture: spec
     for spec in (
-        FamilySpec("LlamaForCausalLM"),
-        FamilySpec("Qwen2ForCausalLM"),
-        FamilySpec("Qwen3ForCausalLM"),
-        FamilySpec("MistralForCausalLM"),
-        FamilySpec("SmolLM3ForCausalLM"),
-        FamilySpec("Glm4ForCausalLM", lora_targets=GLM4_LINEAR),
-        FamilySpec("Olmo2ForCausalLM"),
-        FamilySpec("Phi3ForCausalLM", lora_targets=PHI3_LINEAR),
+        FamilySpec("LlamaForCausalLM", display_name="Llama", short_name="llama", model_type="llama"),
         FamilySpec(
-            "GraniteForCausalLM", embedding_multiplier="embedding_multiplier", logits_divisor="logits_scaling"
+            "Qwen2ForCausalLM",
+            display_name="Qwen2",
+            short_name="qwen2",
+            model_type="qwen2",
+            qkv_bias=True,
+            # alternate attention types: the lowest block full, the others with a sliding window
+            tiny_config={
+                "tie_word_embeddings": True,
+                "use_sliding_window": True,
+                "sliding_window": 8,
+                "max_window_layers": 1,
+            },
+        ),
+        FamilySpec(
+            "Qwen3ForCausalLM",
+            display_name="Qwen3",
+            short_name="qwen3",
+            model_type="qwen3",
+            block_extra=lambda s: 2 * s.head_dim,  # q and k norms per head
+            tiny_config={"tie_word_embeddings": True},
+        ),
+        FamilySpec(
+            "MistralForCausalLM",
+            display_name="Mistral",
+            short_name="mistral",
+            model_type="mistral",
+            # shorter than the test sequences: exercises the sliding mask
+            tiny_config={"sliding_window": 8},
+        ),
+        FamilySpec(
+            "SmolLM3ForCausalLM",
+            display_name="SmolLM3",
+            short_name="smollm3",
+            model_type="smollm3",
+            # every third block without rotary embedding (NoPE) and, as SmolLM3 pairs them, sliding
+            tiny_config=_TINY_TOKEN_IDS
+            | {
+                "tie_word_embeddings": True,
+                "no_rope_layer_interval": 3,
+                "use_sliding_window": True,
+                "sliding_window": 8,
+            },
+        ),
+        FamilySpec(
+            "Glm4ForCausalLM",
+            display_name="GLM-4",
+            short_name="glm4",
+            model_type="glm4",
+            lora_targets=GLM4_LINEAR,
+            fused_gate_up=True,
+            block_extra=lambda s: 2 * s.hidden,  # two extra norms
+            # head_dim: the config's default is 128. No attention bias: with GLM-4's half rotary
+            # the unrotated half of k_proj.bias has a gradient that is exactly zero but for
+            # rounding (~1e-11), which AdamW blows up into steps of lr; q/k/v biases are covered
+            # by Qwen2.
+            tiny_config=_TINY_TOKEN_IDS | {"head_dim": 8, "attention_bias": False},
+        ),
+        FamilySpec(
+            "Olmo2ForCausalLM",
+            display_name="OLMo 2",
+            short_name="olmo2",
+            model_type="olmo2",
+            block_extra=lambda s: (s.heads + s.kv_heads) * s.head_dim,  # q and k norms, whole width
+            tiny_config=_TINY_TOKEN_IDS,
+        ),
+        FamilySpec(
+            "Phi3ForCausalLM",
+            display_name="Phi-3",
+            short_name="phi3",
+            model_type="phi3",
+            lora_targets=PHI3_LINEAR,
+            fused_qkv=True,
+            fused_gate_up=True,
+            tiny_config=_TINY_TOKEN_IDS | {"sliding_window": 8},  # every block sliding
+        ),
+        FamilySpec(
+            "GraniteForCausalLM",
+            display_name="Granite",
+            short_name="granite",
+            model_type="granite",
+            embedding_multiplier="embedding_multiplier",
+            logits_divisor="logits_scaling",
+            # the scales away from 1.0, so a scale the engine forgot shows up in the weights
+            tiny_config=_TINY_TOKEN_IDS
+            | {
+                "tie_word_embeddings": True,
+                "embedding_multiplier": 2.5,
+                "residual_multiplier": 0.5,
+                "attention_multiplier": 0.3,
+                "logits_scaling": 4.0,
+            },
         ),
         FamilySpec(
             "Gemma3ForCausalLM",
+            display_name="Gemma 3",
+            short_name="gemma3",
+            model_type="gemma3_text",
             logit_softcap="final_logit_softcapping",
             rotary_per_attention_type=True,
             refused=GEMMA3_REFUSED,
+            block_extra=lambda s: 2 * s.hidden + 2 * s.head_dim,  # two extra norms, q and k norms
+            # head_dim: the config's default is 256. Blocks alternate sliding (window 8, shorter
+            # than the test sequences) and full attention, whose rotary tables differ (local and
+            # global rope_theta). The tiny logits reach ~0.45: a cap of 0.2 bends them visibly.
+            # No attn_logit_softcapping: transformers' Gemma3Attention does not hand it to the
+            # attention function, so it would change nothing.
+            tiny_config={
+                "tie_word_embeddings": True,
+                "head_dim": 8,
+                "query_pre_attn_scalar": 8,
+                "sliding_window": 8,
+                "sliding_window_pattern": 2,
+                "final_logit_softcapping": 0.2,
+            },
         ),
         FamilySpec(
             "Qwen3MoeForCausalLM",
+            display_name="Qwen3-MoE",
+            short_name="qwen3_moe",
+            model_type="qwen3_moe",
             lora_targets=ATTENTION_LINEAR,
-            moe=MoeSpec("num_experts", router="Qwen3MoeTopKRouter", dense_blocks=qwen3_moe_dense_blocks),
+            moe=MoeSpec(
+                "num_experts",
+                router="Qwen3MoeTopKRouter",
+                dense_blocks=qwen3_moe_dense_blocks,
+                peft_remap=True,
+            ),
             expert_parameters=EXPERT_PARAMETERS,
+            block_extra=lambda s: 2 * s.head_dim,  # q and k norms per head
+            # the lowest block dense (mlp_only_layers), the others mixtures of experts
+            tiny_config={
+                "head_dim": 8,
+                "num_experts": 4,
+                "num_experts_per_tok": 2,
+                "moe_intermediate_size": 16,
+                "mlp_only_layers": [0],
+                "norm_topk_prob": True,
+            },
         ),
         FamilySpec(
             "GptOssForCausalLM",
+            display_name="GPT-OSS",
+            short_name="gpt_oss",
+            model_type="gpt_oss",
             lora_targets=ATTENTION_LINEAR,
             expert_parameters=EXPERT_PARAMETERS,
             moe=MoeSpec(
-                "num_local_experts", expert_intermediate="intermediate_size", router="GptOssTopKRouter"
+                "num_local_experts",
+                expert_intermediate="intermediate_size",
+                router="GptOssTopKRouter",
+                biases=True,
             ),
+            block_extra=lambda s: s.heads,  # attention sinks
+            # every block a mixture of experts; blocks alternate sliding (window 8) and full
+            # attention (the config's default layer_types)
+            tiny_config={
+                "head_dim": 8,
+                "intermediate_size": 16,
+                "num_local_experts": 4,
+                "num_experts_per_tok": 2,
+                "sliding_window": 8,
+                "rope_parameters": _TINY_YARN | {"rope_theta": 150000.0, "truncate": False},
+            },
         ),
         FamilySpec(
             "DeepseekV3ForCausalLM",
+            display_name="DeepSeek-V3",
+            short_name="deepseek_v3",
+            model_type="deepseek_v3",
             lora_targets=DEEPSEEK_ATTENTION,
             expert_parameters=EXPERT_PARAMETERS,
             moe=MoeSpec(
@@ -202,7 +255,27 @@ FAMILIES: dict[str, FamilySpec] = {
                 aux_loss=False,
                 shared_experts="n_shared_experts",
                 dense_blocks=deepseek_dense_blocks,
+                peft_remap=True,
             ),
+            latent_attention=True,
+            # multi-head latent attention (low-rank q and kv, interleaved rotary half); the lowest
+            # block dense, the others 4 routed experts (one group) plus a shared expert
+            tiny_config={
+                "num_key_value_heads": 4,
+                "q_lora_rank": 16,
+                "kv_lora_rank": 16,
+                "qk_rope_head_dim": 4,
+                "qk_nope_head_dim": 4,
+                "v_head_dim": 8,
+                "n_routed_experts": 4,
+                "num_experts_per_tok": 2,
+                "n_group": 1,
+                "topk_group": 1,
+                "moe_intermediate_size": 16,
+                "n_shared_experts": 1,
+                "first_k_dense_replace": 1,
+                "rope_parameters": _TINY_YARN | {"rope_theta": 10000.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+            },
         ),
     )
 }
@@ -237,7 +310,7 @@ class ModelKind:
 
 def model_kind(config: Any) -> ModelKind:
     """The family facts of a model config (a ``config.json`` dict or a config object)."""
-    archs = _get(config, "architectures", None) or []
+    archs = config_value(config, "architectures", None) or []
     if not archs:
         return ModelKind(None, False, "config.json names no architecture")
     spec = FAMILIES.get(archs[0])
@@ -257,9 +330,9 @@ def model_kind(config: Any) -> ModelKind:
     def number(name: str | None) -> int | None:
         if name is None:
             return None
-        value = _get(config, name, None)
+        value = config_value(config, name, None)
         if value is None and name in _ALIASES:
-            value = _get(config, _ALIASES[name], None)
+            value = config_value(config, _ALIASES[name], None)
         return None if value is None else int(value)
 
     return ModelKind(
@@ -290,3 +363,10 @@ def family_for(architecture: str) -> FamilySpec:
             value=architecture,
         )
     return spec
+
+
+def family_of_model_type(model_type: Any) -> FamilySpec | None:
+    """The spec whose (text) config has ``model_type`` (None when no family has it)."""
+    if not model_type:
+        return None
+    return next((spec for spec in FAMILIES.values() if spec.model_type == model_type), None)

@@ -4,10 +4,11 @@ computes with, and the LoRA adapters a run adds.
 Dense Llama-shaped blocks, and the mixture-of-experts families of ``engine.model.families``
 (their expert facts come from ``model_kind``): Qwen3-MoE (routed experts, some blocks dense),
 GPT-OSS (experts and router with biases, attention sinks), DeepSeek-V3 (multi-head latent
-attention, shared experts, the first blocks dense). A block's weights are every expert's (what
-is uploaded and kept in host RAM); its *active* weights are the ones a token runs through (the
-routed experts it picks, the shared experts, the router, attention), which is what its FLOPs
-count.
+attention, shared experts, the first blocks dense). What a family's blocks hold besides the
+Llama layout (fused projections, extra norms, biases) is in its ``FamilySpec``. A block's
+weights are every expert's (what is uploaded and kept in host RAM); its *active* weights are the
+ones a token runs through (the routed experts it picks, the shared experts, the router,
+attention), which is what its FLOPs count.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.errors import ConfigError
-from engine.model.families import model_kind
+from engine.model.families import FAMILIES, family_of_model_type, model_kind
+from engine.model.family_spec import BlockSizes, FamilySpec
 
 # The largest value of each size in a config.json a plan accepts: far above any real model (the
 # largest open ones have ~128 layers, hidden 16k, vocabularies of 256k, 384 experts), small
@@ -40,11 +42,7 @@ SHAPE_LIMITS: dict[str, int] = {
     "qk_nope_head_dim": 1 << 16,
     "v_head_dim": 1 << 16,
 }
-# peft (>= 0.18, with transformers 5) rewrites LoRA targets of these families, whose experts are
-# stacked parameters: ``gate_proj``/``up_proj`` become the experts' ``gate_up_proj`` at twice the
-# rank, ``down_proj`` their ``down_proj``, ``gate`` the router's weight; the dense and shared MLPs
-# then carry no adapter
-PEFT_EXPERT_REMAP = frozenset({"Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM"})
+# peft's rewrite of LoRA targets into stacked expert weights (``MoeSpec.peft_remap``)
 _REMAP = {
     "gate_proj": "gate_up_proj",
     "up_proj": "gate_up_proj",
@@ -121,6 +119,7 @@ class Shape:
                 f"config.json: num_attention_heads={heads} exceeds hidden_size={hidden} (no head_dim given)",
             )
         kind = _kind(cfg | {"architectures": config.get("architectures") or cfg.get("architectures")})
+        family = FAMILIES.get(kind.architecture or "")
         moe = None
         if kind.moe:
             moe = Moe(
@@ -129,7 +128,7 @@ class Shape:
                 shared=_size("shared_experts", kind.shared_experts) if kind.shared_experts else 0,
                 intermediate=_size("expert_intermediate", kind.expert_intermediate),
                 dense_blocks=kind.dense_blocks,
-                biases=kind.architecture == "GptOssForCausalLM",
+                biases=family is not None and family.moe is not None and family.moe.biases,
             )
             if moe.active > moe.experts:
                 raise ConfigError(
@@ -138,7 +137,7 @@ class Shape:
                     value=moe.active,
                 )
         mla = None
-        if kind.architecture == "DeepseekV3ForCausalLM":
+        if family is not None and family.latent_attention:
             q_rank = cfg.get("q_lora_rank")
             mla = Mla(
                 q_rank=0 if q_rank is None else _size("q_lora_rank", q_rank),
@@ -152,18 +151,10 @@ class Shape:
                     )
                 },
             )
-        model_type = cfg.get("model_type")
         kv_heads = sizes.get("num_key_value_heads", heads)
-        # per block beyond the two norms: Qwen3's q/k norms (per head), OLMo 2's (whole width),
-        # GLM-4's two extra norms, Gemma 3's two and its q/k norms, GPT-OSS's attention sinks
-        extra = {
-            "qwen3": 2 * head_dim,
-            "qwen3_moe": 2 * head_dim,
-            "olmo2": (heads + kv_heads) * head_dim,
-            "glm4": 2 * hidden,
-            "gemma3_text": 2 * hidden + 2 * head_dim,
-            "gpt_oss": heads,
-        }.get(str(model_type), 0)
+        # the norms and biases a block holds follow the family its (text) config's model_type names
+        layout = family_of_model_type(cfg.get("model_type"))
+        extra = 0 if layout is None else layout.block_extra(BlockSizes(hidden, heads, kv_heads, head_dim))
         if mla is not None:  # the q and kv latents' norms
             extra = mla.q_rank + mla.kv_rank
         bias = bool(cfg.get("attention_bias", False))
@@ -180,13 +171,18 @@ class Shape:
             vocab=sizes["vocab_size"],
             tied=bool(cfg.get("tie_word_embeddings", False)),
             architecture=kind.architecture,
-            qkv_bias=bias or model_type == "qwen2",  # Qwen2: q/k/v biases, always
+            qkv_bias=bias or (layout is not None and layout.qkv_bias),
             o_bias=bias,
             block_extra=extra,
             moe=moe,
             mla=mla,
             context=context,
         )
+
+    @property
+    def family(self) -> FamilySpec | None:
+        """The spec of the config's architecture (None when the engine does not train it)."""
+        return FAMILIES.get(self.architecture or "")
 
     def is_moe_block(self, block: int) -> bool:
         """Whether decoder block ``block`` (0-based) routes its tokens to experts."""
@@ -204,7 +200,8 @@ class Shape:
             self.kv_heads * self.head_dim,
             self.intermediate,
         )
-        if self.architecture == "Phi3ForCausalLM":  # q/k/v fused into one projection
+        family = self.family
+        if family is not None and family.fused_qkv:
             attn = {"qkv_proj": (h, q + 2 * kv), "o_proj": (q, h)}
         elif self.mla is None:
             attn = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h)}
@@ -222,7 +219,7 @@ class Shape:
                 "o_proj": (n * m.v, h),
             }
         attn = {f"self_attn.{k}": v for k, v in attn.items()}
-        if self.architecture in ("Phi3ForCausalLM", "Glm4ForCausalLM"):  # gate and up fused
+        if family is not None and family.fused_gate_up:
             return attn | {"mlp.gate_up_proj": (h, 2 * i), "mlp.down_proj": (i, h)}
         moe = self.moe_of(block)
         if moe is None:
@@ -298,7 +295,8 @@ class Shape:
         """
         modules = self.linears(block)
         params: dict[str, int] = {p: rank for p in parameters}
-        if self.architecture in PEFT_EXPERT_REMAP:
+        family = self.family
+        if family is not None and family.moe is not None and family.moe.peft_remap:
             remapped = [t for t in targets if _leaf(t) in _REMAP]
             targets = tuple(t for t in targets if t not in remapped)
             for t in remapped:  # gate and up fuse: both or neither (peft refuses one alone)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.model.families import ModelKind, model_kind
+from engine.model.families import FAMILIES, ModelKind, model_kind
 from engine.model.loading import DEMO_NAME, demo_source
 
 
@@ -31,28 +31,12 @@ class BaseModelInfo:
     unsupported_reason: str | None = None
 
 
-# readable names of the model classes: the families the engine trains and a few common ones it
-# does not; any other class name is shortened to its stem ("BertForMaskedLM": "Bert")
-FAMILY_NAMES = {
-    "LlamaForCausalLM": "Llama",
-    "Qwen2ForCausalLM": "Qwen2",
-    "Qwen3ForCausalLM": "Qwen3",
-    "MistralForCausalLM": "Mistral",
-    "SmolLM3ForCausalLM": "SmolLM3",
-    "Glm4ForCausalLM": "GLM-4",
-    "Olmo2ForCausalLM": "OLMo 2",
-    "Phi3ForCausalLM": "Phi-3",
-    "GraniteForCausalLM": "Granite",
-    "Qwen3MoeForCausalLM": "Qwen3-MoE",
-    "GptOssForCausalLM": "GPT-OSS",
-    "DeepseekV3ForCausalLM": "DeepSeek-V3",
-    "Qwen2MoeForCausalLM": "Qwen2-MoE",
-    "MixtralForCausalLM": "Mixtral",
-    "GemmaForCausalLM": "Gemma",
+# readable names of a few common model classes the engine does not train whose stem reads badly
+# (the families it trains name themselves: ``FamilySpec.display_name``); any other class name is
+# shortened to its stem ("BertForMaskedLM": "Bert", "Qwen2MoeForCausalLM": "Qwen2-MoE")
+OTHER_FAMILY_NAMES = {
     "Gemma2ForCausalLM": "Gemma 2",
-    "Gemma3ForCausalLM": "Gemma 3",
     "Gemma3ForConditionalGeneration": "Gemma 3",
-    "PhiForCausalLM": "Phi",
     "GPT2LMHeadModel": "GPT-2",
 }
 _CLASS_SUFFIX = re.compile(r"(For[A-Z][A-Za-z0-9]*|LMHeadModel|Model)$")
@@ -67,8 +51,11 @@ def family_name(architecture: str | None) -> str | None:
     """The readable family of a model class name: "Qwen3-MoE" for ``Qwen3MoeForCausalLM``."""
     if not architecture:
         return None
-    if architecture in FAMILY_NAMES:
-        return FAMILY_NAMES[architecture]
+    spec = FAMILIES.get(architecture)
+    if spec is not None and spec.display_name:
+        return spec.display_name
+    if architecture in OTHER_FAMILY_NAMES:
+        return OTHER_FAMILY_NAMES[architecture]
     stem = _CLASS_SUFFIX.sub("", architecture).replace("Moe", "-MoE")
     return stem or architecture
 

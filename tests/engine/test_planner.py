@@ -11,7 +11,7 @@ import torch
 from engine import EngineConfig, RoundPipe
 from engine.config import TrainConfig, resolve_compute_dtype
 from engine.planner import SEQ_LEN_STEP, Hardware, Shape, Workload, calibrate, plan_job
-from tests.engine.tiny import tiny_batch, tiny_model
+from tests.engine.tiny import FAMILIES, MOE_FAMILIES, tiny_batch, tiny_model
 
 QWEN3_1_7B = {
     "hidden_size": 2048,
@@ -44,8 +44,8 @@ QWEN3_30B_A3B = {
 }
 
 
-DENSE = ["llama", "qwen2", "qwen3", "mistral", "phi3", "glm4", "olmo2", "granite", "smollm3", "gemma3"]
-MOE = ["qwen3_moe", "gpt_oss", "deepseek_v3"]
+DENSE = [family for family in FAMILIES if family not in MOE_FAMILIES]
+MOE = list(MOE_FAMILIES)
 # Llama-3.1-8B's config.json (the sizes; 128k context)
 LLAMA_3_8B = {
     "architectures": ["LlamaForCausalLM"],
@@ -73,6 +73,28 @@ def test_parameter_counts_match_the_model_block_by_block(family: str) -> None:
     blocks = [sum(p.numel() for p in block.parameters()) for block in model.model.layers]
     assert [shape.block_params(b) for b in range(shape.layers)] == blocks
     assert sum(shape.layer_params()) == sum(p.numel() for p in model.parameters())  # a tied head once
+
+
+def test_the_planner_reads_a_family_s_block_layout_from_its_entry(monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.model.families import FAMILIES
+    from engine.model.family_spec import FamilySpec
+
+    house = FamilySpec(
+        "HouseForCausalLM",
+        model_type="house",
+        fused_qkv=True,
+        fused_gate_up=True,
+        qkv_bias=True,
+        block_extra=lambda s: s.heads,
+    )
+    monkeypatch.setitem(FAMILIES, "HouseForCausalLM", house)
+    llama = Shape.from_config(LLAMA_3_8B)
+    shape = Shape.from_config(LLAMA_3_8B | {"architectures": ["HouseForCausalLM"], "model_type": "house"})
+    fused = {"self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"}
+    assert set(shape.linears()) == fused
+    # the fused projections hold what the separate ones do; q/k/v biases and the extra added
+    q, kv = llama.heads * llama.head_dim, llama.kv_heads * llama.head_dim
+    assert shape.block_params() == llama.block_params() + (q + 2 * kv) + llama.heads
 
 
 @pytest.mark.parametrize("family", MOE)

@@ -7,26 +7,17 @@ from collections.abc import Callable
 
 import torch
 
-FAMILIES = (
-    "llama",
-    "qwen2",
-    "qwen3",
-    "mistral",
-    "smollm3",
-    "glm4",
-    "olmo2",
-    "phi3",
-    "granite",
-    "gemma3",
-    "qwen3_moe",
-    "gpt_oss",
-    "deepseek_v3",
-)
+from engine.model.families import FAMILIES as FAMILY_TABLE
+from engine.model.family_spec import FamilySpec
+
+# the supported families by short name ("gemma3"), in the family table's order
+SPECS: dict[str, FamilySpec] = {spec.short_name: spec for spec in FAMILY_TABLE.values()}
+FAMILIES = tuple(SPECS)
 # the mixture-of-experts families (4 routed experts, 2 per token). With seed 0 and the test
 # batches no token's 2nd and 3rd expert scores come within 7.6e-6 of each other over 3 SGD
 # steps (test_families.test_the_tiny_routers_have_no_near_ties), far above the ~1e-8 the
 # engine's micro-batches move them: the engine and the plain loop route every token alike.
-MOE_FAMILIES = ("qwen3_moe", "gpt_oss", "deepseek_v3")
+MOE_FAMILIES = tuple(name for name, spec in SPECS.items() if spec.moe is not None)
 VOCAB = 96
 # a hand-made plan for 3 blocks (5 layers): two forward stages, a fused stage of two layers
 # (top block + output layer) and two backward stages that recompute
@@ -36,37 +27,12 @@ SPLIT_PLAN = {"forward": [2, 1], "fused": 2, "backward": [1, 2]}
 def tiny_model(family: str, *, blocks: int = 3, tied: bool | None = None, seed: int = 0, **extra: object):
     """A ~100k-parameter model of one family (dim 32, 4 heads, 2 KV heads).
 
-    The mixture-of-experts families route each token to 2 of 4 experts of width 16.
+    The family's ``FamilySpec.tiny_config`` goes on top of these sizes, then ``tied`` and
+    ``extra``. The mixture-of-experts families route each token to 2 of 4 experts of width 16.
     """
-    from transformers import (
-        DeepseekV3Config,
-        DeepseekV3ForCausalLM,
-        Gemma3ForCausalLM,
-        Gemma3TextConfig,
-        Glm4Config,
-        Glm4ForCausalLM,
-        GptOssConfig,
-        GptOssForCausalLM,
-        GraniteConfig,
-        GraniteForCausalLM,
-        LlamaConfig,
-        LlamaForCausalLM,
-        MistralConfig,
-        MistralForCausalLM,
-        Olmo2Config,
-        Olmo2ForCausalLM,
-        Phi3Config,
-        Phi3ForCausalLM,
-        Qwen2Config,
-        Qwen2ForCausalLM,
-        Qwen3Config,
-        Qwen3ForCausalLM,
-        Qwen3MoeConfig,
-        Qwen3MoeForCausalLM,
-        SmolLM3Config,
-        SmolLM3ForCausalLM,
-    )
+    import transformers
 
+    spec = SPECS[family]
     common: dict[str, object] = dict(
         vocab_size=VOCAB,
         hidden_size=32,
@@ -75,123 +41,15 @@ def tiny_model(family: str, *, blocks: int = 3, tied: bool | None = None, seed: 
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=64,
+        tie_word_embeddings=False,
     )
-    if family in ("smollm3", "glm4", "olmo2", "phi3", "granite"):
-        # their configs' default special token ids lie outside the tiny vocabulary
-        common.update(pad_token_id=None, bos_token_id=1, eos_token_id=2)
-    # tie the embeddings of the families whose small checkpoints do, unless told
-    tied_families = ("qwen2", "qwen3", "smollm3", "granite", "gemma3")
-    common["tie_word_embeddings"] = tied if tied is not None else family in tied_families
-    if family == "mistral":
-        common["sliding_window"] = 8  # shorter than the test sequences: exercises the sliding mask
-    if family == "qwen2":
-        # alternate attention types: the lowest block full, the others with a sliding window
-        common.update(use_sliding_window=True, sliding_window=8, max_window_layers=1)
-    if family == "smollm3":
-        # the top block without rotary embedding (NoPE) and, as SmolLM3 pairs them, sliding
-        common.update(no_rope_layers=[1, 1, 0][:blocks], use_sliding_window=True, sliding_window=8)
-    if family == "glm4":
-        # head_dim: the config's default is 128. No attention bias: with GLM-4's half rotary the
-        # unrotated half of k_proj.bias has a gradient that is exactly zero but for rounding
-        # (~1e-11), which AdamW blows up into steps of lr; q/k/v biases are covered by qwen2.
-        common.update(head_dim=8, attention_bias=False)
-    if family == "phi3":
-        common["sliding_window"] = 8  # every block sliding
-    if family == "granite":
-        # away from 1.0, so a scale the engine forgot shows up in the weights
-        common.update(
-            embedding_multiplier=2.5, residual_multiplier=0.5, attention_multiplier=0.3, logits_scaling=4.0
-        )
-    if family == "gemma3":
-        # head_dim: the config's default is 256. Blocks alternate sliding (window 8, shorter than
-        # the test sequences) and full attention, whose rotary tables differ (local and global
-        # rope_theta). The tiny logits reach ~0.45: a cap of 0.2 bends them visibly. No
-        # attn_logit_softcapping: transformers' Gemma3Attention does not hand it to the attention
-        # function, so it would change nothing.
-        common.update(
-            head_dim=8,
-            query_pre_attn_scalar=8,
-            sliding_window=8,
-            layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"][
-                :blocks
-            ],
-            final_logit_softcapping=0.2,
-        )
-    if family == "qwen3_moe":
-        # the lowest block dense (mlp_only_layers), the others mixtures of experts
-        common.update(
-            head_dim=8,
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=16,
-            mlp_only_layers=[0],
-            norm_topk_prob=True,
-        )
-    if family == "gpt_oss":
-        # every block a mixture of experts; blocks alternate sliding (window 8) and full
-        # attention (the config's default layer_types); YaRN rotary as the released models
-        common.update(
-            head_dim=8,
-            intermediate_size=16,
-            num_local_experts=4,
-            num_experts_per_tok=2,
-            sliding_window=8,
-            rope_parameters={
-                "rope_type": "yarn",
-                "rope_theta": 150000.0,
-                "factor": 4.0,
-                "original_max_position_embeddings": 16,
-                "beta_fast": 32.0,
-                "beta_slow": 1.0,
-                "truncate": False,
-            },
-        )
-    if family == "deepseek_v3":
-        # multi-head latent attention (low-rank q and kv, interleaved rotary half) with YaRN;
-        # the lowest block dense, the others 4 routed experts (one group) plus a shared expert
-        common.update(
-            num_key_value_heads=4,
-            q_lora_rank=16,
-            kv_lora_rank=16,
-            qk_rope_head_dim=4,
-            qk_nope_head_dim=4,
-            v_head_dim=8,
-            n_routed_experts=4,
-            num_experts_per_tok=2,
-            n_group=1,
-            topk_group=1,
-            moe_intermediate_size=16,
-            n_shared_experts=1,
-            first_k_dense_replace=1,
-            rope_parameters={
-                "rope_type": "yarn",
-                "rope_theta": 10000.0,
-                "factor": 4.0,
-                "original_max_position_embeddings": 16,
-                "beta_fast": 32.0,
-                "beta_slow": 1.0,
-                "mscale": 1.0,
-                "mscale_all_dim": 1.0,
-            },
-        )
+    common.update(copy.deepcopy(dict(spec.tiny_config)))
+    if tied is not None:
+        common["tie_word_embeddings"] = tied
     common.update(extra)
-    cls = {
-        "llama": (LlamaConfig, LlamaForCausalLM),
-        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-        "qwen3": (Qwen3Config, Qwen3ForCausalLM),
-        "mistral": (MistralConfig, MistralForCausalLM),
-        "smollm3": (SmolLM3Config, SmolLM3ForCausalLM),
-        "glm4": (Glm4Config, Glm4ForCausalLM),
-        "olmo2": (Olmo2Config, Olmo2ForCausalLM),
-        "phi3": (Phi3Config, Phi3ForCausalLM),
-        "granite": (GraniteConfig, GraniteForCausalLM),
-        "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
-        "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
-        "gpt_oss": (GptOssConfig, GptOssForCausalLM),
-        "deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM),
-    }[family]
+    model_class = getattr(transformers, spec.architecture)
     torch.manual_seed(seed)
-    model = cls[1](cls[0](**common))
+    model = model_class(model_class.config_class(**common))
     model.train()
     return model
 

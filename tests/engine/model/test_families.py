@@ -19,8 +19,9 @@ from engine.model.families import (
     family_for,
     model_kind,
 )
+from engine.model.family_spec import llama_block_arguments
 from tests.engine.tiny import FAMILIES as TINY_FAMILIES
-from tests.engine.tiny import MOE_FAMILIES, tiny_model
+from tests.engine.tiny import MOE_FAMILIES, SPECS, tiny_model
 
 
 def test_family_for_an_unknown_class_names_it_and_the_supported_list() -> None:
@@ -118,6 +119,46 @@ def test_a_llama_shaped_family_is_one_entry(monkeypatch: pytest.MonkeyPatch) -> 
     adapted = AdaptedModel(model)
     assert adapted.architecture == "HouseForCausalLM"
     assert [layer.kind for layer in adapted.layers] == ["input", "block", "block", "block", "output"]
+
+
+def test_every_entry_names_its_family_and_builds_its_tiny_model() -> None:
+    # the tests' families are the table's, by a short name each
+    assert len(TINY_FAMILIES) == len(FAMILIES) and set(SPECS.values()) == set(FAMILIES.values())
+    names = [spec.display_name for spec in FAMILIES.values()]
+    assert all(names) and len(set(names)) == len(names)
+    for family in TINY_FAMILIES:
+        spec = SPECS[family]
+        model = tiny_model(family)
+        assert type(model).__name__ == spec.architecture and model.config.model_type == spec.model_type
+        assert model.config.num_hidden_layers == 3 and model.config.hidden_size == 32
+        for key, value in spec.tiny_config.items():
+            assert key == "rope_parameters" or getattr(model.config, key) == value, (family, key)
+
+
+def test_a_family_says_what_its_blocks_are_called_with(monkeypatch: pytest.MonkeyPatch) -> None:
+    from transformers import LlamaForCausalLM
+
+    class HouseForCausalLM(LlamaForCausalLM):
+        pass
+
+    calls: list[str] = []
+
+    def house_arguments(context: Any, attention_type: str) -> dict[str, Any]:
+        calls.append(attention_type)
+        return llama_block_arguments(context, attention_type)
+
+    spec = FamilySpec("HouseForCausalLM", block_arguments=house_arguments)
+    monkeypatch.setitem(FAMILIES, "HouseForCausalLM", spec)
+    model = HouseForCausalLM(tiny_model("llama").config).eval()
+    adapted = AdaptedModel(model)
+    ids = torch.randint(0, model.config.vocab_size, (2, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        hidden = adapted.layers[0].module(ids)
+        ctx = adapted.build_context(adapted.rotary, hidden, None)
+        for layer in adapted.layers[1:-1]:
+            hidden = run_layer(layer, layer.module, hidden, ctx)
+        assert torch.equal(adapted.layers[-1].module(hidden), model(input_ids=ids).logits)
+    assert calls == ["full_attention"] * 3
 
 
 def test_a_run_with_the_default_targets_adapts_its_family_s_linears() -> None:
