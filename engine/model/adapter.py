@@ -26,6 +26,7 @@ from torch import nn
 from torch.func import functional_call
 
 from engine.errors import ConfigError
+from engine.kinds import LayerKind
 from engine.model.families import FAMILIES, FamilySpec, family_for
 from engine.model.family_spec import llama_block_arguments
 from engine.model.loss import (
@@ -120,7 +121,7 @@ class Layer:
     """
 
     index: int
-    kind: str  # "input" | "block" | "output"
+    kind: LayerKind
     module: nn.Module
     attention_type: str = "full_attention"
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -183,17 +184,19 @@ class AdaptedModel:
         blocks = list(attrgetter(family.blocks)(causal_lm)[: self.config.num_hidden_layers])
         embeddings, norm = attrgetter(family.embeddings, family.norm)(causal_lm)
         multiplier = self._config_float(family.embedding_multiplier)
-        self.layers: list[Layer] = [Layer(0, "input", InputLayer(embeddings, multiplier=multiplier))]
+        self.layers: list[Layer] = [Layer(0, LayerKind.INPUT, InputLayer(embeddings, multiplier=multiplier))]
         for i, block in enumerate(blocks):
             attention = family.attention_type(self.config, i)
-            self.layers.append(Layer(i + 1, "block", block, attention, arguments=family.block_arguments))
+            self.layers.append(
+                Layer(i + 1, LayerKind.BLOCK, block, attention, arguments=family.block_arguments)
+            )
         lm_head = attrgetter(family.lm_head)(causal_lm)
         divisor = self._config_float(family.logits_divisor)
         cap = self._config_float(family.logit_softcap, optional=True)
         output = OutputLayer(
             norm, lm_head, chunk_tokens=loss_chunk_tokens, logits_divisor=divisor, logit_softcap=cap
         )
-        self.layers.append(Layer(len(blocks) + 1, "output", output))
+        self.layers.append(Layer(len(blocks) + 1, LayerKind.OUTPUT, output))
         for layer in self.layers:
             for name, p in layer.module.named_parameters(remove_duplicate=False):
                 layer.tensors[name] = p
@@ -296,13 +299,13 @@ def run_layer(
     The output layer given ``labels`` returns the loss sum, not the logits; with
     ``per_sequence`` the ``[b]`` per-row sums of the label tokens' log-probabilities.
     """
-    if layer.kind == "output":
+    if layer.kind == LayerKind.OUTPUT:
         if labels is None:
             return call(x)  # type: ignore[no-any-return]
         if per_sequence:
             return call(x, labels, per_sequence=True)  # type: ignore[no-any-return]
         return call(x, labels)  # type: ignore[no-any-return]
-    if layer.kind != "block":
+    if layer.kind != LayerKind.BLOCK:
         return call(x)  # type: ignore[no-any-return]
     if ctx is None:
         raise RuntimeError(f"layer {layer.index}: a decoder block needs its context")

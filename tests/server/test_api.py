@@ -13,6 +13,7 @@ from fastapi.testclient import TestClient
 from server.kinds import EventKind
 from server.services import gpus, jobs, keys
 from server.settings import Settings
+from tests.utils.jobs import job_body
 
 CHAT = [
     {"messages": [{"role": "user", "content": f"How many {i}?"}, {"role": "assistant", "content": str(i)}]}
@@ -34,9 +35,7 @@ def stored_files(settings: Settings) -> list[Path]:
 
 
 def make_job(client: TestClient, dataset_id: str, **extra: Any) -> Any:
-    body = {"base_model": "tiny", "dataset_id": dataset_id, "hyper": {"max_steps": 2, "batch_size": 4}}
-    body.update(extra)
-    return client.post("/api/jobs", json=body)
+    return client.post("/api/jobs", json=job_body(dataset_id, **extra))
 
 
 def every_route(routes: list[Any]) -> list[Any]:
@@ -419,7 +418,7 @@ def test_plan_reads_the_workers_gpus_and_calibrates_from_a_job(client: TestClien
     # a job measured at half the predicted rate halves the assumed efficiency
     ds = upload(client, jsonl(CHAT)).json()
     job = make_job(client, ds["id"], base_model="tiny").json()
-    past = {"base_model": "tiny", "hyper": {"max_steps": 2, "batch_size": 4}}  # the job's own body
+    past = job_body()  # the job's own body
     predicted = client.post("/api/plan", json=past).json()["tokens_per_s"]
     with sessions() as session:
         for step in (1, 2, 3):

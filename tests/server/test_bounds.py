@@ -12,6 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from tests.server.test_api import CHAT, jsonl, upload
+from tests.utils.jobs import job_body, start_job
 
 BIG = [2**31, 2**63, 2**64]
 
@@ -30,8 +31,7 @@ def job_count(client: TestClient) -> int:
 @pytest.fixture
 def ids(client: TestClient) -> dict[str, str]:
     dataset = upload(client, jsonl(CHAT)).json()["id"]
-    body = {"base_model": "tiny", "dataset_id": dataset, "hyper": {"max_steps": 2, "batch_size": 4}}
-    job = client.post("/api/jobs", json=body).json()["id"]
+    job = start_job(client, dataset)["id"]
     assert client.post(f"/api/jobs/{job}/cancel").status_code == 200  # final: its stream ends
     return {"dataset": dataset, "job": job}
 
@@ -105,9 +105,8 @@ def test_control_characters_in_ids_names_and_parameters_are_refused(
         refused(client.get("/api/gpus/stream", params={"token": bad}), "token")
         refused(client.get("/api/health", params={"anything": bad}), "anything")
         # request bodies: names and ids
-        job_body = {"base_model": "tiny", "dataset_id": dataset, "hyper": {"max_steps": 2, "batch_size": 4}}
         for field in ("name", "base_model", "dataset_id", "validation_dataset_id"):
-            error = refused(client.post("/api/jobs", json=job_body | {field: bad}), field)
+            error = refused(client.post("/api/jobs", json=job_body(dataset) | {field: bad}), field)
             assert "control character" in error["message"]
         for field in ("base_model", "dataset_id", "calibrate_job_id", "name"):
             refused(client.post("/api/plan", json={field: bad}), field)

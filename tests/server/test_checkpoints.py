@@ -24,6 +24,7 @@ from server.downloads import byte_range
 from server.services import checkpoints
 from server.settings import Settings
 from tests.utils import ROOT
+from tests.utils.jobs import start_job
 
 PARALLEL = 8
 ROWS = [{"text": f"row {i}"} for i in range(8)]
@@ -37,10 +38,7 @@ def adapter_checkpoint(client: TestClient, settings: Settings) -> tuple[str, int
 
     content = "".join(json.dumps(r) + "\n" for r in ROWS).encode()
     ds = client.post("/api/datasets", files={"file": ("rows.jsonl", content)}).json()
-    body = {"base_model": "tiny", "dataset_id": ds["id"], "method": {"kind": "lora", "lora_r": 4}}
-    r = client.post("/api/jobs", json=body)
-    assert r.status_code == 201, r.text
-    job = r.json()
+    job = start_job(client, ds["id"])
     step = 2
     folder = Path(job["config"]["output_dir"]) / "checkpoints" / f"step_{step:06d}"
     base = settings.models_dir / "tiny"

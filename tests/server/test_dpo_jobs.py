@@ -17,7 +17,7 @@ from server.settings import Settings
 from server.tables import Dataset
 from tests.server.conftest import WorkerProcess
 from tests.server.test_job_manage import upload
-from tests.server.test_worker import start_job, wait_for
+from tests.utils.jobs import start_job, wait_for_job
 
 PAIRS = [{"prompt": f"Say {i}.", "chosen": str(i), "rejected": f"I will not say {i}."} for i in range(12)]
 
@@ -106,8 +106,8 @@ def test_a_dpo_job_runs_on_a_worker_and_logs_its_rewards(
     if kind != "preference":
         pytest.skip("the data reader does not take preference rows: nothing a worker could train")
     workers.append(WorkerProcess(worker_settings, tmp_path / "worker.log").start())
-    job = start_job(client, pairs, steps=4, every=2, method={"kind": "dpo", "lora_r": 4, "beta": 0.2})
-    job = wait_for(client, job["id"], lambda j: j["status"] in ("succeeded", "failed"), workers)
+    job = start_job(client, pairs, hyper={"max_steps": 4}, method={"kind": "dpo", "lora_r": 4, "beta": 0.2})
+    job = wait_for_job(client, job["id"], {"succeeded", "failed"}, logs=workers)
     assert job["status"] == "succeeded", (job["error"], workers[0].tail())
     keys = ["dpo/reward_margin", "dpo/reward_accuracy", "loss/train"]
     series = client.get(f"/api/jobs/{job['id']}/metrics", params={"keys": keys}).json()["data"]

@@ -24,8 +24,9 @@ from server.app import create_app
 from server.settings import Settings
 from tests.engine.tiny import tiny_model_folder
 from tests.server.conftest import WorkerProcess
-from tests.server.test_worker import dataset, start_job, states
+from tests.server.test_worker import dataset
 from tests.utils import answers, free_port
+from tests.utils.jobs import FINAL, start_job, states, wait_for_job
 
 REDIS = "redis://127.0.0.1:6379/7"
 TIMEOUT_S = 150
@@ -69,24 +70,6 @@ def workers() -> Iterator[list[WorkerProcess]]:
     for w in started:
         w.stop()
         w.kill_group()
-
-
-def wait_for(
-    client: TestClient, job_id: str, done: Any, workers: list[WorkerProcess], timeout: float = TIMEOUT_S
-) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    job: dict[str, Any] = {}
-    while time.monotonic() < deadline:
-        job = client.get(f"/api/jobs/{job_id}").json()
-        if done(job) or job["status"] == "failed":
-            return dict(job)
-        time.sleep(0.2)
-    logs = "\n".join(w.tail() for w in workers)
-    raise AssertionError(f"job {job_id} stuck at {job['status']} step {job.get('step')}\n{logs}")
-
-
-def finished(job: dict[str, Any]) -> bool:
-    return job["status"] in ("succeeded", "failed", "cancelled")
 
 
 def events(client: TestClient, job_id: str) -> list[dict[str, Any]]:
@@ -148,7 +131,7 @@ def test_the_reconcile_sends_a_job_again_only_when_no_worker_took_it_and_its_mes
     sessions = app.state.sessions
     with TestClient(app) as client:
         client.headers["Authorization"] = f"Bearer {app.state.first_key}"
-        job_id = start_job(client, dataset(client), steps=2, every=2)["id"]
+        job_id = start_job(client, dataset(client))["id"]
         assert queue.waiting(settings) == {job_id}
         with sessions() as session:
             assert queue.reconcile(settings, session) == []  # not due yet
@@ -217,19 +200,19 @@ def test_queued_jobs_survive_a_flushed_broker_and_run_exactly_once(
     first = WorkerProcess(settings, tmp_path / "worker-1.log").start()
     workers.append(first)
     ds = dataset(client)
-    done = start_job(client, ds, steps=2, every=2)
-    done = wait_for(client, done["id"], finished, workers)
+    done = start_job(client, ds)
+    done = wait_for_job(client, done["id"], FINAL, timeout=TIMEOUT_S, logs=workers)
     assert done["status"] == "succeeded", done["error"]
     assert first.stop(), "the idle worker did not stop on SIGTERM"
     # queued while no worker runs: their messages wait in Redis, and then Redis loses them
-    waiting = [start_job(client, ds, steps=2, every=2)["id"] for _ in range(3)]
+    waiting = [start_job(client, ds)["id"] for _ in range(3)]
     broker = redis.Redis.from_url(REDIS)
     assert broker.llen(settings.queue) == 3
     broker.flushdb()
     second = WorkerProcess(settings, tmp_path / "worker-2.log").start()
     workers.append(second)
     for job_id in waiting:
-        job = wait_for(client, job_id, finished, workers)
+        job = wait_for_job(client, job_id, FINAL, timeout=TIMEOUT_S, logs=workers)
         assert job["status"] == "succeeded", (job["error"], second.tail())
         assert job["attempts"] == 1 and claims(client, job_id) == 1
         assert states(client, job_id) == ["validating", "queued", "running", "succeeded"]
@@ -249,13 +232,13 @@ def test_a_submit_while_the_broker_is_down_is_kept_and_sent_later(
     app = create_app(down)
     with TestClient(app) as client:
         client.headers["Authorization"] = f"Bearer {app.state.first_key}"
-        job = start_job(client, dataset(client), steps=2, every=2)
+        job = start_job(client, dataset(client))
         assert job["status"] == "queued"
         (pending,) = logged(client, job["id"], "send_pending")
         assert "job queue is unreachable" in pending["message"]
         # a worker on the broker that answers (the same database) sends and runs it
         workers.append(WorkerProcess(settings, tmp_path / "worker.log").start())
-        job = wait_for(client, job["id"], finished, workers)
+        job = wait_for_job(client, job["id"], FINAL, timeout=TIMEOUT_S, logs=workers)
         assert job["status"] == "succeeded", (job["error"], workers[0].tail())
         assert job["attempts"] == 1 and claims(client, job["id"]) == 1
         assert [e["data"]["sends"] for e in logged(client, job["id"], "sends")] == [1]
@@ -267,13 +250,13 @@ def test_a_training_process_killed_by_a_signal_resumes_to_the_same_weights(
     worker = WorkerProcess(settings, tmp_path / "worker.log").start()
     workers.append(worker)
     ds = dataset(client)
-    job = start_job(client, ds, steps=40, every=4)
-    wait_for(client, job["id"], lambda j: j["step"] >= 5, workers)
+    job = start_job(client, ds, hyper={"max_steps": 40}, checkpoint={"every_steps": 4})
+    wait_for_job(client, job["id"], lambda j: j["step"] >= 5, timeout=TIMEOUT_S, logs=workers)
     assert client.get(f"/api/jobs/{job['id']}/checkpoints").json()["data"], "no checkpoint yet"
     trainer_of(worker).kill()  # as the kernel's out-of-memory killer does
     killed_at = client.get(f"/api/jobs/{job['id']}").json()["step"]
     assert killed_at < 40, "the job finished before its training process was killed"
-    job = wait_for(client, job["id"], finished, workers)
+    job = wait_for_job(client, job["id"], FINAL, timeout=TIMEOUT_S, logs=workers)
     assert job["status"] == "succeeded", (job["error"], worker.tail())
     # the same claim: the worker restarted its training process, the broker was not involved
     assert job["attempts"] == 1 and claims(client, job["id"]) == 1
@@ -285,8 +268,8 @@ def test_a_training_process_killed_by_a_signal_resumes_to_the_same_weights(
     same_weights(job, settings, tmp_path / "reference", 40)
 
     # an error inside the run would only repeat: it fails at once, without a retry
-    broken = start_job(client, ds, steps=2, every=2, data={"max_length": 64, "format": "text"})
-    broken = wait_for(client, broken["id"], finished, workers)
+    broken = start_job(client, ds, data={"format": "text"})
+    broken = wait_for_job(client, broken["id"], FINAL, timeout=TIMEOUT_S, logs=workers)
     assert broken["status"] == "failed" and "text" in broken["error"], broken["error"]
     assert logged(client, broken["id"], "retry") == []
 
@@ -296,11 +279,11 @@ def test_with_no_retries_a_killed_training_process_fails_its_job_with_the_reason
 ) -> None:
     worker = WorkerProcess(settings.model_copy(update={"max_retries": 0}), tmp_path / "worker.log")
     workers.append(worker.start())
-    job = start_job(client, dataset(client), steps=400, every=4)
-    wait_for(client, job["id"], lambda j: j["step"] >= 5, workers)
+    job = start_job(client, dataset(client), hyper={"max_steps": 400}, checkpoint={"every_steps": 4})
+    wait_for_job(client, job["id"], lambda j: j["step"] >= 5, timeout=TIMEOUT_S, logs=workers)
     (saved, *_) = client.get(f"/api/jobs/{job['id']}/checkpoints").json()["data"]
     trainer_of(worker).kill()
-    job = wait_for(client, job["id"], finished, workers)
+    job = wait_for_job(client, job["id"], FINAL, timeout=TIMEOUT_S, logs=workers)
     assert job["status"] == "failed", job
     assert "killed by SIGKILL (out of host memory?) 1 time" in job["error"], job["error"]
     found = re.search(r"last checkpoint step (\d+)", job["error"])

@@ -5,7 +5,6 @@ gives in process), and evaluations of a vanished worker requeued when a worker s
 from __future__ import annotations
 
 import json
-import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,8 @@ from server.settings import Settings
 from server.storage import open_storage
 from server.tables import now
 from tests.server.conftest import WorkerProcess
-from tests.server.test_worker import dataset, start_job, wait_for
+from tests.server.test_worker import dataset
+from tests.utils.jobs import start_job, tails, wait_for, wait_for_job
 
 TIMEOUT_S = 180
 
@@ -29,9 +29,7 @@ def recorded_checkpoint(client: TestClient, step: int) -> tuple[str, str]:
     rows = [{"prompt": f"{i} + 1 =", "completion": f" {i + 1}"} for i in range(8)]
     content = "".join(json.dumps(r) + "\n" for r in rows).encode()
     ds = client.post("/api/datasets", files={"file": ("rows.jsonl", content)}).json()
-    r = client.post("/api/jobs", json={"base_model": "tiny", "dataset_id": ds["id"]})
-    assert r.status_code == 201, r.text
-    job = r.json()
+    job = start_job(client, ds["id"])
     folder = Path(job["config"]["output_dir"]) / "checkpoints" / f"step_{step:06d}"
     folder.mkdir(parents=True)
     with client.app.state.sessions() as session:  # type: ignore[attr-defined]
@@ -55,7 +53,7 @@ def test_refusals_name_their_parameter(client: TestClient) -> None:
     assert error_of(client.post(url, json={})) == (422, "dataset_id")
     assert error_of(client.get(f"{url}/noeval")) == (404, "evaluation_id")
 
-    other = client.post("/api/jobs", json={"base_model": "tiny", "dataset_id": dataset_id}).json()
+    other = start_job(client, dataset_id)
     r = client.post(f"/api/jobs/{other['id']}/evaluations", json=body)
     assert error_of(r) == (409, "checkpoint") and "no checkpoint yet" in r.json()["error"]["message"]
 
@@ -89,16 +87,6 @@ def test_evaluations_of_a_vanished_worker_are_requeued(client: TestClient) -> No
     assert client.get(f"{url}/{ids[2]}").json()["status"] == "failed"
 
 
-def wait_evaluation(client: TestClient, url: str, workers: list[WorkerProcess]) -> dict[str, Any]:
-    deadline = time.monotonic() + TIMEOUT_S
-    while time.monotonic() < deadline:
-        found = client.get(url).json()
-        if found["status"] in ("succeeded", "failed"):
-            return dict(found)
-        time.sleep(0.2)
-    raise AssertionError(f"evaluation stuck at {found}\n" + "\n".join(w.tail() for w in workers))
-
-
 def test_a_worker_evaluates_a_trained_checkpoint(
     worker_client: TestClient, worker_settings: Settings, workers: list[WorkerProcess], tmp_path: Path
 ) -> None:
@@ -109,14 +97,21 @@ def test_a_worker_evaluates_a_trained_checkpoint(
         pytest.skip("the folder transport is covered by the browser test; one broker is enough here")
     workers.append(WorkerProcess(worker_settings, tmp_path / "worker.log").start())
     data = dataset(client)
-    job = start_job(client, data, steps=2, every=2)
-    job = wait_for(client, job["id"], lambda j: j["status"] in ("succeeded", "failed"), workers)
+    job = start_job(client, data)
+    job = wait_for_job(client, job["id"], {"succeeded", "failed"}, logs=workers)
     assert job["status"] == "succeeded", job["error"]
 
     url = f"/api/jobs/{job['id']}/evaluations"
     r = client.post(url, json={"dataset_id": data, "max_rows": 6, "max_new_tokens": 4, "num_samples": 3})
     assert r.status_code == 201, r.text
-    done = wait_evaluation(client, f"{url}/{r.json()['id']}", workers)
+    evaluation = f"{url}/{r.json()['id']}"
+    done = wait_for(
+        lambda: client.get(evaluation).json(),
+        until={"succeeded", "failed"},
+        timeout=TIMEOUT_S,
+        what=f"evaluation {evaluation}",
+        details=lambda: tails(workers),
+    )
     assert done["status"] == "succeeded", (done["error"], workers[0].tail())
     assert done["step"] == 2 and done["stored"]
     metrics = done["metrics"]

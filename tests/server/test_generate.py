@@ -22,6 +22,7 @@ from server.services.generation import Playground, Target
 from server.settings import Settings
 from tests.engine.tiny import tiny_model, tiny_tokenizer
 from tests.utils import LOGIN_LINE, Process, child_env, free_port, roundhouse
+from tests.utils.jobs import start_job
 
 HELLO = [{"role": "user", "content": "what is two plus three?"}]
 
@@ -85,10 +86,7 @@ def lora_checkpoint(client: TestClient, settings: Settings) -> tuple[str, int, P
 
     rows = "".join(json.dumps({"text": f"row {i}"}) + "\n" for i in range(8)).encode()
     dataset = client.post("/api/datasets", files={"file": ("rows.jsonl", rows)}).json()
-    body = {"base_model": "tiny", "dataset_id": dataset["id"], "method": {"kind": "lora", "lora_r": 4}}
-    r = client.post("/api/jobs", json=body)
-    assert r.status_code == 201, r.text
-    job = r.json()
+    job = start_job(client, dataset["id"])
     folder = Path(job["config"]["output_dir"]) / "checkpoints" / "step_000002"
     base = settings.models_dir / "tiny"
     lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)

@@ -18,7 +18,8 @@ from server.services import checkpoints, jobs
 from server.settings import Settings
 from server.tables import Checkpoint, JobEvent
 from tests.server.conftest import WorkerProcess
-from tests.server.test_worker import dataset, start_job, states, wait_for
+from tests.server.test_worker import dataset
+from tests.utils.jobs import start_job, states, wait_for_job
 
 ROWS = [
     {"messages": [{"role": "user", "content": f"say {i}"}, {"role": "assistant", "content": str(i)}]}
@@ -34,10 +35,7 @@ def upload(client: TestClient, name: str = "manage-set") -> str:
 
 
 def new_job(client: TestClient, dataset_id: str, **extra: Any) -> dict[str, Any]:
-    body = {"base_model": "tiny", "dataset_id": dataset_id, "hyper": {"max_steps": 2, "batch_size": 4}}
-    r = client.post("/api/jobs", json=body | extra)
-    assert r.status_code == 201, r.text
-    return dict(r.json())
+    return start_job(client, dataset_id, **extra)
 
 
 def folder_size(folder: Path) -> int:
@@ -180,17 +178,17 @@ def test_resume_of_a_cancelled_job_continues_from_its_checkpoint_to_success(
         pytest.skip("resume does not depend on the broker: run once, with the folder transport")
     client = worker_client
     workers.append(WorkerProcess(worker_settings, tmp_path / "worker.log").start())
-    job = start_job(client, dataset(client), steps=30, every=100)
-    wait_for(client, job["id"], lambda j: j["status"] == "running" and j["step"] >= 2, workers)
+    job = start_job(client, dataset(client), hyper={"max_steps": 30}, checkpoint={"every_steps": 100})
+    wait_for_job(client, job["id"], lambda j: j["status"] == "running" and j["step"] >= 2, logs=workers)
     assert client.post(f"/api/jobs/{job['id']}/cancel").status_code == 200
-    job = wait_for(client, job["id"], lambda j: j["status"] in ("cancelled", "succeeded"), workers)
+    job = wait_for_job(client, job["id"], {"cancelled", "succeeded"}, logs=workers)
     assert job["status"] == "cancelled", "the job finished before the cancel took effect"
     stopped_at = job["step"]
     assert 2 <= stopped_at < 30
 
     r = client.post(f"/api/jobs/{job['id']}/resume")
     assert r.status_code == 200 and r.json()["status"] == "queued", r.text
-    job = wait_for(client, job["id"], lambda j: j["status"] in ("succeeded", "failed"), workers)
+    job = wait_for_job(client, job["id"], {"succeeded", "failed"}, logs=workers)
     assert job["status"] == "succeeded", (job["error"], workers[0].tail())
     assert (job["step"], job["attempts"]) == (30, 2)
     assert job["started_at"] <= job["finished_at"]

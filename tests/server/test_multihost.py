@@ -18,7 +18,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -38,6 +37,7 @@ from tests.server.conftest import _redis_url, postgres_database
 from tests.server.test_worker import ROWS, unpack
 from tests.utils import Process, child_env, free_port, roundhouse
 from tests.utils.hosts import Host, Lan, lan, namespaces_unavailable
+from tests.utils.jobs import start_job, wait_for_job
 from tests.utils.s3 import S3Server, moto_server
 
 pytestmark = pytest.mark.slow
@@ -118,16 +118,7 @@ class Cluster:
         return dict(self.api.get(f"/api/jobs/{job_id}").json())
 
     def wait(self, job_id: str, done: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
-        deadline = time.monotonic() + TIMEOUT_S
-        job: dict[str, Any] = {}
-        while time.monotonic() < deadline:
-            job = self.job(job_id)
-            if done(job) or job["status"] == "failed":
-                return job
-            time.sleep(0.2)
-        raise AssertionError(
-            f"job {job_id} stuck at {job.get('status')} step {job.get('step')}\n{self.logs()}"
-        )
+        return wait_for_job(self.api, job_id, done, timeout=TIMEOUT_S, logs=self.logs)
 
     def events(self, job_id: str) -> list[dict[str, Any]]:
         r = self.api.get(f"/api/jobs/{job_id}/events", params={"limit": 1000})
@@ -142,20 +133,9 @@ class Cluster:
         ]
 
     def start_job(self, dataset_id: str, *, steps: int, every: int, host: str | None = None) -> str:
-        body: dict[str, Any] = {
-            "base_model": "tiny",
-            "dataset_id": dataset_id,
-            "data": {"max_length": 64},
-            "method": {"kind": "lora", "lora_r": 4},
-            "hyper": {"max_steps": steps, "batch_size": 4, "learning_rate": 0.01, "optimizer": "sgd"},
-            "engine": {"devices": ["cpu", "cpu"], "num_microbatches": 2, "compute_dtype": "float32"},
-            "checkpoint": {"every_steps": every, "keep_last": 10},
-        }
-        if host is not None:
-            body["placement"] = {"host": host}
-        r = self.api.post("/api/jobs", json=body)
-        assert r.status_code == 201, r.text
-        return str(r.json()["id"])
+        placement = {} if host is None else {"placement": {"host": host}}
+        hyper, checkpoint = {"max_steps": steps}, {"every_steps": every}
+        return str(start_job(self.api, dataset_id, hyper=hyper, checkpoint=checkpoint, **placement)["id"])
 
     def download(self, job_id: str, step: int, into: Path) -> dict[str, str]:
         """The checkpoint's adapter through the API, unpacked into ``into``; checks that every file

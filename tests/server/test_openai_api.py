@@ -25,6 +25,7 @@ from server.settings import Settings
 from tests.engine.tiny import tiny_model_folder
 from tests.server.conftest import WorkerProcess, _redis_url, postgres_database
 from tests.utils import free_port
+from tests.utils.jobs import wait_for
 
 ROWS = [
     {
@@ -311,15 +312,16 @@ def test_cancel_pause_resume_events_and_errors(idle: LiveServer) -> None:
     assert set(httpx.get(f"{idle.url}/api/jobs").json()["error"]) == {"code", "message", "param"}
 
 
-def wait_for(client: openai.OpenAI, job_id: str, statuses: set[str], worker: WorkerProcess) -> Any:
-    deadline = time.monotonic() + TIMEOUT_S
-    while time.monotonic() < deadline:
-        job = client.fine_tuning.jobs.retrieve(job_id)
-        if job.status in statuses:
-            return job
-        assert job.status != "failed", (job.error, worker.tail())
-        time.sleep(0.3)
-    raise AssertionError(f"{job_id} stuck at {job.status}\n{worker.tail()}")
+def wait_status(client: openai.OpenAI, job_id: str, statuses: set[str], worker: WorkerProcess) -> Any:
+    return wait_for(
+        lambda: client.fine_tuning.jobs.retrieve(job_id),
+        until=statuses,
+        fail_on={"failed"},
+        timeout=TIMEOUT_S,
+        interval=0.3,
+        what=job_id,
+        details=worker.tail,
+    )
 
 
 def test_a_run_gives_checkpoints_the_playground_and_download_take_by_name(
@@ -330,7 +332,7 @@ def test_a_run_gives_checkpoints_the_playground_and_download_take_by_name(
     job = client.fine_tuning.jobs.create(
         model="tiny", training_file=upload(client), suffix="count", extra_body={"roundhouse": SMALL}
     )
-    job = wait_for(client, job.id, {"succeeded"}, worker)
+    job = wait_status(client, job.id, {"succeeded"}, worker)
     ident = job.to_dict()["roundhouse"]["job_id"]
     assert job.fine_tuned_model == f"ft:tiny:count:{ident}" and isinstance(job.finished_at, int)
 
@@ -380,17 +382,20 @@ def test_a_running_job_pauses_at_a_checkpoint_and_resumes(busy: tuple[LiveServer
     job = client.fine_tuning.jobs.create(
         model="tiny", training_file=upload(client), extra_body={"roundhouse": options}
     )
-    deadline = time.monotonic() + TIMEOUT_S
-    while client.fine_tuning.jobs.retrieve(job.id).to_dict()["roundhouse"]["step"] < 1:  # it trains
-        assert time.monotonic() < deadline, worker.tail()
-        time.sleep(0.1)
+    wait_for(  # it trains
+        lambda: client.fine_tuning.jobs.retrieve(job.id).to_dict()["roundhouse"]["step"] >= 1,
+        timeout=TIMEOUT_S,
+        interval=0.1,
+        what=f"{job.id} reaching step 1",
+        details=worker.tail,
+    )
     assert client.fine_tuning.jobs.pause(job.id).status == "running"  # pausing: it stops at its next step
-    paused = wait_for(client, job.id, {"paused", "succeeded"}, worker)
+    paused = wait_status(client, job.id, {"paused", "succeeded"}, worker)
     assert paused.status == "paused", "the run ended before the pause took effect"
     steps = [c.step_number for c in client.fine_tuning.jobs.checkpoints.list(job.id)]
     assert steps and steps[0] < 40  # a checkpoint at the step it reached
     assert client.fine_tuning.jobs.resume(job.id).status == "queued"
-    done = wait_for(client, job.id, {"succeeded"}, worker)
+    done = wait_status(client, job.id, {"succeeded"}, worker)
     assert client.fine_tuning.jobs.checkpoints.list(job.id).data[0].step_number == 40
     assert done.fine_tuned_model is not None
 

@@ -18,7 +18,8 @@ from server.settings import Settings
 from server.tables import now
 from tests.server.conftest import WorkerProcess
 from tests.server.test_job_manage import force_status, new_job, upload
-from tests.server.test_worker import dataset, start_job, states, wait_for
+from tests.server.test_worker import dataset
+from tests.utils.jobs import start_job, states, wait_for_job
 
 
 def refused(client: TestClient, url: str, status: str) -> None:
@@ -133,18 +134,18 @@ def test_pause_a_running_job_and_resume_it_to_the_same_weights(
     data = dataset(client)
     # paused as soon as a worker claims it (its training process may not handle the signal yet):
     # paused all the same, never failed
-    early = start_job(client, data, steps=steps, every=100)
-    wait_for(client, early["id"], lambda j: j["status"] == "running", workers)
+    early = start_job(client, data, hyper={"max_steps": steps}, checkpoint={"every_steps": 100})
+    wait_for_job(client, early["id"], lambda j: j["status"] == "running", logs=workers)
     assert client.post(f"/api/jobs/{early['id']}/pause").status_code == 200
-    early = wait_for(client, early["id"], lambda j: j["status"] in ("paused", "succeeded"), workers)
+    early = wait_for_job(client, early["id"], {"paused", "succeeded"}, logs=workers)
     assert early["status"] == "paused", early
     assert client.delete(f"/api/jobs/{early['id']}").status_code == 204
 
-    job = start_job(client, data, steps=steps, every=100)
-    wait_for(client, job["id"], lambda j: j["status"] == "running" and j["step"] >= 2, workers)
+    job = start_job(client, data, hyper={"max_steps": steps}, checkpoint={"every_steps": 100})
+    wait_for_job(client, job["id"], lambda j: j["status"] == "running" and j["step"] >= 2, logs=workers)
     r = client.post(f"/api/jobs/{job['id']}/pause")
     assert r.status_code == 200 and r.json()["status"] == "pausing", r.text
-    job = wait_for(client, job["id"], lambda j: j["status"] in ("paused", "succeeded"), workers)
+    job = wait_for_job(client, job["id"], {"paused", "succeeded"}, logs=workers)
     assert job["status"] == "paused", "the job finished before the pause took effect"
     paused_at = job["step"]
     assert 2 <= paused_at < steps and job["finished_at"] is not None
@@ -158,7 +159,7 @@ def test_pause_a_running_job_and_resume_it_to_the_same_weights(
 
     r = client.post(f"/api/jobs/{job['id']}/resume")
     assert r.status_code == 200 and r.json()["status"] == "queued", r.text
-    job = wait_for(client, job["id"], lambda j: j["status"] in ("succeeded", "failed"), workers)
+    job = wait_for_job(client, job["id"], {"succeeded", "failed"}, logs=workers)
     assert job["status"] == "succeeded", (job["error"], workers[0].tail())
     assert (job["step"], job["attempts"]) == (steps, 2)
     assert states(client, job["id"])[-5:] == ["pausing", "paused", "queued", "running", "succeeded"]

@@ -20,7 +20,11 @@ from server.tables import Worker, now
 from server.worker import files
 from server.worker.supervisor import supervise
 from tests.server.conftest import WorkerProcess
-from tests.server.test_worker import dataset, start_job, wait_for
+from tests.server.test_worker import dataset
+from tests.utils.jobs import job_body, start_job, wait_for_job
+
+# a one-step job with its checkpoint
+ONE_STEP: dict[str, Any] = {"hyper": {"max_steps": 1}, "checkpoint": {"every_steps": 1}}
 
 
 def test_the_queues_of_a_worker_and_of_a_placement() -> None:
@@ -42,7 +46,7 @@ def test_the_queues_of_a_worker_and_of_a_placement() -> None:
 
 def test_a_job_pinned_to_host_b_is_never_claimed_by_host_a(client: TestClient, settings: Settings) -> None:
     data = dataset(client)
-    base = {"base_model": "tiny", "dataset_id": data}
+    base = job_body(data)
     r = client.post("/api/jobs", json=base | {"placement": {"host": "b"}})
     assert r.status_code == 201, r.text
     job = r.json()
@@ -196,11 +200,11 @@ def test_real_workers_on_two_hosts_take_only_what_fits_them(
     while {h["hostname"] for h in client.get("/api/gpus").json()["hosts"] if h["online"]} != {"a", "b"}:
         assert time.monotonic() < deadline, "\n".join(w.tail() for w in workers)
         time.sleep(0.2)
-    pinned = start_job(client, data, steps=1, every=1, placement={"host": "b"})
-    two = start_job(client, data, steps=1, every=1, placement={"gpus": 2})
-    four = start_job(client, data, steps=1, every=1, placement={"gpus": 4})
+    pinned = start_job(client, data, **ONE_STEP, placement={"host": "b"})
+    two = start_job(client, data, **ONE_STEP, placement={"gpus": 2})
+    four = start_job(client, data, **ONE_STEP, placement={"gpus": 4})
     for job in (pinned, two):
-        done = wait_for(client, job["id"], lambda j: j["status"] in ("succeeded", "failed"), workers)
+        done = wait_for_job(client, job["id"], {"succeeded", "failed"}, logs=workers)
         assert done["status"] == "succeeded", done["error"]
         events = client.get(f"/api/jobs/{job['id']}/events").json()["data"]
         runs_on = [e["data"]["worker"] for e in events if e["data"].get("to") == "running"]
@@ -243,9 +247,7 @@ def test_the_reconcile_finds_and_resends_a_pinned_job_in_its_host_s_queue(
 ) -> None:
     from server import queue
 
-    job = client.post(
-        "/api/jobs", json={"base_model": "tiny", "dataset_id": dataset(client), "placement": {"host": "z"}}
-    ).json()
+    job = start_job(client, dataset(client), placement={"host": "z"})
     folder = settings.broker_dir / "queue"
     pinned = f"*.{settings.queue}.host.z.msg"
     assert len(list(folder.glob(pinned))) == 1 and not list(folder.glob(f"*.{settings.queue}.msg"))
@@ -272,7 +274,7 @@ def test_an_evaluation_on_a_host_that_pulls_from_the_store(
     from server.worker.trainer import DatabaseSink
 
     data = dataset(client)
-    job = start_job(client, data, steps=1, every=1, engine={"devices": ["cpu"], "compute_dtype": "float32"})
+    job = start_job(client, data, **ONE_STEP, engine={"devices": ["cpu"], "compute_dtype": "float32"})
     sessions = session_factory(make_engine(settings.url))
     here = LocalStorage(settings.home)
     sink = DatabaseSink(

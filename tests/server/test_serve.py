@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import signal
-import time
 from pathlib import Path
 
 import httpx
@@ -13,6 +12,7 @@ import pytest
 
 from tests.engine.tiny import tiny_model_folder
 from tests.utils import LOGIN_LINE, Process, child_env, free_port, roundhouse
+from tests.utils.jobs import start_job, wait_for_job
 
 
 @pytest.mark.parametrize("processes", [1, 2])
@@ -36,20 +36,8 @@ def test_serve_with_worker_prints_a_login_url_and_runs_a_job(tmp_path: Path, pro
             rows = [{"text": f"line {i} of a small corpus"} for i in range(16)]
             content = "".join(json.dumps(x) + "\n" for x in rows).encode()
             ds = client.post("/api/datasets", files={"file": ("t.jsonl", content)}).json()
-            body = {
-                "base_model": "tiny",
-                "dataset_id": ds["id"],
-                "hyper": {"max_steps": 2, "batch_size": 4},
-                "engine": {"num_microbatches": 2},
-                "checkpoint": {"every_steps": 2},
-            }
-            job = client.post("/api/jobs", json=body).json()
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline:
-                job = client.get(f"/api/jobs/{job['id']}").json()
-                if job["status"] in ("succeeded", "failed"):
-                    break
-                time.sleep(0.3)
+            job = start_job(client, ds["id"])
+            job = wait_for_job(client, job["id"], {"succeeded", "failed"}, timeout=120, logs=serve.tail)
             assert job["status"] == "succeeded", (job, serve.tail(3000))
             assert (home / "roundhouse.db").is_file() and (home / "broker" / "queue").is_dir()
             # the GPU stream: the first snapshot names this host's worker (a CPU host here, or GPUs)

@@ -17,6 +17,7 @@ from server.app import create_app
 from server.services import checkpoints, disk
 from server.settings import Settings
 from server.storage import LocalStorage, Storage, check_key, open_storage
+from tests.utils.jobs import start_job
 from tests.utils.s3 import S3Server, s3_server, s3_settings
 
 __all__ = ["s3_server", "s3_settings"]  # fixtures used here
@@ -164,12 +165,7 @@ def adapter_in_store(
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    r = client.post(
-        "/api/jobs",
-        json={"base_model": "tiny", "dataset_id": dataset_id, "method": {"kind": "lora", "lora_r": 4}},
-    )
-    assert r.status_code == 201, r.text
-    job = r.json()
+    job = start_job(client, dataset_id)
     assert job["config"]["output_dir"] == f"runs/{job['id']}"  # keys, not this host's paths
     assert job["config"]["data"]["train"].startswith("datasets/")
     folder = settings.home / "elsewhere" / "step_000002"

@@ -7,9 +7,7 @@ import hashlib
 import io
 import json
 import tarfile
-import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -18,6 +16,7 @@ from safetensors.torch import load_file
 
 from server.settings import Settings
 from tests.server.conftest import WorkerProcess
+from tests.utils.jobs import start_job, states, wait_for_job
 
 ROWS = [
     {
@@ -36,39 +35,6 @@ def dataset(client: TestClient) -> str:
     r = client.post("/api/datasets", files={"file": ("rows.jsonl", content)})
     assert r.status_code == 201, r.text
     return str(r.json()["id"])
-
-
-def start_job(client: TestClient, dataset_id: str, *, steps: int, every: int, **extra: Any) -> dict[str, Any]:
-    body = {
-        "base_model": "tiny",
-        "dataset_id": dataset_id,
-        "data": {"max_length": 64},
-        "method": {"kind": "lora", "lora_r": 4},
-        "hyper": {"max_steps": steps, "batch_size": 4, "learning_rate": 0.01, "optimizer": "sgd"},
-        "engine": {"devices": ["cpu", "cpu"], "num_microbatches": 2, "compute_dtype": "float32"},
-        "checkpoint": {"every_steps": every, "keep_last": 10},
-    } | extra
-    r = client.post("/api/jobs", json=body)
-    assert r.status_code == 201, r.text
-    return dict(r.json())
-
-
-def wait_for(client: TestClient, job_id: str, done: Any, workers: list[WorkerProcess]) -> dict[str, Any]:
-    deadline = time.monotonic() + TIMEOUT_S
-    while time.monotonic() < deadline:
-        job = client.get(f"/api/jobs/{job_id}").json()
-        if done(job):
-            return dict(job)
-        if job["status"] == "failed":
-            break
-        time.sleep(0.2)
-    logs = "\n".join(w.tail() for w in workers)
-    raise AssertionError(f"job {job_id} stuck at {job}\n{logs}")
-
-
-def states(client: TestClient, job_id: str) -> list[str]:
-    events = client.get(f"/api/jobs/{job_id}/events", params={"limit": 1000}).json()["data"]
-    return [e["data"]["to"] for e in events if e["kind"] == "state"]
 
 
 def unpack(archive: bytes, into: Path) -> dict[str, str]:
@@ -99,8 +65,8 @@ def test_upload_train_download_and_replay(
 
     client = worker_client
     workers.append(WorkerProcess(worker_settings, tmp_path / "worker.log").start())
-    job = start_job(client, dataset(client), steps=4, every=2)
-    job = wait_for(client, job["id"], lambda j: j["status"] in ("succeeded", "failed"), workers)
+    job = start_job(client, dataset(client), hyper={"max_steps": 4})
+    job = wait_for_job(client, job["id"], {"succeeded", "failed"}, timeout=TIMEOUT_S, logs=workers)
     assert job["status"] == "succeeded", (job["error"], workers[0].tail())
     assert (job["step"], job["total_steps"], job["attempts"]) == (4, 4, 1)
     assert states(client, job["id"]) == ["validating", "queued", "running", "succeeded"]
@@ -154,10 +120,16 @@ def test_cancel_a_running_job_leaves_a_resumable_checkpoint(
         pytest.skip("covered with the folder transport by the first test; cancel needs no broker")
     client = worker_client
     workers.append(WorkerProcess(worker_settings, tmp_path / "worker.log").start())
-    job = start_job(client, dataset(client), steps=400, every=1000)
-    wait_for(client, job["id"], lambda j: j["status"] == "running" and j["step"] >= 2, workers)
+    job = start_job(client, dataset(client), hyper={"max_steps": 400}, checkpoint={"every_steps": 1000})
+    wait_for_job(
+        client,
+        job["id"],
+        lambda j: j["status"] == "running" and j["step"] >= 2,
+        timeout=TIMEOUT_S,
+        logs=workers,
+    )
     assert client.post(f"/api/jobs/{job['id']}/cancel").json()["status"] == "cancelling"
-    job = wait_for(client, job["id"], lambda j: j["status"] in ("cancelled", "succeeded"), workers)
+    job = wait_for_job(client, job["id"], {"cancelled", "succeeded"}, timeout=TIMEOUT_S, logs=workers)
     assert job["status"] == "cancelled" and 2 <= job["step"] < 400
     assert states(client, job["id"])[-2:] == ["cancelling", "cancelled"]
     (saved,) = client.get(f"/api/jobs/{job['id']}/checkpoints").json()["data"]
@@ -185,14 +157,14 @@ def test_a_killed_worker_s_job_is_requeued_and_resumes_to_the_same_weights(
     client = worker_client
     first = WorkerProcess(worker_settings, tmp_path / "worker-1.log").start()
     workers.append(first)
-    job = start_job(client, dataset(client), steps=40, every=4)
-    wait_for(client, job["id"], lambda j: j["step"] >= 6, workers)
+    job = start_job(client, dataset(client), hyper={"max_steps": 40}, checkpoint={"every_steps": 4})
+    wait_for_job(client, job["id"], lambda j: j["step"] >= 6, timeout=TIMEOUT_S, logs=workers)
     first.kill()  # SIGKILL: no warm shutdown, no outcome recorded
     killed_at = client.get(f"/api/jobs/{job['id']}").json()["step"]
     assert killed_at < 40, "the job finished before the worker was killed"
     second = WorkerProcess(worker_settings, tmp_path / "worker-2.log").start()
     workers.append(second)
-    job = wait_for(client, job["id"], lambda j: j["status"] in ("succeeded", "failed"), workers)
+    job = wait_for_job(client, job["id"], {"succeeded", "failed"}, timeout=TIMEOUT_S, logs=workers)
     assert job["status"] == "succeeded", (job["error"], second.tail())
     assert job["attempts"] == 2
     assert states(client, job["id"]) == [
@@ -232,8 +204,14 @@ def test_a_crashed_training_process_fails_its_job_and_the_worker_runs_the_next(
     workers.append(worker)
     ds = dataset(client)
     # a training process killed from outside (as the kernel's out-of-memory killer does)
-    doomed = start_job(client, ds, steps=400, every=1000)
-    wait_for(client, doomed["id"], lambda j: j["status"] == "running" and j["step"] >= 1, workers)
+    doomed = start_job(client, ds, hyper={"max_steps": 400}, checkpoint={"every_steps": 1000})
+    wait_for_job(
+        client,
+        doomed["id"],
+        lambda j: j["status"] == "running" and j["step"] >= 1,
+        timeout=TIMEOUT_S,
+        logs=workers,
+    )
     assert worker.proc is not None
     (trainer,) = [
         p
@@ -241,14 +219,14 @@ def test_a_crashed_training_process_fails_its_job_and_the_worker_runs_the_next(
         if "server.worker.trainer" in p.cmdline()
     ]
     trainer.kill()
-    doomed = wait_for(client, doomed["id"], lambda j: j["status"] in ("failed", "succeeded"), workers)
+    doomed = wait_for_job(client, doomed["id"], {"failed", "succeeded"}, timeout=TIMEOUT_S, logs=workers)
     assert doomed["status"] == "failed" and "SIGKILL" in doomed["error"], doomed["error"]
     # an error inside the run is reported with its message
-    broken = start_job(client, ds, steps=2, every=2, data={"max_length": 64, "format": "text"})
-    broken = wait_for(client, broken["id"], lambda j: j["status"] in ("failed", "succeeded"), workers)
+    broken = start_job(client, ds, data={"format": "text"})
+    broken = wait_for_job(client, broken["id"], {"failed", "succeeded"}, timeout=TIMEOUT_S, logs=workers)
     assert broken["status"] == "failed" and "text" in broken["error"], broken["error"]
     # the worker survived both and runs the next job
     assert worker.proc.poll() is None
-    fine = start_job(client, ds, steps=2, every=2)
-    fine = wait_for(client, fine["id"], lambda j: j["status"] in ("failed", "succeeded"), workers)
+    fine = start_job(client, ds)
+    fine = wait_for_job(client, fine["id"], {"failed", "succeeded"}, timeout=TIMEOUT_S, logs=workers)
     assert fine["status"] == "succeeded", fine["error"]

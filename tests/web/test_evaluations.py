@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import json
 import re
-import time
 
 from playwright.sync_api import Page, expect
 
+from tests.utils.jobs import FINAL, start_job, wait_for_job
 from tests.web.conftest import Server, screenshot
 
 ROWS = [
@@ -30,25 +30,8 @@ def finished_job(server: Server) -> tuple[str, str]:
         r = api.post("/api/datasets", files={"file": ("count.jsonl", content)}, data={"name": "eval counts"})
         assert r.status_code == 201, r.text
         dataset_id = r.json()["id"]
-        body = {
-            "name": "ui evaluation",
-            "base_model": "tiny",
-            "dataset_id": dataset_id,
-            "data": {"max_length": 64},
-            "method": {"kind": "lora", "lora_r": 4},
-            "hyper": {"max_steps": 2, "batch_size": 4, "learning_rate": 0.01},
-            "engine": {"devices": ["cpu"], "num_microbatches": 2, "compute_dtype": "float32"},
-            "checkpoint": {"every_steps": 2},
-        }
-        r = api.post("/api/jobs", json=body)
-        assert r.status_code == 201, r.text
-        job_id = r.json()["id"]
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            job = api.get(f"/api/jobs/{job_id}").json()
-            if job["status"] in ("succeeded", "failed", "cancelled"):
-                break
-            time.sleep(0.5)
+        job_id = start_job(api, dataset_id, name="ui evaluation", engine={"devices": ["cpu"]})["id"]
+        job = wait_for_job(api, job_id, FINAL, timeout=180, logs=server.log_tail)
         assert job["status"] == "succeeded", (job, server.log_tail())
     return job_id, dataset_id
 

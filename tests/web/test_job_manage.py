@@ -10,13 +10,13 @@ from __future__ import annotations
 import itertools
 import json
 import re
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.utils.jobs import start_job, wait_for_job
 from tests.web.conftest import CHROMIUM, Server, screenshot
 
 if not Path(CHROMIUM).exists():
@@ -52,31 +52,17 @@ def made(server: Server) -> Iterator[dict[str, Any]]:
 
 
 def start(server: Server, made: dict[str, Any], *, steps: int) -> str:
-    body = {
-        "base_model": "tiny",
-        "dataset_id": made["dataset_id"],
-        "data": {"max_length": 64},
-        "method": {"kind": "lora", "lora_r": 4},
-        "hyper": {"max_steps": steps, "batch_size": 4, "learning_rate": 0.01, "optimizer": "sgd"},
-        "engine": {"devices": ["cpu", "cpu"], "num_microbatches": 2, "compute_dtype": "float32"},
-        "checkpoint": {"every_steps": 100},
-    }
     with server.client() as client:
-        r = client.post("/api/jobs", json=body)
-    assert r.status_code == 201, r.text
-    made["jobs"].append(r.json()["id"])
-    return str(r.json()["id"])
+        job = start_job(
+            client, made["dataset_id"], hyper={"max_steps": steps}, checkpoint={"every_steps": 100}
+        )
+    made["jobs"].append(job["id"])
+    return str(job["id"])
 
 
 def wait(server: Server, job_id: str, done: Any) -> dict[str, Any]:
-    deadline = time.monotonic() + TIMEOUT_S
     with server.client() as client:
-        while time.monotonic() < deadline:
-            job = client.get(f"/api/jobs/{job_id}").json()
-            if done(job):
-                return dict(job)
-            time.sleep(0.2)
-    raise AssertionError(f"job {job_id} stuck at {job}\n{server.log_tail()}")
+        return wait_for_job(client, job_id, done, timeout=TIMEOUT_S, logs=server.log_tail)
 
 
 def texts(page: Page, selector: str) -> list[str]:

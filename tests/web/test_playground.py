@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from pathlib import Path
 
 import pytest
 
+from tests.utils.jobs import FINAL, start_job, wait_for_job
 from tests.web.conftest import CHROMIUM, Server, screenshot
 
 if not Path(CHROMIUM).exists():
@@ -39,24 +39,10 @@ def trained_job(server: Server) -> str:
             "/api/datasets", files={"file": ("playground.jsonl", content)}, data={"name": "playground"}
         )
         assert r.status_code == 201, r.text
-        body = {
-            "name": "playground-lora",
-            "base_model": "tiny",
-            "dataset_id": r.json()["id"],
-            "method": {"kind": "lora", "lora_r": 4},
-            "hyper": {"max_steps": 6, "batch_size": 4, "learning_rate": 0.01},
-            "engine": {"num_microbatches": 2},
-            "checkpoint": {"every_steps": 3},
-        }
-        r = client.post("/api/jobs", json=body)
-        assert r.status_code == 201, r.text
-        job_id = str(r.json()["id"])
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            status = client.get(f"/api/jobs/{job_id}").json()["status"]
-            if status in ("succeeded", "failed", "cancelled"):
-                break
-            time.sleep(0.5)
+        hyper, checkpoint = {"max_steps": 6}, {"every_steps": 3}
+        job = start_job(client, r.json()["id"], name="playground-lora", hyper=hyper, checkpoint=checkpoint)
+        job_id = str(job["id"])
+        status = wait_for_job(client, job_id, FINAL, timeout=180, logs=server.log_tail)["status"]
         assert status == "succeeded", f"the job ended {status}:\n{server.log_tail()}"
     return job_id
 
