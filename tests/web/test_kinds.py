@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from engine.kinds import EngineEvent
 from server.kinds import METRIC_KINDS, EventKind, JobStatus
 from server.services.jobs import TERMINAL, TRANSITIONS
 
@@ -48,8 +49,13 @@ def test_event_kinds_match_the_server() -> None:
 
 
 def test_every_kind_the_engine_sends_is_known() -> None:
-    sent = set()
+    sent, bare = set(), set()
     for path in (ROOT / "engine").rglob("*.py"):
-        sent |= set(re.findall(r"(?:sink\.event|_event)\(\s*\"(\w+)\"", path.read_text()))
-    assert sent, "found no sink.event(...) call in engine/"
-    assert sent <= set(EventKind), sent - set(EventKind)
+        text = path.read_text()
+        sent |= set(re.findall(r"(?:sink\.event|_event)\(\s*EngineEvent\.(\w+)", text))
+        bare |= set(re.findall(r"(?:sink\.event|_event)\(\s*\"(\w+)\"", text))
+    assert sent, "found no sink.event(EngineEvent...) call in engine/"
+    assert not bare, f"engine/ sends kinds as bare strings (use engine.kinds.EngineEvent): {bare}"
+    kinds = {EngineEvent[name] for name in sent}
+    assert kinds <= set(EventKind), kinds - set(EventKind)
+    assert set(EngineEvent) <= set(EventKind), set(EngineEvent) - set(EventKind)
