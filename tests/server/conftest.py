@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 from server.app import create_app
 from server.settings import Settings
 from tests.engine.tiny import tiny_model_folder
-from tests.utils import Process, answers, child_env, roundhouse
+from tests.utils import Process, answers, child_env, roundhouse, xdist_worker
 from tests.utils import postgres_database as temporary_postgres
 
 POSTGRES_ADMIN = os.environ.get(
@@ -70,7 +70,8 @@ def client(app_and_key: tuple[object, str]) -> Iterator[TestClient]:
 
 
 def _redis_url() -> str | None:
-    url = os.environ.get("ROUNDHOUSE_TEST_REDIS", "redis://127.0.0.1:6379/15")
+    # a database of its own for each pytest-xdist worker: 15, 14, ... (7 and below: test_durability)
+    url = os.environ.get("ROUNDHOUSE_TEST_REDIS", f"redis://127.0.0.1:6379/{15 - xdist_worker() % 8}")
     host_port = url.split("//", 1)[1].split("/", 1)[0]
     host, _, port = host_port.partition(":")
     return url if answers(host, int(port or 6379)) else None

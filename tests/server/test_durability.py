@@ -2,8 +2,9 @@
 is down is kept and sent later, and a training process killed by a signal (the out-of-memory
 killer) is restarted from its last checkpoint up to ``max_retries`` times, to the same weights.
 
-Real ``roundhouse worker`` processes on Redis database 7 (flushed by one test, so nothing else
-there is touched) and a SQLite file; the tiny model trains on the CPU."""
+Real ``roundhouse worker`` processes on Redis database 7 (6, 5, ... for the other pytest-xdist
+workers; flushed by one test, so nothing else there is touched) and a SQLite file; the tiny model
+trains on the CPU."""
 
 from __future__ import annotations
 
@@ -25,10 +26,10 @@ from server.settings import Settings
 from tests.engine.tiny import tiny_model_folder
 from tests.server.conftest import WorkerProcess
 from tests.server.test_worker import dataset
-from tests.utils import answers, free_port
+from tests.utils import answers, free_port, xdist_worker
 from tests.utils.jobs import FINAL, start_job, states, wait_for_job
 
-REDIS = "redis://127.0.0.1:6379/7"
+REDIS = f"redis://127.0.0.1:6379/{7 - xdist_worker() % 8}"
 TIMEOUT_S = 150
 
 

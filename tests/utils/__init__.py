@@ -9,6 +9,7 @@ from tests.utils.processes import (
     child_env,
     free_port,
     roundhouse,
+    xdist_worker,
 )
 
 __all__ = [
@@ -20,4 +21,5 @@ __all__ = [
     "free_port",
     "postgres_database",
     "roundhouse",
+    "xdist_worker",
 ]

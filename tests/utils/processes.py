@@ -31,6 +31,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def xdist_worker() -> int:
+    """Which pytest-xdist worker runs this process (``gw3``: 3); 0 when the tests run in one process.
+    Tests that share a server outside the test (a Redis database) keep apart by it."""
+    name = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    return int(name[2:]) if name.startswith("gw") and name[2:].isdigit() else 0
+
+
 def answers(host: str, port: int) -> bool:
     """Whether something accepts a TCP connection at ``host:port`` (within half a second)."""
     with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.5):

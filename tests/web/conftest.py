@@ -108,8 +108,11 @@ def browser() -> Iterator[Browser]:
     if not Path(CHROMIUM).exists():
         pytest.skip(f"no Chromium at {CHROMIUM}")
     sync_api = pytest.importorskip("playwright.sync_api")
+    # a previous run's failures go; those of another pytest-xdist worker of this run stay
+    started = psutil.Process().create_time()
     for stale in SCREENSHOTS.glob("FAILED-*.png"):
-        stale.unlink()
+        if stale.stat().st_mtime < started:
+            stale.unlink(missing_ok=True)
     with sync_api.sync_playwright() as p:
         b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
         try:
