@@ -193,6 +193,7 @@ def test_migration_0004_adds_the_send_and_retry_columns_as_declared(database_url
     assert [d for d in diff if "'jobs'" in repr(d) or "jobs." in repr(d)] == []
 
 
+@pytest.mark.slow
 def test_queued_jobs_survive_a_flushed_broker_and_run_exactly_once(
     client: TestClient, settings: Settings, workers: list[WorkerProcess], tmp_path: Path
 ) -> None:
@@ -245,6 +246,7 @@ def test_a_submit_while_the_broker_is_down_is_kept_and_sent_later(
         assert [e["data"]["sends"] for e in logged(client, job["id"], "sends")] == [1]
 
 
+@pytest.mark.slow
 def test_a_training_process_killed_by_a_signal_resumes_to_the_same_weights(
     client: TestClient, settings: Settings, workers: list[WorkerProcess], tmp_path: Path
 ) -> None:

@@ -5,6 +5,7 @@ Derandomized: the same cases every run. ``bench/fuzz.py`` runs longer, with seed
 
 from __future__ import annotations
 
+import pytest
 from fastapi.testclient import TestClient
 
 from tests.utils.fuzzing import fuzz
@@ -39,6 +40,7 @@ def test_every_operation_documents_its_errors_in_the_one_shape(client: TestClien
         assert set(schema["paths"][stream]["get"]["responses"]["200"]["content"]) == {"text/event-stream"}
 
 
+@pytest.mark.slow
 def test_every_operation_holds_up_to_fuzzed_requests(app_and_key: tuple[object, str]) -> None:
     app, key = app_and_key
     outcomes = fuzz(app, key, examples=EXAMPLES)

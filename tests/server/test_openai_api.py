@@ -375,6 +375,7 @@ def test_a_run_gives_checkpoints_the_playground_and_download_take_by_name(
     assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"
 
 
+@pytest.mark.slow
 def test_a_running_job_pauses_at_a_checkpoint_and_resumes(busy: tuple[LiveServer, WorkerProcess]) -> None:
     server, worker = busy
     client = server.client()

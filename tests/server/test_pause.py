@@ -120,6 +120,7 @@ def test_the_worker_side_of_a_pause(client: TestClient) -> None:
     assert states(client, lost)[-2:] == ["pausing", "paused"]
 
 
+@pytest.mark.slow
 def test_pause_a_running_job_and_resume_it_to_the_same_weights(
     worker_client: TestClient, worker_settings: Settings, workers: list[WorkerProcess], tmp_path: Path
 ) -> None:

@@ -15,6 +15,7 @@ from tests.utils import LOGIN_LINE, Process, child_env, free_port, roundhouse
 from tests.utils.jobs import start_job, wait_for_job
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("processes", [1, 2])
 def test_serve_with_worker_prints_a_login_url_and_runs_a_job(tmp_path: Path, processes: int) -> None:
     home = tmp_path / "home"

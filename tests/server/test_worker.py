@@ -190,6 +190,7 @@ def test_a_killed_worker_s_job_is_requeued_and_resumes_to_the_same_weights(
         assert torch.equal(ours[key], theirs[key]), key
 
 
+@pytest.mark.slow
 def test_a_crashed_training_process_fails_its_job_and_the_worker_runs_the_next(
     worker_client: TestClient, worker_settings: Settings, workers: list[WorkerProcess], tmp_path: Path
 ) -> None:

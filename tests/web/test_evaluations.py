@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 
+import pytest
 from playwright.sync_api import Page, expect
 
 from tests.utils.jobs import FINAL, start_job, wait_for_job
@@ -36,6 +37,7 @@ def finished_job(server: Server) -> tuple[str, str]:
     return job_id, dataset_id
 
 
+@pytest.mark.slow
 def test_evaluate_a_checkpoint_from_the_job_page(page: Page, server: Server) -> None:
     job_id, dataset_id = finished_job(server)
     page.goto(f"{server.base_url}/#/jobs/{job_id}")

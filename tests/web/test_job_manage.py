@@ -69,6 +69,7 @@ def texts(page: Page, selector: str) -> list[str]:
     return page.locator(selector).all_text_contents()
 
 
+@pytest.mark.slow
 def test_resume_a_cancelled_job_from_its_page_with_times_and_chart_ticks(
     page: Page, server: Server, made: dict[str, Any]
 ) -> None:

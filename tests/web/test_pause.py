@@ -41,6 +41,7 @@ def made(server: Server) -> Iterator[dict[str, Any]]:
         client.delete(f"/api/datasets/{state['dataset_id']}")
 
 
+@pytest.mark.slow
 def test_pause_a_running_job_from_its_page_then_resume_it(
     page: Page, server: Server, made: dict[str, Any]
 ) -> None:

@@ -47,6 +47,7 @@ def trained_job(server: Server) -> str:
     return job_id
 
 
+@pytest.mark.slow
 def test_the_playground_streams_both_answers_side_by_side(page: Page, server: Server) -> None:
     job_id = trained_job(server)
     page.goto(f"{server.base_url}/#/playground/{job_id}")
