@@ -199,6 +199,9 @@ def test_queued_jobs_survive_a_flushed_broker_and_run_exactly_once(
 ) -> None:
     import redis
 
+    # the sweep re-sends a job no worker claimed within requeue_after_seconds: on a loaded machine
+    # the first claim of a worker just started may take longer than the file's 2 s
+    settings = settings.model_copy(update={"requeue_after_seconds": 6.0})
     first = WorkerProcess(settings, tmp_path / "worker-1.log").start()
     workers.append(first)
     ds = dataset(client)

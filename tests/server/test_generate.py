@@ -4,7 +4,6 @@ closed stream stopping its generation."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import threading
 import time
@@ -22,6 +21,7 @@ from server.services.generation import Playground, Target
 from server.settings import Settings
 from tests.engine.tiny import tiny_model, tiny_tokenizer
 from tests.utils import LOGIN_LINE, Process, child_env, free_port, roundhouse
+from tests.utils.aio import run_coroutine
 from tests.utils.jobs import start_job
 
 HELLO = [{"role": "user", "content": "what is two plus three?"}]
@@ -252,7 +252,7 @@ def test_closing_the_stream_stops_the_generation(tmp_path: Path) -> None:
                 break
         await stream.aclose()  # type: ignore[attr-defined]
 
-    asyncio.run(first_piece())
+    run_coroutine(first_piece())
     assert cancel.is_set()
     start = time.monotonic()
     lock = playground.lock_of(target)

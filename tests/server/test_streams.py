@@ -21,6 +21,7 @@ from server.settings import Settings
 from server.streams import POLL_S
 from tests.server.test_api import CHAT, jsonl, make_job, upload
 from tests.utils import Process, child_env, free_port, roundhouse
+from tests.utils.aio import run_coroutine
 
 STATE_IDS = 2  # a new job's events: created, queued
 
@@ -143,7 +144,7 @@ def test_many_open_streams_leave_the_api_responsive(
     paths = ["/api/gpus/stream" if i % 4 == 3 else f"/api/jobs/{job_ids[i % 4]}/stream" for i in range(80)]
     server, base = start_server(settings, tmp_path)
     try:
-        took = asyncio.run(serve_with_streams(base, key, paths, probes=40))
+        took = run_coroutine(serve_with_streams(base, key, paths, probes=40))
     finally:
         server.stop(grace=10)
         server.kill_group()
@@ -183,7 +184,7 @@ def test_sigterm_ends_open_streams_and_the_server_exits(
             await http.aclose()
 
     try:
-        took = asyncio.run(stop_with_streams_open())
+        took = run_coroutine(stop_with_streams_open())
     finally:
         server.stop(grace=1)
         server.kill_group()
