@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -17,29 +16,7 @@ from typing import Any
 
 import torch
 
-_STEP = re.compile(r"^step_(\d{6,})$")
-
-
-def step_name(step: int) -> str:
-    return f"step_{step:06d}"
-
-
-def list_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints under ``root``, oldest first."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = []
-    for child in root.iterdir():
-        m = _STEP.match(child.name)
-        if m and (child / "state" / "trainer.json").is_file():
-            found.append((int(m.group(1)), child))
-    return sorted(found)
-
-
-def latest(root: str | Path) -> tuple[int, Path] | None:
-    found = list_checkpoints(root)
-    return found[-1] if found else None
+from engine.training.folders import list_checkpoints, step_name
 
 
 def _fsync_tree(folder: Path) -> None:

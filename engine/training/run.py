@@ -31,7 +31,8 @@ from engine.model.export import base_model_name, save_export
 from engine.model.families import DEFAULT_LORA_TARGETS, family_for
 from engine.model.loading import load_model, load_tokenizer, resolve_model_path
 from engine.roundpipe import RoundPipe
-from engine.training.checkpoint import latest, list_checkpoints, load_state, save_state, write_checkpoint
+from engine.training.checkpoint import load_state, save_state, write_checkpoint
+from engine.training.folders import latest, list_checkpoints
 
 T = TypeVar("T")
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from engine.training.folders import latest as latest_checkpoint
 from server.kinds import EventKind, JobStatus
 from server.services import checkpoints, gpus, jobs, placement
 from server.settings import Settings
@@ -63,6 +64,15 @@ def _failure(folder: Path, rc: int) -> str:
 def _last_checkpoint(session: Session, job_id: str) -> int | None:
     saved = checkpoints.list_for(session, job_id=job_id)
     return saved[-1].step if saved else None
+
+
+def _resume_step(session: Session, job_id: str, folder: Path) -> int | None:
+    """The step a restarted run resumes from: the latest checkpoint recorded for the job, or a later
+    one complete on this host's disk whose row the killed process had no time to record."""
+    recorded = _last_checkpoint(session, job_id)
+    on_disk = latest_checkpoint(folder / "checkpoints")
+    steps = [s for s in (recorded, on_disk[0] if on_disk else None) if s is not None]
+    return max(steps) if steps else None
 
 
 class _Stopped(Exception):
@@ -149,12 +159,14 @@ class _Child:
         return rc
 
 
-def _restart(settings: Settings, session: Session, *, job_id: str, worker_id: str, rc: int) -> str | None:
+def _restart(
+    settings: Settings, session: Session, *, job_id: str, worker_id: str, rc: int, folder: Path
+) -> str | None:
     """After a crash: count a restart and record it, or, past ``max_retries`` (or when the job is
     no longer this worker's to run), return why the job fails."""
     session.expire_all()
     job = jobs.get_job(session, job_id=job_id)
-    step = _last_checkpoint(session, job_id)
+    step = _resume_step(session, job_id, folder)
     done = job.retries if job is not None else 0
     retry = (
         jobs.record_retry(session, job_id=job_id, worker_id=worker_id)
@@ -246,7 +258,7 @@ def supervise(settings: Settings, sessions: sessionmaker[Session], *, job_id: st
             to, message = JobStatus.CANCELLED, "stopped before the training started"
         elif _crashed(rc) and child.cancel_sent is None:
             with sessions() as session:
-                error = _restart(settings, session, job_id=job_id, worker_id=worker_id, rc=rc)
+                error = _restart(settings, session, job_id=job_id, worker_id=worker_id, rc=rc, folder=folder)
             if error is None:
                 continue
             to, message = JobStatus.FAILED, "training failed"

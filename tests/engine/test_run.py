@@ -13,7 +13,8 @@ import torch
 from engine.commands.cli import main
 from engine.config import TrainConfig
 from engine.metrics import ListSink
-from engine.training.checkpoint import list_checkpoints, load_state
+from engine.training.checkpoint import load_state
+from engine.training.folders import list_checkpoints
 from engine.training.run import learning_rate, train
 from tests.engine.tiny import tiny_model_folder
 
