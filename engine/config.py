@@ -416,7 +416,7 @@ class EngineConfig:
     calibration_steps: int = 2
     seed: int = 0
     initial_loss_scale: float = 2.0**16
-    loss_chunk_tokens: int = 4096  # engine.model.loss.DEFAULT_LOSS_CHUNK_TOKENS (no torch here)
+    loss_chunk_tokens: int = 2048  # engine.model.loss.DEFAULT_LOSS_CHUNK_TOKENS (no torch here)
     router_aux_loss: bool = False
     router_aux_loss_coef: float | None = None
     max_skipped_steps: int = 50

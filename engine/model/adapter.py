@@ -82,10 +82,16 @@ class OutputLayer(nn.Module):
         self.logit_softcap = logit_softcap
 
     def forward(
-        self, hidden: torch.Tensor, labels: torch.Tensor | None = None, *, per_sequence: bool = False
+        self,
+        hidden: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        *,
+        per_sequence: bool = False,
+        grad_scale: float = 1.0,
     ) -> torch.Tensor:
         """The logits; given ``labels``, the loss sum, or with ``per_sequence`` the ``[b]`` sums of
-        each row's label-token log-probabilities (``engine.model.loss``)."""
+        each row's label-token log-probabilities (``engine.model.loss``). ``grad_scale``: the
+        gradient the caller will back-propagate into the loss sum (``chunked_causal_lm_loss_sum``)."""
         normed = self.norm(hidden)
         divisor, cap = self.logits_divisor, self.logit_softcap
         if labels is None:
@@ -100,13 +106,19 @@ class OutputLayer(nn.Module):
             logits: torch.Tensor = functional_call(lm_head, tensors, (h,), tie_weights=False, strict=False)
             return finish_logits(logits, divisor=divisor, softcap=cap)
 
-        reduce = chunked_sequence_logps if per_sequence else chunked_causal_lm_loss_sum
-        return reduce(
-            normed,
-            labels,
-            head,
-            chunk_tokens=self.chunk_tokens,
-            preserve_rng_state=uses_dropout(lm_head, None),
+        if per_sequence:
+            return chunked_sequence_logps(
+                normed,
+                labels,
+                head,
+                chunk_tokens=self.chunk_tokens,
+                preserve_rng_state=uses_dropout(lm_head, None),
+            )
+        # the head's gradients are taken in this pass: autograd reaches its tensors through the loss
+        trained = list({id(t): t for t in tensors.values() if t.requires_grad}.values())
+        chunk = self.chunk_tokens
+        return chunked_causal_lm_loss_sum(
+            normed, labels, head, chunk_tokens=chunk, weights=trained, grad_scale=grad_scale
         )
 
 
@@ -293,18 +305,20 @@ def run_layer(
     labels: torch.Tensor | None = None,
     *,
     per_sequence: bool = False,
+    grad_scale: float = 1.0,
 ) -> torch.Tensor:
     """Run one layer on ``x``; ``call(*args, **kwargs)`` invokes (a copy of) ``layer.module``.
 
-    The output layer given ``labels`` returns the loss sum, not the logits; with
-    ``per_sequence`` the ``[b]`` per-row sums of the label tokens' log-probabilities.
+    The output layer given ``labels`` returns the loss sum, not the logits (``grad_scale``: the
+    gradient its caller will back-propagate into it); with ``per_sequence`` the ``[b]`` per-row
+    sums of the label tokens' log-probabilities.
     """
     if layer.kind == LayerKind.OUTPUT:
         if labels is None:
             return call(x)  # type: ignore[no-any-return]
         if per_sequence:
             return call(x, labels, per_sequence=True)  # type: ignore[no-any-return]
-        return call(x, labels)  # type: ignore[no-any-return]
+        return call(x, labels, grad_scale=grad_scale)  # type: ignore[no-any-return]
     if layer.kind != LayerKind.BLOCK:
         return call(x)  # type: ignore[no-any-return]
     if ctx is None:

@@ -2,17 +2,23 @@
 
 The output layer never holds the logits of a whole micro-batch: ``[tokens, vocab]`` in fp32 is
 the largest tensor of a long-sequence step (8 x 4096 tokens x 152k vocab is 20 GB). Each chunk
-of ``chunk_tokens`` positions goes through the LM head, the fp32 cross entropy and — under
-``torch.utils.checkpoint`` — is recomputed in backward, so the logits that live at any time are
-one chunk's. The same holds for a whole sequence's log-probability (``chunked_sequence_logps``,
-what the preference methods score). Going through the head module (not a hand-written
-``hidden @ weight.T``) keeps whatever the head is: a tied embedding weight, a LoRA-wrapped
-``lm_head``.
+of ``chunk_tokens`` positions goes through the LM head and the fp32 cross entropy, so the logits
+that live at any time are one chunk's.
+
+The loss sum (``chunked_causal_lm_loss_sum``) takes each chunk's gradients, for the hidden states
+and the head's trainable tensors, in the same pass as its forward: the loss is a scalar, so its
+backward only scales them by the incoming gradient, and the head never runs twice (no recompute,
+and a head that draws random numbers, LoRA dropout, draws them once). A whole sequence's
+log-probability (``chunked_sequence_logps``, what the preference methods score) has one incoming
+gradient per row, so its chunks run again in backward under ``torch.utils.checkpoint``. Going
+through the head module (not a hand-written ``hidden @ weight.T``) keeps whatever the head is: a
+tied embedding weight, a LoRA-wrapped ``lm_head``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -21,8 +27,9 @@ from torch.utils.checkpoint import checkpoint
 from engine.errors import ConfigError
 
 IGNORE_INDEX = -100
-# positions per chunk: bounds the output layer's logits at chunk x vocab (fp32 4096 x 152k = 2.5 GB)
-DEFAULT_LOSS_CHUNK_TOKENS = 4096
+# positions per chunk: bounds the output layer's logits at chunk x vocab (fp32 2048 x 152k = 1.2 GB,
+# and as much again for their gradient)
+DEFAULT_LOSS_CHUNK_TOKENS = 2048
 
 
 def check_chunk_tokens(chunk_tokens: int, *, field: str = "loss_chunk_tokens") -> int:
@@ -72,12 +79,75 @@ def _chunk_loss(
     return nn.functional.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
+class _LossWithGradients(torch.autograd.Function):
+    """The chunked loss sum whose gradients are taken chunk by chunk in forward.
+
+    Inputs: ``flat [n, d]``, ``targets [n]``, the chunk size, the incoming gradient expected in
+    backward, the head and the head's tensors that need a gradient (so that autograd routes their
+    gradients here). Forward takes each chunk's gradients for that expected incoming gradient, so
+    they round exactly as autograd's own backward would; backward multiplies them by the ratio
+    of the incoming gradient to the expected one (1: unchanged), exact since the output is a
+    scalar, and without reading anything back from the device.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        flat: torch.Tensor,
+        targets: torch.Tensor,
+        chunk_tokens: int,
+        grad_scale: float,
+        head: Callable[[torch.Tensor], torch.Tensor],
+        *weights: torch.Tensor,
+    ) -> torch.Tensor:
+        expected = torch.tensor(grad_scale, dtype=torch.float32, device=flat.device)
+        wants_hidden = bool(ctx.needs_input_grad[0])
+        grad_hidden = torch.zeros_like(flat)
+        grad_weights: list[torch.Tensor | None] = [None] * len(weights)
+        total: torch.Tensor | None = None
+        for start in range(0, max(flat.shape[0], 1), chunk_tokens):
+            with torch.enable_grad():
+                h = flat[start : start + chunk_tokens].detach().requires_grad_(wants_hidden)
+                part = _chunk_loss(head, h, targets[start : start + chunk_tokens])
+                wants = [h] if wants_hidden else []
+                wants += list(weights)
+                found = ()
+                if part.requires_grad:
+                    found = torch.autograd.grad(part, wants, expected, allow_unused=True)
+            if wants_hidden and found and found[0] is not None:
+                grad_hidden[start : start + chunk_tokens] = found[0]
+            for i, g in enumerate(found[len(found) - len(weights) :] if found else ()):
+                if g is not None:
+                    grad_weights[i] = g if grad_weights[i] is None else grad_weights[i] + g
+            part = part.detach()
+            total = part if total is None else total + part
+        if total is None:
+            raise RuntimeError("chunked loss: no chunk was computed")
+        ctx.kept = (grad_hidden, grad_weights, expected)
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        grad_hidden, grad_weights, expected = ctx.kept
+        del ctx.kept
+        ratio = grad.float() / expected  # exactly 1 when backward brings the expected gradient
+
+        def scaled(g: torch.Tensor) -> torch.Tensor:
+            return g * ratio.to(g.dtype)
+
+        hidden = scaled(grad_hidden) if ctx.needs_input_grad[0] else None
+        weights = tuple(None if g is None else scaled(g) for g in grad_weights)
+        return (hidden, None, None, None, None, *weights)
+
+
 def chunked_causal_lm_loss_sum(
     hidden: torch.Tensor,
     labels: torch.Tensor,
     head: Callable[[torch.Tensor], torch.Tensor],
     *,
     chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS,
+    weights: Sequence[torch.Tensor] | None = None,
+    grad_scale: float = 1.0,
     preserve_rng_state: bool = False,
 ) -> torch.Tensor:
     """Sum of the next-token cross entropy over label tokens != -100 (fp32), chunk by chunk.
@@ -85,13 +155,22 @@ def chunked_causal_lm_loss_sum(
     Equals ``causal_lm_loss_sum(head(hidden), labels)`` up to the order of the fp32 sum, but
     the logits alive at any time (forward and backward) are at most ``chunk_tokens x vocab``.
 
+    With autograd on and the head's tensors known (``weights``, or ``head`` is a module), each
+    chunk's gradients are taken as it is computed and the head runs once. Otherwise every chunk
+    runs again in backward under ``torch.utils.checkpoint``.
+
     Args:
         hidden: ``[b, s, d]``, the final norm's output.
         labels: ``[b, s]``; position ``t`` of ``hidden`` predicts ``labels[:, t + 1]``.
-        head: the LM head, ``[n, d] -> [n, vocab]``. With autograd on it is called again in
-            backward (per chunk), so it must not depend on state that changes in between.
+        head: the LM head, ``[n, d] -> [n, vocab]``.
         chunk_tokens: positions (over the flattened ``b x (s - 1)``) per chunk.
-        preserve_rng_state: the head draws random numbers (dropout): replay them in backward.
+        weights: every tensor ``head`` uses (those that need a gradient get it through the
+            returned loss). None: ``head``'s parameters when it is a module, else unknown (the
+            recompute path).
+        grad_scale: the gradient the caller will back-propagate into the returned loss (e.g. its
+            ``1 / tokens``): with it the gradients round as autograd's would; any other incoming
+            gradient is still exact up to one rounding.
+        preserve_rng_state: the recompute path only: replay the head's random numbers in backward.
 
     Returns:
         A 0-d fp32 tensor.
@@ -103,10 +182,20 @@ def chunked_causal_lm_loss_sum(
     # [b, s - 1, d] -> [n, d]: position t predicts token t + 1
     flat = hidden[:, :-1, :].reshape(-1, hidden.shape[-1])
     targets = labels[:, 1:].reshape(-1).to(flat.device)
+    if weights is None and isinstance(head, nn.Module):
+        weights = list(head.parameters())
+    grad = torch.is_grad_enabled()
+    if grad and weights is not None:
+        trained = list({id(w): w for w in weights if w.requires_grad}.values())
+        if flat.requires_grad or trained:
+            loss: torch.Tensor = _LossWithGradients.apply(
+                flat, targets, chunk_tokens, float(grad_scale), head, *trained
+            )
+            return loss
     total: torch.Tensor | None = None
     for start in range(0, max(flat.shape[0], 1), chunk_tokens):
         h, y = flat[start : start + chunk_tokens], targets[start : start + chunk_tokens]
-        if torch.is_grad_enabled():
+        if grad:
             part = checkpoint(
                 _chunk_loss, head, h, y, use_reentrant=False, preserve_rng_state=preserve_rng_state
             )

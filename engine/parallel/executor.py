@@ -350,15 +350,20 @@ class Worker:
         x: torch.Tensor,
         ctx: Any,
         labels: torch.Tensor | None = None,
+        *,
+        grad_scale: float = 1.0,
     ) -> torch.Tensor:
-        """Run one layer; the output layer given ``labels`` returns the loss sum (chunked)."""
+        """Run one layer; the output layer given ``labels`` returns the loss sum (chunked), its
+        gradients taken for ``grad_scale``, the gradient back-propagated into it."""
         module, tensors = self.modules[layer.index], params[layer.index]
 
         def call(*args: Any, **kwargs: Any) -> Any:
             return functional_call(module, tensors, args, kwargs, tie_weights=False, strict=False)
 
         with self._rng(it, mb, layer.index):
-            return run_layer(layer, call, x, ctx, labels, per_sequence=it.objective.per_sequence)
+            return run_layer(
+                layer, call, x, ctx, labels, per_sequence=it.objective.per_sequence, grad_scale=grad_scale
+            )
 
     def _context(self, it: Iteration, mb: int, hidden: torch.Tensor) -> Any:
         am = it.microbatches[mb].attention_mask
@@ -422,6 +427,8 @@ class Worker:
         routed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         weights: torch.Tensor | None = None  # the router loss's per-expert weights
         labels = self.link.upload(it.microbatches[mb].labels) if stage.kind == StageKind.FUSED else None
+        # what will be back-propagated into the loss sum: its layer takes its gradients for it
+        expected = self.board.scale_for(it) / it.total_tokens if labels is not None else 1.0
         with torch.enable_grad():
             for i in stage.layers:
                 t0 = self._clock(it)
@@ -435,6 +442,7 @@ class Worker:
                     inp,
                     ctx,
                     labels if layers[i].kind == LayerKind.OUTPUT else None,
+                    grad_scale=expected,
                 )
                 if it.profile:
                     self._record(it.layer_fwd_s, i, self._elapsed(t0))

@@ -37,7 +37,7 @@ def memory_costs(
     hidden_size: int,
     dtype_bytes: int,
     vocab_size: int = 0,
-    loss_chunk_tokens: int = 4096,
+    loss_chunk_tokens: int = 2048,
 ) -> list[LayerCost]:
     """Proxy costs (parameter bytes) with memory estimates for one micro-batch size.
 

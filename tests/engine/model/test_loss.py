@@ -166,3 +166,72 @@ def test_backward_after_functional_call_uses_the_bound_tensors() -> None:
     ref = causal_lm_loss_sum(functional_call(out, tensors, (hidden.detach(),)), labels)
     assert torch.allclose(loss, ref, rtol=TOL, atol=TOL)
     assert tensors["lm_head.weight"].grad is not None and hidden.grad is not None
+
+
+class CountingHead(torch.nn.Module):
+    """A linear head that counts its calls and the rows it saw."""
+
+    def __init__(self, head: torch.nn.Linear) -> None:
+        super().__init__()
+        self.inner = head
+        self.calls = 0
+        self.rows = 0
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        self.rows += h.shape[0]
+        out: torch.Tensor = self.inner(h)
+        return out
+
+
+def test_with_gradients_the_head_runs_once_per_chunk_and_matches_the_recompute_path() -> None:
+    hidden, labels, linear = _inputs(2, 12, 16, 50)
+    counted = CountingHead(linear)
+    h = hidden.clone().requires_grad_(True)
+    loss = chunked_causal_lm_loss_sum(h, labels, counted, chunk_tokens=5)
+    (loss * 0.25).backward()  # the incoming gradient scales what forward kept
+    assert counted.calls == 5 and counted.rows == 22  # 22 positions in chunks of 5, no second pass
+    assert h.grad is not None and linear.weight.grad is not None
+    one_pass = (loss.detach(), h.grad.clone(), linear.weight.grad.clone())
+
+    # a bare callable with no tensors named: the chunks run again in backward (checkpoint)
+    linear.zero_grad()
+    counted.calls = 0
+    h2 = hidden.clone().requires_grad_(True)
+    again = chunked_causal_lm_loss_sum(h2, labels, lambda x: counted(x), chunk_tokens=5)
+    (again * 0.25).backward()
+    assert counted.calls == 10
+    assert h2.grad is not None and linear.weight.grad is not None
+    assert torch.equal(again.detach(), one_pass[0])
+    assert (h2.grad - one_pass[1]).abs().max().item() < TOL
+    assert (linear.weight.grad - one_pass[2]).abs().max().item() < TOL
+
+
+def test_a_head_with_dropout_draws_its_mask_once_and_the_gradients_use_that_mask() -> None:
+    hidden, labels, linear = _inputs(2, 10, 16, 40)
+    drop = torch.nn.Sequential(torch.nn.Dropout(0.5), linear)
+    drop.train()
+    h = hidden.clone().requires_grad_(True)
+    torch.manual_seed(7)
+    loss = chunked_causal_lm_loss_sum(h, labels, drop, chunk_tokens=6)
+    loss.backward()
+    assert h.grad is not None and linear.weight.grad is not None
+    grad_weight = linear.weight.grad
+    linear.weight.grad = None
+    # the same masks drawn in the same order, outside the chunked loss
+    torch.manual_seed(7)
+    ref_h = hidden.clone().requires_grad_(True)
+    flat = ref_h[:, :-1].reshape(-1, 16)
+    targets = labels[:, 1:].reshape(-1)
+    parts = [
+        torch.nn.functional.cross_entropy(
+            drop(flat[i : i + 6]).float(), targets[i : i + 6], ignore_index=-100, reduction="sum"
+        )
+        for i in range(0, flat.shape[0], 6)
+    ]
+    ref = sum(parts[1:], parts[0])
+    ref.backward()
+    assert ref_h.grad is not None and linear.weight.grad is not None
+    assert torch.allclose(loss, ref, rtol=TOL, atol=TOL)
+    assert (h.grad - ref_h.grad).abs().max().item() < TOL
+    assert (grad_weight - linear.weight.grad).abs().max().item() < TOL
