@@ -9,7 +9,7 @@ PRETTIER := node_modules/.bin/prettier
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install services test lint lint-js fmt-js types unit bench gpu-check run demo demo-dpo plan clean
+.PHONY: install services test lint lint-js fmt-js types unit bench gpu-check gpu-bundle run demo demo-dpo plan clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -75,6 +75,12 @@ bench: install
 # syncs and throughput checks, a PASS/WARN/FAIL table (`python bench/gpu_check.py --cpu` without one)
 gpu-check: install
 	$(PY) bench/gpu_check.py
+
+# wheels for a bare GPU box (its own torch, no network): gpu-bundle/engine/ and gpu-bundle/peer/
+# (roundpipe 0.1.1), for its Python; prints their size and the command to run there
+GPU_PYTHON ?= 3.12
+gpu-bundle: install
+	$(PY) bench/bundle.py --python-version $(GPU_PYTHON)
 
 # the service on this machine: API + worker on SQLite and the no-server broker, demo model and
 # datasets prepared once, a login URL printed
