@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from engine.model.adapter import count_label_tokens
+from engine.parallel.activity import Activity, seconds
 from engine.parallel.objective import TOKEN_LOSS, Objective
 from engine.scheduling.partition import Plan
 from engine.scheduling.schedule import SlotRun
@@ -132,6 +133,9 @@ class Iteration:
     stage_s: dict[str, float] = field(default_factory=dict)
     layer_fwd_s: dict[int, float] = field(default_factory=dict)
     layer_bwd_s: dict[int, float] = field(default_factory=dict)
+    # waits, copies, idle gaps and prefetches of its stage runs (engine.parallel.activity)
+    activity: Activity = field(default_factory=Activity)
+    fold_s: float = 0.0  # the optimizer thread's time adding its gradients into the fp32 buffers
     started: float = 0.0
     finished: float = 0.0
 
@@ -149,13 +153,9 @@ class Iteration:
         """Turn the busy spans into seconds per worker (``busy_s``) and per stage (``stage_s``)."""
         spans, self.spans = self.spans, []
         for worker, stage, a, b in spans:
-            if isinstance(a, float):
-                seconds = float(b - a)
-            else:
-                b.synchronize()
-                seconds = float(a.elapsed_time(b)) / 1000.0
-            self.busy_s[worker] = self.busy_s.get(worker, 0.0) + seconds
-            self.stage_s[stage] = self.stage_s.get(stage, 0.0) + seconds
+            took = seconds(a, b)
+            self.busy_s[worker] = self.busy_s.get(worker, 0.0) + took
+            self.stage_s[stage] = self.stage_s.get(stage, 0.0) + took
 
 
 class Board:

@@ -11,6 +11,8 @@ backward stage starts (its recompute input). The fused stage runs its layers, th
 backward together. A backward stage recomputes its layers from the kept input — with the same
 dropout seeds as the forward — and back-propagates the gradient arriving from the stage above.
 Backward runs layer by layer, so per-layer times can be measured for the partitioner.
+A stage run also records its waits, copies and prefetch, and the worker's idle gap before an
+iteration (``engine.parallel.activity``).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from torch.func import functional_call
 from engine.errors import Cancelled, EngineError
 from engine.kinds import LayerKind
 from engine.model.adapter import Layer, run_layer
+from engine.parallel.activity import ACTIVATIONS, WEIGHTS, IdleGaps
 from engine.parallel.board import Iteration
 from engine.parallel.context import WorkerContext
 from engine.parallel.gradients import send_gradients
@@ -60,6 +63,8 @@ class Worker:
         self.queue: deque[tuple[Iteration, SlotRun]] = deque()
         self.prefetched: dict[int, tuple[Params, Any]] = {}
         self.prefetch_oom = 0  # prefetches given up for want of device memory
+        self.waits: list[tuple[str, Any, Any]] = []  # the running stage's (kind, start, end)
+        self.idle = IdleGaps(index)
         self.stopping = False
         self.thread = threading.Thread(target=self._loop, name=f"roundpipe-worker-{index}", daemon=True)
         self.thread.start()
@@ -231,13 +236,20 @@ class Worker:
         accum: dict[tuple[int, str], torch.Tensor] = {}
         losses: list[torch.Tensor] = []
         spans: list[tuple[Any, Any]] = []
+        self.link.take_copies()  # whatever a failed stage left is no part of this one
+        self.waits = []
+        prefetched = id(run) in self.prefetched
         with self.link.on(self.link.compute):
+            wanted = self._mark()
             params = self._weights(it, run, stage, owners, released)
+            ready = self._mark()
+            self.waits.append((WEIGHTS, wanted, ready))
             n = len(run.microbatches)
             prefetch, first = None, 0
             for w, mb in enumerate(run.microbatches):
                 self._check_cancel(it, stage, mb)
                 x, after = self._stage_input(it, stage, mb)
+                self.waits.append((ACTIVATIONS, spans[-1][1] if spans else ready, self._mark()))
                 if prefetch is None:  # tried again at every micro-batch: the weights may be ready now
                     prefetch, first = self._start_prefetch(n - w), w
                 if prefetch is not None:
@@ -264,11 +276,18 @@ class Worker:
             # objective's report: the loss sum followed by what the objective reads back)
             sent = self.link.download(torch.cat([v.reshape(-1) for v in losses])) if losses else None
             starts = list(itertools.accumulate((v.numel() for v in losses), initial=0))
+            gap = self.idle.gap(it.serial, spans, train=it.train)
+            copies = [(self.index, *c) for c in self.link.take_copies()]
             with self.board.cv:
                 if sent is not None:
                     for j, mb in enumerate(run.microbatches):
                         it.loss_sums[mb] = (sent[0], starts[j], sent[1])
                 it.spans.extend((self.index, stage.name, a, b) for a, b in spans)
+                it.activity.waits.extend(self.waits)
+                it.activity.copies.extend(copies)
+                it.activity.prefetched.append(prefetched)
+                if gap is not None:
+                    it.activity.gaps.append(gap)
                 self.board.cv.notify_all()
 
     def _check_cancel(self, it: Iteration, stage: Stage, mb: int) -> None:
@@ -463,11 +482,13 @@ class Worker:
                     loss_sum = loss_sum + extra
             else:
                 key = (mb, stage.stop)
+                wanted = self._mark()
                 self.board.wait_for(lambda: key in it.grads, it)
                 with self.board.cv:
                     host, event = it.grads.pop(key)
                 self.link.wait(self.link.act_up, event)
                 top, grad = None, None if host is None else self.link.upload(host)
+                self.waits.append((ACTIVATIONS, wanted, self._mark()))
             if routed and weights is None:
                 weights = self.routing.weights(it, mb)
             for i, (inp, out) in zip(reversed(stage.layers), reversed(saved), strict=True):

@@ -20,7 +20,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -28,6 +28,7 @@ import torch
 from engine.config import EngineConfig
 from engine.errors import Cancelled, EngineError
 from engine.optimizers import optimizer_spec
+from engine.parallel.activity import activity_metrics
 from engine.parallel.board import Board, Iteration
 from engine.parallel.gradients import add_gradients
 from engine.parallel.host import HostState
@@ -45,10 +46,21 @@ class StepJob:
     grad_norm: float = float("nan")
     seconds: float = 0.0
     skipped: bool = False
+    # the optimizer thread's seconds per phase: fold (adding the iterations' gradients into the
+    # fp32 buffers, during the iterations), norm (the global norm and the clipping), update (the
+    # optimizer's update and zeroing the gradients), copy (writing the compute copies)
+    phases: dict[str, float] = field(default_factory=dict)
+    period: float = 0.0  # seconds since the previous step finished (0: the first step here)
 
     def metrics(self, *, loss_scale: float, num_workers: int) -> dict[str, float]:
         """The step's metrics for the sink, once it finished (``loss/train``, ``time/*``, ...;
-        and the objective's own, e.g. ``dpo/*``, whose ``loss/train`` is the mean over pairs)."""
+        and the objective's own, e.g. ``dpo/*``, whose ``loss/train`` is the mean over pairs).
+
+        ``time/optimizer_s`` is the step itself (norm, update and copy, and the waits for the
+        uploads of the old compute copies); ``time/optimizer/<phase>_s`` the phases (``fold``
+        runs before it, while the iterations run); ``time/period_s`` the time since the
+        previous step finished (``time/step_s`` for the first); the waits, idle time, transfers
+        and prefetch hit rate are ``engine.parallel.activity``'s."""
         its = self.iterations
         wall = max(time.perf_counter() - its[0].started, 1e-9)
         span = max(max(it.finished for it in its) - its[0].started, 1e-9)
@@ -72,6 +84,10 @@ class StepJob:
             "time/optimizer_s": self.seconds,
             "pipeline/bubble_ratio": max(0.0, 1.0 - busy / (num_workers * span)),
         }
+        metrics.update({f"time/optimizer/{name}_s": s for name, s in self.phases.items()})
+        period = self.period or wall
+        metrics["time/period_s"] = period
+        metrics.update(activity_metrics([it.activity for it in its], num_workers=num_workers, period=period))
         for it in its:
             for name, s in it.stage_s.items():
                 metrics[f"time/stage/{name}_s"] = metrics.get(f"time/stage/{name}_s", 0.0) + s
@@ -109,6 +125,7 @@ class OptimizerWorker:
         self.loss_scale = float(cfg.initial_loss_scale) if self.dynamic_scaling else 1.0
         self._good_steps = 0
         self._skipped_in_a_row = 0
+        self._last_step_end: float | None = None
         board.loss_scales[0] = self.loss_scale
         self.jobs: queue.Queue[Any] = queue.Queue()
         self.thread = threading.Thread(target=self._loop, name="roundpipe-optimizer", daemon=True)
@@ -170,7 +187,10 @@ class OptimizerWorker:
                     self.board.wait_for(self._arrived(key), it)
                     with self.board.cv:
                         contribution = self.board.deposits.pop(key)
+                    DeviceLink.host_wait(contribution[1])  # its download: not the fold's own time
+                    t0 = time.perf_counter()
                     add_gradients(self.host, self.board, contribution, unscale)
+                    it.fold_s += time.perf_counter() - t0
         except Cancelled:
             pass
         # every worker left the iteration: its bookkeeping is complete (metrics read it), and a
@@ -194,6 +214,7 @@ class OptimizerWorker:
         else:
             norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
         job.grad_norm = float(norm)
+        norm_s = time.perf_counter() - t0
         skip = self.dynamic_scaling and not math.isfinite(job.grad_norm)
         if self.dynamic_scaling:
             self._rescale(overflow=skip)
@@ -203,15 +224,24 @@ class OptimizerWorker:
             for old in [v for v in self.board.loss_scales if v < job.index - 4]:
                 del self.board.loss_scales[old]
             self.board.cv.notify_all()
+        update_s = copy_s = 0.0
         for owner, opt in self.optimizers.items():
+            t1 = time.perf_counter()
             for group in opt.param_groups:
                 group["lr"] = job.lr
             if not skip:
                 opt.step()
             for p in opt.param_groups[0]["params"]:
                 p.grad.zero_()
-            self._publish(owner, job.index)
-        job.seconds = time.perf_counter() - t0
+            update_s += time.perf_counter() - t1
+            copy_s += self._publish(owner, job.index)
+        end = time.perf_counter()
+        job.seconds = end - t0
+        fold_s = sum(it.fold_s for it in job.iterations)
+        job.phases = {"fold": fold_s, "norm": norm_s, "update": update_s, "copy": copy_s}
+        if self._last_step_end is not None:
+            job.period = end - self._last_step_end
+        self._last_step_end = end
         self.on_step(job)
 
     def _rescale(self, *, overflow: bool) -> None:
@@ -233,12 +263,15 @@ class OptimizerWorker:
             self.loss_scale *= 2.0
             self._good_steps = 0
 
-    def _publish(self, owner: int, version: int) -> None:
+    def _publish(self, owner: int, version: int) -> float:
         """Write unit ``owner``'s masters into the compute buffer of ``version``.
 
         sync mode has one buffer: it waits until no upload of version - 1 is outstanding.
         async mode alternates two buffers: it waits for the uploads of version - 2, so the
         iteration still running on version - 1 is never held up.
+
+        Returns:
+            The seconds the copy itself took (not the waits before it).
         """
         board = self.board
         lag = 2 if self.cfg.async_optimizer else 1
@@ -247,8 +280,11 @@ class OptimizerWorker:
             uploads = board.upload_events.pop((owner, version - lag), [])
         for event in uploads:
             DeviceLink.host_wait(event)
+        t0 = time.perf_counter()
         self.host.refresh_compute(owner, version)
+        took = time.perf_counter() - t0
         board.set_version(owner, version)
+        return took
 
     # -- state -------------------------------------------------------------------------------
     def state_dict(self) -> dict[int, Any]:

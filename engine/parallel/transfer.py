@@ -4,13 +4,16 @@ On a CUDA device a worker owns a compute stream and four copy streams (activatio
 activations down, parameters up, gradients down); host buffers are pinned and CUDA events order
 the streams and the threads. On the CPU the same calls run synchronously, so the executor has a
 single code path. ``plan_windows`` (pure) cuts a stage's parameters into micro-batch windows;
-``resolve_device`` turns a worker name into its device.
+``resolve_device`` turns a worker name into its device. Every copy is logged with its bytes and
+its start and end (``DeviceLink.copies``, CUDA timing events on its copy stream, or clock
+readings around a CPU copy) for the transfer metrics (``engine.parallel.activity``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +21,7 @@ from typing import Any
 import torch
 
 from engine.errors import ConfigError
+from engine.parallel.activity import D2H, H2D
 
 
 def resolve_device(name: str) -> torch.device:
@@ -111,6 +115,13 @@ class DeviceLink:
             self.act_down = torch.cuda.Stream(device)
             self.param_up = torch.cuda.Stream(device)
             self.grad_down = torch.cuda.Stream(device)
+        # (H2D | D2H, bytes, start, end) of every copy since the owner last took them
+        self.copies: list[tuple[str, int, Any, Any]] = []
+
+    def take_copies(self) -> list[tuple[str, int, Any, Any]]:
+        """The copies logged since the last call (the worker's thread: one stage's)."""
+        copies, self.copies = self.copies, []
+        return copies
 
     @contextlib.contextmanager
     def on(self, stream: Any) -> Iterator[None]:
@@ -151,7 +162,9 @@ class DeviceLink:
         if not self.is_cuda:
             return host.detach()
         with self.on(self.act_up):
+            start = self.record(self.act_up, timing=True)
             dev = host.to(self.device, non_blocking=True)
+            self.copies.append((H2D, _nbytes(host), start, self.record(self.act_up, timing=True)))
         self.compute.wait_stream(self.act_up)
         dev.record_stream(self.compute)
         return dev
@@ -177,9 +190,12 @@ class DeviceLink:
                 if into is None
                 else into.view(dev.shape)
             )
+            start = self.record(stream, timing=True)
             host.copy_(dev, non_blocking=True)
         dev.record_stream(stream)
-        return host, self.record(stream)
+        end = self.record(stream, timing=True)
+        self.copies.append((D2H, _nbytes(dev), start, end))
+        return host, end
 
     def empty_like(self, host: torch.Tensor) -> torch.Tensor:
         """An uninitialised device buffer shaped like ``host``."""
@@ -196,7 +212,22 @@ class DeviceLink:
         """
         if self.is_cuda:
             self.wait(self.param_up, after)
+        if not pieces:
+            return self.record(self.param_up)
+        start = self._now(self.param_up)
+        nbytes = 0
         with self.on(self.param_up):
             for host, dev, a, b in pieces:
                 dev.view(-1)[a:b].copy_(host.view(-1)[a:b], non_blocking=self.is_cuda)
-        return self.record(self.param_up)
+                nbytes += (b - a) * host.element_size()
+        end = self._now(self.param_up)
+        self.copies.append((H2D, nbytes, start, end))
+        return end if self.is_cuda else None
+
+    def _now(self, stream: Any) -> Any:
+        """A point in time on ``stream``: a timing event on CUDA, a clock reading on the CPU."""
+        return self.record(stream, timing=True) if self.is_cuda else time.perf_counter()
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()

@@ -1,7 +1,8 @@
 """Managing jobs in the browser: a cancelled job resumed from its page runs to success; the times
 (created N s ago, live; started, finished, duration), the disk use and the charts' tick labels on
-both axes; deleting from the jobs list and from the job page (with the confirmation), which
-removes the job's folder. Screenshots under ``test-artifacts/screenshots/``.
+both axes (the engine's Pipeline, Transfers and Optimizer charts too); deleting from the jobs list
+and from the job page (with the confirmation), which removes the job's folder. Screenshots under
+``test-artifacts/screenshots/``.
 
 It leaves no job behind (the jobs-list test of ``test_ui.py`` counts the cancelled ones)."""
 
@@ -107,6 +108,18 @@ def test_resume_a_cancelled_job_from_its_page_with_times_and_chart_ticks(
     assert len({b - a for a, b in itertools.pairwise(steps)}) == 1, steps  # evenly spaced
     assert texts(page, "#loss-chart text.y-label") == ["loss"]
     assert texts(page, "#loss-chart text.x-label") == ["step"]
+    # where a step's time goes besides compute, against the step: one line per metric
+    for chart, unit, count in (
+        ("pipeline-chart", "seconds", 3),
+        ("transfer-chart", "GB/s", 2),
+        ("optimizer-chart", "seconds", 4),
+    ):
+        expect(page.locator(f"#{chart} path.series")).to_have_count(count)
+        assert texts(page, f"#{chart} text.y-label") == [unit]
+        assert texts(page, f"#{chart} text.x-label") == ["step"]
+        assert len(texts(page, f"#{chart} text.y-tick")) >= 2
+    for figure in ("#prefetch-hit-rate", "#idle-between-ratio"):
+        expect(page.locator(figure)).to_have_text(re.compile(r"^[\d.,e+-]+%$"))
     # utilization and memory against time: seconds since the run started, percent and GB
     for chart, unit in (("gpu-chart", "utilization (%)"), ("memory-chart", "memory used (GB)")):
         drawn = page.locator(f"#{chart} svg .series, #{chart} svg .point")

@@ -1,11 +1,13 @@
 // Job: status, method, progress and ETA, times (created, started, finished, duration), disk use, loss
-// (train and validation), DPO rewards, throughput, learning rate, bubble ratio, per-GPU utilization
-// and memory over the job's life, the event log, checkpoints, cancel, pause, resume and delete. Everything is rebuilt from the
+// (train and validation), DPO rewards, throughput, learning rate, bubble ratio, the engine's idle
+// time, waits, transfers and optimizer phases, per-GPU utilization and memory over the job's
+// life, the event log, checkpoints, cancel, pause, resume and delete. Everything is rebuilt from the
 // job's event stream, which replays the stored events and then goes live (again after a resume).
 
 import { api, stream } from "../api.js";
 import { EVENT_KINDS, isActive } from "../kinds.js";
 import { checkpointRow } from "./checkpoint-row.js";
+import { engineCharts } from "./engine-charts.js";
 import { mountEvaluations } from "./evaluations.js";
 import { age, bytes, clock, duration, el, errorBox, number, showStatus } from "../widgets.js";
 
@@ -107,6 +109,7 @@ export async function render(main, jobId) {
     zero: true,
     empty: "no memory sample yet",
   });
+  const engine = engineCharts(); // the Pipeline, Transfers and Optimizer cards (engine-charts.js)
   const log = el("ol", { id: "event-log", class: "log" });
   const checkpoints = el("tbody");
   const cancel = el("button", { type: "button", id: "cancel-job", class: "danger", text: "Cancel job" });
@@ -210,6 +213,7 @@ export async function render(main, jobId) {
       el("section", { class: "card" }, el("h2", { text: "Loss" }), lossChart),
       ...dpoCards,
       el("section", { class: "card" }, el("h2", { text: "Throughput (tokens/s)" }), speedChart),
+      ...engine.cards,
       el("section", { class: "card" }, el("h2", { text: "Device utilization (%)" }), gpuChart),
       el("section", { class: "card" }, el("h2", { text: "Memory used (GB)" }), memoryChart),
     ),
@@ -297,6 +301,7 @@ export async function render(main, jobId) {
     accuracyChart.setSeries([{ name: "accuracy", points: series[charts.accuracy] }]);
     gpuChart.setSeries([...devices.entries()].map(([k, points]) => ({ name: k, points })));
     memoryChart.setSeries([...memory.entries()].map(([k, points]) => ({ name: k, points })));
+    engine.draw();
   }
 
   let pending = false;
@@ -313,6 +318,7 @@ export async function render(main, jobId) {
   function metrics(e) {
     const d = e.data;
     for (const key of Object.keys(series)) if (key in d) series[key].push([e.step, d[key]]);
+    engine.take(e);
     if ("progress/step" in d) {
       job.step = d["progress/step"];
       job.total_steps = d["progress/total_steps"];
