@@ -143,7 +143,7 @@ def test_a_slow_weights_copy_is_waited_for_and_counted_as_the_copy_phase() -> No
         assert m["time/optimizer_s"] >= m["time/optimizer/copy_s"]
     # sync mode: the second iteration's first stage waits for the step's first copy at least
     assert records[1]["time/wait/weights_s"] * 2 >= delay  # the mean of 2 workers
-    assert records[0]["time/wait/weights_s"] * 2 < delay
+    assert records[0]["time/wait/weights_s"] < records[1]["time/wait/weights_s"]  # weights ready
 
 
 def test_a_slow_first_stage_makes_the_next_one_wait_for_activations(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -155,13 +155,12 @@ def test_a_slow_first_stage_makes_the_next_one_wait_for_activations(monkeypatch:
             time.sleep(delay)
         forward(self, it, stage, mb, params, x)
 
-    quick, _ = run(2)
     monkeypatch.setattr(Worker, "_forward", slow)
     records, _ = run(2)
-    # the second forward stage (the other worker) waits about ``delay`` for each of 4 micro-batches
-    for m, q in zip(records, quick, strict=True):
-        assert m["time/wait/activations_s"] * 2 >= 2 * delay
-        assert m["time/wait/activations_s"] > q["time/wait/activations_s"]
+    # the second forward stage (on the other worker) waits about ``delay`` for each of the 4
+    # micro-batches: at least 2 x ``delay`` in all, the mean of 2 workers at least ``delay``
+    for m in records:
+        assert m["time/wait/activations_s"] >= delay
 
 
 def test_copies_overlapping_on_one_worker_count_once_per_direction() -> None:
