@@ -22,6 +22,11 @@ CHECKS = (
     "adamw_clipping",
     "low_precision",
     "dropout",
+    "lora_frozen_base",
+    "dpo",
+    "evaluation",
+    "round_size",
+    "router_loss",
     "cancel_close",
     "memory",
     "host_syncs",
@@ -62,17 +67,45 @@ def test_gpu_check_runs_clean_on_cpu_workers(tmp_path: Path) -> None:
     assert tuple(checks) == CHECKS
     for name, check in checks.items():
         assert check["status"] == rows[name]
-        if name not in SKIPPED_ON_CPU:
+        if name != "cuda_tests":
             assert check["figures"], name
     eq = checks["equivalence"]["figures"]
     assert eq["sync_bitwise_for_1_2_3_workers"] is True
     assert max(eq[f"sync_{n}w_weight_diff"] for n in (1, 2, 3)) < 1e-5
-    assert checks["race_injection"]["figures"]["sync_fp32_adamw"]["injected_bitwise"] is True
+    race = checks["race_injection"]["figures"]
+    assert race["sync_fp32_adamw"]["injected_bitwise"] is True
+    assert race["sync_fp32_adamw"]["publishes_delayed"] > 0
+    # the self-test: the removed wait changed the numbers; the stream wait needs a GPU
+    mutant = race["self_test"]["publish_wait"]
+    assert mutant["waits_skipped"] > 0 and mutant["caught"] is True, mutant
+    assert race["self_test"]["activation_stream_wait"].startswith("skipped: ")
+    for row in ("lora_frozen_base", "dpo", "evaluation", "round_size", "router_loss"):
+        figures = checks[row]["figures"]
+        assert checks[row]["status"] == "PASS", (row, checks[row]["message"])
+        assert figures["workers"] == [1, 2, 3] and figures["bitwise_for_workers"] is True, row
+        assert figures["max_diff"] < figures["tolerance"] == 1e-5, row
+    lora = checks["lora_frozen_base"]["figures"]
+    assert lora["base_tensors"] > 0 and lora["base_changed"] == [] and lora["adapter_unchanged"] == []
+    assert checks["dpo"]["figures"]["trained_distance"] > 1e-3
+    evaluation = checks["evaluation"]["figures"]
+    assert evaluation["same_twice"] is True and evaluation["training_undisturbed"] is True
+    assert checks["round_size"]["figures"]["rounds_per_iteration"] == [2]
+    assert checks["router_loss"]["figures"]["router_loss_added"] > 1e-3
     assert checks["dropout"]["figures"]["3w_split_bitwise"] is True
     backoff = checks["low_precision"]["figures"]["float16_backoff"]
     assert backoff["skipped"][0] is True and backoff["halving_rule_held"] is True
     assert checks["cancel_close"]["figures"]["threads_left"] == []
     assert checks["memory"]["figures"]["growth_after_warmup_bytes"] <= 0
+    assert checks["memory"]["figures"]["leak_control"]["caught"] is True
+    # host syncs: counted only on a GPU, but the split plans and the injected .item() ran here
+    syncs = checks["host_syncs"]
+    assert "set_sync_debug_mode needs CUDA" in syncs["message"]
+    for run in ("llama_sync", "qwen3_moe"):
+        paths = syncs["figures"][run]["paths"]
+        assert set(paths["stage_inputs"]) == {"forward", "fused", "backward"}, paths
+        assert paths["activation_handoffs"] > 0 and paths["prefetches"] > 0, paths
+        assert syncs["figures"][run]["control"]["injected"] == 2
+    assert syncs["figures"]["qwen3_moe"]["router_loss"] is True
     assert checks["throughput"]["figures"]["engine_sync"]["tokens_per_s"] > 0
 
 
