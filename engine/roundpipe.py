@@ -277,6 +277,8 @@ class RoundPipe(SequenceMethods):
             self.board.upload_events.clear()
         for event in uploads:  # the host copies are free to rewrite (a resume) or read
             event.synchronize()
+        # gradient buffers no contribution reached since the last step read zero, as they mean
+        self.host.settle_grads()
 
     # -- state ---------------------------------------------------------------------------------
     def master_state_dict(self, *, trainable_only: bool = False) -> dict[str, torch.Tensor]:

@@ -111,14 +111,16 @@ class _LossWithGradients(torch.autograd.Function):
                 part = _chunk_loss(head, h, targets[start : start + chunk_tokens])
                 wants = [h] if wants_hidden else []
                 wants += list(weights)
-                found = ()
+                found: tuple[torch.Tensor | None, ...] = ()
                 if part.requires_grad:
                     found = torch.autograd.grad(part, wants, expected, allow_unused=True)
             if wants_hidden and found and found[0] is not None:
                 grad_hidden[start : start + chunk_tokens] = found[0]
-            for i, g in enumerate(found[len(found) - len(weights) :] if found else ()):
+            of_weights: tuple[torch.Tensor | None, ...] = found[len(found) - len(weights) :] if found else ()
+            for i, g in enumerate(of_weights):
+                before = grad_weights[i]
                 if g is not None:
-                    grad_weights[i] = g if grad_weights[i] is None else grad_weights[i] + g
+                    grad_weights[i] = g if before is None else before + g
             part = part.detach()
             total = part if total is None else total + part
         if total is None:

@@ -70,7 +70,13 @@ def add_gradients(host: HostState, board: Board, contribution: Contribution, uns
         if master is None or master.grad is None:
             raise RuntimeError(f"gradient for frozen tensor {host.tensors[k].names}")
         grad = flat[offset : offset + numel].view(master.grad.shape)
-        if unscale == 1.0:
+        if k in host.unset:  # the step's first contribution: written, the buffer was not zeroed
+            host.unset.discard(k)
+            if unscale == 1.0:
+                master.grad.copy_(grad)
+            else:
+                torch.mul(grad, unscale, out=master.grad)
+        elif unscale == 1.0:
             master.grad.add_(grad)
         else:
             master.grad.add_(grad, alpha=unscale)

@@ -4,7 +4,10 @@ Each distinct tensor of the model (a tied embedding is one tensor used by two la
 ``HostTensor``. Trainable parameters have an fp32 master (the optimizer's copy) with an fp32
 gradient buffer; frozen parameters (a LoRA base) have only their compute copy, no optimizer
 state and no gradient traffic. The optimizer updates tensors in *units*: one per layer, owning
-the trainable tensors that layer is the lowest user of.
+the trainable tensors that layer is the lowest user of. A unit's masters are views into one flat
+fp32 block and its gradients views into another (``unit_masters``, ``unit_grads``), so the
+optimizer makes one pass over a unit, not one per tensor, while each tensor keeps its name and
+shape (checkpoints, exports).
 
 For GPU workers the compute copies are pinned as one block per dtype with a view per tensor
 (pinning each tensor alone rounds every allocation up to a power of two, nearly doubling the
@@ -109,6 +112,26 @@ class HostState:
         for ht in self.tensors:
             if ht.trainable:
                 self.owned[ht.owner].append(ht.key)
+        # each unit's masters and gradients: views into one flat fp32 block each
+        self.unit_masters: dict[int, torch.Tensor] = {}
+        self.unit_grads: dict[int, torch.Tensor] = {}
+        for owner, unit_keys in enumerate(self.owned):
+            masters = [m for k in unit_keys if (m := self.tensors[k].master) is not None]
+            if not masters:
+                continue
+            flat = torch.empty(sum(m.numel() for m in masters), dtype=torch.float32)
+            grads = torch.zeros_like(flat)
+            offset = 0
+            for m in masters:
+                n = m.numel()
+                flat[offset : offset + n].copy_(m.detach().reshape(-1))
+                m.data = flat[offset : offset + n].view(m.shape)
+                m.grad = grads[offset : offset + n].view(m.shape)
+                offset += n
+            self.unit_masters[owner], self.unit_grads[owner] = flat, grads
+        # trainable tensors whose gradient buffer holds nothing yet this step: the first
+        # contribution is written, not added, so no pass zeroes the buffers between steps
+        self.unset: set[int] = {ht.key for ht in self.tensors if ht.master is not None}
         # the optimizer units whose weights a layer reads (a tied output layer reads unit 0)
         self.layer_owners: list[set[int]] = [
             {self.tensors[k].owner for k in keys.values() if self.tensors[k].trainable}
@@ -180,9 +203,16 @@ class HostState:
         return [t for t in self.tensors if t.trainable]
 
     def zero_grads(self) -> None:
-        for t in self.trainable:
-            if t.master is not None and t.master.grad is not None:
-                t.master.grad.zero_()
+        """Start a step's gradients over: the buffers count as empty (nothing is written)."""
+        self.unset = {t.key for t in self.trainable if t.master is not None}
+
+    def settle_grads(self) -> None:
+        """Zero the buffers no contribution reached this step (before they are read)."""
+        for k in self.unset:
+            grad = self.tensors[k].master.grad  # type: ignore[union-attr]
+            if grad is not None:
+                grad.zero_()
+        self.unset = set()
 
     def refresh_compute(self, owner: int, version: int) -> None:
         """Write the masters of one optimizer unit into the compute buffer of ``version``."""
@@ -214,6 +244,8 @@ class HostState:
                     t.data = torch.empty(ht.compute.shape, dtype=ht.compute.dtype).copy_(ht.compute)
         self._params.clear()
         self.blocks.clear()
+        self.unit_masters.clear()
+        self.unit_grads.clear()
         self.tensors.clear()
         self.layer_keys.clear()
         self.owned.clear()

@@ -34,6 +34,7 @@ from engine.parallel.gradients import add_gradients
 from engine.parallel.host import HostState
 from engine.parallel.objective import objective_metrics
 from engine.parallel.transfer import DeviceLink
+from engine.parallel.units import build_units, global_norm
 
 GROWTH_INTERVAL = 1000  # good float16 steps before the loss scale doubles
 
@@ -113,12 +114,9 @@ class OptimizerWorker:
         self.board = board
         self.cfg = cfg
         self.on_step = on_step
-        self.optimizers: dict[int, torch.optim.Optimizer] = {}
-        spec = optimizer_spec(cfg.optimizer, field="EngineConfig.optimizer")
-        for owner, keys in enumerate(host.owned):
-            params = [p for k in keys if (p := host.tensors[k].master) is not None]
-            if params:
-                self.optimizers[owner] = spec.build(params, cfg)
+        # one optimizer per unit, over the unit's flat master block (engine.parallel.units)
+        self.units = build_units(host, optimizer_spec(cfg.optimizer, field="EngineConfig.optimizer"), cfg)
+        self.optimizers: dict[int, torch.optim.Optimizer] = {o: u.optimizer for o, u in self.units.items()}
         # float16 compute: the loss is scaled so small gradients survive; a step whose
         # gradients overflowed is skipped (the weights stay, the step still counts)
         self.dynamic_scaling = cfg.compute_dtype == "float16"
@@ -207,13 +205,13 @@ class OptimizerWorker:
 
     def _step(self, job: StepJob) -> None:
         t0 = time.perf_counter()
-        masters = [t.master for t in self.host.trainable if t.master is not None]
-        grads = [p.grad for p in masters if p.grad is not None]
-        if self.cfg.max_grad_norm is not None:
-            norm = torch.nn.utils.clip_grad_norm_(masters, self.cfg.max_grad_norm)
-        else:
-            norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
-        job.grad_norm = float(norm)
+        self.host.settle_grads()  # a tensor no contribution reached this step has a zero gradient
+        job.grad_norm = float(global_norm(self.units))
+        # clipping as torch.nn.utils.clip_grad_norm_ does it, applied as the update reads the gradients
+        divisor = 1.0
+        if self.cfg.max_grad_norm is not None and math.isfinite(job.grad_norm):
+            coef = self.cfg.max_grad_norm / (job.grad_norm + 1e-6)
+            divisor = 1.0 / coef if coef < 1.0 else 1.0
         norm_s = time.perf_counter() - t0
         skip = self.dynamic_scaling and not math.isfinite(job.grad_norm)
         if self.dynamic_scaling:
@@ -225,16 +223,13 @@ class OptimizerWorker:
                 del self.board.loss_scales[old]
             self.board.cv.notify_all()
         update_s = copy_s = 0.0
-        for owner, opt in self.optimizers.items():
+        for owner, unit in self.units.items():
             t1 = time.perf_counter()
-            for group in opt.param_groups:
-                group["lr"] = job.lr
             if not skip:
-                opt.step()
-            for p in opt.param_groups[0]["params"]:
-                p.grad.zero_()
+                unit.step(job.lr, grad_divisor=divisor)
             update_s += time.perf_counter() - t1
             copy_s += self._publish(owner, job.index)
+        self.host.zero_grads()  # the next step's first contributions overwrite the buffers
         end = time.perf_counter()
         job.seconds = end - t0
         fold_s = sum(it.fold_s for it in job.iterations)
@@ -288,7 +283,8 @@ class OptimizerWorker:
 
     # -- state -------------------------------------------------------------------------------
     def state_dict(self) -> dict[int, Any]:
-        return {owner: opt.state_dict() for owner, opt in self.optimizers.items()}
+        """Each unit's optimizer state in the per-tensor layout of ``torch.optim``."""
+        return {owner: unit.state_dict() for owner, unit in self.units.items()}
 
     def scaling_state(self, steps: int) -> dict[str, Any]:
         """The dynamic loss scale and the scales of the weights versions a resume may run on."""
@@ -313,4 +309,4 @@ class OptimizerWorker:
                 f"optimizer state covers units {sorted(state)}, the engine has {sorted(self.optimizers)}"
             )
         for owner, sd in state.items():
-            self.optimizers[owner].load_state_dict(sd)
+            self.units[owner].load_state_dict(sd)

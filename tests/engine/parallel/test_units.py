@@ -1,0 +1,143 @@
+"""The optimizer's flat units: the same updates as per-tensor optimizers, checkpoints in their
+layout, and gradient buffers that are written, not zeroed, between steps."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from engine import EngineConfig, RoundPipe
+from engine.model.adapter import AdaptedModel
+from engine.optimizers import optimizer_spec
+from engine.parallel.host import HostState
+from engine.parallel.units import build_units, global_norm
+from tests.engine.tiny import tiny_model
+
+
+def _host(family: str = "llama") -> HostState:
+    model = tiny_model(family)
+    return HostState(AdaptedModel(model), compute_dtype=torch.float32, pin=False, double_buffer=False)
+
+
+def _fill_grads(host: HostState, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for t in host.trainable:
+        assert t.master is not None and t.master.grad is not None
+        t.master.grad.copy_(torch.randn(t.master.shape, generator=g) * 1e-2)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_units_update_like_per_tensor_optimizers_and_save_in_their_layout(optimizer: str) -> None:
+    cfg = EngineConfig(optimizer=optimizer, lr=1e-2, weight_decay=0.1, momentum=0.9)
+    host = _host()
+    spec = optimizer_spec(optimizer)
+    # the reference: per-tensor optimizers over copies of each unit's tensors
+    refs = {}
+    for owner, keys in enumerate(host.owned):
+        params = [torch.nn.Parameter(host.tensors[k].master.detach().clone()) for k in keys]  # type: ignore[union-attr]
+        if params:
+            refs[owner] = (params, spec.build(params, cfg))
+    units = build_units(host, spec, cfg)
+    assert set(units) == set(refs) and units
+    for step in range(3):
+        _fill_grads(host, step)
+        for owner, (params, opt) in refs.items():
+            for p, k in zip(params, host.owned[owner], strict=True):
+                p.grad = host.tensors[k].master.grad.clone()  # type: ignore[union-attr]
+            opt.step()
+        for unit in units.values():
+            unit.step(1e-2)
+    for owner, (params, opt) in refs.items():
+        for p, k in zip(params, host.owned[owner], strict=True):
+            # the views into the flat block are the masters: the same numbers as per tensor
+            torch.testing.assert_close(host.tensors[k].master.detach(), p.detach(), rtol=0, atol=1e-7)  # type: ignore[union-attr]
+        saved, want = units[owner].state_dict(), opt.state_dict()
+        assert saved["param_groups"] == want["param_groups"]
+        assert set(saved["state"]) == set(want["state"])
+        for i, entry in want["state"].items():
+            assert set(saved["state"][i]) == set(entry)
+            for key, value in entry.items():
+                got = saved["state"][i][key]
+                if isinstance(value, torch.Tensor):
+                    assert got.shape == value.shape and got.dtype == value.dtype, key
+                    torch.testing.assert_close(got, value, rtol=0, atol=1e-7)
+                else:
+                    assert got == value
+
+
+def test_a_unit_resumes_from_a_per_tensor_state_and_continues_identically() -> None:
+    cfg = EngineConfig(optimizer="adamw", lr=1e-2, weight_decay=0.1)
+    spec = optimizer_spec("adamw")
+    host = _host()
+    units = build_units(host, spec, cfg)
+    for step in range(2):
+        _fill_grads(host, step)
+        for unit in units.values():
+            unit.step(1e-2)
+    saved = {o: copy.deepcopy(u.state_dict()) for o, u in units.items()}
+    masters = [t.master.detach().clone() for t in host.trainable]  # type: ignore[union-attr]
+
+    other = _host()
+    for t, m in zip(other.trainable, masters, strict=True):
+        t.master.data.copy_(m)  # type: ignore[union-attr]
+    resumed = build_units(other, spec, cfg)
+    for owner, sd in saved.items():
+        resumed[owner].load_state_dict(sd)
+    for h, us in ((host, units), (other, resumed)):
+        _fill_grads(h, 9)
+        for unit in us.values():
+            unit.step(1e-2)
+    for a, b in zip(host.trainable, other.trainable, strict=True):
+        assert torch.equal(a.master, b.master)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="tensors"):
+        first = next(iter(resumed))
+        bad = copy.deepcopy(saved[first])
+        bad["param_groups"][0]["params"] = bad["param_groups"][0]["params"][:-1]
+        resumed[first].load_state_dict(bad)
+
+
+def test_the_global_norm_and_the_clipping_are_those_of_clip_grad_norm() -> None:
+    cfg = EngineConfig(optimizer="sgd", lr=1.0)
+    host = _host()
+    units = build_units(host, optimizer_spec("sgd"), cfg)
+    _fill_grads(host, 3)
+    grads = [t.master.grad.clone() for t in host.trainable]  # type: ignore[union-attr]
+    want = torch.nn.utils.get_total_norm(grads)
+    assert abs(float(global_norm(units)) - float(want)) < 1e-6 * float(want)
+    before = [t.master.detach().clone() for t in host.trainable]  # type: ignore[union-attr]
+    for unit in units.values():
+        unit.step(1.0, grad_divisor=4.0)  # SGD: the gradients are divided before the update
+    for t, b, g in zip(host.trainable, before, grads, strict=True):
+        torch.testing.assert_close(t.master.detach(), b - g / 4.0, rtol=0, atol=1e-7)  # type: ignore[union-attr]
+
+
+def test_gradient_buffers_are_written_by_the_first_contribution_and_settled_when_none_came() -> None:
+    # an engine step on a model whose layers all contribute, then one where the buffers of
+    # tensors without a contribution must read zero: the router of an MoE block the batch
+    # never routes to is the classic case; here every buffer is dirtied, then marked unset
+    host = _host()
+    _fill_grads(host, 1)
+    host.zero_grads()  # marks them unset: nothing is written
+    assert all(t.master.grad.abs().sum() > 0 for t in host.trainable)  # type: ignore[union-attr]
+    host.settle_grads()
+    assert all(t.master.grad.abs().sum() == 0 for t in host.trainable)  # type: ignore[union-attr]
+    assert host.unset == set()
+
+
+def test_the_engine_trains_with_units_exactly_across_worker_counts() -> None:
+    model = tiny_model("llama")
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (4, 12), generator=g)
+    results = []
+    for devices in (["cpu"], ["cpu", "cpu", "cpu"]):
+        cfg = EngineConfig(devices=devices, num_microbatches=4, optimizer="adamw", lr=1e-2, max_grad_norm=0.5)
+        with RoundPipe(copy.deepcopy(model), cfg) as rp:
+            for _ in range(3):
+                rp.forward_backward(input_ids=ids, labels=ids)
+                rp.step()
+            rp.synchronize()
+            results.append({k: v.clone() for k, v in rp.state_dict()["masters"].items()})
+    for key, value in results[0].items():
+        assert torch.equal(value, results[1][key]), key
