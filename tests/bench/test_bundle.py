@@ -132,8 +132,6 @@ def run(
 @pytest.mark.slow
 def test_a_bare_box_with_torch_and_the_bundle_runs_the_bench(tmp_path: Path) -> None:
     side_by_side = BENCH / "side_by_side.py"
-    if not side_by_side.exists():
-        pytest.skip("bench/side_by_side.py is not written yet")
     out = tmp_path / "gpu-bundle"
     here = f"{sys.version_info.major}.{sys.version_info.minor}"
     started = time.perf_counter()
