@@ -222,6 +222,11 @@ class HostState:
                 if t.master is not None:
                     t.source(version).copy_(t.master)
 
+    def compute_targets(self, owner: int, version: int) -> list[torch.Tensor]:
+        """The compute buffers of ``version`` of one unit's tensors, in the unit's block order."""
+        keys = [k for k in self.owned[owner] if self.tensors[k].master is not None]
+        return [self.tensors[k].source(version) for k in keys]
+
     def param_bytes(self, layer: int) -> int:
         """Bytes of the compute copy a layer uploads."""
         return sum(

@@ -224,6 +224,14 @@ class OptimizerWorker:
             self.board.cv.notify_all()
         update_s = copy_s = 0.0
         for owner, unit in self.units.items():
+            if unit.writes_copies and not skip:
+                # one pass: the update writes the compute copy (once its old uploads finished)
+                self._wait_for_uploads(owner, job.index)
+                t1 = time.perf_counter()
+                unit.step_writing(job.lr, self.host.compute_targets(owner, job.index), grad_divisor=divisor)
+                update_s += time.perf_counter() - t1
+                self.board.set_version(owner, job.index)
+                continue
             t1 = time.perf_counter()
             if not skip:
                 unit.step(job.lr, grad_divisor=divisor)
@@ -268,6 +276,15 @@ class OptimizerWorker:
         Returns:
             The seconds the copy itself took (not the waits before it).
         """
+        self._wait_for_uploads(owner, version)
+        t0 = time.perf_counter()
+        self.host.refresh_compute(owner, version)
+        took = time.perf_counter() - t0
+        self.board.set_version(owner, version)
+        return took
+
+    def _wait_for_uploads(self, owner: int, version: int) -> None:
+        """Until the compute buffer ``version`` of unit ``owner`` may be rewritten (``_publish``)."""
         board = self.board
         lag = 2 if self.cfg.async_optimizer else 1
         board.wait_for(lambda: board.outstanding.get((owner, version - lag), 0) == 0)
@@ -275,11 +292,6 @@ class OptimizerWorker:
             uploads = board.upload_events.pop((owner, version - lag), [])
         for event in uploads:
             DeviceLink.host_wait(event)
-        t0 = time.perf_counter()
-        self.host.refresh_compute(owner, version)
-        took = time.perf_counter() - t0
-        board.set_version(owner, version)
-        return took
 
     # -- state -------------------------------------------------------------------------------
     def state_dict(self) -> dict[int, Any]:

@@ -21,7 +21,10 @@ import torch
 
 from engine.config import EngineConfig
 from engine.optimizers import OptimizerSpec
+from engine.parallel import kernels
 from engine.parallel.host import HostState
+
+OUT_KINDS = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 class Unit:
@@ -33,6 +36,70 @@ class Unit:
         self.param = torch.nn.Parameter(host.unit_masters[owner])  # shares the block's memory
         self.param.grad = host.unit_grads[owner]
         self.optimizer = spec.build([self.param], cfg)
+        self.kernel = kernels.adamw() if self._plain_adamw() else None
+
+    def _plain_adamw(self) -> bool:
+        """torch's AdamW with the options the one-pass kernel implements (no amsgrad, ...)."""
+        opt = self.optimizer
+        if not isinstance(opt, torch.optim.AdamW) or len(opt.param_groups) != 1:
+            return False
+        group = opt.param_groups[0]
+        return not (group.get("amsgrad") or group.get("maximize") or group.get("capturable"))
+
+    @property
+    def writes_copies(self) -> bool:
+        """Whether ``step_writing`` updates and writes the compute copies in one pass."""
+        return self.kernel is not None
+
+    def step_writing(self, lr: float, copies: list[torch.Tensor], *, grad_divisor: float = 1.0) -> None:
+        """One AdamW update of the unit that also writes ``copies`` (the compute buffers of the
+        unit's tensors, in block order) from the new masters, in one pass (``kernels/adamw.c``).
+
+        The optimizer state is the torch optimizer's own (its ``step``, ``exp_avg`` and
+        ``exp_avg_sq``), so checkpoints and the torch path read and continue it unchanged.
+        """
+        assert self.kernel is not None
+        group = self.optimizer.param_groups[0]
+        group["lr"] = lr
+        state = self.optimizer.state[self.param]
+        if not state:  # as torch's fused AdamW creates it
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(self.param, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(self.param, memory_format=torch.preserve_format)
+        state["step"] += 1
+        step = float(state["step"])
+        beta1, beta2 = group["betas"]
+        bias_correction2_sqrt = (1 - beta2**step) ** 0.5
+        step_size = lr / (1 - beta1**step)
+        p, g = self.param.detach(), self.grad
+        m, v = state["exp_avg"], state["exp_avg_sq"]
+        threads = torch.get_num_threads()
+        offset = 0
+        for out in copies:
+            n = out.numel()
+            kind = kernels.OUT_KINDS[OUT_KINDS[out.dtype]]
+            at = offset * 4  # bytes into the fp32 blocks
+            self.kernel(
+                p.data_ptr() + at,
+                g.data_ptr() + at,
+                m.data_ptr() + at,
+                v.data_ptr() + at,
+                out.data_ptr(),
+                kind,
+                n,
+                grad_divisor,
+                lr,
+                beta1,
+                beta2,
+                group["eps"],
+                group["weight_decay"],
+                step_size,
+                bias_correction2_sqrt,
+                threads,
+            )
+            offset += n
+        if offset != p.numel():
+            raise RuntimeError(f"optimizer unit {self.owner}: copies cover {offset} of {p.numel()} values")
 
     @property
     def grad(self) -> torch.Tensor:

@@ -4,6 +4,7 @@ layout, and gradient buffers that are written, not zeroed, between steps."""
 from __future__ import annotations
 
 import copy
+import shutil
 
 import pytest
 import torch
@@ -141,3 +142,39 @@ def test_the_engine_trains_with_units_exactly_across_worker_counts() -> None:
             results.append({k: v.clone() for k, v in rp.state_dict()["masters"].items()})
     for key, value in results[0].items():
         assert torch.equal(value, results[1][key]), key
+
+
+def test_the_one_pass_kernel_matches_torch_fused_adamw_and_writes_the_compute_copies() -> None:
+    from engine.parallel import kernels
+
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler: the torch path is the only one here")
+    assert kernels.adamw() is not None  # built here: the comparison below is not torch vs torch
+    cfg = EngineConfig(optimizer="adamw", lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95))
+    spec = optimizer_spec("adamw")
+    fast, slow = _host(), _host()
+    units_fast, units_slow = build_units(fast, spec, cfg), build_units(slow, spec, cfg)
+    for u in units_slow.values():
+        u.kernel = None  # torch's fused AdamW, then a separate copy
+    assert all(u.writes_copies for u in units_fast.values())
+    copies = {
+        o: [torch.empty_like(t, dtype=torch.bfloat16) for t in fast.compute_targets(o, 0)] for o in units_fast
+    }
+    for step in range(4):
+        _fill_grads(fast, step)
+        _fill_grads(slow, step)
+        for owner in units_fast:
+            units_fast[owner].step_writing(1e-2, copies[owner], grad_divisor=1.0 + step)
+            units_slow[owner].step(1e-2, grad_divisor=1.0 + step)
+    for owner in units_fast:
+        for k, copy_ in zip(fast.owned[owner], copies[owner], strict=True):
+            a, b = fast.tensors[k].master, slow.tensors[k].master
+            assert a is not None and b is not None
+            torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-6, atol=1e-7)
+            # the compute copy is the new master rounded as torch rounds it
+            assert torch.equal(copy_, a.detach().to(torch.bfloat16))
+        sa, sb = units_fast[owner].state_dict(), units_slow[owner].state_dict()
+        for i in sa["state"]:
+            assert float(sa["state"][i]["step"]) == float(sb["state"][i]["step"]) == 4.0
+            for key in ("exp_avg", "exp_avg_sq"):
+                torch.testing.assert_close(sa["state"][i][key], sb["state"][i][key], rtol=1e-6, atol=1e-9)
