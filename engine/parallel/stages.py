@@ -5,10 +5,12 @@ step x worker grid.
 Memory per layer is an estimate of what one worker holds while it runs the layer's stage:
 the weights in the compute dtype, the same again for the next stage's weights it prefetches
 meanwhile, and activations of one micro-batch — the hidden state for a forward stage, and for a
-block trained with recompute about 16 hidden-sized tensors (attention and MLP intermediates kept
-for its backward). A fused or backward stage adds, per trainable weight, the micro-batch's
-gradient in the compute dtype and its fp32 accumulator; the output layer adds one chunk of the
-loss's logits (fp32 logits and their gradient, plus the head's output in the compute dtype).
+block trained with recompute what autograd keeps for its backward: given the model's planner
+``Shape``, the bytes per token its family's measured coefficients give
+(``engine.planner.activations``), else about 16 hidden-sized tensors. A fused or backward stage
+adds, per trainable weight, the micro-batch's gradient in the compute dtype and its fp32
+accumulator; the output layer adds one chunk of the loss's logits (fp32 logits and their
+gradient, plus the head's output in the compute dtype).
 The budget a stage must fit is a share of the smallest GPU divided among the workers that
 share a GPU.
 """
@@ -21,11 +23,15 @@ import torch
 
 from engine.parallel.board import Iteration
 from engine.parallel.host import HostState
+from engine.planner.activations import block_bytes_per_token
+from engine.planner.shapes import Shape
 from engine.scheduling.partition import LayerCost, Plan, auto_partition, proxy_costs
 from engine.scheduling.partition_search import search_partition
 from engine.scheduling.schedule import build_schedule, render_grid
 
+# hidden-sized tensors a block keeps for backward, for a family the measured table lacks
 ACTIVATIONS_PER_BLOCK_BACKWARD = 16
+_DTYPE_NAMES = {4: "float32", 2: "bfloat16"}  # float16 blocks keep what bfloat16 ones do
 GPU_MEMORY_SHARE = 0.45  # of the smallest GPU, for one stage when no budget is given
 REPLAN_EVALUATIONS = 100  # simulations the re-plan from measured times may spend
 
@@ -38,12 +44,17 @@ def memory_costs(
     dtype_bytes: int,
     vocab_size: int = 0,
     loss_chunk_tokens: int = 2048,
+    shape: Shape | None = None,
 ) -> list[LayerCost]:
     """Proxy costs (parameter bytes) with memory estimates for one micro-batch size.
 
     Args:
         vocab_size, loss_chunk_tokens: the output layer's logits chunk is
             ``min(loss_chunk_tokens, microbatch_tokens) x vocab_size``.
+        shape: the model's sizes (``engine.planner.activations.model_shape``): a block's kept
+            activations are then its family's measured bytes per token, as the planner counts
+            them; without it, or for a family the table lacks, ``ACTIVATIONS_PER_BLOCK_BACKWARD``
+            hidden-sized tensors.
     """
     act = microbatch_tokens * hidden_size * dtype_bytes
     logits = min(loss_chunk_tokens, microbatch_tokens) * vocab_size * (4 + 4 + dtype_bytes)
@@ -55,7 +66,12 @@ def memory_costs(
         weights = 2 * param[i]  # this stage's and the prefetched next stage's
         # the fp32 accumulator, plus the micro-batch's gradient when it comes in a lower dtype
         grads = (4.0 + (dtype_bytes if dtype_bytes < 4 else 0)) * host.trainable_numel(i)
-        kept = act * (ACTIVATIONS_PER_BLOCK_BACKWARD if 0 < i < last else 2)
+        kept = float(act * (ACTIVATIONS_PER_BLOCK_BACKWARD if 0 < i < last else 2))
+        per_token = None
+        if shape is not None and 0 < i < last:
+            per_token = block_bytes_per_token(shape, i - 1, _DTYPE_NAMES.get(dtype_bytes, ""))
+        if per_token is not None:
+            kept = microbatch_tokens * per_token
         head = logits if i == last else 0
         costs.append(
             LayerCost(c.forward, c.backward, weights + 2 * act + head, weights + grads + kept + head)

@@ -8,10 +8,13 @@ compute dtype's bytes, ``h`` the hidden size). Its bytes are:
 - **prefetch**: the weights of the next stage queued on the worker (slot ``i + N`` of the round
   for slot ``i`` and ``N`` workers), uploaded while this one computes;
 - **activations** (fused and backward stages): what autograd keeps of each block for its
-  backward: the norms' inputs, q/k/v, the attention output (fused attention, no scores), the
-  MLP's gate/up/activation outputs of the experts a token visits, the router's logits and the
-  tokens dispatched to experts — about 16 hidden-sized tensors a token for a Llama block, as the
-  engine's own estimate (``engine.parallel.stages.ACTIVATIONS_PER_BLOCK_BACKWARD``);
+  backward, measured: per token, the family's coefficients over the block's widths
+  (``engine.planner.activations``, fitted from saved-tensor measurements of small blocks): the
+  norms' inputs (in fp32 under a bf16 model), q/k/v, the attention output and its log-sum-exp
+  (fused attention, no scores), the MLP's gate/up/activation outputs of the experts a token
+  visits, the router's logits and the tokens dispatched to experts — 26.5 hidden-sized tensors
+  a token for a bf16 Llama-3.2-1B block. A family the table lacks (DeepSeek-V3, GPT-OSS) is
+  counted tensor by tensor from its widths, as before;
 - **logits** (the output layer, in the fused stage): the loss runs in chunks of
   ``loss_chunk_tokens`` positions (``engine.model.loss``), so one chunk's ``[chunk, vocab]``
   fp32 logits and their fp32 gradient, plus the head's output in the compute dtype, never the
@@ -36,6 +39,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from engine.planner.activations import block_bytes_per_token
 from engine.planner.shapes import Shape
 from engine.planner.workload import DTYPE_BYTES, GB, Hardware, Workload
 from engine.scheduling.partition import LayerCost, Plan, StageKind, auto_partition
@@ -125,6 +129,10 @@ def memory_model(shape: Shape, workload: Workload, hardware: Hardware, trainable
     widths = [shape.mlp_width(b) for b in range(shape.layers)]
     acts = [0.0]
     for b, width in enumerate(widths):
+        measured = block_bytes_per_token(shape, b, w.compute_dtype)
+        if measured is not None:
+            acts.append(t * measured)
+            continue
         # two norm inputs, the residual, q, k, v, attention output and o_proj output, gate/up/act
         per_token = d * (3 * h + q + k + v + out + h + 3 * width)
         if shape.moe is not None and shape.is_moe_block(b):

@@ -291,10 +291,10 @@ def test_numbers_out_of_range_raise_config_error_not_arithmetic_errors() -> None
 def test_the_longest_sequence_that_fits_llama_3_8b_on_one_24_gb_gpu() -> None:
     job = Workload(seq_len=2048, batch_size=1, num_microbatches=1, lora_r=16, compute_dtype="bfloat16")
     report = plan_job(LLAMA_3_8B, Hardware(num_gpus=1, gpu_memory_gb=24.0), job)
-    assert (report.max_seq_len, report.max_seq_len_limit) == (86848, "gpu_memory")
-    assert plan_job(LLAMA_3_8B, Hardware(num_gpus=1, gpu_memory_gb=24.0), replace(job, seq_len=86848)).fits
+    assert (report.max_seq_len, report.max_seq_len_limit) == (69632, "gpu_memory")
+    assert plan_job(LLAMA_3_8B, Hardware(num_gpus=1, gpu_memory_gb=24.0), replace(job, seq_len=69632)).fits
     assert not plan_job(
-        LLAMA_3_8B, Hardware(num_gpus=1, gpu_memory_gb=24.0), replace(job, seq_len=86912)
+        LLAMA_3_8B, Hardware(num_gpus=1, gpu_memory_gb=24.0), replace(job, seq_len=69696)
     ).fits
 
 

@@ -28,9 +28,9 @@ def test_plan_reports_the_longest_sequence_that_fits(client: TestClient) -> None
     assert r.status_code == 200, r.text
     plan = r.json()
     # the figure tests/engine/test_planner.py pins for this job
-    assert (plan["max_seq_len"], plan["max_seq_len_limit"]) == (86848, "gpu_memory") and plan["fits"]
-    longer = client.post("/api/plan", json=body | {"data": {"max_length": 86912}}).json()
-    assert not longer["fits"] and "seq_len 86848 or shorter" in longer["suggestions"][0]
+    assert (plan["max_seq_len"], plan["max_seq_len_limit"]) == (69632, "gpu_memory") and plan["fits"]
+    longer = client.post("/api/plan", json=body | {"data": {"max_length": 69696}}).json()
+    assert not longer["fits"] and "seq_len 69632 or shorter" in longer["suggestions"][0]
     # each stage's terms add up to its total; the fused stage holds one chunk of logits
     for stage in plan["stages"]:
         terms = stage["memory_gb"]
