@@ -91,6 +91,9 @@ class RoundPipe(SequenceMethods):
         self._pending: list[Iteration] = []
         self._inflight: list[Iteration] = []
         self._calibration: list[Iteration] = []
+        # a training iteration ran since the last step: gradient buffers no contribution reached
+        # (or a cancelled one reached in part) are zeroed by ``synchronize``
+        self._unsettled = False
         self._closed = False
         self.workers: list[Worker] = []
         self.optimizer = OptimizerWorker(self.host, self.board, config, self._on_step)
@@ -237,6 +240,7 @@ class RoundPipe(SequenceMethods):
         if train:
             self.optimizer.submit_fold(it)
             self._pending.append(it)
+            self._unsettled = True
         for run in runs:
             self.workers[run.worker].enqueue(it, run)
         self._inflight = [i for i in self._inflight if i.remaining > 0]
@@ -262,10 +266,16 @@ class RoundPipe(SequenceMethods):
         self.steps += 1
         job = StepJob(index=self.steps, lr=self.config.lr, iterations=self._pending)
         self._pending = []
+        self._unsettled = False  # the step reads every buffer, then counts them all empty
         self.optimizer.submit_step(job)
 
     def synchronize(self) -> None:
-        """Wait for every queued iteration and optimizer step; raise a failure if one occurred."""
+        """Wait for every queued iteration and optimizer step; raise a failure if one occurred.
+
+        After the last ``step()`` this is the rest of that iteration and of that step, and
+        nothing more: the gradient buffers the step consumed are not zeroed (the next
+        contributions overwrite them).
+        """
         self._check_open()
         for it in self._inflight:
             self.board.wait_for(_finished(it))
@@ -277,8 +287,10 @@ class RoundPipe(SequenceMethods):
             self.board.upload_events.clear()
         for event in uploads:  # the host copies are free to rewrite (a resume) or read
             event.synchronize()
-        # gradient buffers no contribution reached since the last step read zero, as they mean
-        self.host.settle_grads()
+        if self._unsettled:
+            # gradient buffers no contribution reached since the last step read zero, as they mean
+            self.host.settle_grads()
+            self._unsettled = False
 
     # -- state ---------------------------------------------------------------------------------
     def master_state_dict(self, *, trainable_only: bool = False) -> dict[str, torch.Tensor]:
@@ -421,7 +433,10 @@ class RoundPipe(SequenceMethods):
         )
         measured = False
         if self._replan_due():
-            self.synchronize()  # the measured iterations have finished
+            # their workers finished, so their layer times are complete; the optimizer's fold
+            # and step of them go on meanwhile (a plan reads no weights or gradients)
+            for it in self._calibration:
+                self.board.wait_for(_finished(it))
             # a cancelled iteration measured only part of the layers
             self._calibration = [it for it in self._calibration if it.aborted is None]
             if not self._calibration and self.plan is not None:
