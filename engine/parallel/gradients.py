@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from engine.parallel import kernels
 from engine.parallel.board import Board
 from engine.parallel.host import HostState
 from engine.parallel.transfer import DeviceLink
@@ -65,13 +66,22 @@ def add_gradients(host: HostState, board: Board, contribution: Contribution, uns
     """Add one layer's contribution into the fp32 gradient buffers (the optimizer thread)."""
     flat, event, parts, reusable = contribution
     DeviceLink.host_wait(event)
+    fold, threads = kernels.fold(), torch.get_num_threads()
     for k, offset, numel in parts:
         master = host.tensors[k].master
         if master is None or master.grad is None:
             raise RuntimeError(f"gradient for frozen tensor {host.tensors[k].names}")
         grad = flat[offset : offset + numel].view(master.grad.shape)
-        if k in host.unset:  # the step's first contribution: written, the buffer was not zeroed
-            host.unset.discard(k)
+        first = k in host.unset  # the step's first contribution: written, the buffer was not zeroed
+        host.unset.discard(k)
+        if fold is not None and flat.dtype == torch.float32 and flat.is_contiguous():
+            # one pass: the write or add, and the buffer's squared norm for the step's global norm
+            host.grad_sq[k] = fold(
+                master.grad.data_ptr(), grad.data_ptr(), numel, unscale, 0 if first else 1, threads
+            )
+            continue
+        host.grad_sq.pop(k, None)
+        if first:
             if unscale == 1.0:
                 master.grad.copy_(grad)
             else:

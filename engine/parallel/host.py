@@ -132,6 +132,8 @@ class HostState:
         # trainable tensors whose gradient buffer holds nothing yet this step: the first
         # contribution is written, not added, so no pass zeroes the buffers between steps
         self.unset: set[int] = {ht.key for ht in self.tensors if ht.master is not None}
+        # the squared norm of each tensor's gradient buffer as the fold kernel left it
+        self.grad_sq: dict[int, float] = {}
         # the optimizer units whose weights a layer reads (a tied output layer reads unit 0)
         self.layer_owners: list[set[int]] = [
             {self.tensors[k].owner for k in keys.values() if self.tensors[k].trainable}
@@ -205,6 +207,7 @@ class HostState:
     def zero_grads(self) -> None:
         """Start a step's gradients over: the buffers count as empty (nothing is written)."""
         self.unset = {t.key for t in self.trainable if t.master is not None}
+        self.grad_sq.clear()
 
     def settle_grads(self) -> None:
         """Zero the buffers no contribution reached this step (before they are read)."""
@@ -212,7 +215,15 @@ class HostState:
             grad = self.tensors[k].master.grad  # type: ignore[union-attr]
             if grad is not None:
                 grad.zero_()
+            self.grad_sq[k] = 0.0
         self.unset = set()
+
+    def grad_norm_sq(self) -> float | None:
+        """The squared global norm of the gradients from what the fold kernel measured as it
+        wrote them, or None when some buffer was written another way (then measure it)."""
+        if len(self.grad_sq) != sum(len(keys) for keys in self.owned):
+            return None
+        return sum(self.grad_sq.values())
 
     def refresh_compute(self, owner: int, version: int) -> None:
         """Write the masters of one optimizer unit into the compute buffer of ``version``."""

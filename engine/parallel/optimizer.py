@@ -206,7 +206,8 @@ class OptimizerWorker:
     def _step(self, job: StepJob) -> None:
         t0 = time.perf_counter()
         self.host.settle_grads()  # a tensor no contribution reached this step has a zero gradient
-        job.grad_norm = float(global_norm(self.units))
+        known = self.host.grad_norm_sq()  # measured by the fold as it wrote the gradients
+        job.grad_norm = math.sqrt(known) if known is not None else float(global_norm(self.units))
         # clipping as torch.nn.utils.clip_grad_norm_ does it, applied as the update reads the gradients
         divisor = 1.0
         if self.cfg.max_grad_norm is not None and math.isfinite(job.grad_norm):

@@ -1,13 +1,15 @@
 """The engine's own host kernels, in C, built on first use with the machine's C compiler.
 
 ``adamw.c``: one pass of AdamW over a flat fp32 block that also writes the compute copy the
-workers upload (``engine.parallel.units``). The shared library is built once per source and
+workers upload (``engine.parallel.units``). ``fold.c``: a gradient contribution into its fp32
+buffer, returning the buffer's squared norm (``engine.parallel.gradients``), so the global norm
+needs no pass of its own. A shared library is built once per source and
 compiler flags into ``$ROUNDHOUSE_KERNEL_CACHE`` (default ``~/.cache/roundhouse/kernels``), with
 OpenMP for the threads; it is called through ctypes, which releases the GIL for the call.
 
-Without a C compiler, or with ``ROUNDHOUSE_KERNELS=0``, ``adamw()`` is None and the engine uses
-torch's own fused AdamW and a separate copy (the same arithmetic, two passes); a test holds the
-two paths to each other.
+Without a C compiler, or with ``ROUNDHOUSE_KERNELS=0``, ``adamw()`` and ``fold()`` are None and
+the engine uses torch: its fused AdamW and a separate copy, an add and a norm per unit (the same
+arithmetic, more passes); tests hold the two paths to each other.
 """
 
 from __future__ import annotations
@@ -22,10 +24,11 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("adamw.c")
+HERE = Path(__file__).parent
 # -fno-math-errno lets sqrtf vectorize; -march=native: the library is built on (and for) the
 # machine that runs it, and its cache key includes this CPU's feature flags
 FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-march=native", "-fopenmp", "-shared", "-fPIC"]
@@ -72,20 +75,36 @@ def _build(source: Path) -> Path | None:
     return target
 
 
-@functools.cache
-def adamw() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    """The one-pass AdamW kernel, or None (disabled, or it cannot be built here)."""
+def _load(name: str, symbol: str) -> Any:
     if os.environ.get("ROUNDHOUSE_KERNELS", "1") == "0":
         return None
     try:
-        path = _build(SOURCE)
+        path = _build(HERE / f"{name}.c")
         if path is None:
             return None
-        fn = ctypes.CDLL(str(path)).roundhouse_adamw
+        return getattr(ctypes.CDLL(str(path)), symbol)
     except OSError as exc:
-        log.warning("the AdamW kernel could not be loaded (%s); torch's fused AdamW is used", exc)
+        log.warning("the %s kernel could not be loaded (%s); torch is used", name, exc)
         return None
-    f, p = ctypes.c_float, ctypes.c_void_p
-    fn.argtypes = [p, p, p, p, p, ctypes.c_int, ctypes.c_int64, f, f, f, f, f, f, f, f, ctypes.c_int]
-    fn.restype = None
+
+
+@functools.cache
+def adamw() -> Any:
+    """The one-pass AdamW kernel, or None (disabled, or it cannot be built here)."""
+    fn = _load("adamw", "roundhouse_adamw")
+    if fn is not None:
+        f, p = ctypes.c_float, ctypes.c_void_p
+        fn.argtypes = [p, p, p, p, p, ctypes.c_int, ctypes.c_int64, f, f, f, f, f, f, f, f, ctypes.c_int]
+        fn.restype = None
+    return fn
+
+
+@functools.cache
+def fold() -> Any:
+    """The fold kernel (add or write a contribution, return the squared norm), or None."""
+    fn = _load("fold", "roundhouse_fold")
+    if fn is not None:
+        p = ctypes.c_void_p
+        fn.argtypes = [p, p, ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_int]
+        fn.restype = ctypes.c_double
     return fn

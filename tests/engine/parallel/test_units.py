@@ -178,3 +178,39 @@ def test_the_one_pass_kernel_matches_torch_fused_adamw_and_writes_the_compute_co
             assert float(sa["state"][i]["step"]) == float(sb["state"][i]["step"]) == 4.0
             for key in ("exp_avg", "exp_avg_sq"):
                 torch.testing.assert_close(sa["state"][i][key], sb["state"][i][key], rtol=1e-6, atol=1e-9)
+
+
+def test_the_fold_kernel_writes_and_adds_like_torch_and_measures_the_norm_as_it_goes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from engine.parallel import kernels
+    from engine.parallel.board import Board
+    from engine.parallel.gradients import add_gradients
+
+    if kernels.fold() is None:
+        pytest.skip("no C compiler: the torch path is the only one here")
+    hosts = {"kernel": _host(), "torch": _host()}
+    g = torch.Generator().manual_seed(5)
+    layer = max(range(len(hosts["kernel"].owned)), key=lambda i: len(hosts["kernel"].owned[i]))
+    keys = hosts["kernel"].owned[layer]
+    sizes = [hosts["kernel"].tensors[k].master.numel() for k in keys]  # type: ignore[union-attr]
+    parts, offset = [], 0
+    for k, n in zip(keys, sizes, strict=True):
+        parts.append((k, offset, n))
+        offset += n
+    contributions = [torch.randn(offset, generator=g) for _ in range(3)]
+    for name, host in hosts.items():
+        if name == "torch":
+            monkeypatch.setattr(kernels, "fold", lambda: None)
+        host.zero_grads()
+        for i, flat in enumerate(contributions):
+            add_gradients(host, Board(len(host.owned)), (flat, None, parts, False), 1.0 if i else 0.5)
+        host.settle_grads()
+    for k in keys:
+        a, b = hosts["kernel"].tensors[k].master, hosts["torch"].tensors[k].master
+        assert a is not None and b is not None and torch.equal(a.grad, b.grad)  # type: ignore[arg-type]
+    measured = hosts["kernel"].grad_norm_sq()
+    assert measured is not None and hosts["torch"].grad_norm_sq() is None  # torch: measured later
+    want = sum(float(hosts["torch"].tensors[k].master.grad.double().square().sum()) for k in keys)  # type: ignore[union-attr]
+    # float lanes, then double: as close as torch's own fp32 norm (the other layers got nothing: zero)
+    assert measured == pytest.approx(want, rel=1e-6)
