@@ -31,6 +31,7 @@ from engine.parallel.optimizer import OptimizerWorker, StepJob
 from engine.parallel.sequences import SequenceMethods
 from engine.parallel.stages import choose_plan, measured_costs, memory_budget, memory_costs, plan_grid
 from engine.parallel.transfer import resolve_device
+from engine.planner.activations import model_shape
 from engine.scheduling.partition import Plan
 from engine.scheduling.schedule import build_schedule
 
@@ -430,6 +431,8 @@ class RoundPipe(SequenceMethods):
             dtype_bytes=torch.finfo(self.dtype).bits // 8,
             vocab_size=int(self.adapted.config.vocab_size),
             loss_chunk_tokens=self.config.loss_chunk_tokens,
+            # a block's activations as measured for its family (engine.planner.activation_table)
+            shape=model_shape(self.adapted.config, self.adapted.architecture),
         )
         measured = False
         if self._replan_due():

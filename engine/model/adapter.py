@@ -16,6 +16,7 @@ a block gets those of its type, as the model's own forward hands them out.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from operator import attrgetter
@@ -138,6 +139,19 @@ class Layer:
     attention_type: str = "full_attention"
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     arguments: Callable[[Context, str], dict[str, Any]] = llama_block_arguments
+
+    @property
+    def parametrized(self) -> bool:
+        """The layer's forward enters ``torch.nn.utils.parametrize.cached()`` (peft's LoRA on
+        parameters, e.g. a mixture's expert stacks): a cache that is global to the process, so
+        two threads must not run such a forward at once (``PARAMETRIZE_LOCK``)."""
+        return any(type(m).__name__ == "ParamWrapper" for m in self.module.modules())
+
+
+# held around the forward of a parametrized layer (``Layer.parametrized``): with the cache global,
+# one worker's forward would otherwise reuse another's cached weights, or its own from a graph
+# that backward has already freed
+PARAMETRIZE_LOCK = threading.Lock()
 
 
 @dataclass

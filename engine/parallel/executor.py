@@ -32,7 +32,7 @@ from torch.func import functional_call
 
 from engine.errors import Cancelled, EngineError
 from engine.kinds import LayerKind
-from engine.model.adapter import Layer, run_layer
+from engine.model.adapter import PARAMETRIZE_LOCK, Layer, run_layer
 from engine.parallel.activity import ACTIVATIONS, WEIGHTS, IdleGaps
 from engine.parallel.board import Iteration
 from engine.parallel.context import WorkerContext
@@ -58,6 +58,7 @@ class Worker:
         self.board = context.board
         self.link = DeviceLink(device)
         self.modules = [meta_copy(layer.module) for layer in context.model.layers]
+        self.parametrized = [layer.parametrized for layer in context.model.layers]
         self.rotary = copy.deepcopy(context.model.rotary).to(device)
         self.routing = RouterAccounting(context.router_loss, self.modules, self.link, self.board)
         self.queue: deque[tuple[Iteration, SlotRun]] = deque()
@@ -379,7 +380,8 @@ class Worker:
         def call(*args: Any, **kwargs: Any) -> Any:
             return functional_call(module, tensors, args, kwargs, tie_weights=False, strict=False)
 
-        with self._rng(it, mb, layer.index):
+        lock = PARAMETRIZE_LOCK if self.parametrized[layer.index] else contextlib.nullcontext()
+        with self._rng(it, mb, layer.index), lock:
             return run_layer(
                 layer, call, x, ctx, labels, per_sequence=it.objective.per_sequence, grad_scale=grad_scale
             )
