@@ -638,8 +638,10 @@ class RaceInjector:
 @contextlib.contextmanager
 def race_injected(injector: RaceInjector) -> Iterator[None]:
     """``injector`` before every copy, and its delay before every rewrite of a compute copy
-    (``HostState.refresh_compute``, on the optimizer thread) for the duration."""
+    (``HostState.refresh_compute``, and ``Unit.step_writing``, the one-pass AdamW that writes
+    the copies as it updates; both on the optimizer thread) for the duration."""
     from engine.parallel.host import HostState
+    from engine.parallel.units import Unit
 
     def refresh(original: Callable[..., Any]) -> Callable[..., Any]:
         def delayed(host: Any, *args: Any, **kwargs: Any) -> Any:
@@ -648,7 +650,11 @@ def race_injected(injector: RaceInjector) -> Iterator[None]:
 
         return delayed
 
-    with copy_hook(injector), patched(HostState, "refresh_compute", refresh):
+    with (
+        copy_hook(injector),
+        patched(HostState, "refresh_compute", refresh),
+        patched(Unit, "step_writing", refresh),
+    ):
         yield
 
 
