@@ -116,7 +116,6 @@ class OptimizerWorker:
         self.on_step = on_step
         # one optimizer per unit, over the unit's flat master block (engine.parallel.units)
         self.units = build_units(host, optimizer_spec(cfg.optimizer, field="EngineConfig.optimizer"), cfg)
-        self.optimizers: dict[int, torch.optim.Optimizer] = {o: u.optimizer for o, u in self.units.items()}
         # float16 compute: the loss is scaled so small gradients survive; a step whose
         # gradients overflowed is skipped (the weights stay, the step still counts)
         self.dynamic_scaling = cfg.compute_dtype == "float16"
@@ -128,6 +127,11 @@ class OptimizerWorker:
         self.jobs: queue.Queue[Any] = queue.Queue()
         self.thread = threading.Thread(target=self._loop, name="roundpipe-optimizer", daemon=True)
         self.thread.start()
+
+    @property
+    def optimizers(self) -> dict[int, torch.optim.Optimizer]:
+        """Each unit's torch optimizer (over the unit's flat block), by unit."""
+        return {owner: unit.optimizer for owner, unit in self.units.items()}
 
     # -- public ------------------------------------------------------------------------------
     def submit_fold(self, it: Iteration) -> None:
@@ -317,9 +321,9 @@ class OptimizerWorker:
                 self.board.loss_scales.update({int(v): float(s) for v, s in state["versions"].items()})
 
     def load_state_dict(self, state: dict[int, Any]) -> None:
-        if set(state) != set(self.optimizers):
+        if set(state) != set(self.units):
             raise ValueError(
-                f"optimizer state covers units {sorted(state)}, the engine has {sorted(self.optimizers)}"
+                f"optimizer state covers units {sorted(state)}, the engine has {sorted(self.units)}"
             )
         for owner, sd in state.items():
             self.units[owner].load_state_dict(sd)

@@ -24,7 +24,10 @@ from engine.optimizers import OptimizerSpec
 from engine.parallel import kernels
 from engine.parallel.host import HostState
 
-OUT_KINDS = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+COMPUTE = (torch.float32, torch.bfloat16, torch.float16)
+
+# what the kernel writes for a compute copy of each dtype
+OUT_KINDS = {dtype: kernels.OUT_KINDS[str(dtype).removeprefix("torch.")] for dtype in COMPUTE}
 
 
 class Unit:
@@ -77,7 +80,7 @@ class Unit:
         offset = 0
         for out in copies:
             n = out.numel()
-            kind = kernels.OUT_KINDS[OUT_KINDS[out.dtype]]
+            kind = OUT_KINDS[out.dtype]
             at = offset * 4  # bytes into the fp32 blocks
             self.kernel(
                 p.data_ptr() + at,
