@@ -18,12 +18,14 @@ from server.api import (
     generate,
     gpus,
     health,
+    hub,
     jobs,
     login,
     methods,
     models,
     plan,
 )
+from server.api.openai import completions as openai_completions
 from server.api.openai import files as openai_files
 from server.api.openai import fine_tuning as openai_fine_tuning
 from server.api.openai import models as openai_models
@@ -71,9 +73,11 @@ def create_app(settings: Settings | None = None, *, apply_migrations: bool = Tru
         app.include_router(module.router)
     app.include_router(evaluations.router)
     app.include_router(generate.router)  # the playground: a stream with no session held open
+    app.include_router(hub.router)  # Hugging Face Hub pulls and pushes
     for module in (openai_files, openai_fine_tuning, openai_models):  # /v1: OpenAI's fine-tuning API
         app.include_router(module.router)
-    for module in (jobs, gpus):  # the event streams: no database connection while open
+    app.include_router(openai_completions.router)  # /v1: answers, from the workers' inference services
+    for module in (jobs, gpus, hub):  # the event streams: no database connection while open
         app.include_router(module.stream_router)
 
     @app.get("/openapi.json", include_in_schema=False, dependencies=[Depends(current_key)])

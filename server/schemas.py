@@ -71,6 +71,9 @@ class DatasetPublic(BaseModel):
     size_bytes: int
     sha256: str
     created_at: datetime
+    source: dict[str, Any] | None = Field(
+        None, description='where it came from when pulled: {"hub": repo, "config", "split", "sha", "files"}'
+    )
 
 
 class DatasetsPublic(BaseModel):
@@ -79,7 +82,9 @@ class DatasetsPublic(BaseModel):
 
 class ModelPublic(BaseModel):
     name: str
-    source: Literal["demo", "models", "hf-cache"]
+    source: Literal["demo", "models", "hub", "hf-cache"] = Field(
+        description="demo, a folder of the models folder, one pulled from the Hub, the local HF cache"
+    )
     architecture: str | None = Field(description="the model class its config.json names")
     parameters: int | None
     size_bytes: int
@@ -90,6 +95,9 @@ class ModelPublic(BaseModel):
     active_experts: int | None = Field(description="experts each token is routed to (null: dense)")
     supported: bool = Field(description="the engine can fine-tune it; a job or plan with it is a 422 if not")
     unsupported_reason: str | None = Field(description="why it is not supported (null when it is)")
+    hub: dict[str, Any] | None = Field(
+        None, description='a pulled model\'s origin: {"repo_id", "revision", "sha", "pulled_at"}'
+    )
 
 
 class ModelsPublic(BaseModel):
@@ -521,3 +529,74 @@ class MethodPublic(BaseModel):
 
 class MethodsPublic(BaseModel):
     data: list[MethodPublic]
+
+
+# -- the Hugging Face Hub: pulls and pushes ------------------------------------------------------------
+REPO_ID_FIELD = Field(
+    min_length=1, max_length=193, pattern=LINE_PATTERN, description='a Hub repo id, "ORG/NAME"'
+)
+REVISION_FIELD = Field(
+    None,
+    min_length=1,
+    max_length=255,
+    pattern=LINE_PATTERN,
+    description="a branch, tag or commit (default: main)",
+)
+
+
+class ModelPullCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    repo_id: str = REPO_ID_FIELD
+    revision: str | None = REVISION_FIELD
+
+
+class DatasetPullCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    repo_id: str = REPO_ID_FIELD
+    split: str = Field("train", min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    config: str | None = Field(
+        None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="the subset"
+    )
+    revision: str | None = REVISION_FIELD
+    name: str | None = Field(None, min_length=1, max_length=255, pattern=LINE_PATTERN)
+
+
+class PushCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    repo_id: str = REPO_ID_FIELD
+    private: bool = Field(True, description="create the repo private (when it does not exist yet)")
+    merged: bool = Field(False, description="push the adapter merged into its base model")
+
+
+class TransferPublic(BaseModel):
+    id: str
+    kind: Literal["pull", "push"]
+    repo_id: str
+    revision: str | None
+    status: Literal["queued", "running", "cancelling", "succeeded", "failed", "cancelled"]
+    target: str = Field(description="a pull's model name; a push's repo URL")
+    bytes_total: int
+    bytes_done: int
+    bytes_per_s: float | None
+    eta_s: float | None
+    files: list[Any]
+    commit: str | None
+    options: dict[str, Any]
+    error: str | None
+    error_code: str | None
+    attempts: int
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+
+
+class TransfersPublic(BaseModel):
+    data: list[TransferPublic]
+
+
+class ModelDeleted(BaseModel):
+    name: str
+    freed_bytes: int

@@ -6,7 +6,7 @@ import socket
 from functools import lru_cache
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -67,6 +67,16 @@ class Settings(BaseSettings):
     storage_presigned_downloads: bool = Field(
         False, description="redirect downloads to presigned URLs (the store must be reachable by browsers)"
     )
+    hub_offline: bool = Field(
+        False, description="no Hugging Face Hub traffic: pulls and pushes are refused, saying so"
+    )
+    hub_endpoint: str = Field("https://huggingface.co", description="the Hugging Face Hub's address")
+    hub_token: SecretStr | None = Field(
+        None, description="a Hub access token, for gated and private repos and for pushes (never stored)"
+    )
+    hub_keep_free_bytes: int = Field(
+        1 << 30, ge=0, description="disk space a model pull must leave free beside its files"
+    )
 
     @property
     def broker_dir(self) -> Path:
@@ -112,6 +122,11 @@ class Settings(BaseSettings):
         env |= {f"ROUNDHOUSE_{name}": value for name, value in storage.items() if value}
         if self.storage_presigned_downloads:
             env["ROUNDHOUSE_STORAGE_PRESIGNED_DOWNLOADS"] = "1"
+        env["ROUNDHOUSE_HUB_OFFLINE"] = "1" if self.hub_offline else "0"
+        env["ROUNDHOUSE_HUB_ENDPOINT"] = self.hub_endpoint
+        env["ROUNDHOUSE_HUB_KEEP_FREE_BYTES"] = str(self.hub_keep_free_bytes)
+        if self.hub_token is not None:
+            env["ROUNDHOUSE_HUB_TOKEN"] = self.hub_token.get_secret_value()
         return env
 
     @property

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any, ClassVar
 
-from sqlalchemy import JSON, BigInteger, DateTime, Dialect, ForeignKey, Index, Integer, String, Text
+from sqlalchemy import JSON, BigInteger, DateTime, Dialect, Float, ForeignKey, Index, Integer, String, Text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
@@ -49,6 +49,8 @@ class Dataset(Base):
     size_bytes: Mapped[int] = mapped_column(BigInteger)
     sha256: Mapped[str] = mapped_column(String(64))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=now)
+    # where it came from when not uploaded: {"hub": repo, "config", "split", "revision", "files"}
+    source: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True), nullable=True)
 
 
 class Job(Base):
@@ -168,5 +170,35 @@ class Evaluation(Base):
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
     worker_id: Mapped[str | None] = mapped_column(String(255), nullable=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=now)
+    started_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+
+
+class HubTransfer(Base):
+    """A transfer with the Hugging Face Hub run by a worker: a model pulled into the models folder
+    (``kind`` "pull") or a checkpoint pushed to a repo ("push"). No token is ever stored here."""
+
+    __tablename__ = "hub_transfers"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    kind: Mapped[str] = mapped_column(String(16))  # pull | push
+    repo_id: Mapped[str] = mapped_column(String(255), index=True)
+    revision: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    # "pull:<repo>@<revision>" while queued or running, else null: one active transfer per target
+    active_key: Mapped[str | None] = mapped_column(String(600), unique=True, nullable=True)
+    status: Mapped[str] = mapped_column(String(16), index=True)  # queued|running|cancelling|succeeded|...
+    # what to move: a pull's files [{path, size}] and commit; a push's job, step, private, merged
+    plan: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    target: Mapped[str] = mapped_column(Text)  # a pull's model name; a push's repo URL once known
+    bytes_total: Mapped[int] = mapped_column(BigInteger, default=0)
+    bytes_done: Mapped[int] = mapped_column(BigInteger, default=0)
+    bytes_per_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    progress_seq: Mapped[int] = mapped_column(Integer, default=0)  # bumped on every change
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    error_code: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    worker_id: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    lease_until: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=now, index=True)
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)

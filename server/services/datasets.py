@@ -50,12 +50,14 @@ def store_upload(
     storage: Storage,
     scratch: Path,
     max_bytes: int,
+    origin: dict[str, Any] | None = None,
 ) -> tuple[Dataset | None, Report]:
     """Copy an upload in chunks to a temporary file in ``scratch``, validate every row, and store
     it (as ``datasets/<id>/<file name>``) only if it is valid; the temporary file always goes.
 
     Returns the stored dataset (None when invalid) and the validation report (its first
-    ``MAX_REPORTED_ERRORS`` errors, and the count of all).
+    ``MAX_REPORTED_ERRORS`` errors, and the count of all). ``origin``: where the file came from
+    when it was not uploaded (a Hub pull), recorded as the dataset's ``source``.
 
     Raises:
         TooLarge: more than ``max_bytes`` arrived (nothing is kept).
@@ -94,6 +96,7 @@ def store_upload(
         rows=report.rows,
         size_bytes=size,
         sha256=digest.hexdigest(),
+        source=origin,
     )
     try:
         session.add(dataset)

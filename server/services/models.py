@@ -17,7 +17,7 @@ from engine.model.loading import DEMO_NAME, demo_source
 @dataclass
 class BaseModelInfo:
     name: str
-    source: str  # "demo" | "models" | "hf-cache"
+    source: str  # "demo" | "models" | "hub" | "hf-cache"
     path: Path | None
     architecture: str | None
     parameters: int | None
@@ -29,6 +29,7 @@ class BaseModelInfo:
     active_experts: int | None = None  # experts each token is routed to
     supported: bool = True  # the engine can train it; else unsupported_reason says why
     unsupported_reason: str | None = None
+    hub: dict[str, Any] | None = None  # a pulled model: {"repo_id", "revision", "sha", "pulled_at"}
 
 
 # readable names of a few common model classes the engine does not train whose stem reads badly
@@ -244,8 +245,18 @@ def discover(models_dir: Path, hf_cache: Path | None) -> list[BaseModelInfo]:
     except OSError:  # an unreadable models folder lists nothing from it
         children = []
     for child in children:
-        if child.name != DEMO_NAME and (child / "config.json").is_file():
-            found.append(_describe(child.name, "models", child))
+        if child.name == DEMO_NAME or child.name.startswith("."):  # .pulls: pulls under way
+            continue
+        if (child / "config.json").is_file():
+            found.append(_local(child.name, child))
+        elif child.is_dir():  # an organisation's folder: models/<org>/<name>, named "org/name"
+            try:
+                inner = sorted(child.iterdir())
+            except OSError:
+                continue
+            for folder in inner:
+                if not folder.name.startswith(".") and (folder / "config.json").is_file():
+                    found.append(_local(f"{child.name}/{folder.name}", folder))
     if hf_cache is not None and hf_cache.is_dir():
         for repo in sorted(hf_cache.glob("models--*")):
             try:
@@ -256,6 +267,27 @@ def discover(models_dir: Path, hf_cache: Path | None) -> list[BaseModelInfo]:
                 name = repo.name.removeprefix("models--").replace("--", "/")
                 found.append(_describe(name, "hf-cache", snapshots[-1]))
     return found
+
+
+HUB_SOURCE = ".hub-source.json"  # written into a model folder pulled from the Hub
+
+
+def _local(name: str, folder: Path) -> BaseModelInfo:
+    """A folder of the models folder: "hub" when a pull put it there (with where from), else "models"."""
+    try:
+        origin = json.loads((folder / HUB_SOURCE).read_text())
+    except (OSError, ValueError):
+        origin = None
+    if not isinstance(origin, dict):
+        return _describe(name, "models", folder)
+    info = _describe(name, "hub", folder)
+    info.hub = {k: origin.get(k) for k in ("repo_id", "revision", "sha", "pulled_at")}
+    return info
+
+
+def forget() -> None:
+    """Drop the remembered lookups (a model was added or deleted)."""
+    _found.clear()
 
 
 _found: dict[tuple[str, str, str], tuple[float, BaseModelInfo | None]] = {}

@@ -4,7 +4,7 @@ is valid (``POST /api/datasets``, ``POST /v1/files``)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from sqlalchemy.orm import Session
 
@@ -23,6 +23,7 @@ def upload(
     storage: Storage,
     scratch: Path,
     max_bytes: int,
+    origin: dict[str, Any] | None = None,
 ) -> Dataset:
     """Store the file ``source`` reads (``datasets.store_upload``) and return its dataset.
 
@@ -43,6 +44,7 @@ def upload(
             storage=storage,
             scratch=scratch,
             max_bytes=max_bytes,
+            origin=origin,
         )
     except datasets.TooLarge as exc:
         raise TooLarge("too_large", str(exc), param="file") from exc

@@ -77,6 +77,9 @@ def _start_housekeeping(sender: Any = None, **_: Any) -> None:
         daemon=True,
     )
     thread.start()
+    from server.hf_hub import runner
+
+    runner.start(settings, sessions(), worker_id=worker_id, stop=_stop)  # Hub pulls and pushes
 
 
 @signals.worker_shutdown.connect

@@ -1,0 +1,124 @@
+"""A checkpoint pushed to a Hub repo (the worker's side of a ``push`` transfer): the adapter, the
+full model, or the adapter merged into its base, with a model card, in one commit."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from server.hf_hub import child
+from server.hf_hub.card import model_card
+from server.services import checkpoints, datasets, jobs, transfers
+from server.services.checkpoints import STATE
+from server.settings import Settings
+from server.storage import open_storage
+from server.tables import HubTransfer
+
+LEAVE_OUT = (STATE, "evaluations", "README.md")
+
+
+def _folder_size(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def run_push(settings: Settings, sessions: sessionmaker[Session], row: HubTransfer, worker_id: str) -> str:
+    from engine.model.export import base_model_name
+    from server.hf_hub.runner import Reporter
+
+    plan = dict(row.plan)
+    storage = open_storage(settings)
+    with sessions() as session:
+        job = jobs.get_job(session, job_id=plan["job_id"])
+        checkpoint = checkpoints.get(session, job_id=plan["job_id"], step=plan["step"], storage=storage)
+        if job is None or checkpoint is None:
+            transfers.finish(
+                session,
+                transfer_id=row.id,
+                status=transfers.FAILED,
+                error=f"job {plan['job_id']!r} has no checkpoint at step {plan['step']} any more",
+                error_code="not_found",
+            )
+            return transfers.FAILED
+        ids = [job.dataset_id] + ([job.validation_dataset_id] if job.validation_dataset_id else [])
+        rows = [d for d in (datasets.get_dataset(session, dataset_id=i) for i in ids) if d is not None]
+        hub_ids = [str(d.source["hub"]) for d in rows if d.source and d.source.get("hub")]
+        names = [d.name for d in rows]
+        session.expunge_all()
+    model = job.config["model"]
+    base_name = base_model_name(model.get("name"), Path(model["path"]))
+    kind = "merged" if plan.get("merged") else checkpoint.kind
+    source = checkpoints.export_folder(storage, storage.key_of(checkpoint.path), cache=settings.cache_dir)
+    work = settings.cache_dir / "hub-push" / row.id
+    shutil.rmtree(work, ignore_errors=True)
+    folder = work / "model"
+    merge = None
+    if kind == "merged":
+        work.mkdir(parents=True)
+        path = str(model["path"])
+        stored_base = f"models/{job.base_model}"
+        if (
+            path != "demo"
+            and not (Path(path) / "config.json").is_file()
+            and storage.exists(f"{stored_base}/config.json")
+        ):
+            path = str(storage.local_copy(stored_base, settings.cache_dir, folder=True))
+        merge = {"adapter": str(source), "base": path, "models_dir": str(settings.models_dir)}
+    else:
+        shutil.copytree(
+            source, folder, ignore=lambda d, names: [n for n in names if d == str(source) and n in LEAVE_OUT]
+        )
+        for name, data in checkpoints.adapter_config(folder, base_name=base_name).items():
+            (folder / name).write_bytes(data)
+    card = model_card(
+        repo_id=row.repo_id,
+        kind=kind,
+        base_model=base_name,
+        job_name=job.name,
+        step=checkpoint.step,
+        config=job.config,
+        datasets=hub_ids,
+        dataset_names=names,
+        metrics=checkpoint.metrics or {},
+    )
+    reporter = Reporter(settings, sessions, row, worker_id)
+    try:
+        result = child.run(
+            settings,
+            "push",
+            on_progress=reporter.progress,
+            cancelled=reporter.cancelled,
+            repo_id=row.repo_id,
+            private=bool(plan.get("private")),
+            folder=str(folder),
+            card=card,
+            merge=merge,
+            message=f"Roundhouse: {job.name}, step {checkpoint.step} ({kind})",
+        )
+    except child.Cancelled:
+        with sessions() as session:
+            transfers.finish(session, transfer_id=row.id, status=transfers.CANCELLED, error="cancelled")
+        return transfers.CANCELLED
+    except child.HubError as exc:
+        with sessions() as session:
+            transfers.finish(
+                session, transfer_id=row.id, status=transfers.FAILED, error=exc.message, error_code=exc.kind
+            )
+        return transfers.FAILED
+    finally:
+        size = _folder_size(folder) if folder.is_dir() else 0
+        shutil.rmtree(work, ignore_errors=True)
+    plan |= {"commit": result.get("commit"), "files": result.get("files", []), "kind": kind}
+    with sessions() as session:
+        transfers.finish(
+            session,
+            transfer_id=row.id,
+            status=transfers.SUCCEEDED,
+            target=str(result.get("url") or row.target),
+            bytes_done=size,
+            bytes_total=size,
+            plan=json.loads(json.dumps(plan)),
+        )
+    return transfers.SUCCEEDED

@@ -1,0 +1,288 @@
+"""The worker's side of Hub transfers: a thread that claims queued transfers (and those whose
+worker vanished: their lease expired) and runs them one at a time.
+
+A model pull downloads into ``models/.pulls/<org>--<name>@<commit>/`` (the models folder's own disk,
+so the last step is a rename), then renames that to ``models/<org>/<name>/``; with an S3 store the
+folder is also put in the shared models store (``models/<org>/<name>/``), where workers on other
+hosts find it. An interrupted pull (a killed worker, a failure) leaves its staging folder, and the
+next run of a pull of that commit resumes from it; a cancelled pull removes it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from server.hf_hub import child
+from server.services import transfers
+from server.settings import Settings
+from server.storage import Storage, open_storage
+from server.tables import HubTransfer, now
+
+log = logging.getLogger("roundhouse.hub")
+POLL_S = 1.0
+WRITE_EVERY_S = 0.5
+SPEED_WINDOW_S = 5.0
+STAGING = ".pulls"
+SOURCE_FILE = ".hub-source.json"  # in a pulled model's folder: where it came from
+
+
+def staging_folder(settings: Settings, *, repo_id: str, sha: str) -> Path:
+    return settings.models_dir / STAGING / f"{repo_id.replace('/', '--')}@{sha}"
+
+
+def model_folder(settings: Settings, name: str) -> Path:
+    return settings.models_dir.joinpath(*name.split("/"))
+
+
+class Meter:
+    """Bytes done, and the speed over the last few seconds."""
+
+    def __init__(self) -> None:
+        self.samples: deque[tuple[float, int]] = deque()
+        self.done = 0
+
+    def add(self, done: int) -> None:
+        self.done = done
+        t = time.monotonic()
+        self.samples.append((t, done))
+        while len(self.samples) > 2 and t - self.samples[0][0] > SPEED_WINDOW_S:
+            self.samples.popleft()
+
+    def speed(self) -> float | None:
+        if len(self.samples) < 2:
+            return None
+        (t0, d0), (t1, d1) = self.samples[0], self.samples[-1]
+        return max(0.0, (d1 - d0) / (t1 - t0)) if t1 > t0 else None
+
+
+class Reporter:
+    """Progress into the transfer's row (at most every ``WRITE_EVERY_S``) with the lease renewed;
+    says when the transfer was cancelled."""
+
+    def __init__(
+        self, settings: Settings, sessions: sessionmaker[Session], row: HubTransfer, worker_id: str
+    ) -> None:
+        self.settings, self.sessions, self.worker_id = settings, sessions, worker_id
+        self.transfer_id = row.id
+        self.meter = Meter()
+        self.meter.add(row.bytes_done)
+        self.written = 0.0
+        self.status: str | None = row.status
+        self.lock = threading.Lock()
+
+    def progress(self, done: int) -> None:
+        with self.lock:
+            self.meter.add(done)
+        self.tick(force=False)
+
+    def tick(self, *, force: bool = True) -> bool:
+        """Write the progress when due (always with ``force``); True when cancelled."""
+        with self.lock:
+            if not force and time.monotonic() - self.written < WRITE_EVERY_S:
+                return self.status == transfers.CANCELLING
+            self.written = time.monotonic()
+            done, speed = self.meter.done, self.meter.speed()
+        with self.sessions() as session:
+            self.status = transfers.progress(
+                session,
+                transfer_id=self.transfer_id,
+                worker_id=self.worker_id,
+                bytes_done=done,
+                bytes_per_s=speed,
+                lease_seconds=self.settings.lease_seconds,
+            )
+        return self.status == transfers.CANCELLING
+
+    def cancelled(self) -> bool:
+        return (
+            self.tick(force=False)
+            if time.monotonic() - self.written >= WRITE_EVERY_S
+            else self.status == transfers.CANCELLING
+        )
+
+
+def _publish(settings: Settings, store: Storage, *, name: str, staging: Path, row: HubTransfer) -> Path:
+    """The finished staging folder as the model ``name`` (and in the shared store with S3)."""
+    shutil.rmtree(staging / child_parts(), ignore_errors=True)
+    (staging / SOURCE_FILE).write_text(
+        json.dumps(
+            {
+                "repo_id": row.repo_id,
+                "revision": row.revision,
+                "sha": row.plan.get("sha"),
+                "pulled_at": now().isoformat(),
+            }
+        )
+    )
+    folder = model_folder(settings, name)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    if folder.exists():  # a pull of a newer commit replaces the old folder
+        old = folder.with_name(f".{folder.name}.replaced")
+        shutil.rmtree(old, ignore_errors=True)
+        folder.rename(old)
+        shutil.rmtree(old, ignore_errors=True)
+    staging.rename(folder)
+    if store.local_path(f"models/{name}") is None:  # a remote store: every host pulls it from there
+        store.put_tree(f"models/{name}", folder)
+    return folder
+
+
+def child_parts() -> str:
+    from server.hf_hub.client import PARTS
+
+    return PARTS
+
+
+def run_pull(settings: Settings, sessions: sessionmaker[Session], row: HubTransfer, worker_id: str) -> str:
+    plan = row.plan
+    staging = staging_folder(settings, repo_id=row.repo_id, sha=plan["sha"])
+    reporter = Reporter(settings, sessions, row, worker_id)
+    try:
+        child.run(
+            settings,
+            "download",
+            on_progress=reporter.progress,
+            cancelled=reporter.cancelled,
+            repo_id=row.repo_id,
+            revision=plan["sha"],
+            files=plan["files"],
+            dest=str(staging),
+        )
+    except child.Cancelled:
+        shutil.rmtree(staging, ignore_errors=True)
+        with sessions() as session:
+            transfers.finish(
+                session, transfer_id=row.id, status=transfers.CANCELLED, error="cancelled", bytes_done=0
+            )
+        return transfers.CANCELLED
+    except child.HubError as exc:
+        with sessions() as session:
+            transfers.finish(
+                session, transfer_id=row.id, status=transfers.FAILED, error=exc.message, error_code=exc.kind
+            )
+        return transfers.FAILED
+    folder = _publish(settings, open_storage(settings), name=row.target, staging=staging, row=row)
+    from server.services import models
+
+    models.forget()
+    with sessions() as session:
+        transfers.finish(session, transfer_id=row.id, status=transfers.SUCCEEDED, bytes_done=row.bytes_total)
+    log.info("pulled %s into %s", row.repo_id, folder)
+    return transfers.SUCCEEDED
+
+
+def run_one(settings: Settings, sessions: sessionmaker[Session], row: HubTransfer, worker_id: str) -> str:
+    try:
+        if row.kind == transfers.PULL:
+            return run_pull(settings, sessions, row, worker_id)
+        from server.hf_hub.push import run_push
+
+        return run_push(settings, sessions, row, worker_id)
+    except Exception as exc:  # a bug or a full disk: the transfer fails with the reason, the loop goes on
+        log.exception("transfer %s failed", row.id)
+        with sessions() as session:
+            transfers.finish(
+                session,
+                transfer_id=row.id,
+                status=transfers.FAILED,
+                error=f"{type(exc).__name__}: {exc}"[:2000],
+                error_code="failed",
+            )
+        return transfers.FAILED
+
+
+def loop(
+    settings: Settings, sessions: sessionmaker[Session], *, worker_id: str, stop: threading.Event
+) -> None:
+    """Claim and run transfers until ``stop`` is set (the worker's housekeeping starts it)."""
+    while not stop.wait(POLL_S):
+        try:
+            with sessions() as session:
+                due = transfers.claimable(session)
+                row = None
+                for transfer_id in due:
+                    row = transfers.claim(
+                        session,
+                        transfer_id=transfer_id,
+                        worker_id=worker_id,
+                        lease_seconds=settings.lease_seconds,
+                    )
+                    if row is not None:
+                        session.expunge(row)
+                        break
+            if row is None:
+                continue
+            if row.status == transfers.CANCELLING:  # asked to stop while its worker was gone
+                if row.kind == transfers.PULL and row.plan.get("sha"):
+                    shutil.rmtree(
+                        staging_folder(settings, repo_id=row.repo_id, sha=row.plan["sha"]), ignore_errors=True
+                    )
+                with sessions() as session:
+                    transfers.finish(
+                        session,
+                        transfer_id=row.id,
+                        status=transfers.CANCELLED,
+                        error="cancelled",
+                        bytes_done=0,
+                    )
+                continue
+            log.info(
+                "transfer %s (%s %s): %s",
+                row.id,
+                row.kind,
+                row.repo_id,
+                run_one(settings, sessions, row, worker_id),
+            )
+        except Exception:  # the database is away: try again at the next tick
+            log.exception("hub transfers: a poll failed")
+
+
+def start(
+    settings: Settings, sessions: sessionmaker[Session], *, worker_id: str, stop: threading.Event
+) -> threading.Thread:
+    thread = threading.Thread(
+        target=loop,
+        args=(settings, sessions),
+        kwargs={"worker_id": worker_id, "stop": stop},
+        name="roundhouse-hub",
+        daemon=True,
+    )
+    thread.start()
+    return thread
+
+
+def transfer_payload(row: HubTransfer) -> dict[str, Any]:
+    """A transfer as the API shows it: with the ETA from the remaining bytes and the speed."""
+    speed = row.bytes_per_s
+    remaining = max(0, row.bytes_total - row.bytes_done)
+    eta = remaining / speed if speed and row.status == transfers.RUNNING else None
+    return {
+        "id": row.id,
+        "kind": row.kind,
+        "repo_id": row.repo_id,
+        "revision": row.revision,
+        "status": row.status,
+        "target": row.target,
+        "bytes_total": row.bytes_total,
+        "bytes_done": row.bytes_done,
+        "bytes_per_s": speed,
+        "eta_s": eta,
+        "files": row.plan.get("files", []),
+        "commit": row.plan.get("sha") or row.plan.get("commit"),
+        "options": {k: row.plan[k] for k in ("job_id", "step", "private", "merged") if k in row.plan},
+        "error": row.error,
+        "error_code": row.error_code,
+        "attempts": row.attempts,
+        "created_at": row.created_at,
+        "started_at": row.started_at,
+        "finished_at": row.finished_at,
+    }
