@@ -8,7 +8,12 @@ copies). The baseline is what any loop pays at least: ``torch.optim.AdamW(fused=
 tensors of the same shapes, gradients already in place. Both run in this process on the same
 cores (``torch.get_num_threads()``), alternating step by step; the JSON has the medians and the
 median over the steps of the ratio ``engine step (all phases) / bare fused AdamW`` (target:
-<= 1.3).
+<= 1.3). The per-tensor squared norms for the global norm are computed by the workers as they
+send the gradients (on a GPU, by the device), so they are not a phase of the optimizer thread.
+
+``drain`` is how long ``synchronize()`` takes after ``step()``, which follows the last
+iteration at once: the wait for that step and nothing more (target: no longer than one
+optimizer step with its fold, ``drain_over_step`` <= 1 up to the thread hand-over).
 
     python bench/optimizer_step.py [--layers 8] [--hidden 1024] [--steps 6] [--clip 1.0]
 """
@@ -85,22 +90,27 @@ def measure(model: Any, steps: int, clip: float | None) -> tuple[list[dict[str, 
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 8192, (1, 16), generator=g)
     sink = ListSink()
-    bare_s = []
+    bare_s: list[float] = []
+    drain_s: list[float] = []
     with RoundPipe(model, config, sink=sink) as rp:
         for _ in range(steps + 1):
             rp.forward_backward(input_ids=ids, labels=ids)
             rp.step()
+            t0 = time.perf_counter()
             rp.synchronize()
+            drain_s.append(time.perf_counter() - t0)
             bare_s.append(bare.seconds())
         plan = rp.plan.describe() if rp.plan is not None else ""
     rows = []
     # the first step allocates the optimizer's state
-    for (_, m), b in list(zip(sink.records, bare_s, strict=True))[1:]:
+    for (_, m), b, d in list(zip(sink.records, bare_s, drain_s, strict=True))[1:]:
         row = {p: m.get(f"time/optimizer/{p}_s", float("nan")) for p in PHASES}
         row["step"] = m["time/optimizer_s"]
         row["all"] = row["step"] + row["fold"]
         row["bare"] = b
         row["ratio"] = row["all"] / b
+        row["drain"] = d
+        row["drain_over_step"] = d / row["all"]
         rows.append(row)
     return rows, plan
 
@@ -117,7 +127,7 @@ def main() -> None:
     numel = sum(p.numel() for p in model.parameters())
     tensors = sum(1 for _ in model.parameters())
     rows, plan = measure(model, args.steps, args.clip or None)
-    medians = {k: statistics.median(r[k] for r in rows) for k in (*PHASES, "step", "all", "bare")}
+    medians = {k: statistics.median(r[k] for r in rows) for k in (*PHASES, "step", "all", "bare", "drain")}
     report = {
         "machine": {"cpu_count": torch.get_num_threads(), "platform": platform.platform()},
         "versions": {"python": platform.python_version(), "torch": torch.__version__},
@@ -128,6 +138,7 @@ def main() -> None:
         # every phase: the step itself (norm, update, copy and its waits) and the fold before it
         "engine_median_s": medians,
         "ratio_engine_over_bare_median": statistics.median(r["ratio"] for r in rows),
+        "drain_over_step_median": statistics.median(r["drain_over_step"] for r in rows),
         "seconds_per_1e9_params": {
             "engine": medians["all"] * 1e9 / numel,
             "bare": medians["bare"] * 1e9 / numel,

@@ -397,6 +397,9 @@ class EngineConfig:
             skipped for overflowing gradients (the loss scale cannot recover).
         tf32: float32 compute on GPUs with TensorFloat-32 lets matmuls and convolutions use it
             (about 10 mantissa bits in the products; off gives exact fp32 arithmetic).
+        optimizer_threads: threads of the host optimizer's one-pass kernels (the fold and the
+            AdamW update); None: every core torch uses, less one per GPU worker, whose thread
+            launches its kernels meanwhile (at least one).
     """
 
     devices: list[str] = dataclass_field(default_factory=lambda: ["cpu"])
@@ -421,6 +424,7 @@ class EngineConfig:
     router_aux_loss_coef: float | None = None
     max_skipped_steps: int = 50
     tf32: bool = True
+    optimizer_threads: int | None = None
 
     def __post_init__(self) -> None:
         def bad(name: str, value: Any, want: str) -> ConfigError:
@@ -459,6 +463,11 @@ class EngineConfig:
             isinstance(self.loss_chunk_tokens, int) and self.loss_chunk_tokens >= 1
         ):
             raise bad("loss_chunk_tokens", self.loss_chunk_tokens, "must be an integer >= 1")
+        threads = self.optimizer_threads
+        if threads is not None and (
+            isinstance(threads, bool) or not (isinstance(threads, int) and threads >= 1)
+        ):
+            raise bad("optimizer_threads", threads, "must be an integer >= 1 or None")
         coef = self.router_aux_loss_coef
         if coef is not None and not (
             isinstance(coef, int | float) and not isinstance(coef, bool) and math.isfinite(coef) and coef >= 0

@@ -120,7 +120,9 @@ class HostState:
             if not masters:
                 continue
             flat = torch.empty(sum(m.numel() for m in masters), dtype=torch.float32)
-            grads = torch.zeros_like(flat)
+            # not zeroed: the step's first contribution writes it (or adopt_grads replaces it)
+            # and settle_grads zeroes what none reached, so untouched pages cost no memory
+            grads = torch.empty_like(flat)
             offset = 0
             for m in masters:
                 n = m.numel()
@@ -129,6 +131,9 @@ class HostState:
                 m.grad = grads[offset : offset + n].view(m.shape)
                 offset += n
             self.unit_masters[owner], self.unit_grads[owner] = flat, grads
+        # where each unit's gradient block came from when a deposit was adopted as it:
+        # (the deposit's whole buffer, whether it goes back to the board's pool once replaced)
+        self.grad_buffers: dict[int, tuple[torch.Tensor, bool]] = {}
         # trainable tensors whose gradient buffer holds nothing yet this step: the first
         # contribution is written, not added, so no pass zeroes the buffers between steps
         self.unset: set[int] = {ht.key for ht in self.tensors if ht.master is not None}
@@ -195,9 +200,8 @@ class HostState:
         data = data.contiguous()
         ht = HostTensor(key, names, data, trainable, layer)
         if trainable:
-            master = torch.nn.Parameter(t.detach().to("cpu", torch.float32, copy=True).contiguous())
-            master.grad = torch.zeros_like(master)
-            ht.master = master
+            # its gradient buffer is a view into the unit's gradient block (set by the caller)
+            ht.master = torch.nn.Parameter(t.detach().to("cpu", torch.float32, copy=True).contiguous())
         return ht
 
     @property
@@ -208,6 +212,33 @@ class HostState:
         """Start a step's gradients over: the buffers count as empty (nothing is written)."""
         self.unset = {t.key for t in self.trainable if t.master is not None}
         self.grad_sq.clear()
+
+    def unit_keys(self, owner: int) -> list[int]:
+        """The keys of a unit's tensors in the order of its flat blocks."""
+        return [k for k in self.owned[owner] if self.tensors[k].master is not None]
+
+    def adopt_grads(
+        self, owner: int, buffer: torch.Tensor, *, reusable: bool
+    ) -> tuple[torch.Tensor, bool] | None:
+        """Make the head of ``buffer`` (a deposit laid out like the unit's gradient block) the
+        unit's gradient block: the deposit becomes the gradient, with no copy.
+
+        Returns:
+            The buffer the block came from before, when it was an adopted deposit: (buffer,
+            whether it goes back to the board's pool).
+        """
+        block = buffer[: self.unit_grads[owner].numel()]
+        offset = 0
+        for k in self.unit_keys(owner):
+            master = self.tensors[k].master
+            assert master is not None
+            n = master.numel()
+            master.grad = block[offset : offset + n].view(master.shape)
+            offset += n
+        self.unit_grads[owner] = block
+        previous = self.grad_buffers.get(owner)
+        self.grad_buffers[owner] = (buffer, reusable)
+        return previous
 
     def settle_grads(self) -> None:
         """Zero the buffers no contribution reached this step (before they are read)."""
@@ -235,8 +266,7 @@ class HostState:
 
     def compute_targets(self, owner: int, version: int) -> list[torch.Tensor]:
         """The compute buffers of ``version`` of one unit's tensors, in the unit's block order."""
-        keys = [k for k in self.owned[owner] if self.tensors[k].master is not None]
-        return [self.tensors[k].source(version) for k in keys]
+        return [self.tensors[k].source(version) for k in self.unit_keys(owner)]
 
     def param_bytes(self, layer: int) -> int:
         """Bytes of the compute copy a layer uploads."""
@@ -262,6 +292,7 @@ class HostState:
         self.blocks.clear()
         self.unit_masters.clear()
         self.unit_grads.clear()
+        self.grad_buffers.clear()
         self.tensors.clear()
         self.layer_keys.clear()
         self.owned.clear()

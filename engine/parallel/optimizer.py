@@ -96,6 +96,15 @@ class StepJob:
         return metrics
 
 
+def optimizer_threads(cfg: EngineConfig) -> int:
+    """The threads of the optimizer's kernels: ``cfg.optimizer_threads``, or every core torch
+    uses less one per GPU worker (its thread launches kernels while the optimizer runs)."""
+    if cfg.optimizer_threads is not None:
+        return cfg.optimizer_threads
+    gpus = sum(1 for d in cfg.devices if d != "cpu")
+    return max(1, torch.get_num_threads() - gpus)
+
+
 class OptimizerWorker:
     """The CPU thread that folds gradients and applies optimizer steps.
 
@@ -116,6 +125,7 @@ class OptimizerWorker:
         self.on_step = on_step
         # one optimizer per unit, over the unit's flat master block (engine.parallel.units)
         self.units = build_units(host, optimizer_spec(cfg.optimizer, field="EngineConfig.optimizer"), cfg)
+        self.threads = optimizer_threads(cfg)
         # float16 compute: the loss is scaled so small gradients survive; a step whose
         # gradients overflowed is skipped (the weights stay, the step still counts)
         self.dynamic_scaling = cfg.compute_dtype == "float16"
@@ -191,7 +201,7 @@ class OptimizerWorker:
                         contribution = self.board.deposits.pop(key)
                     DeviceLink.host_wait(contribution[1])  # its download: not the fold's own time
                     t0 = time.perf_counter()
-                    add_gradients(self.host, self.board, contribution, unscale)
+                    add_gradients(self.host, self.board, contribution, unscale, threads=self.threads)
                     it.fold_s += time.perf_counter() - t0
         except Cancelled:
             pass
@@ -233,7 +243,8 @@ class OptimizerWorker:
                 # one pass: the update writes the compute copy (once its old uploads finished)
                 self._wait_for_uploads(owner, job.index)
                 t1 = time.perf_counter()
-                unit.step_writing(job.lr, self.host.compute_targets(owner, job.index), grad_divisor=divisor)
+                targets = self.host.compute_targets(owner, job.index)
+                unit.step_writing(job.lr, targets, grad_divisor=divisor, threads=self.threads)
                 update_s += time.perf_counter() - t1
                 self.board.set_version(owner, job.index)
                 continue

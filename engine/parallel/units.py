@@ -35,9 +35,11 @@ class Unit:
 
     def __init__(self, host: HostState, owner: int, spec: OptimizerSpec, cfg: EngineConfig) -> None:
         self.owner = owner
+        self.host = host
         self.shapes = [m.shape for k in host.owned[owner] if (m := host.tensors[k].master) is not None]
-        self.param = torch.nn.Parameter(host.unit_masters[owner])  # shares the block's memory
-        self.param.grad = host.unit_grads[owner]
+        # shares the block's memory; its .grad is set only while a torch step runs (the block
+        # may be replaced between steps: HostState.adopt_grads)
+        self.param = torch.nn.Parameter(host.unit_masters[owner])
         self.optimizer = spec.build([self.param], cfg)
         self.kernel = kernels.adamw() if self._plain_adamw() else None
 
@@ -54,7 +56,9 @@ class Unit:
         """Whether ``step_writing`` updates and writes the compute copies in one pass."""
         return self.kernel is not None
 
-    def step_writing(self, lr: float, copies: list[torch.Tensor], *, grad_divisor: float = 1.0) -> None:
+    def step_writing(
+        self, lr: float, copies: list[torch.Tensor], *, grad_divisor: float = 1.0, threads: int = 1
+    ) -> None:
         """One AdamW update of the unit that also writes ``copies`` (the compute buffers of the
         unit's tensors, in block order) from the new masters, in one pass (``kernels/adamw.c``).
 
@@ -76,7 +80,6 @@ class Unit:
         step_size = lr / (1 - beta1**step)
         p, g = self.param.detach(), self.grad
         m, v = state["exp_avg"], state["exp_avg_sq"]
-        threads = torch.get_num_threads()
         offset = 0
         for out in copies:
             n = out.numel()
@@ -106,9 +109,8 @@ class Unit:
 
     @property
     def grad(self) -> torch.Tensor:
-        grad = self.param.grad
-        assert grad is not None
-        return grad
+        """The unit's gradient block (``HostState.adopt_grads`` may have replaced it)."""
+        return self.host.unit_grads[self.owner]
 
     def squared_norm(self) -> torch.Tensor:
         """The squared L2 norm of the unit's gradients (fp32, a 0-d tensor)."""
@@ -124,9 +126,13 @@ class Unit:
             self.optimizer.grad_scale = torch.tensor(grad_divisor, dtype=torch.float32)  # type: ignore[attr-defined]
         elif grad_divisor != 1.0:
             self.grad.div_(grad_divisor)
-        self.optimizer.step()
-        if getattr(self.optimizer, "grad_scale", None) is not None:
-            self.optimizer.grad_scale = None  # type: ignore[attr-defined]
+        self.param.grad = self.grad
+        try:
+            self.optimizer.step()
+        finally:
+            self.param.grad = None
+            if getattr(self.optimizer, "grad_scale", None) is not None:
+                self.optimizer.grad_scale = None  # type: ignore[attr-defined]
 
     # -- checkpoints: the per-tensor layout --------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

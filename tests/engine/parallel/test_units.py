@@ -214,3 +214,73 @@ def test_the_fold_kernel_writes_and_adds_like_torch_and_measures_the_norm_as_it_
     want = sum(float(hosts["torch"].tensors[k].master.grad.double().square().sum()) for k in keys)  # type: ignore[union-attr]
     # float lanes, then double: as close as torch's own fp32 norm (the other layers got nothing: zero)
     assert measured == pytest.approx(want, rel=1e-6)
+
+
+def _deposit(host: HostState, layer: int, seed: int) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
+    """A layer's gradient deposit as a worker sends it: the tensors' gradients in the layer's
+    order, then their squared norms."""
+    g = torch.Generator().manual_seed(seed)
+    parts, grads, offset = [], [], 0
+    for k in host.layer_keys[layer].values():
+        master = host.tensors[k].master
+        if master is not None:
+            parts.append((k, offset, master.numel()))
+            grads.append(torch.randn(master.numel(), generator=g))
+            offset += master.numel()
+    norms = torch.stack([torch.linalg.vector_norm(x) for x in grads]).square()
+    return torch.cat([*grads, norms]), parts
+
+
+def test_a_deposit_laid_out_as_a_unit_becomes_its_gradient_without_a_copy() -> None:
+    from engine.parallel.board import Board
+    from engine.parallel.gradients import add_gradients
+
+    host, ref = _host(), _host()
+    board = Board(len(host.owned))
+    layer = max(range(len(host.owned)), key=lambda i: len(host.owned[i]))
+    keys = host.unit_keys(layer)
+    assert len(keys) > 1
+    first, parts = _deposit(host, layer, 1)
+    add_gradients(host, board, (first, None, parts, True), 1.0)
+    # adopted: the unit's block is the deposit's head, each tensor's norm the one sent with it
+    assert host.unit_grads[layer].data_ptr() == first.data_ptr()
+    assert not set(keys) & host.unset
+    for (k, offset, n), sq in zip(parts, first[-len(parts) :].tolist(), strict=True):
+        master = host.tensors[k].master
+        assert master is not None and master.grad is not None
+        assert master.grad.data_ptr() == first[offset:].data_ptr()
+        assert host.grad_sq[k] == sq
+    # a second contribution to the same step is added into it, and its buffer goes back
+    second, _ = _deposit(host, layer, 2)
+    add_gradients(host, board, (second, None, parts, True), 1.0)
+    total = sum(n for _, _, n in parts)
+    assert host.unit_grads[layer].data_ptr() == first.data_ptr()
+    assert board.take_buffer(second.numel()) is second
+    # the next step's first deposit replaces the block; the one it replaces goes back too
+    host.zero_grads()
+    third, _ = _deposit(host, layer, 3)
+    add_gradients(host, board, (third, None, parts, True), 1.0)
+    assert host.unit_grads[layer].data_ptr() == third.data_ptr()
+    assert board.take_buffer(first.numel()) is first
+    # the unit steps on the adopted gradient exactly as on the same numbers written in place
+    cfg = EngineConfig(lr=1e-2, weight_decay=0.1)
+    spec = optimizer_spec("adamw")
+    unit, twin = build_units(host, spec, cfg)[layer], build_units(ref, spec, cfg)[layer]
+    ref.unit_grads[layer].copy_(third[:total])
+    unit.step(1e-2)
+    twin.step(1e-2)
+    assert torch.equal(unit.param.detach(), twin.param.detach())
+    assert unit.param.grad is None  # the unit holds no gradient block between steps
+
+
+def test_the_optimizer_thread_budget_leaves_gpu_workers_a_core_each() -> None:
+    from engine.errors import ConfigError
+    from engine.parallel.optimizer import optimizer_threads
+
+    cores = torch.get_num_threads()
+    assert optimizer_threads(EngineConfig(devices=["cpu", "cpu"])) == cores
+    assert optimizer_threads(EngineConfig(devices=["cuda:0", "cuda:1"])) == max(1, cores - 2)
+    assert optimizer_threads(EngineConfig(devices=["cuda:0"], optimizer_threads=3)) == 3
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ConfigError, match="optimizer_threads"):
+            EngineConfig(optimizer_threads=bad)  # type: ignore[arg-type]
