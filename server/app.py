@@ -25,6 +25,7 @@ from server.api import (
     models,
     plan,
 )
+from server.api.openai import completions as openai_completions
 from server.api.openai import files as openai_files
 from server.api.openai import fine_tuning as openai_fine_tuning
 from server.api.openai import models as openai_models
@@ -75,6 +76,7 @@ def create_app(settings: Settings | None = None, *, apply_migrations: bool = Tru
     app.include_router(hub.router)  # Hugging Face Hub pulls and pushes
     for module in (openai_files, openai_fine_tuning, openai_models):  # /v1: OpenAI's fine-tuning API
         app.include_router(module.router)
+    app.include_router(openai_completions.router)  # /v1: answers, from the workers' inference services
     for module in (jobs, gpus, hub):  # the event streams: no database connection while open
         app.include_router(module.stream_router)
 

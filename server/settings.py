@@ -40,10 +40,6 @@ class Settings(BaseSettings):
     max_retries: int = Field(
         2, ge=0, description="restarts of a training process killed by a signal, from its last checkpoint"
     )
-    playground_max_params: int = Field(
-        4_000_000_000, ge=0, description="the largest model the chat playground runs (on the API host's CPU)"
-    )
-    playground_threads: int = Field(2, ge=1, le=64, description="playground generations running at once")
     worker_host: str | None = Field(
         None,
         max_length=100,
@@ -53,7 +49,21 @@ class Settings(BaseSettings):
     worker_gpus: int | None = Field(
         None, ge=0, le=1024, description="GPUs a worker offers (default: what NVML counts here)"
     )
-    playground_cached_models: int = Field(2, ge=1, le=16, description="models the playground keeps loaded")
+    inference_host: str = Field(
+        "127.0.0.1", description="the address a worker's inference service listens on (0.0.0.0: every one)"
+    )
+    inference_port: int = Field(0, ge=0, le=65535, description="its port (0: a free one, chosen at start)")
+    inference_advertise: str | None = Field(
+        None, description="the host name the API reaches the inference service by (default: inference_host)"
+    )
+    inference_cpu_max_params: int = Field(
+        4_000_000_000,
+        ge=0,
+        description="the largest model served on the CPU while a job trains (bigger ones get a 503 then)",
+    )
+    inference_release_seconds: float = Field(
+        10.0, ge=0, description="how long answers in flight may finish when a job takes the devices"
+    )
     storage_url: str | None = Field(
         None, description="where datasets and runs are stored: unset (home) or s3://bucket/prefix"
     )

@@ -120,6 +120,9 @@ class Worker(Base):
     message: Mapped[str] = mapped_column(Text, default="")
     sampled_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
     heartbeat_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=now)
+    # its inference service (server/worker/inference.py): where it answers, and its bearer token
+    inference_url: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    inference_token: Mapped[str | None] = mapped_column(String(64), nullable=True)
 
 
 class ApiKey(Base):

@@ -19,8 +19,10 @@ def record(
     devices: list[dict[str, Any]],
     cpu: dict[str, float],
     message: str,
+    inference: tuple[str, str] | None = None,
 ) -> None:
-    """Store a host's latest sample (one row per worker, replaced each time)."""
+    """Store a host's latest sample (one row per worker, replaced each time), and where its
+    inference service answers (``(url, token)``), if it runs one."""
     row = session.get(Worker, worker_id)
     if row is None:
         row = Worker(id=worker_id, hostname=hostname)
@@ -28,6 +30,7 @@ def record(
     stamp = now()
     row.hostname, row.devices, row.cpu, row.message = hostname, devices, cpu, message
     row.sampled_at = row.heartbeat_at = stamp
+    row.inference_url, row.inference_token = inference or (None, None)
     session.commit()
 
 

@@ -21,9 +21,9 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from engine.training.folders import latest as latest_checkpoint
 from server.kinds import EventKind, JobStatus
-from server.services import checkpoints, gpus, jobs, placement
+from server.services import checkpoints, gpus, inference, jobs, placement
 from server.settings import Settings
-from server.worker import files
+from server.worker import files, inference_link
 from server.worker.telemetry import count_gpus
 from server.worker.trainer import ERROR_FILE, EXIT_CANCELLED, EXIT_FAILED, EXIT_OK
 
@@ -229,6 +229,42 @@ def supervise(settings: Settings, sessions: sessionmaker[Session], *, job_id: st
             return "not claimable (taken, finished or cancelled)"
         job = jobs.get_job(session, job_id=job_id)
         output_dir = job.output_dir if job is not None else str(settings.runs_dir / job_id)
+    with sessions() as session:
+        link = inference.link_of(session, worker_id=worker_id)
+    _release_inference(settings, sessions, link, job_id=job_id, worker_id=worker_id)
+    try:
+        return _run(settings, sessions, job_id=job_id, worker_id=worker_id, output_dir=output_dir)
+    finally:
+        inference_link.training(link, training=False, timeout=10.0)
+
+
+def _release_inference(
+    settings: Settings,
+    sessions: sessionmaker[Session],
+    link: inference.Service | None,
+    *,
+    job_id: str,
+    worker_id: str,
+) -> None:
+    """Tell this host's inference service that a job takes the devices, and wait until it has let
+    go of them (answers in flight finish within ``inference_release_seconds``), renewing the lease."""
+    if link is None:
+        return
+    timeout = settings.inference_release_seconds + 30.0
+    thread = threading.Thread(
+        target=inference_link.training, args=(link,), kwargs={"training": True, "timeout": timeout}
+    )
+    thread.start()
+    while thread.is_alive():
+        thread.join(settings.lease_seconds / 3)
+        with sessions() as session:
+            jobs.renew(session, job_id=job_id, worker_id=worker_id, lease_seconds=settings.lease_seconds)
+
+
+def _run(
+    settings: Settings, sessions: sessionmaker[Session], *, job_id: str, worker_id: str, output_dir: str
+) -> str:
+    """The training processes of a claimed job, until its outcome is recorded."""
     folder = files.run_folder(settings, output_dir)
     folder.mkdir(parents=True, exist_ok=True)
     while True:
@@ -273,7 +309,12 @@ def supervise(settings: Settings, sessions: sessionmaker[Session], *, job_id: st
 
 
 def telemetry_loop(
-    settings: Settings, sessions: sessionmaker[Session], *, worker_id: str, stop: threading.Event
+    settings: Settings,
+    sessions: sessionmaker[Session],
+    *,
+    worker_id: str,
+    stop: threading.Event,
+    inference: tuple[str, str] | None = None,
 ) -> None:
     """The worker's housekeeping thread: sample devices, requeue jobs of vanished workers, and
     send every claimable job whose message is pending or the broker lost (``queue.reconcile``):
@@ -296,6 +337,7 @@ def telemetry_loop(
                         devices=devices,
                         cpu=cpu,
                         message=message,
+                        inference=inference,
                     )
                     if time.monotonic() >= next_sweep:
                         next_sweep = time.monotonic() + settings.lease_seconds / 2

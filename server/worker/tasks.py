@@ -23,6 +23,7 @@ settings = get_settings()
 app: Celery = make_celery(settings)
 _sessions: dict[int, sessionmaker[Session]] = {}
 _stop = threading.Event()
+_inference: list[Any] = []  # the inference service's process, started with the worker
 
 
 def sessions() -> sessionmaker[Session]:
@@ -66,13 +67,17 @@ def _resume_evaluations(sender: Any = None, **_: Any) -> None:
 
 @signals.worker_ready.connect
 def _start_housekeeping(sender: Any = None, **_: Any) -> None:
+    from server.worker import inference_link
     from server.worker.supervisor import telemetry_loop
 
     worker_id = str(getattr(sender, "hostname", "worker"))
+    # the inference service beside this worker: the housekeeping records where it answers
+    proc, link = inference_link.start(settings)
+    _inference.append(proc)
     thread = threading.Thread(
         target=telemetry_loop,
         args=(settings, sessions()),
-        kwargs={"worker_id": worker_id, "stop": _stop},
+        kwargs={"worker_id": worker_id, "stop": _stop, "inference": (link.url, link.token)},
         name="roundhouse-telemetry",
         daemon=True,
     )
@@ -84,4 +89,8 @@ def _start_housekeeping(sender: Any = None, **_: Any) -> None:
 
 @signals.worker_shutdown.connect
 def _stop_housekeeping(**_: Any) -> None:
+    from server.worker import inference_link
+
     _stop.set()
+    for proc in _inference:
+        inference_link.stop(proc)
