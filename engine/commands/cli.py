@@ -3,7 +3,7 @@
     roundhouse train CONFIG [--method dpo|orpo --beta B --dpo-tuning lora|full]
                                                   fine-tune (resumes from the latest checkpoint)
     roundhouse validate-data FILE [--model M]     check every row; token statistics with a model
-    roundhouse export CHECKPOINT --out DIR [--merged]
+    roundhouse export CHECKPOINT --out DIR [--merged | --gguf [--quant f16|bf16|q8_0|q4_k_m]]
     roundhouse generate CHECKPOINT_OR_MODEL --prompt TEXT
     roundhouse eval MODEL [--adapter CHECKPOINT] --data HELDOUT
     roundhouse chat CHECKPOINT [--temperature T --top-p P --max-tokens N --base B]   (reads stdin)
@@ -237,6 +237,15 @@ def cmd_export(args: argparse.Namespace) -> int:
     if not (src / "state").is_dir() and not is_adapter(src) and not (src / "config.json").is_file():
         raise ValueError(f"{src} is not a checkpoint folder")
     out = Path(args.out)
+    if args.gguf and args.merged:
+        raise ValueError("--gguf and --merged: choose one (a GGUF of a LoRA checkpoint is merged already)")
+    if args.gguf:
+        from engine.export.bundle import export_gguf_folder
+
+        base = Path(args.base) if args.base else base_of(src) if is_adapter(src) else None
+        info = export_gguf_folder(src, out, quant=args.quant, base=base, system=args.system)
+        print(f"exported {src} -> {out}: {', '.join(info['files'])} ({info['arch']}, {info['quant']})")
+        return 0
     if args.merged:
         if not is_adapter(src):
             raise ValueError(f"{src} is a full model already; --merged applies to LoRA checkpoints")
@@ -386,6 +395,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("checkpoint")
     e.add_argument("--out", required=True)
     e.add_argument("--merged", action="store_true")
+    e.add_argument("--gguf", action="store_true", help="a GGUF for llama.cpp and Ollama, with a Modelfile")
+    e.add_argument("--quant", default="f16", choices=["f16", "bf16", "q8_0", "q4_k_m"], help="with --gguf")
+    e.add_argument("--system", help="with --gguf: the Modelfile's system prompt (default: the data's)")
     e.add_argument("--base", help="the base model folder (default: the one the run recorded)")
     e.set_defaults(func=cmd_export)
     g = with_models(sub.add_parser("generate", help="greedy completion of a prompt"))
