@@ -28,10 +28,8 @@ def lora_checkpoint(root: Path) -> tuple[Path, Path]:
     )
     tokenizer.save_pretrained(checkpoint)
     data = root / "train.jsonl"
-    rows = [
-        {"messages": [{"role": "system", "content": "Answer with one number."}, {"role": "user", "content": q}]}
-        for q in ("one plus one?", "two plus two?")
-    ]
+    system = {"role": "system", "content": "Answer with one number."}
+    rows = [{"messages": [system, {"role": "user", "content": q}]} for q in ("1 + 1?", "2 + 2?")]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     (checkpoint / "state").mkdir()
     (checkpoint / "state" / "trainer.json").write_text(
@@ -68,4 +66,9 @@ def test_modelfile_pieces() -> None:
     mixed = [{"messages": [{"role": "system", "content": s}]} for s in ("a", "b")]
     assert system_prompt(mixed) is None
     text = modelfile("m.gguf", chat_template=None, eos="</s>", system='say """hi"""', context_length=8)
-    assert text == 'FROM ./m.gguf\nPARAMETER stop "</s>"\nPARAMETER num_ctx 8\nSYSTEM """say \\"\\"\\"hi\\"\\"\\""""\n'
+    assert text.splitlines() == [
+        "FROM ./m.gguf",
+        'PARAMETER stop "</s>"',
+        "PARAMETER num_ctx 8",
+        'SYSTEM """say \\"\\"\\"hi\\"\\"\\""""',
+    ]
