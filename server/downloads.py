@@ -116,7 +116,13 @@ def stored_response(
 
 
 async def archive_response(
-    job: Job, checkpoint: Checkpoint, *, merged: bool, settings: Settings, storage: Storage
+    job: Job,
+    checkpoint: Checkpoint,
+    *,
+    merged: bool,
+    settings: Settings,
+    storage: Storage,
+    gguf: str | None = None,
 ) -> Response:
     """The download of a checkpoint's archive (built on first use, off the event loop)."""
     archive = await run_in_threadpool(
@@ -125,6 +131,7 @@ async def archive_response(
             job=job,
             checkpoint=checkpoint,
             merged=merged,
+            gguf=gguf,
             settings=settings,
             storage=storage,
         )

@@ -11,7 +11,7 @@ stored archive: from the local file (byte ranges served), streamed from the stor
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Query
 from fastapi import Path as PathParam
@@ -64,10 +64,16 @@ async def download_checkpoint(
     job: JobDep,
     step: StepPath,
     merged: Annotated[bool, Query(description="LoRA only: merge the adapter into its base model")] = False,
+    gguf: Annotated[
+        Literal["f16", "bf16", "q8_0", "q4_k_m"] | None,
+        Query(description="a GGUF folder for llama.cpp and Ollama (model, LoRA adapter, Modelfile)"),
+    ] = None,
 ) -> Response:
     """A .tar of the checkpoint's export, one top folder with a README and a SHA-256 manifest."""
     checkpoint = _found(session, storage, job, step)
-    return await archive_response(job, checkpoint, merged=merged, settings=settings, storage=storage)
+    return await archive_response(
+        job, checkpoint, merged=merged, gguf=gguf, settings=settings, storage=storage
+    )
 
 
 @router.delete("/{job_id}/checkpoints/{step}/merged", status_code=204, responses=documented(404))

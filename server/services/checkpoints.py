@@ -252,6 +252,34 @@ def merged_archive(
     return target
 
 
+def gguf_archive(
+    folder: Path, *, base: Path | None, target: Path, readme: str, quant: str, system: str | None
+) -> Path:
+    """The checkpoint's export as a GGUF folder (engine.export.bundle: the model GGUF, a LoRA
+    checkpoint's adapter GGUF, the Modelfile) in ``target`` (.tar), built once like
+    :func:`merged_archive`.
+
+    Raises:
+        ValueError: a model or tokenizer llama.cpp cannot run (the exporter's reason).
+    """
+    from engine.export.bundle import export_gguf_folder
+
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _building_lock(target):
+        if target.is_file():
+            return target
+        work = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+        try:
+            top = target.name.removesuffix(".tar")
+            export_gguf_folder(folder, work / "gguf", quant=quant, base=base, system=system, comment=top)
+            _write_archive(work / "gguf", target, readme=readme, replace={})
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    return target
+
+
 def clear_merged(target: Path, *, leftovers: tuple[Path, ...] = ()) -> int:
     """Remove a merged build: its archive, and ``leftovers`` (the merged folders older versions
     kept); the bytes freed. The next merged download builds it again."""
@@ -308,6 +336,18 @@ from transformers import AutoModelForCausalLM
 base = AutoModelForCausalLM.from_pretrained("path/to/{base_name.split("/")[-1]}")
 model = PeftModel.from_pretrained(base, "{top}")
 model = model.merge_and_unload()  # optional: a plain model, no peft at inference
+```
+
+{check}"""
+    if kind == "gguf":
+        return f"""{title}
+For llama.cpp and Ollama: `model-*.gguf` is the model (a LoRA adapter merged into its base);
+a LoRA checkpoint also has `adapter-f32.gguf`, the adapter alone for a GGUF of the base.
+
+```bash
+llama-cli -m model-*.gguf -cnv                       # llama.cpp, with the chat template inside
+llama-cli -m base.gguf --lora adapter-f32.gguf -cnv  # the adapter on a GGUF of `{base_name}`
+ollama create my-model -f Modelfile && ollama run my-model
 ```
 
 {check}"""
