@@ -1,8 +1,34 @@
 // One row of the job page's checkpoints table: step, kind, losses, age, and its downloads (the
-// adapter or model; for an adapter the merged model too, and clearing that cached build).
+// adapter or model; for an adapter the merged model too, and clearing that cached build; a GGUF
+// folder for llama.cpp and Ollama in the chosen quantization).
 
 import { api, downloadUrl } from "../api.js";
 import { age, el, number } from "../widgets.js";
+
+const QUANTS = ["q8_0", "q4_k_m", "f16", "bf16"];
+
+function ggufDownload(jobId, step) {
+  const url = (quant) => downloadUrl(`/jobs/${jobId}/checkpoints/${step}/download`, { gguf: quant });
+  const link = el("a", {
+    class: "button secondary download-gguf",
+    download: "",
+    href: url(QUANTS[0]),
+    title: "The model as a GGUF file for llama.cpp and Ollama, with a Modelfile (built once, then kept)",
+    text: "GGUF",
+  });
+  const quant = el(
+    "select",
+    {
+      class: "gguf-quant",
+      "aria-label": "GGUF quantization",
+      onchange: (ev) => {
+        link.href = url(ev.target.value);
+      },
+    },
+    ...QUANTS.map((q) => el("option", { value: q, text: q })),
+  );
+  return [quant, link];
+}
 
 export function checkpointRow(jobId, c, onError) {
   return el(
@@ -48,6 +74,7 @@ export function checkpointRow(jobId, c, onError) {
             },
           })
         : null,
+      ...ggufDownload(jobId, c.step),
     ),
   );
 }
