@@ -82,6 +82,7 @@ async def answer(request: Request, target: Target, body: GenerationCreate) -> As
         "top_p": body.top_p,
         "max_tokens": body.max_tokens,
         "seed": body.seed,
+        "fit": True,  # max_tokens as a bound: the answer stops at the context's end
     }
     answers = Answers(httpx.AsyncClient())
     try:

@@ -52,6 +52,7 @@ class GenerateBody(BaseModel):
     temperature: float = 1.0
     top_p: float = 1.0
     max_tokens: int | None = None
+    fit: bool = False  # max_tokens is an upper bound (the playground), not a demand to refuse at the context
     seed: int | None = None
     stop: list[str] = []
     logprobs: int | None = None
@@ -98,9 +99,10 @@ def _ids(body: GenerateBody, tokenizer: Any) -> list[int]:
 def _budget(body: GenerateBody, prompt: int, context: int | None) -> int | JSONResponse:
     """The most new tokens of each answer, or the 400 OpenAI answers when it cannot fit."""
     where = "messages" if body.messages is not None else "prompt"
-    if context is not None and (prompt >= context or prompt + (body.max_tokens or 0) > context):
-        asked = f" However, you requested {prompt + (body.max_tokens or 0)} tokens ({prompt} in the {where}"
-        asked += f", {body.max_tokens} in the completion)." if body.max_tokens else ")."
+    demanded = 0 if body.fit else body.max_tokens or 0
+    if context is not None and (prompt >= context or prompt + demanded > context):
+        asked = f" However, you requested {prompt + demanded} tokens ({prompt} in the {where}"
+        asked += f", {demanded} in the completion)." if demanded else ")."
         message = f"This model's maximum context length is {context} tokens.{asked} Please reduce the length."
         return _error(400, "context_length_exceeded", message, where)
     room = MAX_TOKENS if context is None else min(MAX_TOKENS, context - prompt)
@@ -108,7 +110,7 @@ def _budget(body: GenerateBody, prompt: int, context: int | None) -> int | JSONR
         return _error(
             400, "invalid_value", f"max_tokens: at most {MAX_TOKENS} (got {body.max_tokens})", "max_tokens"
         )
-    return body.max_tokens or room
+    return min(body.max_tokens, room) if body.max_tokens else room
 
 
 def create_app(service: Service) -> FastAPI:
