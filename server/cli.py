@@ -197,6 +197,39 @@ def cmd_models_push(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_models_pull(args: argparse.Namespace) -> int:
+    """Pull a model from the Hub (``POST /api/models/pulls`` does the same): checked here, downloaded
+    by a worker; prints the progress until it is done (Ctrl-C stops following, not the pull)."""
+    from server.hf_hub.child import HubError
+    from server.hf_hub.runner import transfer_payload
+    from server.services import hub, transfers
+    from server.services.failures import Refusal
+
+    settings = get_settings()
+    sessions = _database(settings)
+    with sessions() as session:
+        try:
+            row, created = hub.request_pull(session, settings, repo_id=args.repo_id, revision=args.revision)
+        except (HubError, Refusal) as exc:
+            print(f"{args.repo_id}: {getattr(exc, 'message', exc)}", file=sys.stderr)
+            return 1
+        transfer_id = row.id
+    doing = "pulling" if created else "already pulling"
+    print(f"{doing} {args.repo_id} ({row.bytes_total:,} bytes): {transfer_id}")
+    if args.no_wait:
+        return 0
+    while True:
+        with sessions() as session:
+            now = transfer_payload(transfers.get(session, transfer_id=transfer_id))
+        speed = f", {now['bytes_per_s'] / 1e6:.1f} MB/s" if now["bytes_per_s"] else ""
+        print(f"  {now['status']}: {now['bytes_done']:,} of {now['bytes_total']:,} bytes{speed}", flush=True)
+        if now["status"] in transfers.TERMINAL:
+            if now["error"]:
+                print(f"{args.repo_id}: {now['error']}", file=sys.stderr)
+            return 0 if now["status"] == transfers.SUCCEEDED else 1
+        time.sleep(2)
+
+
 def _database(settings: Settings) -> sessionmaker[Session]:
     """The sessions of the settings' database, migrated first."""
     from server.db import make_engine, migrate, session_factory
@@ -344,6 +377,13 @@ def build_parser() -> argparse.ArgumentParser:
     mp.add_argument("name", metavar="NAME", help='the base_model name jobs use, e.g. "Qwen/Qwen3-0.6B"')
     mp.add_argument("folder", metavar="FOLDER", help="a Hugging Face model folder (config.json, weights)")
     mp.set_defaults(func=cmd_models_push)
+    mpl = ms.add_parser(
+        "pull", help="pull a model from the Hugging Face Hub into the models folder (a worker downloads it)"
+    )
+    mpl.add_argument("repo_id", metavar="ORG/NAME", help="the Hub repo, e.g. Qwen/Qwen3-0.6B")
+    mpl.add_argument("--revision", help="a branch, tag or commit (default: main)")
+    mpl.add_argument("--no-wait", action="store_true", help="queue it and return")
+    mpl.set_defaults(func=cmd_models_pull)
     k = sub.add_parser("keys", help="API keys")
     ks = k.add_subparsers(dest="keys_command", required=True)
     kc = ks.add_parser("create", help="create an API key and print it with its login URL")

@@ -38,7 +38,9 @@ stream_router = APIRouter(prefix="/api", tags=["hub"], responses=documented(401,
 HUB_ERRORS = (403, 404, 409, 502)  # the Hub refused, or is off here, or cannot be reached
 
 
-def refused(exc: HubError, settings: Settings, *, repo_id: str, param: str = "repo_id") -> ApiError:
+def refused(
+    exc: HubError, settings: Settings, *, repo_id: str, revision: str | None = None, param: str = "repo_id"
+) -> ApiError:
     """The Hub's refusal as this API's error: what happened and what to do about it."""
     token = settings.hub_token is not None
     page = f"{settings.hub_endpoint.rstrip('/')}/{repo_id}"
@@ -62,7 +64,9 @@ def refused(exc: HubError, settings: Settings, *, repo_id: str, param: str = "re
         hint = "" if token else " (a private repo needs ROUNDHOUSE_HUB_TOKEN)"
         return ApiError(404, "not_found", f"no repo {repo_id!r} on the Hub{hint}", param=param)
     if exc.kind == "revision_not_found":
-        return ApiError(404, "not_found", f"{repo_id} has no revision: {exc.message}", param="revision")
+        return ApiError(
+            404, "not_found", f"{repo_id} has no revision {revision!r} on the Hub", param="revision"
+        )
     if exc.kind == "split_not_found":
         return ApiError(404, "not_found", exc.message, param="split")
     if exc.kind == "bad_split":
@@ -95,7 +99,7 @@ def pull_model(session: SessionDep, settings: SettingsDep, body: ModelPullCreate
     try:
         row, created = hub.request_pull(session, settings, repo_id=body.repo_id, revision=body.revision)
     except HubError as exc:
-        raise refused(exc, settings, repo_id=body.repo_id) from exc
+        raise refused(exc, settings, repo_id=body.repo_id, revision=body.revision) from exc
     if not created:
         response.status_code = 200
     return transfer_payload(row)
@@ -140,7 +144,7 @@ def pull_dataset(
             name=body.name,
         )
     except HubError as exc:
-        raise refused(exc, settings, repo_id=body.repo_id) from exc
+        raise refused(exc, settings, repo_id=body.repo_id, revision=body.revision) from exc
 
 
 @router.post(
@@ -192,9 +196,9 @@ def get_transfer(row: Annotated[Any, Depends(_found)]) -> Any:
 
 
 @router.post("/transfers/{transfer_id}/cancel", response_model=TransferPublic, responses=documented(404))
-def cancel_transfer(session: SessionDep, row: Annotated[Any, Depends(_found)]) -> Any:
+def cancel_transfer(session: SessionDep, settings: SettingsDep, row: Annotated[Any, Depends(_found)]) -> Any:
     """Cancel a pull or push: nothing of a cancelled pull stays on disk."""
-    return transfer_payload(transfers.cancel(session, transfer_id=row.id) or row)
+    return transfer_payload(hub.cancel(session, settings, transfer=row))
 
 
 def _read(request: Request, transfer_id: str) -> tuple[int, dict[str, Any]] | None:

@@ -31,7 +31,7 @@ from server.hf_hub.files import (
 
 PARTS = ".parts"
 PROGRESS_S = 0.25
-CHUNK_BYTES = 1 << 20  # progress and a kill's loss are per chunk: the library's default is 10 MiB
+CHUNK_BYTES = 1 << 16  # progress and a kill's loss are per chunk: the library's default is 10 MiB
 _out = threading.Lock()
 
 
@@ -61,7 +61,8 @@ def _fetch(request: dict[str, Any], *, repo_type: str, revision: str, path: str,
     """One file of a repo at ``revision`` into ``dest/path``, resumed from its ``.part`` file."""
     from huggingface_hub import constants, get_hf_file_metadata, hf_hub_download, hf_hub_url
     from huggingface_hub.file_download import http_get
-    from huggingface_hub.utils import build_hf_headers, is_xet_available
+    from huggingface_hub.utils import build_hf_headers
+    from huggingface_hub.utils._runtime import is_xet_available
 
     final = dest / path
     if final.is_file():

@@ -158,18 +158,15 @@ def run_pull(settings: Settings, sessions: sessionmaker[Session], row: HubTransf
             dest=str(staging),
         )
     except child.Cancelled:
-        shutil.rmtree(staging, ignore_errors=True)
-        with sessions() as session:
-            transfers.finish(
-                session, transfer_id=row.id, status=transfers.CANCELLED, error="cancelled", bytes_done=0
-            )
-        return transfers.CANCELLED
+        return _cancelled(sessions, row, staging)
     except child.HubError as exc:
         with sessions() as session:
             transfers.finish(
                 session, transfer_id=row.id, status=transfers.FAILED, error=exc.message, error_code=exc.kind
             )
         return transfers.FAILED
+    if reporter.tick():  # cancelled as the last bytes arrived: still cancelled
+        return _cancelled(sessions, row, staging)
     folder = _publish(settings, open_storage(settings), name=row.target, staging=staging, row=row)
     from server.services import models
 
@@ -178,6 +175,15 @@ def run_pull(settings: Settings, sessions: sessionmaker[Session], row: HubTransf
         transfers.finish(session, transfer_id=row.id, status=transfers.SUCCEEDED, bytes_done=row.bytes_total)
     log.info("pulled %s into %s", row.repo_id, folder)
     return transfers.SUCCEEDED
+
+
+def _cancelled(sessions: sessionmaker[Session], row: HubTransfer, staging: Path) -> str:
+    shutil.rmtree(staging, ignore_errors=True)
+    with sessions() as session:
+        transfers.finish(
+            session, transfer_id=row.id, status=transfers.CANCELLED, error="cancelled", bytes_done=0
+        )
+    return transfers.CANCELLED
 
 
 def run_one(settings: Settings, sessions: sessionmaker[Session], row: HubTransfer, worker_id: str) -> str:

@@ -68,8 +68,24 @@ def request_pull(
     scratch = Path(tempfile.mkdtemp(prefix="inspect-", dir=_scratch(settings)))
     try:
         found = child.run(settings, "inspect", repo_id=repo_id, revision=revision, scratch=str(scratch))
+        row = _accept(
+            session, settings, repo_id=repo_id, revision=revision, found=found, key=key, scratch=scratch
+        )
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+    return row
+
+
+def _accept(
+    session: Session,
+    settings: Settings,
+    *,
+    repo_id: str,
+    revision: str | None,
+    found: dict[str, Any],
+    key: str,
+    scratch: Path,
+) -> tuple[HubTransfer, bool]:
     config = found.get("config")
     kind = (
         models._kind(config)
@@ -95,6 +111,11 @@ def request_pull(
             param="repo_id",
         )
     plan = {"sha": found["sha"], "files": [f.as_dict() for f in files], "architecture": kind.architecture}
+    staging = staging_folder(settings, repo_id=repo_id, sha=found["sha"])
+    staging.mkdir(parents=True, exist_ok=True)
+    for fetched in scratch.iterdir():  # config.json and the index: the download does not fetch them again
+        if fetched.is_file() and not (staging / fetched.name).exists():
+            shutil.move(fetched, staging / fetched.name)
     return transfers.create(
         session,
         kind=transfers.PULL,
@@ -273,3 +294,12 @@ def delete_model(session: Session, settings: Settings, storage: Storage, *, name
         storage.delete_prefix(f"models/{name}")
     models.forget()
     return freed
+
+
+def cancel(session: Session, settings: Settings, *, transfer: HubTransfer) -> HubTransfer:
+    """Cancel a transfer (``transfers.cancel``); a pull cancelled before a worker took it leaves no
+    staging folder behind (a running one's worker removes its own)."""
+    row = transfers.cancel(session, transfer_id=transfer.id) or transfer
+    if row.kind == transfers.PULL and row.status == transfers.CANCELLED and row.plan.get("sha"):
+        shutil.rmtree(staging_folder(settings, repo_id=row.repo_id, sha=row.plan["sha"]), ignore_errors=True)
+    return row
