@@ -120,8 +120,9 @@ class FakeHub:
             def _files(self, repo: Repo, revision: str) -> tuple[dict[str, bytes], str] | None:
                 if revision in ("main", repo.sha("main")):
                     return repo.files, repo.sha("main")
-                if revision in repo.revisions:
-                    return repo.revisions[revision], repo.sha(revision)
+                for name, files in repo.revisions.items():
+                    if revision in (name, repo.sha(name)):
+                        return files, repo.sha(name)
                 self._json(404, {"error": f"Invalid rev id: {revision}"}, "RevisionNotFound")
                 return None
 
@@ -181,7 +182,8 @@ class FakeHub:
                 revision, path = rest[0], "/".join(rest[1:])
                 for cut in range(len(rest) - 1, 0, -1):
                     candidate = "/".join(rest[:cut])
-                    if candidate in repo.revisions or candidate in ("main", repo.sha("main")):
+                    known = {"main", repo.sha("main"), *repo.revisions, *map(repo.sha, repo.revisions)}
+                    if candidate in known:
                         revision, path = candidate, "/".join(rest[cut:])
                         break
                 found = self._files(repo, revision)
