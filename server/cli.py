@@ -220,7 +220,11 @@ def cmd_models_pull(args: argparse.Namespace) -> int:
         return 0
     while True:
         with sessions() as session:
-            now = transfer_payload(transfers.get(session, transfer_id=transfer_id))
+            found = transfers.get(session, transfer_id=transfer_id)
+            if found is None:
+                print(f"{args.repo_id}: the pull {transfer_id} is gone", file=sys.stderr)
+                return 1
+            now = transfer_payload(found)
         speed = f", {now['bytes_per_s'] / 1e6:.1f} MB/s" if now["bytes_per_s"] else ""
         print(f"  {now['status']}: {now['bytes_done']:,} of {now['bytes_total']:,} bytes{speed}", flush=True)
         if now["status"] in transfers.TERMINAL:
