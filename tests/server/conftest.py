@@ -49,7 +49,11 @@ def settings(tmp_path: Path, database_url: str) -> Settings:
     home = tmp_path / "home"
     tiny_model_folder(home / "models" / "tiny")
     return Settings(
-        home=home, database_url=database_url, max_upload_bytes=200_000, queue=f"t-{uuid.uuid4().hex}"
+        home=home,
+        database_url=database_url,
+        max_upload_bytes=200_000,
+        queue=f"t-{uuid.uuid4().hex}",
+        hub_offline=True,  # no test reaches the real Hub (tests/utils/fake_hub.py stands in for it)
     )
 
 
