@@ -18,7 +18,7 @@ class StopText:
     def __init__(self, tokenizer: Any, stops: tuple[str, ...] = ()) -> None:
         self.stream = TextStream(tokenizer)
         self.stops = tuple(s for s in stops if s)
-        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.hold = max((len(s) for s in self.stops), default=1) - 1  # the longest tail held back
         self.pending = ""  # decoded, not sent yet
         self.stopped = False
 
@@ -29,8 +29,17 @@ class StopText:
             self.stopped = True
             piece, self.pending = self.pending[: min(found)], ""
             return piece
-        keep = len(self.pending) - self.hold if self.hold else len(self.pending)
-        piece, self.pending = self.pending[: max(keep, 0)], self.pending[max(keep, 0) :]
+        # hold back the longest tail that a stop string starts with
+        held = next(
+            (
+                k
+                for k in range(min(self.hold, len(self.pending)), 0, -1)
+                if any(s.startswith(self.pending[-k:]) for s in self.stops)
+            ),
+            0,
+        )
+        cut = len(self.pending) - held
+        piece, self.pending = self.pending[:cut], self.pending[cut:]
         return piece
 
     def add(self, token: int) -> str:
