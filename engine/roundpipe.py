@@ -75,8 +75,19 @@ class RoundPipe(SequenceMethods):
         if is_cuda and self.dtype == torch.float32:
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = self.tf32
         self.host = HostState(
-            self.adapted, compute_dtype=self.dtype, pin=is_cuda, double_buffer=config.async_optimizer
+            self.adapted,
+            compute_dtype=self.dtype,
+            pin=is_cuda,
+            double_buffer=config.async_optimizer,
+            base_bits=config.base_bits,
         )
+        if config.base_bits == 4 and not any(t.packed is not None for t in self.host.tensors):
+            raise ConfigError(
+                "EngineConfig.base_bits",
+                "EngineConfig.base_bits=4: the model has no frozen block weights to keep in 4 bits "
+                "(a 4-bit base is for LoRA, whose base does not train)",
+                value=4,
+            )
         self.board = Board(self.host.num_layers)
         self.plan: Plan | None = None
         self._manual = config.partition is not None
@@ -309,7 +320,7 @@ class RoundPipe(SequenceMethods):
         for t in self.host.tensors:
             if trainable_only and not t.trainable:
                 continue
-            value = t.master.detach().clone() if t.master is not None else t.compute.float()
+            value = t.master.detach().clone() if t.master is not None else t.dense().float()
             for name in t.names:
                 if name in wanted:
                     out[name] = value

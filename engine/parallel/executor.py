@@ -212,6 +212,9 @@ class Worker:
                     params[i][local].record_stream(self.link.compute)
                 if stage.kind != StageKind.FORWARD and it.train and host.tensors[k].trainable:
                     params[i][local].requires_grad_(True)
+                packed = host.tensors[k].packed
+                if packed is not None:  # a 4-bit base weight: decoded here, on the compute stream
+                    params[i][local] = packed.unpack(params[i][local])
         return params
 
     # -- one slot run --------------------------------------------------------------------------

@@ -16,6 +16,8 @@ pinned memory); ``release`` hands the blocks back and leaves the model on plain 
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -23,9 +25,18 @@ import torch
 from torch import nn
 
 from engine.config import COMPUTE_DTYPES
+from engine.kinds import LayerKind
+from engine.model import quant
 from engine.model.adapter import AdaptedModel
 
 DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in COMPUTE_DTYPES}
+
+
+def _return_freed_memory() -> None:
+    """Hand memory freed inside the C heap back to the system (glibc's ``malloc_trim``):
+    tensors freed after many others were allocated stay in the process otherwise."""
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to do
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 @dataclass
@@ -37,6 +48,12 @@ class HostTensor:
     owner: int
     master: torch.nn.Parameter | None = None
     compute_alt: torch.Tensor | None = None  # async mode: the second compute buffer
+    # a 4-bit base weight: ``compute`` is its packed uint8 buffer, this says how to decode it
+    packed: quant.Packed | None = None
+
+    def dense(self) -> torch.Tensor:
+        """The values stages compute with (a packed weight decoded on the CPU)."""
+        return self.compute if self.packed is None else self.packed.unpack(self.compute)
 
     def source(self, version: int) -> torch.Tensor:
         """The compute buffer holding weights ``version`` (odd versions in the second buffer)."""
@@ -54,10 +71,18 @@ class HostState:
             for those the model keeps in fp32: its ``_keep_in_fp32_modules(_strict)``).
         pin: pin the compute copies (CUDA workers copy from them asynchronously).
         double_buffer: give trainable tensors a second compute buffer (async mode).
+        base_bits: 4: the frozen weights of the decoder blocks are kept packed in NF4
+            (``engine.model.quant``), and the model's own copies of them are released.
     """
 
     def __init__(
-        self, adapted: AdaptedModel, *, compute_dtype: torch.dtype, pin: bool, double_buffer: bool
+        self,
+        adapted: AdaptedModel,
+        *,
+        compute_dtype: torch.dtype,
+        pin: bool,
+        double_buffer: bool,
+        base_bits: int = 16,
     ) -> None:
         full = adapted.full_names()
         keep = [
@@ -81,10 +106,20 @@ class HostState:
                     by_id[id(t)] = len(self.tensors)
                     names = full.get(id(t), [])
                     dtype = torch.float32 if keep_fp32(names) else compute_dtype
-                    self.tensors.append(self._make(len(self.tensors), t, names, layer.index, dtype))
+                    ht = self._make(len(self.tensors), t, names, layer.index, dtype)
+                    if (
+                        base_bits == 4
+                        and layer.kind == LayerKind.BLOCK
+                        and self._packable(t, ht, fp32=keep_fp32(names))
+                    ):
+                        ht.compute, ht.packed = quant.pack(t, dtype)
+                        t.data = torch.empty(0, dtype=t.dtype)  # the dense copy goes: RAM saved
+                    self.tensors.append(ht)
                     originals.append(t)
                 keys[local] = by_id[id(t)]
             self.layer_keys.append(keys)
+        if any(ht.packed is not None for ht in self.tensors):
+            _return_freed_memory()  # the dense copies the packing replaced
         self.pinned = pin
         self.blocks: list[torch.Tensor] = []
         if pin:
@@ -96,7 +131,7 @@ class HostState:
             (t, ht) for t, ht in zip(originals, self.tensors, strict=True) if isinstance(t, nn.Parameter)
         ]
         for t, ht in self._params:
-            if ht.compute.data_ptr() != t.data_ptr():
+            if ht.packed is None and ht.compute.data_ptr() != t.data_ptr():
                 t.data = ht.compute
         if double_buffer:
             alts = [ht.compute for ht in self.tensors if ht.trainable]
@@ -144,6 +179,15 @@ class HostState:
             {self.tensors[k].owner for k in keys.values() if self.tensors[k].trainable}
             for keys in self.layer_keys
         ]
+
+    @staticmethod
+    def _packable(t: torch.Tensor, ht: HostTensor, *, fp32: bool) -> bool:
+        """A 4-bit base packs a frozen floating matrix of a block (linear or expert weights),
+        but not what the family keeps in fp32 nor a mixture of experts' router."""
+        router = any(".router." in f".{n}" or ".mlp.gate." in f".{n}" for n in ht.names)
+        return (
+            isinstance(t, nn.Parameter) and not ht.trainable and not fp32 and not router
+        ) and quant.quantizable(ht.compute)
 
     @staticmethod
     def _blocks(
@@ -284,9 +328,12 @@ class HostState:
 
     def release(self) -> None:
         """Drop the host state; the model's parameters move off the pinned blocks first."""
+        for t, ht in self._params:
+            if ht.packed is not None:  # the model gets its base back, as the workers saw it
+                t.data = ht.dense().to(t.dtype)
         if self.blocks:
             for t, ht in self._params:
-                if t.data_ptr() == ht.compute.data_ptr():
+                if ht.packed is None and t.data_ptr() == ht.compute.data_ptr():
                     t.data = torch.empty(ht.compute.shape, dtype=ht.compute.dtype).copy_(ht.compute)
         self._params.clear()
         self.blocks.clear()

@@ -159,6 +159,7 @@ class Run:
                 router_aux_loss=h.router_aux_loss,
                 tf32=config.engine.tf32,
                 router_aux_loss_coef=h.router_aux_loss_coef,
+                base_bits=config.method.base_bits,
             ),
             sink=sink,
             cancel=cancel,

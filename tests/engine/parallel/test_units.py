@@ -245,7 +245,7 @@ def test_a_deposit_laid_out_as_a_unit_becomes_its_gradient_without_a_copy() -> N
     # adopted: the unit's block is the deposit's head, each tensor's norm the one sent with it
     assert host.unit_grads[layer].data_ptr() == first.data_ptr()
     assert not set(keys) & host.unset
-    for (k, offset, n), sq in zip(parts, first[-len(parts) :].tolist(), strict=True):
+    for (k, offset, _), sq in zip(parts, first[-len(parts) :].tolist(), strict=True):
         master = host.tensors[k].master
         assert master is not None and master.grad is not None
         assert master.grad.data_ptr() == first[offset:].data_ptr()

@@ -56,14 +56,14 @@ export function methodObjective(m = {}) {
   return m.kind === "lora" || m.kind === "full" || !m.kind ? "sft" : m.kind;
 }
 
-// "LoRA (r 16)", "Full fine-tune", "DPO (LoRA), beta 0.1", "ORPO (full), beta 0.1"
+// "LoRA (r 16)", "LoRA (r 16), 4-bit base", "Full fine-tune", "DPO (LoRA), beta 0.1", "ORPO (full), beta 0.1"
 export function methodLabel(m = {}) {
   const objective = methodObjective(m);
   const tuning = m.tuning ?? (objective === "sft" ? m.kind : m.dpo_tuning) ?? "lora";
   if (objective !== "sft")
     return `${objective.toUpperCase()} (${tuning === "full" ? "full" : "LoRA"}), beta ${m.beta ?? 0.1}`;
   if (tuning === "full") return "Full fine-tune";
-  return `LoRA (r ${m.lora_r ?? 16})`;
+  return `LoRA (r ${m.lora_r ?? 16})${m.base_bits === 4 ? ", 4-bit base" : ""}`;
 }
 
 export async function render(main, jobId) {

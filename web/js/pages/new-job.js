@@ -243,6 +243,14 @@ export async function render(main) {
   ]);
   const placeGpus = num("", { min: 1, step: 1, placeholder: "any" });
   const rankField = field("lora-r", "LoRA rank", rank);
+  // a LoRA base in 4 bits (NF4): the block weights in host RAM and on PCIe at about a quarter
+  const fourBit = el("input", { type: "checkbox", id: "base-4bit" });
+  const fourBitField = el(
+    "label",
+    { for: "base-4bit", id: "base-4bit-field" },
+    fourBit,
+    " 4-bit base (QLoRA): the frozen weights in about a quarter of the host RAM and PCIe traffic",
+  );
   // hyper.batch_size counts a DPO job's pairs (2 sequences each, as the plan card says)
   const batchField = field("batch-size", "Batch size (sequences)", batch);
   const preview = el("pre", { id: "request-preview", class: "code" });
@@ -255,13 +263,14 @@ export async function render(main) {
       ...(train.value ? { dataset_id: train.value } : {}),
       data: { max_length: Number(maxLength.value) },
       method: lora.checked
-        ? { kind: "lora", lora_r: Number(rank.value) }
+        ? { kind: "lora", lora_r: Number(rank.value), ...(fourBit.checked ? { base_bits: 4 } : {}) }
         : chosenMethod()
           ? {
               kind: kind(),
               dpo_tuning: dpoTuning.value,
               beta: Number(beta.value),
               ...(usesLora() ? { lora_r: Number(rank.value) } : {}),
+              ...(usesLora() && fourBit.checked ? { base_bits: 4 } : {}),
             }
           : { kind: "full" },
       hyper: {
@@ -307,6 +316,7 @@ export async function render(main) {
     dpoOptions.hidden = !m;
     if (m) describeMethod(m);
     rankField.hidden = !usesLora();
+    fourBitField.hidden = !usesLora();
     batchField.querySelector("label").textContent = `Batch size (${m ? "pairs" : "sequences"})`;
     for (const [picker, offset] of [
       [train, 0],
@@ -374,6 +384,7 @@ export async function render(main) {
       field("schedule", "Schedule", schedule),
       field("warmup", "Warmup steps", warmup),
       rankField,
+      fourBitField,
       field("max-length", "Max sequence length", maxLength),
       field("checkpoint-every", "Checkpoint every (steps)", every),
       field("eval-every", "Validate every (steps)", evalEvery),

@@ -1,0 +1,161 @@
+"""Frozen base weights in 4 bits: NF4 with block-wise scales, the QLoRA format.
+
+A LoRA run never updates its base, so with ``base_bits=4`` the frozen weights of the decoder
+blocks (their linear weights, and a mixture of experts' expert weights) are quantized once at
+load and kept *packed* in host memory: the compute copy of such a tensor is one ``uint8`` buffer
+holding the NF4 codes, the double-quantized block scales and the constants needed to decode
+them. Stages upload it as it is (a quarter of the bytes of bfloat16 on PCIe) and the worker
+decodes it on its device, on the compute stream, right before the stage runs (``unpack``).
+Embeddings, norms, the LM head and the adapters stay as they are.
+
+The quantization and the decoding are torchao's ``NF4Tensor`` (QLoRA's NF4 code book, blocks of
+64 values with absmax scales, the scales quantized again to int8 in blocks of up to 256), pure
+torch operations that run on CPU workers and on CUDA alike, with no compiled kernels to build.
+``unpack`` is deterministic, so an engine run with a 4-bit base equals a plain loop on the same
+model whose base weights were replaced by ``dequantized``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+BASE_BITS = (16, 4)
+BLOCK = 64  # values per absmax scale
+SCALER_BLOCK = 256  # scales per int8 second-level scale (fewer where a tensor has fewer)
+ALIGN = 16  # bytes: each part of the packed buffer starts aligned, so it can be viewed in place
+
+
+def _nf4() -> Any:
+    """torchao's NF4 tensor class (imported quietly: torchao reports its optional CUDA kernels
+    that do not load on this machine, none of which NF4 uses)."""
+    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [log.level for log in loggers]
+    for log in loggers:
+        log.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+            from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor, SubclassTensorArgs
+    finally:
+        for log, level in zip(loggers, levels, strict=True):
+            log.setLevel(level)
+    return NF4Tensor, SubclassTensorArgs
+
+
+def _codes(matrix: torch.Tensor, book: torch.Tensor) -> torch.Tensor:
+    """Each value's nearest NF4 code, two to a byte (the first in the high nibble), as torchao
+    lays them out. Found by a search over the midpoints between the codes, not by torchao's
+    distance to all 16 codes, which takes about 50x longer on a CPU; the distances are exact
+    (float32), where torchao's are rounded to the weight's dtype, so a bfloat16 value within a
+    rounding of halfway between two codes may take the other one."""
+    flat = matrix.reshape(-1, BLOCK).float()
+    scaled = (flat / flat.abs().amax(dim=1, keepdim=True)).reshape(-1)
+    book = book.float()
+    codes = torch.bucketize(scaled, (book[1:] + book[:-1]) / 2).to(torch.uint8)
+    return codes[::2] << 4 | codes[1::2]
+
+
+def quantizable(tensor: torch.Tensor) -> bool:
+    """Whether a frozen block weight can be packed: a floating matrix (or stack of them, e.g.
+    experts) whose size is a whole number of blocks."""
+    return tensor.is_floating_point() and tensor.dim() >= 2 and tensor.numel() % (2 * BLOCK) == 0
+
+
+def scaler_block(numel: int) -> int:
+    """The second-level block of a tensor's scales: 256, or the largest power of two dividing
+    its number of blocks."""
+    blocks, size = numel // BLOCK, SCALER_BLOCK
+    while blocks % size:
+        size //= 2
+    return size
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def packed_bytes(numel: int, dtype_bytes: int = 2) -> int:
+    """Bytes of a packed tensor of ``numel`` values whose constants are ``dtype_bytes`` wide."""
+    blocks = numel // BLOCK
+    scaler_blocks = blocks // scaler_block(numel)
+    parts = (numel // 2, blocks, scaler_blocks * dtype_bytes, dtype_bytes, 16 * dtype_bytes)
+    return sum(_align(p) for p in parts)
+
+
+@dataclass(frozen=True)
+class Packed:
+    """Where each part of a packed tensor lies in its ``uint8`` buffer, and what it decodes to."""
+
+    shape: torch.Size
+    dtype: torch.dtype  # the compute dtype it decodes to
+    scaler_block: int
+    # (byte offset, number of elements) of: codes (uint8), scales (int8), their factors, the
+    # scales' mean, the code book (the last three in ``dtype``)
+    parts: tuple[tuple[int, int], ...]
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def _views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        kinds = (torch.uint8, torch.int8, self.dtype, self.dtype, self.dtype)
+        out = []
+        for (offset, n), kind in zip(self.parts, kinds, strict=True):
+            size = n * torch.empty((), dtype=kind).element_size()
+            out.append(buffer[offset : offset + size].view(kind))
+        return out
+
+    def unpack(self, buffer: torch.Tensor) -> torch.Tensor:
+        """The dense weight (``dtype``, on ``buffer``'s device) decoded from a packed buffer."""
+        nf4_cls, meta_cls = _nf4()
+        codes, scales, factors, mean, book = self._views(buffer)
+        matrix = (self.numel // self.shape[-1], self.shape[-1])
+        meta = meta_cls(torch.Size(matrix), (matrix[1], 1), 0, self.dtype, buffer.device, False)
+        nf4 = nf4_cls(
+            meta,
+            BLOCK,
+            self.numel // BLOCK,
+            self.scaler_block,
+            scales,
+            factors,
+            mean.reshape(()),
+            codes,
+            book,
+        )
+        return nf4.get_original_weight().reshape(self.shape)
+
+
+def pack(tensor: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, Packed]:
+    """Quantize ``tensor`` (cast to ``dtype``, the compute dtype) to NF4.
+
+    Returns:
+        The packed ``uint8`` buffer (on the CPU) and its layout.
+    """
+    nf4_cls, _ = _nf4()
+    shape = tensor.shape
+    matrix = tensor.detach().to("cpu", dtype).reshape(-1, shape[-1]).contiguous()
+    size = scaler_block(matrix.numel())
+    # the code book as torchao builds it (from a block of zeros: nothing else to quantize)
+    book = nf4_cls.from_tensor(torch.zeros(2 * BLOCK, dtype=dtype), BLOCK, 1).nf4
+    scales, factors, mean = nf4_cls.double_quantize_scalers(matrix.reshape(-1), BLOCK, size)
+    pieces = [_codes(matrix, book), scales, factors, mean.reshape(1), book]
+    parts, offset = [], 0
+    for p in pieces:
+        parts.append((offset, p.numel()))
+        offset += _align(p.numel() * p.element_size())
+    buffer = torch.zeros(offset, dtype=torch.uint8)
+    for (start, _), p in zip(parts, pieces, strict=True):
+        raw = torch.empty(p.numel(), dtype=p.dtype).copy_(p.reshape(-1)).view(torch.uint8)
+        buffer[start : start + raw.numel()].copy_(raw)
+    return buffer, Packed(shape, dtype, size, tuple(parts))
+
+
+def dequantized(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """What a worker computes with for ``tensor`` in a 4-bit base (for reference loops)."""
+    buffer, layout = pack(tensor, dtype)
+    return layout.unpack(buffer)
