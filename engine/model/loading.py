@@ -152,6 +152,16 @@ def dense_load_kwargs(folder: str | Path) -> dict[str, Any]:
     return {}
 
 
+def checkpoint_dtype(folder: str | Path) -> str | None:
+    """The dtype a folder's config says its weights are stored in (None: not said)."""
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    value = config.get("dtype") or config.get("torch_dtype")
+    return value if isinstance(value, str) else None
+
+
 def _forget_quantization(model: Any) -> None:
     """Mark a model whose weights were de-quantized on load as a plain one, so that saving it
     (a fine-tuned export, a merged adapter) writes dense weights and no ``quantization_config``."""
@@ -173,8 +183,10 @@ def load_tokenizer(folder: str | Path) -> Any:
     return tokenizer
 
 
-def load_model(folder: str | Path) -> Any:
-    """The causal LM of a folder in fp32, in training mode, with dense weights.
+def load_model(folder: str | Path, dtype: str = "float32") -> Any:
+    """The causal LM of a folder (in ``dtype``: a training run loads in its compute dtype, so
+    the loaded weights are the engine's compute copies and host memory never holds two copies),
+    in training mode, with dense weights.
 
     A quantized folder is de-quantized on load (``dense_load_kwargs``) and the model keeps no
     trace of the quantization.
@@ -189,7 +201,7 @@ def load_model(folder: str | Path) -> Any:
     from transformers import AutoModelForCausalLM
 
     kwargs = dense_load_kwargs(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype), **kwargs)
     if kwargs:
         _forget_quantization(model)
     packed = [name for name, p in model.named_parameters() if not p.is_floating_point()]

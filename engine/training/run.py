@@ -29,7 +29,7 @@ from engine.methods import method_entry
 from engine.metrics import NullSink, Sink
 from engine.model.export import base_model_name, save_export
 from engine.model.families import DEFAULT_LORA_TARGETS, family_for
-from engine.model.loading import load_model, load_tokenizer, resolve_model_path
+from engine.model.loading import checkpoint_dtype, load_model, load_tokenizer, resolve_model_path
 from engine.roundpipe import RoundPipe
 from engine.training.checkpoint import load_state, save_state, write_checkpoint
 from engine.training.folders import latest, list_checkpoints
@@ -137,11 +137,11 @@ class Run:
         # the method's examples (or pairs), steps and validation
         self.method = method_entry(config.method.objective).run_class()(config, self.tokenizer)
         train = self.method.train
-        torch.manual_seed(config.hyper.seed)  # LoRA initialisation
-        self.model = self._model()
         devices = devices_for(config.engine.devices)
         dtype = resolve_compute_dtype(config.engine.compute_dtype, on_gpu=devices[0].startswith("cuda"))
         self.compute_dtype = dtype
+        torch.manual_seed(config.hyper.seed)  # LoRA initialisation
+        self.model = self._model()
         h = config.hyper
         self.engine = RoundPipe(
             self.model,
@@ -174,8 +174,13 @@ class Run:
         self.step = 0
 
     def _model(self) -> Any:
-        model = load_model(self.folder)
         m = self.config.method
+        # loaded in the compute dtype: those tensors become the engine's compute copies (no
+        # second copy while loading); a full fine-tune of a float32 checkpoint computing in less
+        # loads float32, so its fp32 masters start from the stored values
+        stored = checkpoint_dtype(self.folder)
+        full_precision = not m.lora and stored in (None, "float32") and self.compute_dtype != "float32"
+        model = load_model(self.folder, dtype="float32" if full_precision else self.compute_dtype)
         if not m.lora:
             return model
         from peft import LoraConfig, get_peft_model
