@@ -112,6 +112,7 @@ CHECKS = (
     "low_precision",
     "dropout",
     "lora_frozen_base",
+    "base_4bit",
     "dpo",
     "evaluation",
     "round_size",
@@ -1284,6 +1285,78 @@ def check_lora_frozen_base(ctx: Context) -> Result:
     return row_result(status, problems, figures, f"{len(base)} base tensors bitwise unchanged")
 
 
+def check_base_4bit(ctx: Context) -> Result:
+    """LoRA on a 4-bit (NF4) base against the plain loop on the base's decoded values, and what
+    decoding a block's packed weights on the device costs against the upload time it saves."""
+    from engine.model import quant
+
+    model = lora_model()
+    reference = copy.deepcopy(model)
+    packed_names = [
+        n for n, p in model.named_parameters() if ".layers." in n and not p.requires_grad and p.dim() >= 2
+    ]
+    with torch.no_grad():
+        for name, p in reference.named_parameters():
+            if name in packed_names:
+                p.copy_(quant.dequantized(p, torch.float32))
+    batches = tiny_batches(2)
+    ref = plain_on(ctx, reference, batches, sgd)
+    runs: dict[int, Run] = {}
+    for n in WORKER_COUNTS:
+        config = EngineConfig(
+            tf32=False,
+            devices=ctx.devices(n),
+            num_microbatches=3,
+            optimizer="sgd",
+            lr=0.1,
+            partition=LORA_PLAN,
+            base_bits=4,
+        )
+        runs[n] = engine_loop(model, batches, config)[:2]
+    status, problems, figures = compare_workers(ctx, runs, ref, SGD_TOL[ctx.kind], "the plain loop")
+    # one Llama-8B-sized block (hidden 4096, MLP 14336) in bfloat16 on a GPU (a smaller one on
+    # CPU workers, where a copy stands for the upload): decode against upload
+    hidden, inter = (4096, 14336) if ctx.cuda and not ctx.quick else (1024, 3584)
+    shapes = [(hidden, hidden)] * 2 + [(hidden // 4, hidden)] * 2 + [(inter, hidden)] * 2 + [(hidden, inter)]
+    g = torch.Generator().manual_seed(0)
+    packs = [quant.pack(torch.randn(s, generator=g) * 0.02, torch.bfloat16) for s in shapes]
+    dense_bytes = sum(math.prod(s) * 2 for s in shapes)
+    packed_bytes = sum(b.numel() for b, _ in packs)
+    on_device = [b.to(ctx.device) for b, _ in packs]
+    dense = torch.empty(dense_bytes, dtype=torch.uint8, pin_memory=ctx.cuda)
+    target = torch.empty_like(dense, device=ctx.device)
+
+    def timed(fn: Callable[[], Any], repeats: int = 5) -> float:
+        fn()  # warm up
+        device_sync(ctx)
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        device_sync(ctx)
+        return (time.perf_counter() - t0) / repeats
+
+    decode_s = timed(lambda: [layout.unpack(b) for b, (_, layout) in zip(on_device, packs, strict=True)])
+    upload_s = timed(lambda: target.copy_(dense, non_blocking=True))
+    saved_s = upload_s * (1 - packed_bytes / dense_bytes)
+    figures.update(
+        {
+            "block": {"hidden": hidden, "intermediate": inter},
+            "dense_bytes": dense_bytes,
+            "packed_bytes": packed_bytes,
+            "packed_ratio": packed_bytes / dense_bytes,
+            "decode_s": decode_s,
+            "dense_upload_s": upload_s,
+            "upload_saved_s": saved_s,
+            "decode_over_saved": decode_s / saved_s if saved_s > 0 else float("inf"),
+        }
+    )
+    passed = (
+        f"a block: {packed_bytes / dense_bytes:.2f}x the bytes; decoding {decode_s * 1e3:.1f} ms "
+        f"against {saved_s * 1e3:.1f} ms of upload saved"
+    )
+    return row_result(status, problems, figures, passed)
+
+
 def check_dpo(ctx: Context) -> Result:
     """DPO (``engine.methods.dpo``) on a LoRA model against a plain DPO loop."""
     model = lora_model(0.05)
@@ -2090,6 +2163,7 @@ def main() -> int:
         "low_precision": (lambda: check_low_precision(ctx), timeout),
         "dropout": (lambda: check_dropout(ctx), timeout),
         "lora_frozen_base": (lambda: check_lora_frozen_base(ctx), timeout),
+        "base_4bit": (lambda: check_base_4bit(ctx), timeout),
         "dpo": (lambda: check_dpo(ctx), timeout),
         "evaluation": (lambda: check_evaluation(ctx), timeout),
         "round_size": (lambda: check_round_size(ctx), timeout),

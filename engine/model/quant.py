@@ -8,11 +8,14 @@ them. Stages upload it as it is (a quarter of the bytes of bfloat16 on PCIe) and
 decodes it on its device, on the compute stream, right before the stage runs (``unpack``).
 Embeddings, norms, the LM head and the adapters stay as they are.
 
-The quantization and the decoding are torchao's ``NF4Tensor`` (QLoRA's NF4 code book, blocks of
-64 values with absmax scales, the scales quantized again to int8 in blocks of up to 256), pure
-torch operations that run on CPU workers and on CUDA alike, with no compiled kernels to build.
-``unpack`` is deterministic, so an engine run with a 4-bit base equals a plain loop on the same
-model whose base weights were replaced by ``dequantized``.
+The format is torchao's ``NF4Tensor`` (QLoRA's NF4 code book, blocks of 64 values with absmax
+scales, the scales quantized again to int8 in blocks of up to 256): its code book and its
+double quantization of the scales are used as they are, pure torch operations that run on CPU
+workers and on CUDA alike, with no compiled kernels to build. Two steps are our own, for speed
+and device memory, and tested against torchao's: the search for each value's code, and the
+decoding (``Packed.unpack``: the same arithmetic, bit for bit, without int64 indices). ``unpack``
+is deterministic, so an engine run with a 4-bit base equals a plain loop on the same model whose
+base weights were replaced by ``dequantized``.
 """
 
 from __future__ import annotations
@@ -111,23 +114,20 @@ class Packed:
         return out
 
     def unpack(self, buffer: torch.Tensor) -> torch.Tensor:
-        """The dense weight (``dtype``, on ``buffer``'s device) decoded from a packed buffer."""
-        nf4_cls, meta_cls = _nf4()
+        """The dense weight (``dtype``, on ``buffer``'s device) decoded from a packed buffer.
+
+        The same arithmetic as torchao's ``NF4Tensor.get_original_weight`` (so the same bits:
+        tests compare them), without its int64 index tensors (8 bytes per value, four times the
+        bfloat16 weight being decoded): each byte picks its two values from a 256-entry table.
+        """
         codes, scales, factors, mean, book = self._views(buffer)
-        matrix = (self.numel // self.shape[-1], self.shape[-1])
-        meta = meta_cls(torch.Size(matrix), (matrix[1], 1), 0, self.dtype, buffer.device, False)
-        nf4 = nf4_cls(
-            meta,
-            BLOCK,
-            self.numel // BLOCK,
-            self.scaler_block,
-            scales,
-            factors,
-            mean.reshape(()),
-            codes,
-            book,
-        )
-        return nf4.get_original_weight().reshape(self.shape)
+        blocks = self.numel // BLOCK
+        per_block = (scales.view(-1, self.scaler_block) / factors.unsqueeze(-1)).flatten().to(
+            self.dtype
+        ) + mean
+        pairs = torch.stack(torch.meshgrid(book, book, indexing="ij"), dim=-1).reshape(256, 2)
+        values = torch.nn.functional.embedding(codes.to(torch.int32), pairs).view(blocks, BLOCK)
+        return (values * per_block.unsqueeze(-1)).reshape(self.shape)
 
 
 def pack(tensor: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, Packed]:

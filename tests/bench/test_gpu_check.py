@@ -23,6 +23,7 @@ CHECKS = (
     "low_precision",
     "dropout",
     "lora_frozen_base",
+    "base_4bit",
     "dpo",
     "evaluation",
     "round_size",
@@ -79,7 +80,7 @@ def test_gpu_check_runs_clean_on_cpu_workers(tmp_path: Path) -> None:
     mutant = race["self_test"]["publish_wait"]
     assert mutant["waits_skipped"] > 0 and mutant["caught"] is True, mutant
     assert race["self_test"]["activation_stream_wait"].startswith("skipped: ")
-    for row in ("lora_frozen_base", "dpo", "evaluation", "round_size", "router_loss"):
+    for row in ("lora_frozen_base", "base_4bit", "dpo", "evaluation", "round_size", "router_loss"):
         figures = checks[row]["figures"]
         assert checks[row]["status"] == "PASS", (row, checks[row]["message"])
         assert figures["workers"] == [1, 2, 3] and figures["bitwise_for_workers"] is True, row
@@ -87,6 +88,8 @@ def test_gpu_check_runs_clean_on_cpu_workers(tmp_path: Path) -> None:
     lora = checks["lora_frozen_base"]["figures"]
     assert lora["base_tensors"] > 0 and lora["base_changed"] == [] and lora["adapter_unchanged"] == []
     assert checks["dpo"]["figures"]["trained_distance"] > 1e-3
+    four_bit = checks["base_4bit"]["figures"]
+    assert four_bit["packed_ratio"] < 0.27 and four_bit["decode_s"] > 0 and four_bit["dense_upload_s"] > 0
     evaluation = checks["evaluation"]["figures"]
     assert evaluation["same_twice"] is True and evaluation["training_undisturbed"] is True
     assert checks["round_size"]["figures"]["rounds_per_iteration"] == [2]

@@ -30,6 +30,24 @@ def test_the_packed_buffer_decodes_as_torchao_decodes_its_nf4_tensor() -> None:
         blocks = w.reshape(-1, quant.BLOCK)
         err = (layout.unpack(buffer).reshape(-1, quant.BLOCK) - blocks).abs()
         assert (err <= 0.16 * blocks.abs().amax(dim=1, keepdim=True) + 1e-2).all()
+    # bfloat16: decoded bit for bit as torchao decodes the same codes and scales
+    _, meta = quant._nf4()
+    for shape in ((4, 96, 64), (512, 256)):
+        buffer, layout = quant.pack(torch.randn(shape, generator=g), torch.bfloat16)
+        codes, scales, factors, mean, book = layout._views(buffer)
+        matrix = torch.Size((layout.numel // shape[-1], shape[-1]))
+        theirs = nf4_cls(
+            meta(matrix, (shape[-1], 1), 0, torch.bfloat16, buffer.device, False),
+            quant.BLOCK,
+            layout.numel // quant.BLOCK,
+            layout.scaler_block,
+            scales,
+            factors,
+            mean.reshape(()),
+            codes,
+            book,
+        )
+        assert torch.equal(layout.unpack(buffer), theirs.get_original_weight().reshape(shape))
     # bfloat16 constants: about 4.13 bits a value, against 16
     assert quant.packed_bytes(4096 * 4096, 2) / (4096 * 4096 * 2) < 0.26
 
