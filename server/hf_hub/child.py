@@ -61,6 +61,8 @@ def environment(settings: Settings) -> dict[str, str]:
         HF_HOME=str(settings.cache_dir / "hf-home"),
         PYTHONUNBUFFERED="1",
     )
+    if not settings.hub_xet:
+        env["HF_HUB_DISABLE_XET"] = "1"
     return env
 
 
@@ -69,6 +71,7 @@ def run(
     command: str,
     *,
     on_progress: Callable[[int], None] | None = None,
+    on_total: Callable[[int], None] | None = None,
     cancelled: Callable[[], bool] | None = None,
     **fields: Any,
 ) -> dict[str, Any]:
@@ -76,6 +79,7 @@ def run(
 
     Args:
         on_progress: called with the bytes done each time the child reports them.
+        on_total: called with the bytes to move, when the child knows them (a push).
         cancelled: polled while the child runs; when it says so the child is stopped.
 
     Raises:
@@ -110,6 +114,8 @@ def run(
         for event in _events(proc.stdout):
             if event.get("event") == "progress" and on_progress is not None:
                 on_progress(int(event["done"]))
+            elif event.get("event") == "total" and on_total is not None:
+                on_total(int(event["total"]))
             elif event.get("event") == "result":
                 result = event
             elif event.get("event") == "error":

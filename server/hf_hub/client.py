@@ -232,11 +232,13 @@ def pull_dataset(request: dict[str, Any]) -> dict[str, Any]:
 
 
 def push(request: dict[str, Any]) -> dict[str, Any]:
-    """Create the repo if needed and commit a folder's files (the card as ``README.md``)."""
+    """Create the repo if needed and commit a folder's files (the card as ``README.md``) in one
+    commit. The weights go first, one file at a time (by Xet or LFS, as the Hub says), each
+    reported as it lands; the small text files then travel in the commit itself."""
     from huggingface_hub import CommitOperationAdd
 
     api = _api(request)
-    folder = Path(request["folder"])
+    repo_id, folder = request["repo_id"], Path(request["folder"])
     merge = request.get("merge")
     if merge:  # the adapter merged into its base here, in this child: the worker never runs torch
         from engine.model.export import merge_adapter
@@ -244,14 +246,21 @@ def push(request: dict[str, Any]) -> dict[str, Any]:
 
         merge_adapter(merge["adapter"], resolve_model_path(merge["base"], merge["models_dir"]), folder)
     (folder / "README.md").write_text(request["card"], encoding="utf-8")
-    url = api.create_repo(request["repo_id"], private=request.get("private", False), exist_ok=True)
     files = sorted(p for p in folder.rglob("*") if p.is_file())
+    emit("total", total=sum(p.stat().st_size for p in files))
+    url = api.create_repo(repo_id, private=bool(request.get("private")), exist_ok=True)
     operations = [
         CommitOperationAdd(path_in_repo=p.relative_to(folder).as_posix(), path_or_fileobj=str(p))
         for p in files
     ]
-    emit("progress", done=0)
-    info = api.create_commit(request["repo_id"], operations=operations, commit_message=request["message"])
+    done = 0
+    emit("progress", done=done)
+    for operation, path in sorted(zip(operations, files, strict=True), key=lambda o: -o[1].stat().st_size):
+        api.preupload_lfs_files(repo_id, additions=[operation], free_memory=False)
+        if operation._upload_mode == "lfs":
+            done += path.stat().st_size
+            emit("progress", done=done)
+    info = api.create_commit(repo_id, operations=operations, commit_message=request["message"])
     emit("progress", done=sum(p.stat().st_size for p in files))
     return {"url": str(url), "commit": info.oid, "files": [p.relative_to(folder).as_posix() for p in files]}
 

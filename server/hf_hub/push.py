@@ -20,6 +20,27 @@ from server.tables import HubTransfer
 LEAVE_OUT = (STATE, "evaluations", "README.md")
 
 
+def explain(exc: child.HubError, settings: Settings, *, repo_id: str) -> tuple[str, str]:
+    """A failed push's error code and message: what the Hub said and which setting to change."""
+    namespace = repo_id.split("/")[0] if "/" in repo_id else "your account"
+    if exc.kind in ("forbidden", "gated", "repo_not_found"):
+        status = f" (HTTP {exc.status})" if exc.status else ""
+        todo = (
+            f"the token in ROUNDHOUSE_HUB_TOKEN cannot write to {namespace!r}: give it write access"
+            " (a fine-grained token needs write on that namespace) or push to a repo of its account"
+            if settings.hub_token is not None
+            else f"set ROUNDHOUSE_HUB_TOKEN to a token with write access to {namespace!r}"
+        )
+        return "hub_forbidden", f"the Hub refused the push to {repo_id}{status}: {todo}"
+    if exc.kind == "unreachable":
+        return "hub_unreachable", (
+            f"the Hub at {settings.hub_endpoint} (ROUNDHOUSE_HUB_ENDPOINT) cannot be reached: {exc.message}"
+        )
+    if exc.kind == "offline":
+        return "hub_offline", exc.message
+    return "hub_error", f"the push to {repo_id} failed: {exc.message}"
+
+
 def _folder_size(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
@@ -89,6 +110,7 @@ def run_push(settings: Settings, sessions: sessionmaker[Session], row: HubTransf
             settings,
             "push",
             on_progress=reporter.progress,
+            on_total=reporter.total,
             cancelled=reporter.cancelled,
             repo_id=row.repo_id,
             private=bool(plan.get("private")),
@@ -102,9 +124,10 @@ def run_push(settings: Settings, sessions: sessionmaker[Session], row: HubTransf
             transfers.finish(session, transfer_id=row.id, status=transfers.CANCELLED, error="cancelled")
         return transfers.CANCELLED
     except child.HubError as exc:
+        code, message = explain(exc, settings, repo_id=row.repo_id)
         with sessions() as session:
             transfers.finish(
-                session, transfer_id=row.id, status=transfers.FAILED, error=exc.message, error_code=exc.kind
+                session, transfer_id=row.id, status=transfers.FAILED, error=message, error_code=code
             )
         return transfers.FAILED
     finally:

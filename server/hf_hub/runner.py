@@ -75,6 +75,7 @@ class Reporter:
         self.transfer_id = row.id
         self.meter = Meter()
         self.meter.add(row.bytes_done)
+        self.bytes_total: int | None = None
         self.written = 0.0
         self.status: str | None = row.status
         self.lock = threading.Lock()
@@ -84,13 +85,19 @@ class Reporter:
             self.meter.add(done)
         self.tick(force=False)
 
+    def total(self, total: int) -> None:
+        """The bytes to move, known once the child has them (a push's folder)."""
+        with self.lock:
+            self.bytes_total = total
+        self.tick()
+
     def tick(self, *, force: bool = True) -> bool:
         """Write the progress when due (always with ``force``); True when cancelled."""
         with self.lock:
             if not force and time.monotonic() - self.written < WRITE_EVERY_S:
                 return self.status == transfers.CANCELLING
             self.written = time.monotonic()
-            done, speed = self.meter.done, self.meter.speed()
+            done, speed, total = self.meter.done, self.meter.speed(), self.bytes_total
         with self.sessions() as session:
             self.status = transfers.progress(
                 session,
@@ -99,6 +106,7 @@ class Reporter:
                 bytes_done=done,
                 bytes_per_s=speed,
                 lease_seconds=self.settings.lease_seconds,
+                bytes_total=total,
             )
         return self.status == transfers.CANCELLING
 

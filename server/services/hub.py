@@ -234,11 +234,18 @@ def request_push(
 
     Raises:
         NotFound: no checkpoint at ``step``. Invalid: ``merged`` for a checkpoint that is not a
-        LoRA adapter. child.HubError: the Hub is off here (``offline``).
+        LoRA adapter. Conflict: no token is set (``hub_token_required``). child.HubError: the Hub
+        is off here (``offline``).
     """
     check_repo_id(repo_id)
     if settings.hub_offline:
         raise child.HubError("offline", "the Hub is off here (ROUNDHOUSE_HUB_OFFLINE=1): nothing was sent")
+    if settings.hub_token is None:
+        raise Conflict(
+            "hub_token_required",
+            "a push needs ROUNDHOUSE_HUB_TOKEN, a Hub token with write access to the repo's namespace:"
+            " nothing was sent",
+        )
     checkpoint = checkpoints.get(session, job_id=job.id, step=step, storage=storage)
     if checkpoint is None:
         raise NotFound(f"job {job.id!r} has no checkpoint at step {step}", param="step")

@@ -127,17 +127,22 @@ def progress(
     bytes_done: int,
     bytes_per_s: float | None,
     lease_seconds: float,
+    bytes_total: int | None = None,
 ) -> str | None:
-    """Record progress and renew the lease; returns the status (``cancelling``: stop)."""
+    """Record progress (and the total, once known) and renew the lease; returns the status
+    (``cancelling``: stop)."""
+    values: dict[str, Any] = {
+        "bytes_done": bytes_done,
+        "bytes_per_s": bytes_per_s,
+        "lease_until": now() + timedelta(seconds=lease_seconds),
+        "progress_seq": HubTransfer.progress_seq + 1,
+    }
+    if bytes_total is not None:
+        values["bytes_total"] = bytes_total
     session.execute(
         update(HubTransfer)
         .where(HubTransfer.id == transfer_id, HubTransfer.worker_id == worker_id)
-        .values(
-            bytes_done=bytes_done,
-            bytes_per_s=bytes_per_s,
-            lease_until=now() + timedelta(seconds=lease_seconds),
-            progress_seq=HubTransfer.progress_seq + 1,
-        )
+        .values(**values)
     )
     session.commit()
     return status_of(session, transfer_id=transfer_id)

@@ -1,8 +1,10 @@
 """A local HTTP server speaking the subset of the Hugging Face Hub's API that ``huggingface_hub``
 uses to pull and push: repo info with the file list and sizes, ``resolve`` (HEAD and ranged GETs,
 ETags, the commit header), gated (401/403) and private repos, unknown repos and revisions (404),
-repo creation, preupload and NDJSON commits. It never advertises Xet, so the client takes the
-plain HTTP path. Every byte it serves is counted per file, and downloads can be slowed down."""
+repo creation (a read-only token is refused with 403), preupload (binary files go by LFS, as on the
+Hub), the LFS batch API with its PUT upload and verify, and NDJSON commits. It never advertises Xet,
+so the client takes the plain HTTP path (a push needs ``HF_HUB_DISABLE_XET``: ``hub_xet=False``).
+Every byte it serves or receives is counted per file, and downloads can be slowed down."""
 
 from __future__ import annotations
 
@@ -43,10 +45,13 @@ class FakeHub:
 
     def __init__(self, *, token: str = "hf_test_token") -> None:
         self.token = token
+        self.token_writes = True  # False: the token reads, and is refused (403) when it writes
         self.repos: dict[tuple[str, str], Repo] = {}
         self.served: Counter[str] = Counter()  # "repo/path" -> bytes sent
         self.bytes_per_s: float | None = None  # slow every download down to this rate
         self.pushed: dict[str, list[str]] = {}  # repo -> files committed, in order
+        self.lfs: dict[str, bytes] = {}  # sha256 -> an object uploaded by LFS
+        self.received: Counter[str] = Counter()  # "lfs" (PUT bodies) and "regular" (in commits) bytes
         self.created: list[dict[str, Any]] = []
         self.lock = threading.Lock()
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
@@ -106,6 +111,16 @@ class FakeHub:
 
             def _authorized(self) -> bool:
                 return self.headers.get("Authorization", "") == f"Bearer {hub.token}"
+
+            def _may_write(self) -> bool:
+                """Writes need the token (else a 401) with write access (else a 403)."""
+                if not self._authorized():
+                    self._json(401, {"error": "Invalid credentials in Authorization header"})
+                    return False
+                if not hub.token_writes:
+                    self._json(403, {"error": "You don't have the rights to write to this namespace"})
+                    return False
+                return True
 
             def _repo(self, kind: str, repo_id: str) -> Repo | None:
                 repo = hub.repos.get((kind, repo_id))
@@ -232,54 +247,110 @@ class FakeHub:
                         time.sleep(len(piece) / hub.bytes_per_s)
 
             def _body(self) -> bytes:
-                return self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if self.headers.get("Transfer-Encoding", "").lower() != "chunked":
+                    return self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                body = b""  # an upload streamed from a file: chunked
+                while size := int(self.rfile.readline().split(b";")[0].strip() or b"0", 16):
+                    body += self.rfile.read(size)
+                    self.rfile.readline()
+                self.rfile.readline()
+                return body
+
+            def do_PUT(self) -> None:
+                parts = self._split()
+                body = self._body()
+                if parts[:1] != ["lfs-upload"] or len(parts) != 2:
+                    return self._json(404, {"error": "not found"})
+                if hashlib.sha256(body).hexdigest() != parts[1]:
+                    return self._json(400, {"error": "the body does not match its oid"})
+                with hub.lock:
+                    hub.lfs[parts[1]] = body
+                    hub.received["lfs"] += len(body)
+                self._send(200)
 
             def do_POST(self) -> None:
                 parts = self._split()
                 body = self._body()
                 if parts[:3] == ["api", "repos", "create"]:
-                    if not self._authorized():
-                        return self._json(401, {"error": "Invalid credentials"})
-                    request = json.loads(body)
-                    repo_id = f"{request['organization']}/{request['name']}"
-                    hub.created.append(request)
-                    url = f"{hub.url}/{repo_id}"
-                    if ("model", repo_id) in hub.repos:
-                        return self._json(409, {"error": "You already created this model repo", "url": url})
-                    hub.add(
-                        repo_id,
-                        {},
-                        private=request.get("visibility") == "private" or bool(request.get("private")),
-                    )
-                    return self._json(200, {"url": url, "name": repo_id})
+                    return self._create(json.loads(body))
                 if parts[:2] == ["api", "validate-yaml"]:
                     return self._json(200, {"errors": [], "warnings": []})
+                if (
+                    len(parts) == 6
+                    and parts[1].endswith(".git")
+                    and parts[2:] == ["info", "lfs", "objects", "batch"]
+                ):
+                    return self._batch(f"{parts[0]}/{parts[1][:-4]}", json.loads(body))
+                if parts[:1] == ["lfs-verify"]:
+                    found = hub.lfs.get(json.loads(body)["oid"])
+                    return self._json(200 if found is not None else 404, {})
                 if parts[:2] == ["api", "models"] and len(parts) >= 6 and parts[4] in ("preupload", "commit"):
-                    if not self._authorized():
-                        return self._json(401, {"error": "Invalid credentials"})
                     repo_id = "/".join(parts[2:4])
                     repo = hub.repos.get(("model", repo_id))
                     if repo is None:
                         return self._json(404, {"error": "Repository not found"}, "RepoNotFound")
+                    if not self._may_write():
+                        return None
                     if parts[4] == "preupload":
-                        files = json.loads(body)["files"]
-                        modes = [
-                            {"path": f["path"], "uploadMode": "regular", "shouldIgnore": False, "oid": None}
-                            for f in files
-                        ]
-                        return self._json(200, {"files": modes})
-                    committed = []
-                    for line in body.splitlines():
-                        item = json.loads(line)
-                        if item["key"] == "file":
-                            value = item["value"]
-                            repo.files[value["path"]] = base64.b64decode(value["content"])
-                            committed.append(value["path"])
-                    hub.pushed.setdefault(repo_id, []).extend(committed)
-                    sha = repo.sha("main")
-                    return self._json(
-                        200, {"commitUrl": f"{hub.url}/{repo_id}/commit/{sha}", "commitOid": sha}
-                    )
+                        return self._preupload(json.loads(body)["files"])
+                    return self._commit(repo_id, repo, body)
                 self._json(404, {"error": "not found"})
+
+            def _create(self, request: dict[str, Any]) -> None:
+                if not self._may_write():
+                    return
+                repo_id = f"{request['organization']}/{request['name']}"
+                hub.created.append(request)
+                url = f"{hub.url}/{repo_id}"
+                if ("model", repo_id) in hub.repos:
+                    return self._json(409, {"error": "You already created this model repo", "url": url})
+                hub.add(repo_id, {}, private=request.get("visibility") == "private")
+                self._json(200, {"url": url, "name": repo_id})
+
+            def _preupload(self, files: list[dict[str, Any]]) -> None:
+                """Binary files (a NUL in the sample) go by LFS, text files in the commit: as the
+                Hub's default ``.gitattributes`` does for weights."""
+                modes = []
+                for f in files:
+                    binary = b"\0" in base64.b64decode(f["sample"]) or f["size"] > 10 << 20
+                    mode = "lfs" if binary else "regular"
+                    modes.append({"path": f["path"], "uploadMode": mode, "shouldIgnore": False, "oid": None})
+                self._json(200, {"files": modes})
+
+            def _batch(self, repo_id: str, request: dict[str, Any]) -> None:
+                if ("model", repo_id) not in hub.repos:
+                    return self._json(404, {"error": "Repository not found"}, "RepoNotFound")
+                if not self._may_write():
+                    return
+                objects = []
+                for o in request["objects"]:
+                    entry: dict[str, Any] = {"oid": o["oid"], "size": o["size"]}
+                    if o["oid"] not in hub.lfs:
+                        entry["actions"] = {
+                            "upload": {"href": f"{hub.url}/lfs-upload/{o['oid']}"},
+                            "verify": {"href": f"{hub.url}/lfs-verify/{o['oid']}"},
+                        }
+                    objects.append(entry)
+                self._json(200, {"transfer": "basic", "objects": objects})
+
+            def _commit(self, repo_id: str, repo: Repo, body: bytes) -> None:
+                committed, changes = [], {}
+                for line in body.splitlines():
+                    item = json.loads(line)
+                    value = item["value"]
+                    if item["key"] == "file":
+                        changes[value["path"]] = base64.b64decode(value["content"])
+                        hub.received["regular"] += len(changes[value["path"]])
+                    elif item["key"] == "lfsFile":
+                        if value["oid"] not in hub.lfs:
+                            return self._json(400, {"error": f"LFS object {value['oid']} was never uploaded"})
+                        changes[value["path"]] = hub.lfs[value["oid"]]
+                    else:
+                        continue
+                    committed.append(value["path"])
+                repo.files.update(changes)
+                hub.pushed.setdefault(repo_id, []).extend(committed)
+                sha = repo.sha("main")
+                self._json(200, {"commitUrl": f"{hub.url}/{repo_id}/commit/{sha}", "commitOid": sha})
 
         return Handler

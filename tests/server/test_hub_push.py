@@ -1,0 +1,170 @@
+"""Checkpoint pushes to a local server that speaks the Hub's API (``tests/utils/fake_hub.py``),
+through the real ``huggingface_hub`` client run by a real worker: the repo created, the adapter's
+weights uploaded by Git LFS and the rest in one NDJSON commit, the model card's metadata and
+sections read back, the pushed adapter loaded with ``PeftModel``; a merged push; a token without
+write access refused with the setting named; unknown jobs and steps, and a missing token, refused
+at once."""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+from fastapi.testclient import TestClient
+
+from server.app import create_app
+from tests.engine.tiny import tiny_model_folder
+from tests.server.conftest import WorkerProcess
+from tests.server.test_hub_models import TOKEN, api, progress_events, settings_for
+from tests.server.test_worker import dataset
+from tests.utils.fake_hub import FakeHub
+from tests.utils.jobs import start_job, wait_for, wait_for_job
+
+TIMEOUT_S = 180
+
+
+@pytest.fixture(scope="module")
+def hub() -> Iterator[FakeHub]:
+    fake = FakeHub(token=TOKEN).start()
+    yield fake
+    fake.stop()
+
+
+def read_back(hub: FakeHub, repo_id: str, into: Path) -> dict[str, bytes]:
+    """The repo's files as the Hub serves them (its file list, then each file), written to ``into``."""
+    with httpx.Client(base_url=hub.url, headers={"Authorization": f"Bearer {TOKEN}"}) as http:
+        info = http.get(f"/api/models/{repo_id}")
+        assert info.status_code == 200, info.text
+        files = {}
+        for sibling in info.json()["siblings"]:
+            r = http.get(f"/{repo_id}/resolve/main/{sibling['rfilename']}")
+            assert r.status_code == 200 and len(r.content) == sibling["size"], sibling
+            files[sibling["rfilename"]] = r.content
+            (into / sibling["rfilename"]).parent.mkdir(parents=True, exist_ok=True)
+            (into / sibling["rfilename"]).write_bytes(r.content)
+    return files
+
+
+def card_of(files: dict[str, bytes]) -> tuple[dict[str, Any], str]:
+    text = files["README.md"].decode()
+    assert text.startswith("---\n"), text[:200]
+    _, meta, body = text.split("---\n", 2)
+    return yaml.safe_load(meta), body
+
+
+def checkpoint_files(client: TestClient, job_id: str, step: int) -> dict[str, bytes]:
+    r = client.get(f"/api/jobs/{job_id}/checkpoints/{step}/download")
+    assert r.status_code == 200, r.text[:300]
+    with tarfile.open(fileobj=io.BytesIO(r.content)) as tar:
+        return {
+            m.name.split("/", 1)[1]: tar.extractfile(m).read()  # type: ignore[union-attr]
+            for m in tar.getmembers()
+            if m.isfile()
+        }
+
+
+def test_a_push_is_refused_at_once_without_a_job_a_step_or_a_token(tmp_path: Path, hub: FakeHub) -> None:
+    settings = settings_for(tmp_path, hub)
+    tiny_model_folder(settings.models_dir / "tiny")
+    with api(settings) as client:
+        r = client.post("/api/jobs/nope/checkpoints/2/push", json={"repo_id": "me/x"})
+        assert r.status_code == 404, r.text
+        job = start_job(client, dataset(client), base_model="tiny")
+        r = client.post(f"/api/jobs/{job['id']}/checkpoints/7/push", json={"repo_id": "me/x"})
+        assert r.status_code == 404 and r.json()["error"]["param"] == "step", r.text
+        r = client.post(f"/api/jobs/{job['id']}/checkpoints/7/push", json={"repo_id": "not a repo"})
+        assert r.status_code == 422 and r.json()["error"]["param"] == "repo_id", r.text
+        key = client.headers["Authorization"]
+    with TestClient(create_app(settings.model_copy(update={"hub_token": None}))) as client:
+        client.headers["Authorization"] = key
+        r = client.post(f"/api/jobs/{job['id']}/checkpoints/2/push", json={"repo_id": "me/x"})
+        assert r.status_code == 409, r.text
+        assert r.json()["error"]["code"] == "hub_token_required"
+        assert "ROUNDHOUSE_HUB_TOKEN" in r.json()["error"]["message"]
+    assert hub.created == []
+
+
+@pytest.mark.slow
+def test_push_round_trip_with_a_real_worker(tmp_path: Path, hub: FakeHub) -> None:
+    settings = settings_for(tmp_path, hub, hub_xet=False)
+    tiny_model_folder(settings.models_dir / "tiny")
+    with api(settings) as client:
+        worker = WorkerProcess(settings, tmp_path / "worker.log").start()
+        try:
+            job = start_job(client, dataset(client), base_model="tiny")
+            wait_for_job(client, job["id"], {"succeeded"}, timeout=TIMEOUT_S, logs=[worker])
+            url = f"/api/jobs/{job['id']}/checkpoints/2/push"
+
+            # a token that may read but not write: the push fails, naming the setting
+            hub.token_writes = False
+            r = client.post(url, json={"repo_id": "me/tiny-lora", "private": True})
+            assert r.status_code == 202, r.text
+            get = lambda: client.get(f"/api/transfers/{r.json()['id']}").json()  # noqa: E731
+            failed = wait_for(get, until={"failed"}, fail_on={"succeeded"}, timeout=60, details=worker.tail)
+            assert failed["error_code"] == "hub_forbidden", failed
+            assert "HTTP 403" in failed["error"] and "ROUNDHOUSE_HUB_TOKEN" in failed["error"], failed
+            hub.token_writes = True
+
+            push = client.post(url, json={"repo_id": "me/tiny-lora", "private": True})
+            assert push.status_code == 202, push.text
+            assert push.json()["kind"] == "push" and push.json()["options"]["step"] == 2
+            events = progress_events(client, push.json()["id"])
+            final = events[-1]
+            assert final["status"] == "succeeded", (final["error"], worker.tail())
+            done = [e["bytes_done"] for e in events]
+            assert done == sorted(done) and done[-1] == final["bytes_total"] > 0, done
+            assert final["target"].endswith("/me/tiny-lora")
+            assert hub.created[-1]["visibility"] == "private" and hub.repos[("model", "me/tiny-lora")].private
+
+            files = read_back(hub, "me/tiny-lora", tmp_path / "pushed")
+            assert sorted(files) == sorted(final["files"])
+            assert {"adapter_model.safetensors", "adapter_config.json", "README.md"} <= set(files)
+            assert not any(name.startswith(("state/", "evaluations/")) for name in files)
+            assert hub.received["lfs"] >= len(files["adapter_model.safetensors"])  # weights went by LFS
+            ours = checkpoint_files(client, job["id"], 2)
+            assert files["adapter_model.safetensors"] == ours["adapter_model.safetensors"]
+
+            meta, body = card_of(files)
+            assert meta["base_model"] == "tiny" and meta["library_name"] == "peft"
+            assert {"peft", "lora", "roundhouse"} <= set(meta["tags"]) and meta["pipeline_tag"]
+            assert "| learning_rate | 0.01 |" in body and "| max_steps | 2 |" in body
+            assert "loss/train" in body and "PeftModel.from_pretrained" in body and '"me/tiny-lora"' in body
+
+            from peft import PeftModel
+            from transformers import AutoModelForCausalLM
+
+            base = AutoModelForCausalLM.from_pretrained(settings.models_dir / "tiny")
+            model = PeftModel.from_pretrained(base, tmp_path / "pushed")
+            trained = [p for n, p in model.named_parameters() if "lora_B" in n]
+            assert trained and any(bool(p.abs().sum() > 0) for p in trained)
+
+            # the adapter merged into its base: a plain transformers model in its own repo
+            merged = client.post(url, json={"repo_id": "me/tiny-merged", "merged": True}).json()
+            final = wait_for(
+                lambda: client.get(f"/api/transfers/{merged['id']}").json(),
+                until={"succeeded"},
+                fail_on={"failed", "cancelled"},
+                timeout=90,
+                details=worker.tail,
+            )
+            files = read_back(hub, "me/tiny-merged", tmp_path / "merged")
+            assert "config.json" in files and "adapter_config.json" not in files
+            assert any(n.endswith(".safetensors") for n in files) and final["bytes_done"] > 0
+            meta, body = card_of(files)
+            assert meta["library_name"] == "transformers" and meta["base_model"] == "tiny"
+            assert 'AutoModelForCausalLM.from_pretrained("me/tiny-merged")' in body
+            AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+            listed = client.get("/api/transfers", params={"kind": "push"}).json()["data"]
+            assert [t["status"] for t in listed] == ["succeeded", "succeeded", "failed"]
+            assert json.loads(json.dumps(listed))  # the listing is plain JSON
+        finally:
+            hub.token_writes = True
+            worker.stop()
+            worker.kill_group()
