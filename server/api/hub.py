@@ -35,7 +35,9 @@ router = APIRouter(
     prefix="/api", tags=["hub"], dependencies=[Depends(current_key)], responses=documented(401, 422)
 )
 stream_router = APIRouter(prefix="/api", tags=["hub"], responses=documented(401, 422))
-HUB_ERRORS = (403, 404, 409, 502)  # the Hub refused, or is off here, or cannot be reached
+# the Hub refused (403, 404), is off here (409), or cannot be reached or failed (424: the request
+# depended on the Hub; a 5xx would say this server is broken, and the user can act on it)
+HUB_ERRORS = (403, 404, 409, 424)
 
 
 def refused(
@@ -75,9 +77,12 @@ def refused(
         return ApiError(422, "unsupported_model", exc.message, param=param)
     if exc.kind == "unreachable":
         return ApiError(
-            502, "hub_unreachable", f"the Hub at {settings.hub_endpoint} cannot be reached: {exc.message}"
+            424,
+            "hub_unreachable",
+            f"the Hub at {settings.hub_endpoint} cannot be reached (check the network, or"
+            f" ROUNDHOUSE_HUB_ENDPOINT; ROUNDHOUSE_HUB_OFFLINE=1 turns the Hub off): {exc.message}",
         )
-    return ApiError(502, "hub_error", f"the Hub failed: {exc.message}")
+    return ApiError(424, "hub_error", f"the Hub at {settings.hub_endpoint} failed: {exc.message}")
 
 
 def _found(session: SessionDep, transfer_id: IdPath) -> Any:

@@ -21,6 +21,7 @@ from server.settings import Settings
 from tests.engine.tiny import tiny_model, tiny_tokenizer
 from tests.server.conftest import WorkerProcess
 from tests.server.test_worker import dataset
+from tests.utils import free_port
 from tests.utils.fake_hub import FakeHub
 from tests.utils.jobs import start_job, wait_for, wait_for_job
 
@@ -116,6 +117,18 @@ def test_pulls_are_refused_before_any_weight_moves(tmp_path: Path, hub: FakeHub)
     with api(settings_for(tmp_path, hub, hub_offline=True)) as client:
         r = client.post("/api/models/pulls", json={"repo_id": "org/tiny"})
         assert r.status_code == 409 and "ROUNDHOUSE_HUB_OFFLINE" in r.json()["error"]["message"], r.text
+
+
+def test_an_unreachable_hub_is_a_424_naming_the_endpoint_setting(tmp_path: Path, hub: FakeHub) -> None:
+    with api(settings_for(tmp_path, hub, hub_endpoint=f"http://127.0.0.1:{free_port()}")) as client:
+        r = client.post("/api/models/pulls", json={"repo_id": "org/tiny"})
+        assert r.status_code == 424, r.text
+        error = r.json()["error"]
+        assert error["code"] == "hub_unreachable" and "ROUNDHOUSE_HUB_ENDPOINT" in error["message"]
+        r = client.post("/api/datasets/pulls", json={"repo_id": "org/chat", "split": "train"})
+        assert r.status_code == 424 and r.json()["error"]["code"] == "hub_unreachable", r.text
+        documented = client.get("/openapi.json").json()["paths"]["/api/models/pulls"]["post"]["responses"]
+        assert "424" in documented and not any(code.startswith("5") for code in documented)
 
 
 def test_two_pulls_become_one_and_a_queued_cancel_leaves_nothing(tmp_path: Path, hub: FakeHub) -> None:
