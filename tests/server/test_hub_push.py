@@ -1,7 +1,7 @@
 """Checkpoint pushes to a local server that speaks the Hub's API (``tests/utils/fake_hub.py``),
 through the real ``huggingface_hub`` client run by a real worker: the repo created, the adapter's
 weights uploaded by Git LFS and the rest in one NDJSON commit, the model card's metadata and
-sections read back, the pushed adapter loaded with ``PeftModel``; a merged push; a token without
+sections read back, the pushed adapter loaded with ``PeftModel``; a merged push by the CLI; a token without
 write access refused with the setting named; unknown jobs and steps, and a missing token, refused
 at once."""
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import subprocess
 import tarfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +25,7 @@ from tests.engine.tiny import tiny_model_folder
 from tests.server.conftest import WorkerProcess
 from tests.server.test_hub_models import TOKEN, api, progress_events, settings_for
 from tests.server.test_worker import dataset
+from tests.utils import child_env, roundhouse
 from tests.utils.fake_hub import FakeHub
 from tests.utils.jobs import start_job, wait_for, wait_for_job
 
@@ -145,18 +147,19 @@ def test_push_round_trip_with_a_real_worker(tmp_path: Path, hub: FakeHub) -> Non
             trained = [p for n, p in model.named_parameters() if "lora_B" in n]
             assert trained and any(bool(p.abs().sum() > 0) for p in trained)
 
-            # the adapter merged into its base: a plain transformers model in its own repo
-            merged = client.post(url, json={"repo_id": "me/tiny-merged", "merged": True}).json()
-            final = wait_for(
-                lambda: client.get(f"/api/transfers/{merged['id']}").json(),
-                until={"succeeded"},
-                fail_on={"failed", "cancelled"},
-                timeout=90,
-                details=worker.tail,
+            # the adapter merged into its base, pushed by the CLI: a plain transformers model
+            done = subprocess.run(
+                roundhouse("checkpoints", "push", job["id"], "2", "me/tiny-merged", "--merged"),
+                env=child_env(**settings.child_environment()),
+                capture_output=True,
+                text=True,
+                timeout=150,
             )
+            assert done.returncode == 0, (done.stdout, done.stderr, worker.tail())
+            assert "succeeded" in done.stdout and "/me/tiny-merged (commit " in done.stdout, done.stdout
             files = read_back(hub, "me/tiny-merged", tmp_path / "merged")
             assert "config.json" in files and "adapter_config.json" not in files
-            assert any(n.endswith(".safetensors") for n in files) and final["bytes_done"] > 0
+            assert any(n.endswith(".safetensors") for n in files)
             meta, body = card_of(files)
             assert meta["library_name"] == "transformers" and meta["base_model"] == "tiny"
             assert 'AutoModelForCausalLM.from_pretrained("me/tiny-merged")' in body
