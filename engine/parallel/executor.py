@@ -364,6 +364,13 @@ class Worker:
                 torch.default_generator.manual_seed(seed)
             yield
 
+    def _replay_lock(self, it: Iteration) -> contextlib.AbstractContextManager[Any]:
+        """The device generator's lock where a backward replays random numbers (dropout under a
+        recomputed per-sequence loss), else nothing."""
+        if self.context.dropout and it.train and it.objective.per_sequence:
+            return rng_lock(self.device)
+        return contextlib.nullcontext()
+
     def _call(
         self,
         it: Iteration,
@@ -499,7 +506,11 @@ class Worker:
             for i, (inp, out) in zip(reversed(stage.layers), reversed(saved), strict=True):
                 t0 = self._clock(it)
                 if top is not None:
-                    torch.autograd.backward(top)
+                    # a per-sequence loss runs its head chunks again here (torch.utils.checkpoint,
+                    # replaying the head's random numbers by setting the device generator's
+                    # state): under the generator's lock, like every draw
+                    with self._replay_lock(it):
+                        torch.autograd.backward(top)
                 elif i in routed and weights is not None:
                     # the block's share of the router loss, with T held fixed (engine.model.router)
                     surrogate = (weights * routed[i][1]).sum()
