@@ -338,3 +338,54 @@ def test_the_engine_refuses_a_batch_it_cannot_keep_in_pairs() -> None:
         # the engine is still usable: evaluation takes fewer pairs than micro-batches
         stats = dpo.evaluate(rp, **batch, reference_logps=rp.sequence_logps(**batch), beta=0.1)
         assert stats.pairs == 2 and stats.loss == pytest.approx(math.log(2), abs=1e-6)
+
+
+def test_the_heads_recompute_replays_its_dropout_under_the_generator_lock(pair_batches, monkeypatch) -> None:
+    # LoRA with dropout on the LM head: the per-sequence loss runs the head's chunks again in
+    # backward, setting the CPU generator's state; other workers draw from that generator, so
+    # every run of a chunk (forward and replay) must hold its lock
+    import threading
+
+    from peft import LoraConfig, get_peft_model
+
+    from engine.model import loss as loss_module
+    from engine.parallel import executor
+
+    owners: dict[str, threading.Thread | None] = {}
+
+    class OwnedLock:
+        def __init__(self) -> None:
+            self.lock = threading.Lock()
+
+        def __enter__(self) -> None:
+            self.lock.acquire()
+            owners["cpu"] = threading.current_thread()
+
+        def __exit__(self, *exc: object) -> None:
+            owners["cpu"] = None
+            self.lock.release()
+
+    shared = OwnedLock()
+    monkeypatch.setattr(executor, "rng_lock", lambda device: shared)
+    runs = {"chunks": 0, "unlocked": 0}
+    chunk = loss_module._chunk_token_logps
+
+    def watched(*args, **kwargs):
+        runs["chunks"] += 1
+        runs["unlocked"] += owners.get("cpu") is not threading.current_thread()
+        return chunk(*args, **kwargs)
+
+    monkeypatch.setattr(loss_module, "_chunk_token_logps", watched)
+    model = get_peft_model(
+        tiny_model("llama", tied=False),
+        LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=["q_proj", "v_proj", "lm_head"]),
+    )
+    config = EngineConfig(devices=["cpu", "cpu"], num_microbatches=4, optimizer="sgd", lr=LR)
+    with RoundPipe(copy.deepcopy(model), config) as rp:
+        reference = rp.sequence_logps(**pair_batches[0], adapters=False)  # evaluation: no dropout
+        runs.update(chunks=0, unlocked=0)
+        dpo.forward_backward(rp, **pair_batches[0], reference_logps=reference, beta=BETA)
+        rp.step()
+        rp.synchronize()
+    # each micro-batch's chunk ran twice (forward, replay), every run under the lock
+    assert runs["chunks"] == 2 * config.num_microbatches and runs["unlocked"] == 0, runs
