@@ -1,8 +1,10 @@
-"""Server-sent event streams: a job's events (replayable by id) and the GPU hosts' telemetry.
+"""Server-sent event streams: a job's events (replayable by id), the GPU hosts' telemetry, and the
+progress of Hub transfers.
 
 A waiting stream holds no database connection and no thread. One ``Hub`` per app polls for all
 of them: one query per interval reads the new events of every job that has a stream open, one
-reads the GPU hosts for every GPU stream, and the streams with news are woken. A job stream
+reads the GPU hosts for every GPU stream, one reads every followed transfer, and the streams with
+news are woken. A job stream
 first replays the job's history with short-lived sessions of its own, then takes the hub's rows.
 
 Streams end when the server is asked to stop (``Hub.stop``; ``lifespan`` chains it to the
@@ -28,7 +30,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from server.deps import IdPath, current_key, found_job
 from server.kinds import EventKind
-from server.services import gpus, jobs
+from server.services import gpus, jobs, transfers
 from server.tables import JobEvent
 
 POLL_S = 0.5
@@ -91,6 +93,18 @@ class Follower:
     wake: asyncio.Event = field(default_factory=asyncio.Event)
 
 
+@dataclass(eq=False)
+class TransferFollower:
+    """One transfer stream: the transfer as the last poll read it (``seq``: its progress counter;
+    ``payload`` None and ``gone`` once the row is deleted)."""
+
+    transfer_id: str
+    seq: int = -1
+    payload: dict[str, Any] | None = None
+    gone: bool = False
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+
+
 class Hub:
     """The one poller behind every open stream of an app (``app.state.streams``)."""
 
@@ -102,6 +116,7 @@ class Hub:
         self._snapshot_at = float("-inf")
         self._followers: dict[str, set[Follower]] = {}
         self._watchers: set[asyncio.Event] = set()
+        self._transfers: dict[str, set[TransferFollower]] = {}
         self._task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._kick = asyncio.Event()
@@ -136,6 +151,21 @@ class Hub:
     def unwatch(self, woken: asyncio.Event) -> None:
         self._watchers.discard(woken)
 
+    def follow_transfer(self, transfer_id: str) -> TransferFollower:
+        """Subscribe to a transfer: its follower is woken each time its progress counter moves
+        (the first poll, at once, reads it)."""
+        self._start()
+        follower = TransferFollower(transfer_id)
+        self._transfers.setdefault(transfer_id, set()).add(follower)
+        self._kick.set()
+        return follower
+
+    def unfollow_transfer(self, follower: TransferFollower) -> None:
+        group = self._transfers.get(follower.transfer_id, set())
+        group.discard(follower)
+        if not group:
+            self._transfers.pop(follower.transfer_id, None)
+
     def replay_page(self, *, job_id: str, after: int) -> tuple[list[Row], str | None]:
         """Up to ``PAGE`` events of a job after ``after``, with a session of its own (in a thread),
         and the job's status read just before them (None: no such job)."""
@@ -148,7 +178,7 @@ class Hub:
     def _start(self) -> None:
         loop = asyncio.get_running_loop()
         if self._loop is not loop:  # a new event loop (a test client's): the old loop's streams are gone
-            self._followers, self._watchers, self._task = {}, set(), None
+            self._followers, self._watchers, self._transfers, self._task = {}, set(), {}, None
             self._loop, self._kick = loop, asyncio.Event()
         if self._task is None or self._task.done():
             self._task = loop.create_task(self._run(), name="roundhouse-streams")
@@ -156,10 +186,12 @@ class Hub:
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         next_gpu = 0.0
-        while (self._followers or self._watchers) and not self.stopping:
+        while (self._followers or self._watchers or self._transfers) and not self.stopping:
             full = False
             try:
                 full = await self._poll_jobs()
+                if self._transfers:
+                    await self._poll_transfers()
                 if self._watchers and loop.time() >= next_gpu:
                     next_gpu = loop.time() + self.gpu_every
                     await self._poll_gpus()
@@ -175,6 +207,9 @@ class Hub:
                 follower.wake.set()
         for woken in self._watchers:
             woken.set()
+        for followers in self._transfers.values():
+            for transfer in followers:
+                transfer.wake.set()
 
     async def _poll_jobs(self) -> bool:
         """Hand each live follower the rows after its last; True when the poll was full."""
@@ -211,6 +246,30 @@ class Hub:
                     by_job.setdefault(e.job_id, []).append(Row.of(e))
                 full = full or len(events) == BATCH
         return by_job, full
+
+    async def _poll_transfers(self) -> None:
+        ids = list(self._transfers)
+        found = await asyncio.to_thread(self._read_transfers, ids)
+        for transfer_id in ids:
+            for follower in self._transfers.get(transfer_id, ()):
+                if transfer_id not in found:
+                    follower.gone = True
+                    follower.wake.set()
+                    continue
+                seq, payload = found[transfer_id]
+                if seq != follower.seq:
+                    follower.seq, follower.payload = seq, payload
+                    follower.wake.set()
+
+    def _read_transfers(self, ids: list[str]) -> dict[str, tuple[int, dict[str, Any]]]:
+        """Each transfer's progress counter and its payload (as ``GET /api/transfers/{id}``)."""
+        from server.hf_hub.runner import transfer_payload
+
+        with self.sessions() as session:
+            rows = transfers.get_many(session, transfer_ids=ids)
+            return {
+                r.id: (r.progress_seq, json.loads(json.dumps(transfer_payload(r), default=str))) for r in rows
+            }
 
     async def _poll_gpus(self) -> None:
         snapshot = await asyncio.to_thread(self._read_hosts)
@@ -337,3 +396,28 @@ async def gpu_stream(hub: Hub) -> AsyncIterator[str]:
                 yield ": keep-alive\n\n"
     finally:
         hub.unwatch(woken)
+
+
+async def transfer_stream(hub: Hub, *, transfer_id: str) -> AsyncIterator[str]:
+    """``progress`` events (the transfer as ``GET /api/transfers/{id}`` shows it) each time it
+    changes, then ``end`` once it is finished."""
+    yield "retry: 2000\n\n"
+    follower = hub.follow_transfer(transfer_id)
+    last = -1
+    try:
+        while not hub.stopping and not follower.gone:
+            follower.wake.clear()
+            payload = follower.payload
+            if payload is not None and follower.seq != last:
+                last = follower.seq
+                yield frame(data=payload, event="progress", ident=last)
+                if payload["status"] in transfers.TERMINAL:
+                    yield frame(data={"status": payload["status"]}, event="end")
+                    return
+            try:
+                async with asyncio.timeout(KEEPALIVE_S):
+                    await follower.wake.wait()
+            except TimeoutError:
+                yield ": keep-alive\n\n"
+    finally:
+        hub.unfollow_transfer(follower)

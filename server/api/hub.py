@@ -3,13 +3,9 @@ checkpoint pushes, and the transfers they make (``/api/transfers``: progress, ev
 
 from __future__ import annotations
 
-import asyncio
-import json
-from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Path, Query, Request, Response
-from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 
 from server.deps import IdPath, JobDep, SessionDep, SettingsDep, StorageDep, current_key
@@ -29,7 +25,7 @@ from server.schemas import (
 )
 from server.services import hub, transfers
 from server.settings import Settings
-from server.streams import KEEPALIVE_S, POLL_S, frame, stream_key
+from server.streams import stream_key, transfer_stream
 
 router = APIRouter(
     prefix="/api", tags=["hub"], dependencies=[Depends(current_key)], responses=documented(401, 422)
@@ -206,36 +202,6 @@ def cancel_transfer(session: SessionDep, settings: SettingsDep, row: Annotated[A
     return transfer_payload(hub.cancel(session, settings, transfer=row))
 
 
-def _read(request: Request, transfer_id: str) -> tuple[int, dict[str, Any]] | None:
-    with request.app.state.sessions() as session:
-        row = transfers.get(session, transfer_id=transfer_id)
-        return None if row is None else (row.progress_seq, transfer_payload(row))
-
-
-async def transfer_stream(request: Request, transfer_id: str) -> AsyncIterator[str]:
-    """``progress`` events (the transfer as ``GET /api/transfers/{id}`` shows it) each time it
-    changes, then ``end`` once it is finished."""
-    yield "retry: 2000\n\n"
-    hub_streams = request.app.state.streams
-    last, quiet = -1, 0.0
-    while not hub_streams.stopping:
-        read = await run_in_threadpool(_read, request, transfer_id)
-        if read is None:
-            return
-        seq, payload = read
-        if seq != last:
-            last, quiet = seq, 0.0
-            yield frame(data=json.loads(json.dumps(payload, default=str)), event="progress", ident=seq)
-            if payload["status"] in transfers.TERMINAL:
-                yield frame(data={"status": payload["status"]}, event="end")
-                return
-        elif quiet >= KEEPALIVE_S:
-            quiet = 0.0
-            yield ": keep-alive\n\n"
-        await asyncio.sleep(POLL_S)
-        quiet += POLL_S
-
-
 def _stream_transfer(request: Request, transfer_id: IdPath) -> str:
     stream_key(request)
     with request.app.state.sessions() as session:
@@ -252,7 +218,7 @@ def stream_transfer(
 ) -> StreamingResponse:
     """Server-sent events of a pull or push: its progress as it changes, then ``end``."""
     return StreamingResponse(
-        transfer_stream(request, transfer_id),
+        transfer_stream(request.app.state.streams, transfer_id=transfer_id),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )

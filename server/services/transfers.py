@@ -69,6 +69,10 @@ def get(session: Session, *, transfer_id: str) -> HubTransfer | None:
     return session.get(HubTransfer, transfer_id)
 
 
+def get_many(session: Session, *, transfer_ids: list[str]) -> list[HubTransfer]:
+    return list(session.scalars(select(HubTransfer).where(HubTransfer.id.in_(transfer_ids))))
+
+
 def listing(session: Session, *, kind: str | None = None, limit: int = 100) -> list[HubTransfer]:
     query = select(HubTransfer).order_by(HubTransfer.created_at.desc()).limit(limit)
     if kind is not None:
