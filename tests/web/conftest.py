@@ -1,5 +1,5 @@
 """Browser-test fixtures: one real ``roundhouse serve --with-worker`` (SQLite, the folder broker, a
-tiny base model) shared by the whole UI suite, headless Chromium through Playwright, a logged-in
+tiny base model, a local server standing in for the Hugging Face Hub) shared by the whole UI suite, headless Chromium through Playwright, a logged-in
 browser context, and pages that fail their test on any console error."""
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import pytest
 from server.deps import COOKIE
 from tests.engine.tiny import tiny_model_folder
 from tests.utils import LOGIN_LINE, ROOT, Process, child_env, free_port, roundhouse
+from tests.utils.fake_hub import FakeHub
 
 if TYPE_CHECKING:
     from playwright.sync_api import Browser, BrowserContext, ConsoleMessage, Page, ViewportSize
@@ -40,13 +41,14 @@ VIEWPORT: ViewportSize = {"width": 1280, "height": 800}
 @dataclass
 class Server:
     """The running service: where it answers, the one-time login link it printed, a key made with
-    ``roundhouse keys create``, its home and its process."""
+    ``roundhouse keys create``, its home, its process and the Hub it talks to."""
 
     base_url: str
     login_url: str
     key: str
     home: Path
     process: Process
+    hub: FakeHub
 
     def log_tail(self, chars: int = 4000) -> str:
         return self.process.tail(chars)
@@ -75,11 +77,16 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     tmp = tmp_path_factory.mktemp("web")
     home = tmp / "home"
     tiny_model_folder(home / "models" / "tiny")
+    hub = FakeHub().start()
     env = child_env(
         ROUNDHOUSE_HOME=str(home),
         ROUNDHOUSE_PORT=str(free_port()),
         ROUNDHOUSE_LEASE_SECONDS="5",
         ROUNDHOUSE_TELEMETRY_SECONDS="0.5",
+        ROUNDHOUSE_HUB_ENDPOINT=hub.url,
+        ROUNDHOUSE_HUB_TOKEN=hub.token,
+        ROUNDHOUSE_HUB_XET="0",
+        ROUNDHOUSE_HUB_KEEP_FREE_BYTES="0",
     )
     command = roundhouse("serve", "--with-worker", "--new-login-key")
     process = Process(command, env=env, log=tmp / "serve.log").start()
@@ -91,10 +98,11 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         base_url = login_url.split("/login?", 1)[0]
         process.wait_for_http(f"{base_url}/api/health", timeout=60)
         key = run_cli(process, "keys", "create", "--name", "web-tests")
-        yield Server(base_url=base_url, login_url=login_url, key=key, home=home, process=process)
+        yield Server(base_url=base_url, login_url=login_url, key=key, home=home, process=process, hub=hub)
         children = process.descendants()
     finally:
         stopped = process.stop(signal.SIGINT, grace=60)
+        hub.stop()
     assert stopped, f"the server did not stop within 60 s of SIGINT (killed):\n{process.tail()}"
     # the worker it started (and the worker's pool) went down with it
     _, alive = psutil.wait_procs(children, timeout=30)

@@ -7,6 +7,7 @@ import * as datasets from "./pages/datasets.js";
 import * as gpus from "./pages/gpus.js";
 import * as job from "./pages/job.js";
 import * as jobs from "./pages/jobs.js";
+import * as models from "./pages/models.js";
 import * as newJob from "./pages/new-job.js";
 import * as playground from "./pages/playground.js";
 
@@ -14,6 +15,7 @@ const ROUTES = [
   [/^#\/jobs\/new$/, newJob, "new"],
   [/^#\/jobs\/([0-9a-f]+)$/, job, "jobs"],
   [/^#\/datasets$/, datasets, "datasets"],
+  [/^#\/models$/, models, "models"],
   [/^#\/gpus$/, gpus, "gpus"],
   [/^#\/playground(?:\/([0-9a-f]+))?$/, playground, "playground"],
   [/^(#\/jobs)?$/, jobs, "jobs"],

@@ -1,9 +1,10 @@
 // One row of the job page's checkpoints table: step, kind, losses, age, and its downloads (the
 // adapter or model; for an adapter the merged model too, and clearing that cached build; a GGUF
-// folder for llama.cpp and Ollama in the chosen quantization).
+// folder for llama.cpp and Ollama in the chosen quantization); Push sends it to a Hub repo.
 
 import { api, downloadUrl } from "../api.js";
-import { age, el, number } from "../widgets.js";
+import { age, el, errorBox, number } from "../widgets.js";
+import { transferLine } from "./transfer.js";
 
 const QUANTS = ["q8_0", "q4_k_m", "f16", "bf16"];
 
@@ -30,8 +31,76 @@ function ggufDownload(jobId, step) {
   return [quant, link];
 }
 
+// The Push button and, under the row, its form (repo id, private, merged) and the push's progress.
+function pushControls(jobId, c) {
+  const repo = el("input", {
+    type: "text",
+    class: "push-repo",
+    placeholder: "ORG/NAME",
+    required: true,
+    maxlength: 200,
+    autocomplete: "off",
+    spellcheck: "false",
+    "aria-label": "Hub repo id",
+  });
+  const isPrivate = el("input", { type: "checkbox", class: "push-private", checked: true });
+  const merged = el("input", { type: "checkbox", class: "push-merged" });
+  const problem = el("div", { class: "push-error" });
+  const progress = el("div", { class: "push-progress", "aria-live": "polite" });
+  const send = el("button", { type: "submit", class: "push-submit", text: "Push to the Hub" });
+  const form = el(
+    "form",
+    { class: "push-form toolbar" },
+    repo,
+    el("label", {}, isPrivate, " private"),
+    c.kind === "adapter" ? el("label", { title: "the adapter merged into its base model" }, merged, " merged") : null,
+    send,
+  );
+  const panel = el("tr", { class: "push-panel", hidden: true }, el("td", { colspan: 6 }, form, problem, progress));
+  let line = null;
+  form.addEventListener("submit", async (ev) => {
+    ev.preventDefault();
+    problem.replaceChildren();
+    send.disabled = true;
+    try {
+      const t = await api(`/jobs/${jobId}/checkpoints/${c.step}/push`, {
+        method: "POST",
+        body: { repo_id: repo.value.trim(), private: isPrivate.checked, merged: merged.checked },
+      });
+      if (line) line.close();
+      line = transferLine(t, {
+        label: `step ${c.step} → ${t.repo_id}`,
+        onEnd: (now) => {
+          send.disabled = false;
+          if (now.status === "succeeded")
+            progress.append(
+              el("a", { class: "push-link", href: now.target, target: "_blank", rel: "noopener", text: now.target }),
+            );
+        },
+      });
+      progress.replaceChildren(line.node);
+    } catch (err) {
+      send.disabled = false;
+      problem.replaceChildren(errorBox(err));
+    }
+  });
+  const button = el("button", {
+    type: "button",
+    class: "button secondary push-checkpoint",
+    title: "Push this checkpoint to a Hugging Face Hub repo, with a model card",
+    text: "Push",
+    onclick: () => {
+      panel.hidden = !panel.hidden;
+      if (!panel.hidden) repo.focus();
+    },
+  });
+  return { button, panel };
+}
+
+// The row, and the push panel that follows it (hidden until Push is clicked).
 export function checkpointRow(jobId, c, onError) {
-  return el(
+  const push = pushControls(jobId, c);
+  const row = el(
     "tr",
     { dataset: { step: c.step } },
     el("td", { text: c.step }),
@@ -75,6 +144,8 @@ export function checkpointRow(jobId, c, onError) {
           })
         : null,
       ...ggufDownload(jobId, c.step),
+      push.button,
     ),
   );
+  return [row, push.panel];
 }

@@ -367,7 +367,7 @@ export async function render(main, jobId) {
     const { data } = await tracked(api(`/jobs/${jobId}/checkpoints`));
     checkpoints.replaceChildren(
       ...(data.length
-        ? data.map((c) => checkpointRow(jobId, c, (err) => error.replaceChildren(errorBox(err))))
+        ? data.flatMap((c) => checkpointRow(jobId, c, (err) => error.replaceChildren(errorBox(err))))
         : [el("tr", {}, el("td", { colspan: 6, class: "muted", text: "No checkpoint yet." }))]),
     );
   }
