@@ -290,42 +290,38 @@ def auto_partition(
     _check_costs(costs)
     if memory_budget is not None and not memory_budget > 0:
         raise ValueError(f"memory_budget={memory_budget!r} must be a positive number or None")
-    tables = _Tables(costs)
-    num_layers = len(costs)
-    candidates = sorted(
-        {
-            p[j] - p[i]
-            for p in (tables.fwd, tables.fb)
-            for i in range(num_layers)
-            for j in range(i + 1, num_layers + 1)
-        }
-    )
-    best: tuple[float, int, float] | None = None
-    best_plan: Plan | None = None
-    for t_max in candidates:
-        packed = _greedy(tables, t_max, memory_budget)
-        if isinstance(packed, _Blocked):
-            continue
-        t_actual = max(stage_cost(s, costs) for s in packed.slots)
-        key = (
-            objective(packed, costs, num_workers=num_workers, num_microbatches=num_microbatches),
-            packed.num_slots,
-            t_actual,
+    greedy = _Greedy(costs, memory_budget)
+    loosest, _ = greedy.run(math.inf)
+    if isinstance(loosest, _Blocked):  # no cost limit binds: memory alone blocks this layer
+        field = "memory_forward" if loosest.kind == "forward" else "memory_backward"
+        value = getattr(costs[loosest.layer], field)
+        raise ValueError(
+            f"no partition fits memory_budget={memory_budget!r}: layer {loosest.layer} needs "
+            f"{field}={value!r} in a {loosest.kind} stage"
         )
-        if best is None or key < best:
-            best, best_plan = key, packed
-    if best_plan is not None:
-        return best_plan
-    # With the largest candidate no cost limit binds, so memory alone blocked this layer.
-    blocked = _greedy(tables, candidates[-1], memory_budget)
-    if not isinstance(blocked, _Blocked):
-        raise RuntimeError("auto_partition: the largest t_max is feasible but was not selected")
-    field = "memory_forward" if blocked.kind == "forward" else "memory_backward"
-    value = getattr(costs[blocked.layer], field)
-    raise ValueError(
-        f"no partition fits memory_budget={memory_budget!r}: layer {blocked.layer} needs "
-        f"{field}={value!r} in a {blocked.kind} stage"
-    )
+    # Every t_max between two consecutive events gives the same greedy plan, so the walk visits
+    # each distinct plan once, at its own t_max; a plan's slots never drop below the loosest
+    # plan's, so once (M·S_min + N(N−1))·t_max exceeds the best objective nothing later can win.
+    fixed = num_workers * (num_workers - 1)
+    least = num_microbatches * _num_slots(loosest) + fixed
+    best: tuple[float, int, float] | None = None
+    best_counts: _Counts | None = None
+    t_max: float | None = -math.inf
+    while t_max is not None:
+        packed, event = greedy.run(t_max)
+        if not isinstance(packed, _Blocked):
+            slots = _num_slots(packed)
+            t_actual = greedy.t_actual(packed)
+            key = ((num_microbatches * slots + fixed) * t_actual, slots, t_actual)
+            if best is None or key < best:
+                best, best_counts = key, packed
+        if best is not None and event is not None and least * event > best[0]:
+            break
+        t_max = event
+    if best_counts is None:
+        raise RuntimeError("auto_partition: the loosest plan fits but no plan was selected")
+    forward, fused, backward = best_counts
+    return Plan.from_counts(len(costs), forward=forward, fused=fused, backward=backward)
 
 
 def proxy_costs(
@@ -396,15 +392,12 @@ def _prefix(values: Sequence[float]) -> list[float]:
     return out
 
 
-class _Tables:
-    """Prefix sums, so candidate sums and the greedy pass compare exactly the same floats."""
+# (forward counts bottom-up, fused count, backward counts top-down)
+_Counts = tuple[list[int], int, list[int]]
 
-    def __init__(self, costs: Sequence[LayerCost]) -> None:
-        self.num_layers = len(costs)
-        self.fwd = _prefix([c.forward for c in costs])
-        self.fb = _prefix([c.forward + c.backward for c in costs])
-        self.mem_f = _prefix([c.memory_forward for c in costs])
-        self.mem_b = _prefix([c.memory_backward for c in costs])
+
+def _num_slots(counts: _Counts) -> int:
+    return len(counts[0]) + 1 + len(counts[2])
 
 
 @dataclass(frozen=True)
@@ -413,39 +406,110 @@ class _Blocked:
     kind: str
 
 
-def _greedy(t: _Tables, t_max: float, budget: float | None) -> Plan | _Blocked:
-    """One greedy pass for a candidate ``t_max``; returns the plan or the first layer that cannot fit."""
+class _Greedy:
+    """The greedy pass of :func:`auto_partition` for any ``t_max``, on prefix sums.
 
-    def fits(kind: str, start: int, stop: int) -> bool:
-        cost, mem = (t.fwd, t.mem_f) if kind == "forward" else (t.fb, t.mem_b)
-        if cost[stop] - cost[start] > t_max:
+    Each stage grows as far as it fits; the largest fitting end is found by bisection, which
+    gives the layer-by-layer scan's answer because the differences of a non-decreasing prefix
+    sum (with the start fixed) never decrease, rounding included. A pass also reports its
+    *event*: the smallest ``t_max`` at which one of its decisions would go the other way (a
+    stage refused a layer by cost alone), None when no larger ``t_max`` changes anything.
+    """
+
+    def __init__(self, costs: Sequence[LayerCost], budget: float | None) -> None:
+        self.num_layers = len(costs)
+        self.budget = budget
+        self.forward = [c.forward for c in costs]
+        self.both = [c.forward + c.backward for c in costs]
+        self.fwd = _prefix(self.forward)
+        self.fb = _prefix(self.both)
+        self.mem_f = _prefix([c.memory_forward for c in costs])
+        self.mem_b = _prefix([c.memory_backward for c in costs])
+
+    def t_actual(self, counts: _Counts) -> float:
+        """The largest stage cost of a plan, summed layer by layer as :func:`stage_cost` does."""
+        forward, fused, backward = counts
+        costs, at = [], 0
+        for n in forward:
+            costs.append(sum(self.forward[at : at + n]))
+            at += n
+        top = self.num_layers - fused
+        costs.append(sum(self.both[top:]))
+        for n in backward:
+            costs.append(sum(self.both[top - n : top]))
+            top -= n
+        return max(costs)
+
+    def run(self, t_max: float) -> tuple[_Counts | _Blocked, float | None]:
+        """The plan (or the first layer that cannot fit) and the pass's event."""
+        events: list[float] = []
+        L = self.num_layers
+        fb, mem_b, budget = self.fb, self.mem_b, self.budget
+
+        def over(cost: list[float], mem: list[float], lo: int, hi: int) -> bool | None:
+            """[lo, hi) refused: True by memory (t_max cannot help), False by cost, None fits."""
+            if budget is not None and mem[hi] - mem[lo] > budget:
+                return True
+            if cost[hi] - cost[lo] > t_max:
+                events.append(cost[hi] - cost[lo])
+                return False
+            return None
+
+        def event() -> float | None:
+            return min(events) if events else None
+
+        if over(fb, mem_b, L - 1, L) is not None:
+            return _Blocked(L - 1, "fused"), event()
+        # the fused stage: the lowest start that fits (fits() holds on [start, L) for every
+        # start from it up to L - 1: costs and memory only shrink as the start rises)
+        boundary = self._lowest(fb, mem_b, L, L - 1, t_max)
+        if boundary > 0:
+            over(fb, mem_b, boundary - 1, L)
+        backward: list[int] = []
+        top = boundary
+        while top > 0:
+            if over(fb, mem_b, top - 1, top) is not None:
+                return _Blocked(top - 1, "backward"), event()
+            start = self._lowest(fb, mem_b, top, top - 1, t_max)
+            if start > 0:
+                over(fb, mem_b, start - 1, top)
+            backward.append(top - start)
+            top = start
+        forward: list[int] = []
+        bottom = 0
+        while bottom < boundary:
+            if over(self.fwd, self.mem_f, bottom, bottom + 1) is not None:
+                return _Blocked(bottom, "forward"), event()
+            stop = self._highest(bottom, boundary, t_max)
+            if stop < boundary:
+                over(self.fwd, self.mem_f, bottom, stop + 1)
+            forward.append(stop - bottom)
+            bottom = stop
+        return (forward, L - boundary, backward), event()
+
+    def _fits(self, cost: list[float], mem: list[float], lo: int, hi: int, t_max: float) -> bool:
+        if cost[hi] - cost[lo] > t_max:
             return False
-        return budget is None or mem[stop] - mem[start] <= budget
+        return self.budget is None or mem[hi] - mem[lo] <= self.budget
 
-    L = t.num_layers
-    if not fits("fused", L - 1, L):
-        return _Blocked(L - 1, "fused")
-    boundary = L - 1
-    while boundary > 0 and fits("fused", boundary - 1, L):
-        boundary -= 1
-    backward: list[int] = []
-    top = boundary
-    while top > 0:
-        start = top - 1
-        if not fits("backward", start, top):
-            return _Blocked(start, "backward")
-        while start > 0 and fits("backward", start - 1, top):
-            start -= 1
-        backward.append(top - start)
-        top = start
-    forward: list[int] = []
-    bottom = 0
-    while bottom < boundary:
-        stop = bottom + 1
-        if not fits("forward", bottom, stop):
-            return _Blocked(bottom, "forward")
-        while stop < boundary and fits("forward", bottom, stop + 1):
-            stop += 1
-        forward.append(stop - bottom)
-        bottom = stop
-    return Plan.from_counts(L, forward=forward, fused=L - boundary, backward=backward)
+    def _lowest(self, cost: list[float], mem: list[float], top: int, start: int, t_max: float) -> int:
+        """The lowest ``s <= start`` with ``[s, top)`` fitting, given that ``[start, top)`` fits."""
+        lo, hi = 0, start  # [hi, top) fits; find the least such hi
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self._fits(cost, mem, mid, top, t_max):
+                hi = mid
+            else:
+                lo = mid + 1
+        return hi
+
+    def _highest(self, bottom: int, limit: int, t_max: float) -> int:
+        """The highest ``s <= limit`` with ``[bottom, s)`` a fitting forward stage (one layer fits)."""
+        lo, hi = bottom + 1, limit
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self._fits(self.fwd, self.mem_f, bottom, mid, t_max):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo

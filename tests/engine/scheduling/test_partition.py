@@ -333,6 +333,79 @@ def test_auto_partition_matches_brute_force_objective_with_float_costs() -> None
         assert objective(plan, costs, num_workers=n, num_microbatches=m) == pytest.approx(best, rel=1e-12)
 
 
+def scan_partition(costs: list[LayerCost], n: int, m: int, budget: float | None) -> Plan | None:
+    """The partitioner by its definition: one greedy pass, layer by layer, for every contiguous
+    sum of forward or forward + backward costs; the least (objective, slots, t_max) wins."""
+    fwd = [0.0]
+    fb = [0.0]
+    mem_f = [0.0]
+    mem_b = [0.0]
+    for c in costs:
+        fwd.append(fwd[-1] + c.forward)
+        fb.append(fb[-1] + (c.forward + c.backward))
+        mem_f.append(mem_f[-1] + c.memory_forward)
+        mem_b.append(mem_b[-1] + c.memory_backward)
+    L = len(costs)
+
+    def ok(forward: bool, lo: int, hi: int, t_max: float) -> bool:
+        cost, mem = (fwd, mem_f) if forward else (fb, mem_b)
+        return cost[hi] - cost[lo] <= t_max and (budget is None or mem[hi] - mem[lo] <= budget)
+
+    best = None
+    for t_max in sorted({p[j] - p[i] for p in (fwd, fb) for i in range(L) for j in range(i + 1, L + 1)}):
+        if not ok(False, L - 1, L, t_max):
+            continue
+        boundary = L - 1
+        while boundary > 0 and ok(False, boundary - 1, L, t_max):
+            boundary -= 1
+        backward, forward, top, bottom, blocked = [], [], boundary, 0, False
+        while top > 0 and not blocked:
+            start = top - 1
+            blocked = not ok(False, start, top, t_max)
+            while not blocked and start > 0 and ok(False, start - 1, top, t_max):
+                start -= 1
+            backward.append(top - start)
+            top = start
+        while bottom < boundary and not blocked:
+            stop = bottom + 1
+            blocked = not ok(True, bottom, stop, t_max)
+            while not blocked and stop < boundary and ok(True, bottom, stop + 1, t_max):
+                stop += 1
+            forward.append(stop - bottom)
+            bottom = stop
+        if not blocked:
+            plan = Plan.from_counts(L, forward=forward, fused=L - boundary, backward=backward)
+            if best is None or key(plan, costs, n, m) < key(best, costs, n, m):
+                best = plan
+    return best
+
+
+def test_auto_partition_is_the_scan_of_every_candidate_t_max() -> None:
+    """Deep models, float costs, budgets that bind: the event walk finds the same plan as one
+    greedy pass per candidate (or the same error)."""
+    rng = random.Random(2024)
+    for trial in range(40):
+        num_layers = rng.randint(8, 40)
+        if trial % 2:
+            costs = [
+                LayerCost(rng.random(), 2 * rng.random(), rng.random(), 3 * rng.random())
+                for _ in range(num_layers)
+            ]
+        else:  # a model: embeddings, equal blocks, a heavy head
+            f = rng.random()
+            blocks = uniform(num_layers - 2, f, 2 * f, 1.5)
+            costs = [LayerCost(0.0, 0.0, 2.0, 2.0), *blocks, LayerCost(3 * f, 6 * f, 4.0, 9.0)]
+        n, m = rng.randint(1, 8), rng.randint(1, 32)
+        budget = None if trial % 3 == 0 else rng.uniform(2.0, 30.0)
+        expected = scan_partition(costs, n, m, budget)
+        if expected is None:
+            with pytest.raises(ValueError, match="no partition fits"):
+                auto_partition(costs, num_workers=n, num_microbatches=m, memory_budget=budget)
+            continue
+        plan = auto_partition(costs, num_workers=n, num_microbatches=m, memory_budget=budget)
+        assert plan == expected, (trial, plan.describe(), expected.describe())
+
+
 def test_auto_partition_covers_every_layer_twice_within_budget() -> None:
     rng = random.Random(7)
     for num_layers in range(2, 13):
