@@ -18,21 +18,20 @@ A DPO job is the LoRA or full plan of its ``dpo_tuning`` at 2 sequences a pair (
 hold both sequences of their pairs), plus the reference pass the engine runs once before the first
 step, a forward over every training and validation pair (``reference``), in the ETA.
 
+A LoRA job's base may be kept in 4 bits (``Workload.base_bits``): its blocks' frozen matrices
+count packed in host RAM and on PCIe, and on the GPU packed plus decoded (``quantized``); the
+report puts the job with either base side by side (``PlanReport.base_variants``), each with its
+own partition and longest sequence (``fit``).
+
 The estimates are first-order: activation sizes assume fused (flash) attention, the optimizer is
 assumed hidden behind the next iteration unless it is slower than it, and communication other than
 weight uploads and stage-boundary hops is ignored.
 """
 
 from engine.methods.reference import reference_seconds
+from engine.planner.fit import SEQ_LEN_STEP, longest_sequence
 from engine.planner.memory import CUDA_OVERHEAD_BYTES, Memory, layer_times, memory_model
-from engine.planner.report import (
-    SEQ_LEN_STEP,
-    PlanReport,
-    calibrate,
-    hardware_label,
-    longest_sequence,
-    plan_job,
-)
+from engine.planner.report import PlanReport, calibrate, hardware_label, plan_job
 from engine.planner.shapes import SHAPE_LIMITS, Shape
 from engine.planner.workload import (
     CPU_GFLOPS_PER_CORE,

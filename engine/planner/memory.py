@@ -27,6 +27,13 @@ compute dtype's bytes, ``h`` the hidden size). Its bytes are:
   from above (3 t h d), and the largest transient of one layer: the MLP intermediates of a
   forward without autograd, or of a block's recompute (3 t x MLP width x d).
 
+With a 4-bit base (``Workload.base_bits``, ``engine.planner.quantized``) the weights and the
+prefetch are the blocks' *packed* bytes (what is uploaded), and a stage also holds
+- **dequantized**: the dense copies its worker decodes from the packed weights at the stage's
+  start, plus the scratch of decoding the stage's largest packed tensor.
+
+A LoRA job's weights include its adapters' compute copy (uploaded with the base).
+
 Everything is per worker: the CUDA context (``CUDA_OVERHEAD_BYTES``) is per GPU, and when a run
 puts several workers on one GPU they divide what is left of its memory. The partition packs
 stages as the engine does (each layer's weights twice: its own and the prefetch), then checks
@@ -37,9 +44,11 @@ resort, so a job fits the GPUs exactly when every single layer does (:func:`laye
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import lru_cache
 
 from engine.planner.activations import block_bytes_per_token
+from engine.planner.quantized import block_bytes
 from engine.planner.shapes import Shape
 from engine.planner.workload import DTYPE_BYTES, GB, Hardware, Workload
 from engine.scheduling.partition import LayerCost, Plan, StageKind, auto_partition
@@ -54,7 +63,10 @@ class Memory:
 
     ``weights``, ``activations``, ``gradients`` and ``logits`` are per layer (what a fused or
     backward stage holding the layer needs; a forward stage needs only the weights); ``workspace``
-    is once per stage; ``capacity`` is what one worker may use.
+    is once per stage; ``capacity`` is what one worker may use. ``weights`` are what a layer
+    uploads (a 4-bit base's packed bytes); ``decoded`` the dense copies of its packed weights a
+    running stage holds, and ``scratch`` what decoding its largest packed tensor takes (once per
+    stage: the largest of its layers'); both empty without a 4-bit base.
     """
 
     capacity: float
@@ -63,10 +75,19 @@ class Memory:
     activations: list[float]
     gradients: list[float]
     logits: list[float]
+    decoded: list[float] = field(default_factory=list)
+    scratch: list[float] = field(default_factory=list)
+
+    def _decoded(self, i: int) -> float:
+        return self.decoded[i] if self.decoded else 0.0
+
+    def _scratch(self, layers: range | Sequence[int]) -> float:
+        return max((self.scratch[i] for i in layers), default=0.0) if self.scratch else 0.0
 
     def costs(self, times: Sequence[tuple[float, float]]) -> list[LayerCost]:
         """Layer costs for the partitioner: ``times`` (forward, backward) per layer and the
         additive memory terms (the once-per-stage ones come off the budget)."""
+        held = [w + self._decoded(i) for i, w in enumerate(self.weights)]
         return [
             LayerCost(
                 forward=f,
@@ -75,15 +96,22 @@ class Memory:
                 memory_backward=w + a + g + x,
             )
             for (f, b), w, a, g, x in zip(
-                times, self.weights, self.activations, self.gradients, self.logits, strict=True
+                times, held, self.activations, self.gradients, self.logits, strict=True
             )
         ]
 
     def largest_layer(self) -> float:
         """Bytes of the hungriest single-layer stage, with its workspace and the largest prefetch."""
         terms = zip(self.weights, self.activations, self.gradients, self.logits, strict=True)
-        own = max(w + a + g + x for w, a, g, x in terms)
+        own = max(
+            w + self._decoded(i) + self._scratch((i,)) + a + g + x for i, (w, a, g, x) in enumerate(terms)
+        )
         return own + self.workspace + max(self.weights)
+
+    def stage_extra(self) -> float:
+        """Once-per-stage bytes the partitioner keeps off its budget: the workspace and the
+        largest decoding scratch of any layer."""
+        return self.workspace + self._scratch(range(len(self.weights)))
 
     def stage_terms(self, plan: Plan, slot: int, num_workers: int) -> dict[str, float]:
         """The terms of one stage of ``plan``, in bytes (``total`` their sum)."""
@@ -97,6 +125,7 @@ class Memory:
             "gradients": sum(self.gradients[i] for i in stage.layers) if backward else 0.0,
             "logits": sum(self.logits[i] for i in stage.layers) if backward else 0.0,
             "workspace": self.workspace,
+            "dequantized": sum(self._decoded(i) for i in stage.layers) + self._scratch(stage.layers),
         }
         terms["total"] = sum(terms.values())
         return terms
@@ -116,8 +145,59 @@ def memory_model(shape: Shape, workload: Workload, hardware: Hardware, trainable
     d = DTYPE_BYTES[w.compute_dtype]
     t = w.sequences * w.seq_len / w.num_microbatches
     h = shape.hidden
-    weights = [float(p * d) for p in shape.layer_params()]
+    base = base_bytes(shape, d, w.base_bits)
+    weights = list(base.weights)
+    if w.tuning == "lora":  # the adapters' compute copy rides with the base
+        weights = [b + n * d for b, n in zip(weights, trainable, strict=True)]
     grad_bytes = 4 + (d if d < 4 else 0)
+    per_token, width = _activations(shape, w.compute_dtype)
+    chunk = min(float(w.loss_chunk_tokens), t)
+    logits = [0.0] * (shape.layers + 1) + [chunk * shape.vocab * (4 + 4 + d)]
+    workers_per_gpu = w.workers_per_gpu()
+    return Memory(
+        capacity=(hardware.gpu_memory_gb * GB - CUDA_OVERHEAD_BYTES) / workers_per_gpu,
+        workspace=t * d * (3 * h + 3 * width),
+        weights=weights,
+        activations=[t * a for a in per_token],
+        gradients=[float(n * grad_bytes) for n in trainable],
+        logits=logits,
+        decoded=list(base.decoded) if w.base_bits != 16 else [],
+        scratch=list(base.scratch) if w.base_bits != 16 else [],
+    )
+
+
+@dataclass(frozen=True)
+class BaseBytes:
+    """Per engine layer: the base's upload bytes, its decoded bytes and decoding scratch on a
+    worker (``engine.planner.quantized``); only blocks pack."""
+
+    weights: tuple[float, ...]
+    decoded: tuple[float, ...]
+    scratch: tuple[float, ...]
+
+
+@lru_cache(maxsize=256)
+def base_bytes(shape: Shape, dtype_bytes: int, base_bits: int) -> BaseBytes:
+    """The base model's bytes per engine layer with a ``base_bits`` base (16: every weight in the
+    compute dtype)."""
+    params = shape.layer_params()
+    blocks = [block_bytes(shape, b, dtype_bytes, base_bits) for b in range(shape.layers)]
+    return BaseBytes(
+        weights=(
+            float(params[0] * dtype_bytes),
+            *(float(b.upload) for b in blocks),
+            float(params[-1] * dtype_bytes),
+        ),
+        decoded=(0.0, *(float(b.decoded) for b in blocks), 0.0),
+        scratch=(0.0, *(float(b.scratch) for b in blocks), 0.0),
+    )
+
+
+@lru_cache(maxsize=256)
+def _activations(shape: Shape, dtype: str) -> tuple[tuple[float, ...], int]:
+    """Bytes autograd keeps per token of each engine layer, and the widest MLP of a block."""
+    d = DTYPE_BYTES[dtype]
+    h = shape.hidden
     # widths of q, k, v and the attention output
     if shape.mla is None:
         q = out = shape.heads * shape.head_dim
@@ -129,9 +209,9 @@ def memory_model(shape: Shape, workload: Workload, hardware: Hardware, trainable
     widths = [shape.mlp_width(b) for b in range(shape.layers)]
     acts = [0.0]
     for b, width in enumerate(widths):
-        measured = block_bytes_per_token(shape, b, w.compute_dtype)
+        measured = block_bytes_per_token(shape, b, dtype)
         if measured is not None:
-            acts.append(t * measured)
+            acts.append(measured)
             continue
         # two norm inputs, the residual, q, k, v, attention output and o_proj output, gate/up/act
         per_token = d * (3 * h + q + k + v + out + h + 3 * width)
@@ -139,19 +219,9 @@ def memory_model(shape: Shape, workload: Workload, hardware: Hardware, trainable
             per_token += d * shape.moe.active * h + 4 * shape.moe.experts  # dispatched tokens, router
         if shape.mla is not None:
             per_token += d * (shape.mla.q_rank + shape.mla.kv_rank + shape.mla.rope)  # the latents
-        acts.append(t * per_token)
-    acts.append(t * h * d)  # the final norm's input
-    chunk = min(float(w.loss_chunk_tokens), t)
-    logits = [0.0] * (shape.layers + 1) + [chunk * shape.vocab * (4 + 4 + d)]
-    workers_per_gpu = w.workers_per_gpu()
-    return Memory(
-        capacity=(hardware.gpu_memory_gb * GB - CUDA_OVERHEAD_BYTES) / workers_per_gpu,
-        workspace=t * d * (3 * h + 3 * max(widths)),
-        weights=weights,
-        activations=acts,
-        gradients=[float(n * grad_bytes) for n in trainable],
-        logits=logits,
-    )
+        acts.append(float(per_token))
+    acts.append(float(h * d))  # the final norm's input
+    return tuple(acts), max(widths)
 
 
 def layers_fit(memory: Memory) -> bool:
@@ -180,7 +250,7 @@ def fitting_plan(
         for c, w in zip(costs, memory.weights, strict=True)
     ]
     need = max(max(c.memory_forward, c.memory_backward) for c in doubled)
-    budget = memory.capacity - memory.workspace
+    budget = memory.capacity - memory.stage_extra()
     for _ in range(PREFETCH_ROUNDS):
         if budget < need:  # the cut leaves some layer no room
             break

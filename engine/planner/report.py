@@ -7,33 +7,13 @@ from typing import Any
 
 from engine.errors import ConfigError
 from engine.methods.reference import reference_seconds
-from engine.model.families import DEFAULT_LORA_TARGETS, FAMILIES
-from engine.planner.memory import (
-    CUDA_OVERHEAD_BYTES,
-    Memory,
-    fitting_plan,
-    layer_times,
-    layers_fit,
-    memory_model,
-)
+from engine.planner.fit import assess, base_variants, longest_sequence, pcie_traffic
+from engine.planner.memory import CUDA_OVERHEAD_BYTES
 from engine.planner.shapes import Shape
-from engine.planner.workload import (
-    DTYPE_BYTES,
-    GB,
-    HARDWARE_RANGES,
-    WORKLOAD_LIMITS,
-    Hardware,
-    Workload,
-    bytes_per_trainable_param,
-    check,
-)
-from engine.scheduling.partition import LayerCost, Plan
+from engine.planner.workload import DTYPE_BYTES, GB, HARDWARE_RANGES, Hardware, Workload, check
 from engine.scheduling.simulate import closed_form_bubble, simulate
 
 OPTIMIZER_PARAMS_PER_S = 1.5e9  # fused CPU AdamW (memory-bound, ~28 bytes moved per parameter)
-HOST_RAM_SHARE = 0.9  # of the host's RAM a job may plan to use (the OS and the service need some)
-SEQ_LEN_STEP = 64  # the longest sequence that fits is a multiple of this (or the model's context)
-GUESSES = 3  # partitions the host-RAM edge search guesses with before it halves
 
 
 @dataclass
@@ -50,6 +30,11 @@ class PlanReport:
     A DPO job's step trains 2 sequences a pair (``tokens_per_s`` counts both); ``reference_s`` is
     its reference pass (a forward over every training and validation pair, once, before the first
     step), part of ``eta_s``; None for a supervised job or when the pair count is unknown.
+
+    ``pcie`` is what one iteration moves between host and GPUs, by term (None when nothing fits
+    the GPUs). ``base_variants`` puts a LoRA job with a 16-bit and with a 4-bit base side by side
+    (``engine.planner.fit.base_variants``; empty for a full fine-tune); ``base_bits`` is the
+    job's own.
     """
 
     fits: bool
@@ -72,6 +57,9 @@ class PlanReport:
     workers_per_gpu: int = 1
     reference_s: float | None = None
     assumptions: dict[str, Any] = field(default_factory=dict)
+    base_bits: int = 16
+    pcie: dict[str, float] | None = None
+    base_variants: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -96,6 +84,19 @@ class PlanReport:
             f"longest sequence that fits: {self.max_seq_len:,} tokens (limited by "
             f"{self.max_seq_len_limit.replace('_', ' ')})",
         ]
+        if self.pcie is not None:
+            lines.append(
+                f"PCIe per iteration: {self.pcie['total_gb']:.1f} GB (weights {self.pcie['weights_gb']:.1f}, "
+                f"gradients {self.pcie['gradients_gb']:.2f}, activations {self.pcie['activations_gb']:.1f})"
+            )
+        for v in self.base_variants:
+            pcie = v["pcie_gb_per_iteration"]
+            lines.append(
+                f"  {v['base_bits']}-bit base: host RAM {v['host_ram_gb']:.1f} GB"
+                + (f", PCIe {pcie:.1f} GB an iteration" if pcie is not None else "")
+                + (", fits" if v["fits"] else f", does not fit ({v['limit'].replace('_', ' ')})")
+                + f", longest sequence {v['max_seq_len']:,}"
+            )
         if self.stages:
             lines.append(f"partition: {self.partition}")
             for s in self.stages:
@@ -137,147 +138,6 @@ class PlanReport:
         return "\n".join(lines)
 
 
-@dataclass
-class _Assessment:
-    """One job's memory on one box: what the report and the sequence search share."""
-
-    memory: Memory
-    costs: list[LayerCost]
-    plan: Plan | None
-    host: dict[str, float]
-    trainable: int
-
-    def limit(self, hardware: Hardware) -> str | None:
-        """The resource the job does not fit, or None."""
-        if self.plan is None:
-            return "gpu_memory"
-        if hardware.host_ram_gb is not None and self.host["total_gb"] > HOST_RAM_SHARE * hardware.host_ram_gb:
-            return "host_ram"
-        return None
-
-
-def lora_targets(shape: Shape, workload: Workload) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """The modules and parameters LoRA adapts, as the run resolves them (``engine.training.run``): the
-    family's own modules when the run kept the default, ``"experts"`` its expert weights."""
-    spec = FAMILIES.get(shape.architecture or "")
-    modules = workload.target_modules
-    if spec is not None and tuple(modules) == tuple(DEFAULT_LORA_TARGETS):
-        modules = spec.lora_targets
-    experts = tuple(getattr(spec, "expert_parameters", ()))
-    parameters: list[str] = []
-    for name in workload.target_parameters:
-        parameters += [p for p in (experts if name == "experts" else (name,)) if p not in parameters]
-    return tuple(modules), tuple(parameters)
-
-
-def _trainable(shape: Shape, workload: Workload) -> list[int]:
-    w = workload
-    if w.tuning == "full":
-        return shape.layer_params()
-    modules, parameters = lora_targets(shape, w)
-    blocks = [shape.lora_block_params(b, w.lora_r, modules, parameters) for b in range(shape.layers)]
-    return [0, *blocks, 0]
-
-
-def _assess(shape: Shape, workload: Workload, hardware: Hardware) -> _Assessment:
-    w = workload
-    per_layer = _trainable(shape, w)
-    memory = memory_model(shape, w, hardware, per_layer)
-    costs = memory.costs(layer_times(shape, w, hardware))
-    plan = fitting_plan(
-        memory, costs, num_workers=w.num_workers(hardware), num_microbatches=w.num_microbatches
-    )
-    trainable = sum(per_layer)
-    boundaries = len(plan.checkpoint_boundaries()) if plan is not None else 1
-    return _Assessment(memory, costs, plan, _host_ram(shape, w, trainable, boundaries), trainable)
-
-
-def _host_ram(shape: Shape, workload: Workload, trainable: int, boundaries: int) -> dict[str, float]:
-    """Host RAM by term (GB): the compute copy of the weights, the trainable weights' fp32
-    masters, gradients and optimizer state (and a second copy in async mode), and the inputs of
-    the stages that recompute (``boundaries`` of them) for every sequence of the batch (both of
-    each DPO pair)."""
-    w = workload
-    dtype = DTYPE_BYTES[w.compute_dtype]
-    host = {
-        "weights_gb": sum(shape.layer_params()) * dtype / GB,
-        "optimizer_gb": trainable * bytes_per_trainable_param(w.optimizer) / GB,
-        "second_weights_buffer_gb": (trainable * dtype / GB) if w.async_optimizer else 0.0,
-        "stage_inputs_gb": boundaries * w.sequences * w.seq_len * shape.hidden * dtype / GB,
-    }
-    host["total_gb"] = sum(host.values())
-    return host
-
-
-def longest_sequence(shape: Shape, workload: Workload, hardware: Hardware) -> tuple[int, str]:
-    """The longest ``seq_len`` (a multiple of ``SEQ_LEN_STEP``, or the model's context) whose
-    plan fits, at the job's batch and micro-batch count, and what stops a longer one.
-
-    A binary search: the GPUs' part of the fit is checked per layer (cheap, and exactly the plan's
-    rule, see ``engine.planner.memory.layers_fit``); the host's, which depends on the partition
-    (its stage inputs), only where the GPUs fit and bounds on the stage count leave it open. The
-    search keeps "the lower end fits, the upper does not", so the answer fits and one step more
-    does not.
-
-    Returns:
-        ``(tokens, limit)``; ``(0, resource)`` when not even ``SEQ_LEN_STEP`` tokens fit.
-    """
-    top, top_limit = WORKLOAD_LIMITS["seq_len"], "planner"
-    if shape.context is not None and shape.context < top:
-        top, top_limit = shape.context, "context"
-    steps = -(-top // SEQ_LEN_STEP)
-
-    def length(k: int) -> int:
-        return min(k * SEQ_LEN_STEP, top)
-
-    def at(k: int) -> Workload:
-        return replace(workload, seq_len=length(k))
-
-    def gpu_fits(k: int) -> bool:
-        return layers_fit(memory_model(shape, at(k), hardware, _trainable(shape, workload)))
-
-    lo, hi = 0, steps + 1  # k = lo fits (0: nothing), k = hi does not (past the top)
-    while hi - lo > 1:  # the GPUs alone first
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if gpu_fits(mid) else (lo, mid)
-    stop = "gpu_memory" if hi <= steps else top_limit
-    if not lo or hardware.host_ram_gb is None:
-        return length(lo), stop
-    # host RAM is fixed + B x seq_len x per_token, B (checkpoint boundaries: the fused and backward
-    # stages' starts) at most the engine layers less one: below that bound's edge every length
-    # fits; above it a partition tells, and the last one's B guesses the edge
-    fixed = _host_ram(shape, workload, sum(_trainable(shape, workload)), 0)["total_gb"] * GB
-    room = HOST_RAM_SHARE * hardware.host_ram_gb * GB - fixed
-    per_token = workload.sequences * shape.hidden * DTYPE_BYTES[workload.compute_dtype]
-
-    def edge_at(boundaries: float) -> int:  # the last k that fits with this many boundaries
-        return int(max(room, 0.0) / (boundaries * per_token) // SEQ_LEN_STEP)
-
-    sure = edge_at((shape.layers + 1) * (1 + 1e-9))
-    if sure >= lo:
-        return length(lo), stop
-    edge = _assess(shape, at(lo), hardware)
-    if edge.limit(hardware) is None:
-        return length(lo), stop
-    lo, hi, stop = sure, lo, "host_ram"
-    boundaries, probes = _boundaries(edge), 0
-    while hi - lo > 1:
-        # near the edge the partition, hence B, hardly changes: the guess (or the step past the
-        # lower end when the guess is it) closes the bracket in a probe or two; halving after that
-        guess = min(max(edge_at(boundaries), lo + 1), hi - 1)
-        mid = guess if probes < GUESSES else (lo + hi) // 2
-        probes += 1
-        probe = _assess(shape, at(mid), hardware)
-        boundaries = _boundaries(probe)
-        lo, hi = (mid, hi) if probe.limit(hardware) is None else (lo, mid)
-    return length(lo), stop
-
-
-def _boundaries(assessment: _Assessment) -> int:
-    plan = assessment.plan
-    return max(1, len(plan.checkpoint_boundaries())) if plan is not None else 1
-
-
 def plan_job(config: dict[str, Any], hardware: Hardware, workload: Workload) -> PlanReport:
     """Memory, fit and speed of a fine-tune on a box, and the longest sequence that fits.
 
@@ -303,13 +163,15 @@ def plan_job(config: dict[str, Any], hardware: Hardware, workload: Workload) -> 
 def _report(shape: Shape, hardware: Hardware, workload: Workload) -> PlanReport:
     w, h = workload, hardware
     dtype = DTYPE_BYTES[w.compute_dtype]
-    a = _assess(shape, w, h)
+    a = assess(shape, w, h)
     memory, plan, host = a.memory, a.plan, a.host
     share = w.workers_per_gpu()
     problems: list[str] = []
     suggestions: list[str] = []
     n, m = w.num_workers(h), w.num_microbatches
-    longest, stop = longest_sequence(shape, w, h)
+    longest, stop = longest_sequence(shape, w, h, at_job=a)
+    variants = base_variants(shape, w, h, job=a, longest=(longest, stop))
+    four = next((v for v in variants if v["base_bits"] == 4), None)
     if plan is None:
         per = f"{h.gpu_memory_gb:g} GB GPUs leave {memory.capacity / GB:.1f} GB" + (
             f" per worker ({share} share a GPU)" if share > 1 else ""
@@ -330,6 +192,9 @@ def _report(shape: Shape, hardware: Hardware, workload: Workload) -> PlanReport:
             suggestions.append(f"seq_len {longest} or shorter (the longest whose stage inputs fit)")
         if w.tuning == "full":
             suggestions.append("LoRA instead of a full fine-tune (no fp32 copy and moments of every weight)")
+        elif w.base_bits == 16 and four is not None and four["limit"] != "host_ram":
+            need = four["host_ram_gb"]
+            suggestions.append(f"a 4-bit base (method.base_bits: 4): {need:.1f} GB of host RAM")
         suggestions.append("a host with more RAM, or a smaller model")
     stages: list[dict[str, Any]] = []
     iteration = bubble = closed = 0.0
@@ -387,6 +252,9 @@ def _report(shape: Shape, hardware: Hardware, workload: Workload) -> PlanReport:
         max_seq_len_limit=stop,
         workers_per_gpu=share,
         reference_s=reference,
+        base_bits=w.base_bits,
+        pcie=pcie_traffic(shape, w, a),
+        base_variants=variants,
         assumptions={
             "device": h.device,
             "hardware": hardware_label(h),

@@ -254,6 +254,18 @@ class Shape:
             dense + stacked + self._router(block) + self._biases(block) + 2 * self.hidden + self.block_extra
         )
 
+    def packable(self, block: int, multiple: int) -> list[int]:
+        """Sizes (values) of the weights of block ``block`` a 4-bit base packs
+        (``engine.parallel.host.HostState``): its frozen matrices (linear weights, stacked
+        expert weights and GPT-OSS's expert biases) whose size is a multiple of ``multiple``;
+        never the router, norms or other vectors."""
+        sizes = [a * b for a, b in self.linears(block).values()]
+        sizes += [e * a * b for e, a, b in self.experts(block).values()]
+        moe = self.moe_of(block)
+        if moe is not None and moe.biases:  # [experts, 2 x width] and [experts, hidden]
+            sizes += [moe.experts * 2 * moe.intermediate, moe.experts * self.hidden]
+        return [n for n in sizes if n % multiple == 0]
+
     def active_block_params(self, block: int = 0) -> int:
         """Parameters one token of block ``block`` computes with: the routed experts it picks,
         not all of them (equal to ``block_params`` for a dense block)."""

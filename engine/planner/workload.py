@@ -120,6 +120,7 @@ class Workload:
     loss_chunk_tokens: int = LOSS_CHUNK_TOKENS
     mean_seq_len: float | None = None  # tokens per sequence as batched (padded) from the data
     reference_pairs: int | None = None  # DPO: the pairs of the reference pass, when known
+    base_bits: int = 16  # 4: a LoRA base's frozen block weights kept in NF4 (engine.model.quant)
 
     @property
     def objective(self) -> str:
@@ -226,6 +227,7 @@ class Workload:
             devices=gpus if len(gpus) == len(named) else (),  # CPU workers: plan the box's GPUs
             mean_seq_len=mean,
             reference_pairs=reference,
+            base_bits=m.base_bits,
         )
 
     def num_workers(self, hardware: Hardware) -> int:
@@ -300,6 +302,14 @@ def check(workload: Workload, hardware: Hardware) -> None:
             "reference_pairs",
             f"reference_pairs={pairs!r} must be an integer from 0 to {REFERENCE_PAIRS_LIMIT}",
             value=pairs,
+        )
+    if isinstance(w.base_bits, bool) or w.base_bits not in (16, 4):
+        raise ConfigError("base_bits", f"base_bits={w.base_bits!r} must be 16 or 4", value=w.base_bits)
+    if w.base_bits == 4 and w.tuning != "lora":
+        raise ConfigError(
+            "base_bits",
+            f"base_bits=4 with {w.tuning} tuning: a 4-bit base is for LoRA (a full fine-tune trains it)",
+            value=w.base_bits,
         )
     if w.compute_dtype not in DTYPE_BYTES:
         raise ConfigError(
