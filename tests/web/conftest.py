@@ -1,6 +1,7 @@
 """Browser-test fixtures: one real ``roundhouse serve --with-worker`` (SQLite, the folder broker, a
-tiny base model, a local server standing in for the Hugging Face Hub) shared by the whole UI suite, headless Chromium through Playwright, a logged-in
-browser context, and pages that fail their test on any console error."""
+tiny base model, a local server standing in for the Hugging Face Hub) shared by the whole UI
+suite, headless Chromium through Playwright, a logged-in browser context, and pages that fail
+their test on any console error."""
 
 from __future__ import annotations
 
