@@ -7,6 +7,7 @@ answer without reading the message.
 
 from __future__ import annotations
 
+import errno
 from typing import Any
 
 
@@ -82,3 +83,28 @@ class EngineError(RuntimeError):
 
 class Cancelled(RuntimeError):
     """The cancel flag was set; the iteration stopped between micro-batches."""
+
+
+class DiskFull(OSError):
+    """A write did not fit on its disk (or would leave less than the reserve free).
+
+    Args:
+        path: what was being written (a checkpoint's folder).
+        needed_bytes: the bytes it needs, with the reserve.
+        free_bytes: the bytes free on that disk when it was refused.
+    """
+
+    def __init__(self, path: str, *, needed_bytes: int, free_bytes: int) -> None:
+        message = (
+            f"disk full: {path} needs {needed_bytes} bytes ({needed_bytes / 2**20:.1f} MiB), "
+            f"{free_bytes} bytes ({free_bytes / 2**20:.1f} MiB) free"
+        )
+        super().__init__(errno.ENOSPC, message)
+        self.path, self.needed_bytes, self.free_bytes = path, needed_bytes, free_bytes
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+    def fields(self) -> dict[str, Any]:
+        """The fields as JSON."""
+        return {"path": self.path, "needed_bytes": self.needed_bytes, "free_bytes": self.free_bytes}

@@ -7,9 +7,12 @@ and a job's illegal transition (409) get their HTTP status here, once."""
 
 from __future__ import annotations
 
+import errno
 import re
+import shutil
 from collections.abc import Mapping
 from http import HTTPStatus
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -135,6 +138,21 @@ def _message(error: Any) -> str:
     return str(error["msg"])
 
 
+def disk_full_message(exc: OSError) -> str:
+    """What a write that found no space says: the path, the bytes it needed and the bytes free."""
+    needed, free = getattr(exc, "needed_bytes", None), getattr(exc, "free_bytes", None)
+    path = getattr(exc, "path", None) or exc.filename
+    if free is None and path:
+        where = Path(str(path))
+        while not where.exists() and where != where.parent:
+            where = where.parent
+        free = shutil.disk_usage(where).free
+    what = f"writing {path}" if path else "writing a file"
+    need = f" needs {needed} bytes," if needed is not None else ""
+    has = f" {free} bytes are free there" if free is not None else ""
+    return f"disk full: no space left {what}:{need}{has}; free some space (GET /api/disk) and try again"
+
+
 def install(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api(request: Request, exc: ApiError) -> JSONResponse:
@@ -159,6 +177,12 @@ def install(app: FastAPI) -> None:
         message = f"{param}: {_message(first)}" if param else _message(first)
         details = [{"param": _param(e) or "", "message": _message(e)} for e in errors]
         return _respond(request, 422, body("invalid_request", message, param, details))
+
+    @app.exception_handler(OSError)
+    async def _disk_full(request: Request, exc: OSError) -> JSONResponse:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise exc  # any other OSError stays an internal error
+        return _respond(request, 507, body("disk_full", disk_full_message(exc)))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -183,6 +183,14 @@ class JobsPublic(BaseModel):
     next_cursor: str | None
 
 
+class PausedForSpacePublic(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    job_id: str
+    name: str
+    message: str = Field(description="what did not fit: the path, the bytes needed and free")
+
+
 class DiskPublic(BaseModel):
     """Disk use of the jobs' folders and the datasets, and the space left where runs are written."""
 
@@ -191,6 +199,11 @@ class DiskPublic(BaseModel):
     datasets_bytes: int = Field(description="the stored dataset files")
     free_bytes: int = Field(description="free space on the disk of the runs folder")
     capacity_bytes: int = Field(description="size of the disk of the runs folder")
+    reserve_bytes: int = Field(description="the space a checkpoint must leave free (else its job pauses)")
+    low: bool = Field(description="free space is under the reserve: the next checkpoint pauses its job")
+    paused_for_space: list[PausedForSpacePublic] = Field(
+        description="jobs a worker paused because a checkpoint did not fit; resume them once space is freed"
+    )
 
 
 class EventPublic(BaseModel):

@@ -87,6 +87,11 @@ class Settings(BaseSettings):
     hub_keep_free_bytes: int = Field(
         1 << 30, ge=0, description="disk space a model pull must leave free beside its files"
     )
+    checkpoint_reserve_bytes: int = Field(
+        256 << 20,
+        ge=0,
+        description="disk space a checkpoint must leave free beside it (else the job pauses, saying so)",
+    )
     hub_xet: bool = Field(
         True, description="pushes upload weights through Xet (hf-xet); off: Git LFS, for a Hub without Xet"
     )
@@ -139,6 +144,7 @@ class Settings(BaseSettings):
         env["ROUNDHOUSE_HUB_ENDPOINT"] = self.hub_endpoint
         env["ROUNDHOUSE_HUB_KEEP_FREE_BYTES"] = str(self.hub_keep_free_bytes)
         env["ROUNDHOUSE_HUB_XET"] = "1" if self.hub_xet else "0"
+        env["ROUNDHOUSE_CHECKPOINT_RESERVE_BYTES"] = str(self.checkpoint_reserve_bytes)
         if self.hub_token is not None:
             env["ROUNDHOUSE_HUB_TOKEN"] = self.hub_token.get_secret_value()
         return env

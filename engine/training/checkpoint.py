@@ -1,12 +1,17 @@
 """Checkpoints: ``checkpoints/step_000123/`` = the export + ``state/`` (what a resume needs).
 
-Writes are atomic: everything goes to a hidden temporary folder, files are fsynced, and the
-folder is renamed into place; a crash leaves either the old set of checkpoints or the new one.
+Writes are atomic: everything goes to a hidden temporary folder, files and folders are fsynced,
+and the folder is renamed into place (and its parent fsynced); a crash leaves either the old set
+of checkpoints or the new one, and what a killed write left behind is cleared by the next one.
 Only folders with ``state/trainer.json`` count as checkpoints.
+
+Before a write the free space is checked against the checkpoint's size and a reserve; a write
+that still runs out of space removes its partial folder. Both raise ``DiskFull``.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -16,14 +21,20 @@ from typing import Any
 
 import torch
 
+from engine.errors import DiskFull
 from engine.training.folders import list_checkpoints, step_name
+
+FULL = (errno.ENOSPC, errno.EDQUOT)
+SLACK_BYTES = 1 << 20  # a checkpoint's files beside its tensors (tokenizer, configs, JSON)
 
 
 def _fsync_tree(folder: Path) -> None:
-    for path in sorted(folder.rglob("*")):
+    for path in sorted(folder.rglob("*"), reverse=True):  # a folder after what is in it
         if path.is_file():
             with path.open("rb") as f:
                 os.fsync(f.fileno())
+        elif path.is_dir():
+            _fsync_dir(path)
     _fsync_dir(folder)
 
 
@@ -35,16 +46,80 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def write_checkpoint(root: str | Path, step: int, fill: Callable[[Path], None], *, keep_last: int) -> Path:
-    """Create ``root/step_NNNNNN`` atomically with ``fill(tmp_folder)``; keep the newest ``keep_last``."""
+def tensor_bytes(value: Any) -> int:
+    """The bytes of every tensor in ``value`` (nested dicts, lists and tuples): what saving it takes."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(tensor_bytes(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return sum(tensor_bytes(v) for v in value)
+    return 0
+
+
+def clear_leftovers(root: Path) -> None:
+    """What a write killed midway left in ``root``: its temporary folders go; a checkpoint it had
+    moved aside to replace (``.step_N.old``, with no ``step_N``) comes back."""
+    if not root.is_dir():
+        return
+    for child in root.iterdir():
+        if not child.name.startswith(".step_"):
+            continue
+        final = root / child.name[1:].rsplit(".", 1)[0]
+        if child.name.endswith(".old") and not final.exists():
+            child.rename(final)
+        elif child.name.endswith((".tmp", ".old")):
+            shutil.rmtree(child, ignore_errors=True)
+
+
+def check_space(root: Path, path: Path, *, needed_bytes: int, reserve_bytes: int) -> None:
+    """Raise ``DiskFull`` unless writing ``needed_bytes`` under ``root`` leaves ``reserve_bytes`` free."""
+    free = shutil.disk_usage(root).free
+    if free < needed_bytes + reserve_bytes:
+        raise DiskFull(str(path), needed_bytes=needed_bytes + reserve_bytes, free_bytes=free)
+
+
+def write_checkpoint(
+    root: str | Path,
+    step: int,
+    fill: Callable[[Path], None],
+    *,
+    keep_last: int,
+    needed_bytes: int | None = None,
+    reserve_bytes: int = 0,
+) -> Path:
+    """Create ``root/step_NNNNNN`` atomically with ``fill(tmp_folder)``; keep the newest ``keep_last``.
+
+    Args:
+        needed_bytes: what the checkpoint will take; with it, the free space is checked first.
+        reserve_bytes: the space the write must leave free on the disk.
+
+    Raises:
+        DiskFull: the free space is short of ``needed_bytes + reserve_bytes``, or the disk filled
+            up while writing (the partial folder is removed; the checkpoints before stay).
+    """
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
+    clear_leftovers(root)
     final = root / step_name(step)
     tmp = root / f".{step_name(step)}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
+    if needed_bytes is not None:
+        check_space(root, final, needed_bytes=needed_bytes + SLACK_BYTES, reserve_bytes=reserve_bytes)
     tmp.mkdir()
-    fill(tmp)
-    _fsync_tree(tmp)
+    try:
+        fill(tmp)
+        _fsync_tree(tmp)
+    except BaseException as exc:
+        # torch.save reports a full disk as a RuntimeError of its writer: the space left tells
+        full = (isinstance(exc, OSError) and exc.errno in FULL) or (
+            isinstance(exc, Exception) and shutil.disk_usage(root).free < SLACK_BYTES
+        )
+        shutil.rmtree(tmp, ignore_errors=True)
+        if full:
+            free = shutil.disk_usage(root).free
+            needed = max(needed_bytes or 0, free + 1) + reserve_bytes
+            raise DiskFull(str(final), needed_bytes=needed, free_bytes=free) from exc
+        raise
     if final.exists():
         old = root / f".{step_name(step)}.old"
         shutil.rmtree(old, ignore_errors=True)

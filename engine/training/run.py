@@ -31,7 +31,7 @@ from engine.model.export import base_model_name, save_export
 from engine.model.families import DEFAULT_LORA_TARGETS, family_for
 from engine.model.loading import checkpoint_dtype, load_model, load_tokenizer, resolve_model_path
 from engine.roundpipe import RoundPipe
-from engine.training.checkpoint import load_state, save_state, write_checkpoint
+from engine.training.checkpoint import load_state, save_state, tensor_bytes, write_checkpoint
 from engine.training.folders import latest, list_checkpoints
 
 T = TypeVar("T")
@@ -126,9 +126,16 @@ class Run:
     """The objects of one run; ``train()`` drives it."""
 
     def __init__(
-        self, config: TrainConfig, sink: Sink, cancel: threading.Event | None, models_dir: Path
+        self,
+        config: TrainConfig,
+        sink: Sink,
+        cancel: threading.Event | None,
+        models_dir: Path,
+        *,
+        reserve_bytes: int = 0,
     ) -> None:
         self.config = config
+        self.reserve_bytes = reserve_bytes
         self.sink = sink
         self.cancel = cancel
         self.folder = resolve_model_path(config.model.path, models_dir)
@@ -229,9 +236,10 @@ class Run:
         engine = self.engine
         engine.synchronize()
         lora = self.config.method.lora
+        weights = engine.master_state_dict(trainable_only=lora)
+        state = engine.state_dict()
 
         def fill(tmp: Path) -> None:
-            weights = engine.master_state_dict(trainable_only=lora)
             save_export(self.model, weights, self.tokenizer, tmp, base_name=self.base_name)
             trainer_state = {
                 "step": self.step,
@@ -242,9 +250,16 @@ class Run:
                 "method": self.config.method.kind,
                 "config": self.config.model_dump(mode="json"),
             }
-            save_state(tmp, engine.state_dict(), trainer_state)
+            save_state(tmp, state, trainer_state)
 
-        path = write_checkpoint(self.checkpoints, self.step, fill, keep_last=self.config.checkpoint.keep_last)
+        path = write_checkpoint(
+            self.checkpoints,
+            self.step,
+            fill,
+            keep_last=self.config.checkpoint.keep_last,
+            needed_bytes=tensor_bytes(weights) + tensor_bytes(state),
+            reserve_bytes=self.reserve_bytes,
+        )
         self.sink.event(EngineEvent.CHECKPOINT, f"saved {path.name}", {"step": self.step, "path": str(path)})
         return path
 
@@ -315,6 +330,7 @@ def train(
     cancel: threading.Event | None = None,
     *,
     models_dir: str | Path = "data/models",
+    reserve_bytes: int = 0,
 ) -> TrainResult:
     """Run (or resume) a fine-tune to the end, or until ``cancel`` is set.
 
@@ -323,6 +339,7 @@ def train(
         sink: receives metrics and events (engine metrics and ``progress/*``, ``loss/val``).
         cancel: set it to stop at the next step boundary (or between micro-batches).
         models_dir: where the demo model is prepared.
+        reserve_bytes: the disk space a checkpoint must leave free beside it.
 
     Returns:
         The final status, step and checkpoint.
@@ -330,8 +347,10 @@ def train(
     Raises:
         ConfigError: bad data (every invalid row named by line), model folder or settings; its
             ``field`` names the configuration field at fault.
+        DiskFull: a checkpoint did not fit (or would leave less than ``reserve_bytes``); the
+            checkpoints before it are intact, and a run started again resumes from the latest.
     """
-    run = Run(config, sink or NullSink(), cancel, Path(models_dir))
+    run = Run(config, sink or NullSink(), cancel, Path(models_dir), reserve_bytes=reserve_bytes)
     try:
         try:
             run.prepare()

@@ -18,5 +18,7 @@ router = APIRouter(
 
 @router.get("", response_model=DiskPublic)
 def get_disk(session: SessionDep, settings: SettingsDep, storage: StorageDep) -> Any:
-    """Bytes on disk: all jobs' folders (each job's is its disk_bytes), the datasets, free space."""
-    return disk.usage(session, storage=storage, runs_dir=settings.runs_dir)
+    """Bytes on disk: all jobs' folders, the datasets, free space, and jobs paused for space."""
+    return disk.usage(
+        session, storage=storage, runs_dir=settings.runs_dir, reserve_bytes=settings.checkpoint_reserve_bytes
+    )

@@ -22,6 +22,7 @@ from pathlib import Path
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from server.kinds import JobStatus
 from server.storage import Storage
 from server.tables import Dataset, Job
 
@@ -144,27 +145,48 @@ def _gone_is_fine(function: object, path: str, info: tuple[type, BaseException, 
 
 
 @dataclass(frozen=True)
+class PausedForSpace:
+    job_id: str
+    name: str
+    message: str
+
+
+@dataclass(frozen=True)
 class DiskUse:
     jobs: int
     jobs_bytes: int
     datasets_bytes: int
     free_bytes: int
     capacity_bytes: int
+    reserve_bytes: int
+    low: bool
+    paused_for_space: list[PausedForSpace]
 
 
-def usage(session: Session, *, storage: Storage, runs_dir: Path) -> DiskUse:
+def usage(session: Session, *, storage: Storage, runs_dir: Path, reserve_bytes: int = 0) -> DiskUse:
     """Every job's folder, the stored datasets, and the free space where the runs are written
-    (with a remote store: on this host's disk, where its cache is)."""
+    (with a remote store: on this host's disk, where its cache is); ``low`` when it is under the
+    reserve a checkpoint must leave, and the jobs a worker paused because a checkpoint did not fit
+    (paused with an error: the path, the bytes needed and free)."""
     folders = list(session.scalars(select(Job.output_dir)))
-    datasets = session.scalar(select(func.coalesce(func.sum(Dataset.size_bytes), 0))) or 0
+    stored = select(func.coalesce(func.sum(Dataset.size_bytes), 0)).where(Dataset.deleted_at.is_(None))
+    datasets = session.scalar(stored) or 0
     where = runs_dir
     while not where.exists() and where != where.parent:
         where = where.parent
     disk = shutil.disk_usage(where)
+    paused = session.execute(
+        select(Job.id, Job.name, Job.error)
+        .where(Job.status == JobStatus.PAUSED, Job.error.is_not(None))
+        .order_by(Job.created_at)
+    )
     return DiskUse(
         jobs=len(folders),
         jobs_bytes=sum(job_bytes(storage, f) for f in folders),
         datasets_bytes=int(datasets),
         free_bytes=disk.free,
         capacity_bytes=disk.total,
+        reserve_bytes=reserve_bytes,
+        low=disk.free < reserve_bytes,
+        paused_for_space=[PausedForSpace(job_id=i, name=n, message=e or "") for i, n, e in paused],
     )

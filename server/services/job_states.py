@@ -17,6 +17,7 @@ from server.tables import Job, JobEvent, now
 TRANSITIONS: dict[JobStatus, set[JobStatus]] = {
     JobStatus.VALIDATING: {JobStatus.QUEUED, JobStatus.FAILED},
     JobStatus.QUEUED: {JobStatus.RUNNING, JobStatus.CANCELLED, JobStatus.FAILED, JobStatus.PAUSED},
+    # paused by the worker itself: a checkpoint did not fit on the disk
     JobStatus.RUNNING: {
         JobStatus.SUCCEEDED,
         JobStatus.FAILED,
@@ -24,6 +25,7 @@ TRANSITIONS: dict[JobStatus, set[JobStatus]] = {
         JobStatus.PAUSING,
         JobStatus.INTERRUPTED,
         JobStatus.CANCELLED,
+        JobStatus.PAUSED,
     },
     JobStatus.CANCELLING: {JobStatus.CANCELLED, JobStatus.FAILED, JobStatus.SUCCEEDED, JobStatus.INTERRUPTED},
     # a run that finishes or dies before its pause takes effect keeps that outcome

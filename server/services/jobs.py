@@ -414,6 +414,8 @@ def finish(
             return False
         held = job.status
         final = JobStatus.PAUSED if to == JobStatus.CANCELLED and held == JobStatus.PAUSING else to
+        if to == JobStatus.PAUSED and held == JobStatus.CANCELLING:  # paused by a full disk: the cancel wins
+            final = JobStatus.CANCELLED
         note = message
         if final == JobStatus.SUCCEEDED and held != JobStatus.RUNNING:
             request = "cancel" if held == JobStatus.CANCELLING else "pause"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import tempfile
@@ -13,6 +14,14 @@ from typing import BinaryIO
 from server.storage.base import Storage, check_key
 
 CHUNK = 1 << 20
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class LocalStorage(Storage):
@@ -48,8 +57,15 @@ class LocalStorage(Storage):
                 while chunk := stream.read(CHUNK):
                     size += len(chunk)
                     out.write(chunk)
+                out.flush()
+                os.fsync(out.fileno())  # on disk before a row can name it (a power cut)
             os.chmod(name, 0o644)
             os.replace(name, target)
+            _fsync_dir(target.parent)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT) and exc.filename is None:
+                raise OSError(exc.errno, os.strerror(exc.errno), str(target)) from exc
+            raise
         finally:
             Path(name).unlink(missing_ok=True)
         return size

@@ -51,8 +51,12 @@ def _home_store(settings: Settings) -> Storage:
     return LocalStorage(settings.home)
 
 
-def _is_key(value: str) -> bool:
+def is_key(value: str) -> bool:
+    """A store's key (relative), not a host path (absolute: rows made before the store)."""
     return not Path(value).is_absolute()
+
+
+_is_key = is_key
 
 
 def run_folder(settings: Settings, output_dir: str) -> Path:

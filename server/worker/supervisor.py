@@ -20,12 +20,13 @@ from pathlib import Path
 from sqlalchemy.orm import Session, sessionmaker
 
 from engine.training.folders import latest as latest_checkpoint
+from engine.training.folders import list_checkpoints
 from server.kinds import EventKind, JobStatus
 from server.services import checkpoints, gpus, inference, jobs, placement
 from server.settings import Settings
 from server.worker import files, inference_link
 from server.worker.telemetry import count_gpus
-from server.worker.trainer import ERROR_FILE, EXIT_CANCELLED, EXIT_FAILED, EXIT_OK
+from server.worker.trainer import ERROR_FILE, EXIT_CANCELLED, EXIT_DISK_FULL, EXIT_FAILED, EXIT_OK
 
 log = logging.getLogger("roundhouse.worker")
 POLL_S = 0.5
@@ -44,7 +45,7 @@ def _crashed(rc: int) -> bool:
     """Killed by a signal (the out-of-memory killer's SIGKILL, a segfault) or an exit code the
     trainer never uses: worth a restart. ``EXIT_FAILED`` is an exception inside the run (bad data,
     a bad config), which would only happen again."""
-    return rc < 0 or rc not in (EXIT_OK, EXIT_FAILED, EXIT_CANCELLED)
+    return rc < 0 or rc not in (EXIT_OK, EXIT_FAILED, EXIT_CANCELLED, EXIT_DISK_FULL)
 
 
 def _death(rc: int) -> str:
@@ -73,6 +74,40 @@ def _resume_step(session: Session, job_id: str, folder: Path) -> int | None:
     on_disk = latest_checkpoint(folder / "checkpoints")
     steps = [s for s in (recorded, on_disk[0] if on_disk else None) if s is not None]
     return max(steps) if steps else None
+
+
+def _resume_step_of(sessions: sessionmaker[Session], job_id: str, folder: Path) -> int | None:
+    with sessions() as session:
+        return _resume_step(session, job_id, folder)
+
+
+def record_unrecorded(settings: Settings, session: Session, *, job_id: str, output_dir: str) -> list[int]:
+    """Give a row to each complete checkpoint in the job's folder of the local store that is newer
+    than its latest row: the process that wrote it was killed before it recorded it (a crash, a
+    power cut). Returns their steps. (With a remote store a checkpoint counts once it is pushed:
+    ``files.pull_checkpoint`` drops local ones no row names.)"""
+    store = files.open_store(settings)
+    folder = files.run_folder(settings, output_dir)
+    if not files.same_file(store.local_path(output_dir) if files.is_key(output_dir) else None, folder):
+        return []
+    last = _last_checkpoint(session, job_id)
+    found = []
+    for step, path in list_checkpoints(folder / "checkpoints"):
+        if last is not None and step <= last:
+            continue
+        kind = "adapter" if (path / "adapter_config.json").is_file() else "full"
+        key = f"{output_dir}/checkpoints/{path.name}"
+        checkpoints.record(session, job_id=job_id, step=step, path=key, kind=kind, metrics={}, storage=store)
+        jobs.add_event(
+            session,
+            job_id=job_id,
+            kind=EventKind.CHECKPOINT,
+            message=f"recorded {path.name}: complete on disk, its row lost when its process was killed",
+            data={"step": step, "path": key, "recovered": True},
+            step=step,
+        )
+        found.append(step)
+    return found
 
 
 class _Stopped(Exception):
@@ -268,6 +303,8 @@ def _run(
     folder = files.run_folder(settings, output_dir)
     folder.mkdir(parents=True, exist_ok=True)
     while True:
+        with sessions() as session:
+            record_unrecorded(settings, session, job_id=job_id, output_dir=output_dir)
         child = _Child(settings, folder, job_id=job_id)
         try:
             rc = child.watch(settings, sessions, job_id=job_id, worker_id=worker_id)
@@ -283,6 +320,11 @@ def _run(
                 step = _last_checkpoint(session, job_id)
             saved = f"a checkpoint at step {step}" if step is not None else "no checkpoint (before a step)"
             to, message = JobStatus.CANCELLED, f"stopped at a step boundary with {saved}"
+        elif rc == EXIT_DISK_FULL:  # its checkpoints before are intact: resume once space is freed
+            step = _resume_step_of(sessions, job_id, folder)
+            saved = f"the checkpoint at step {step}" if step is not None else "the start (no checkpoint yet)"
+            to, message = JobStatus.PAUSED, f"paused: {_failure(folder, rc)}; a resume continues from {saved}"
+            error = _failure(folder, rc)
         elif child.killed_for_cancel:
             to, message = (
                 JobStatus.CANCELLED,

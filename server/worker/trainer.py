@@ -2,11 +2,14 @@
 
 It loads the job's TrainConfig, runs ``engine.training.run.train`` with a sink that writes metrics,
 events and checkpoints to the database, stops at a step boundary on SIGTERM, and exits with
-``EXIT_OK``, ``EXIT_CANCELLED`` or ``EXIT_FAILED`` (the reason in ``ERROR_FILE`` of its folder).
+``EXIT_OK``, ``EXIT_CANCELLED``, ``EXIT_FAILED`` or ``EXIT_DISK_FULL`` (a checkpoint did not fit:
+the job pauses; the reason in ``ERROR_FILE`` of its folder, as for a failure).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import signal
 import sys
@@ -18,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from engine.errors import DiskFull
 from server.db import make_engine, session_factory
 from server.kinds import EventKind
 from server.services import checkpoints, jobs
@@ -27,8 +31,9 @@ from server.worker import files
 if TYPE_CHECKING:
     from server.storage import Storage
 
-EXIT_OK, EXIT_FAILED, EXIT_CANCELLED = 0, 1, 3
+EXIT_OK, EXIT_FAILED, EXIT_CANCELLED, EXIT_DISK_FULL = 0, 1, 3, 4
 ERROR_FILE = "error.txt"
+FULL = (errno.ENOSPC, errno.EDQUOT)  # a write that found no space
 # the latest values a checkpoint row records with it (DPO runs: their reward figures too)
 KEEP = (
     "loss/train",
@@ -151,16 +156,21 @@ def main(argv: list[str]) -> int:
             output_dir=output_dir,
             keep_last=keep,
         )
-        result = train(config, sink, cancel, models_dir=settings.models_dir)
+        reserve = settings.checkpoint_reserve_bytes
+        result = train(config, sink, cancel, models_dir=settings.models_dir, reserve_bytes=reserve)
     except Exception as exc:
-        traceback.print_exc()
-        (folder / ERROR_FILE).write_text(failure_text(exc)[:4000])
+        full = isinstance(exc, DiskFull) or (isinstance(exc, OSError) and exc.errno in FULL)
+        with contextlib.suppress(OSError):  # the log and the reason may not fit on a full disk either
+            traceback.print_exc()
+            (folder / ERROR_FILE).write_text(failure_text(exc)[:4000])
         where = getattr(exc, "fields", None)
-        if callable(where):  # an EngineError: where it failed, as data on the job's events too
+        if callable(where) or full:  # where it failed, as data on the job's events too
+            data = where() if callable(where) else {"path": getattr(exc, "filename", None)}
             with sessions() as session:
                 message = failure_text(exc)
-                jobs.add_event(session, job_id=job_id, kind=EventKind.LOG, message=message, data=where())
-        return EXIT_FAILED
+                data = data | {"disk_full": True} if full else data
+                jobs.add_event(session, job_id=job_id, kind=EventKind.LOG, message=message, data=data)
+        return EXIT_DISK_FULL if full else EXIT_FAILED
     print(f"finished: {result.status} at step {result.step}/{result.total_steps}", flush=True)
     return EXIT_CANCELLED if result.status == "cancelled" else EXIT_OK
 
@@ -168,6 +178,8 @@ def main(argv: list[str]) -> int:
 def failure_text(exc: BaseException) -> str:
     """What a failed job's ``error`` says: for an engine failure where it happened first ("failed
     in backward stage B3 on cuda:1 at step 120: ..."), else the exception's type and message."""
+    if isinstance(exc, DiskFull):
+        return str(exc)
     where = getattr(exc, "where", None)
     place = where() if callable(where) else ""
     text = f"{type(exc).__name__}: {exc}"
