@@ -30,7 +30,10 @@ WARN, FAIL (or SKIP, with the reason) with its figures:
    and backward stages, prefetch, activation hand-off), dense and MoE models, counted from
    every thread by the CUDA sync debug mode; an ``.item()`` injected on a worker must be counted;
 10. ``throughput``: tokens/s and bubble ratio of a ~150M-parameter bfloat16 Llama on the engine
-   against a GPU-resident plain loop (model on the GPU, fused AdamW, bfloat16 autocast).
+   against a GPU-resident plain loop (model on the GPU, fused AdamW, bfloat16 autocast);
+11. ``inference``: the inference service's decoder (``engine.inference.batching``) in bfloat16
+   with its KV cache: each prompt's greedy answer alone equal to ``model.generate``, four prompts
+   of different lengths batched together, and decode tokens/s alone and batched.
 
 Device memory is read once the GPU is idle, unreachable objects are collected, cuBLAS's
 per-stream workspaces are freed and the allocator's cache is emptied: what remains is held by
@@ -121,6 +124,7 @@ CHECKS = (
     "memory",
     "host_syncs",
     "throughput",
+    "inference",
 )
 ORDER = {"FAIL": 3, "WARN": 2, "PASS": 1, "SKIP": 0}
 FUSED_ONLY = {"forward": [], "fused": 5, "backward": []}  # the tiny models' 5 layers in one stage
@@ -2036,6 +2040,105 @@ def dump_stacks(reason: str) -> None:
     print("\n".join(lines), file=sys.stderr, flush=True)
 
 
+class _Numbers:
+    """A stand-in tokenizer for the decoder's text: token ids as numbers."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return " ".join(map(str, ids))
+
+
+def check_inference(ctx: Context) -> Result:
+    """The batching decoder against ``model.generate``, greedy, and its decode tokens/s."""
+    from engine.inference.batching import Ask, Batcher, End, Model, Token
+    from engine.inference.chat import Sampling
+
+    if ctx.cuda:  # ~200M parameters in bfloat16
+        size = dict(hidden=1024, layers=12, vocab=32000, inter=2816, heads=16, kv=8, seq=4096)
+        dtype, new, lengths = torch.bfloat16, 96, (17, 64, 200, 5)
+    else:
+        size = dict(hidden=64, layers=2, vocab=512, inter=128, heads=4, kv=2, seq=256)
+        dtype, new, lengths = torch.float32, 12, (7, 20, 33, 3)
+    module = small_llama(**size).to(ctx.device, dtype).eval()
+    module.generation_config.eos_token_id = None
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, size["vocab"], (n,), generator=g).tolist() for n in lengths]
+
+    def generated(ids: list[int]) -> list[int]:
+        x = torch.tensor([ids], device=ctx.device)
+        with torch.no_grad():
+            out = module.generate(
+                x, attention_mask=torch.ones_like(x), max_new_tokens=new, do_sample=False, pad_token_id=0
+            )
+        return [int(t) for t in out[0, len(ids) :]]
+
+    batcher, model = Batcher().start(), Model(module, name="check")
+
+    def decode(batch: list[list[int]]) -> tuple[list[list[int]], float]:
+        answers: list[list[int]] = [[] for _ in batch]
+        done = [threading.Event() for _ in batch]
+
+        def emit_to(i: int) -> Callable[[Any], None]:
+            def emit(event: Any) -> None:
+                if isinstance(event, Token):
+                    answers[i].append(event.token)
+                elif isinstance(event, End):
+                    done[i].set()
+
+            return emit
+
+        device_sync(ctx)
+        t0 = time.perf_counter()
+        for i, ids in enumerate(batch):
+            batcher.submit(model, Ask(ids, Sampling(0.0, 1.0, new), _Numbers(), emit_to(i)))
+        for event in done:
+            if not event.wait(600):
+                raise RuntimeError("the decoder did not finish")
+        return answers, time.perf_counter() - t0
+
+    try:
+        references = [generated(p) for p in prompts]
+        alone = [decode([p])[0][0] for p in prompts]
+        decode(prompts)  # warm-up of the batched shapes
+        together, batched_s = decode(prompts)
+        single_s = sum(decode([p])[1] for p in prompts)
+    finally:
+        batcher.close()
+
+    def agreeing(a: list[int], b: list[int]) -> int:
+        return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+    exact_alone = all(a == r for a, r in zip(alone, references, strict=True))
+    exact_batched = all(t == r for t, r in zip(together, references, strict=True))
+    tokens = new * len(prompts)
+    figures = {
+        "model": f"Llama {size['layers']} blocks x {size['hidden']} hidden, vocab {size['vocab']}",
+        "parameters": sum(p.numel() for p in module.parameters()),
+        "dtype": str(dtype).removeprefix("torch."),
+        "prompt_tokens": list(lengths),
+        "new_tokens": new,
+        "alone_equals_generate": exact_alone,
+        "batched_equals_generate": exact_batched,
+        "batched_tokens_before_first_difference": [
+            agreeing(t, r) for t, r in zip(together, references, strict=True)
+        ],
+        "tokens_per_s_one_at_a_time": tokens / single_s,
+        "tokens_per_s_four_batched": tokens / batched_s,
+        "batched_over_sequential_time": batched_s / single_s,
+    }
+    batched, single = figures["tokens_per_s_four_batched"], figures["tokens_per_s_one_at_a_time"]
+    speed = f"{batched:.0f} tokens/s batched, {single:.0f} one at a time"
+    if not exact_alone:
+        return Result("FAIL", "a greedy answer alone differs from model.generate", figures)
+    if not exact_batched:  # padded batch shapes round differently in low precision
+        return Result(
+            "WARN",
+            f"alone = generate; batched differs after {figures['batched_tokens_before_first_difference']}"
+            f" tokens; {speed}",
+            figures,
+        )
+    return Result("PASS", f"greedy = model.generate alone and batched; {speed}", figures)
+
+
 def run_check(name: str, fn: Callable[[], Result], timeout: float) -> tuple[Result, bool]:
     """Run one check in its own thread under the watchdog; returns its result and whether it hung.
 
@@ -2172,6 +2275,7 @@ def main() -> int:
         "memory": (lambda: check_memory(ctx), timeout),
         "host_syncs": (lambda: check_host_syncs(ctx), timeout),
         "throughput": (lambda: check_throughput(ctx), 2 * timeout),
+        "inference": (lambda: check_inference(ctx), timeout),
     }
     assert tuple(checks) == CHECKS
     results: dict[str, Result] = {}

@@ -17,6 +17,7 @@ layers decodes each request as its own batch (its ``n`` choices together).
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
 import time
@@ -129,6 +130,10 @@ class Model:
         self.closed = False
         self.context = context_length(module)
         self.device = next(module.parameters()).device
+        # the KV cache's keyword: ``cache`` from transformers 5.2x, ``past_key_values`` before
+        self.cache_keyword = (
+            "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
+        )
 
     def adapter(self, folder: str) -> str:
         """The name of the adapter in ``folder`` on this model, loading it on first use."""
@@ -150,17 +155,20 @@ class Model:
     def active(self) -> int:
         return sum(len(b.rows) for b in self.batches)
 
-    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, cache: Any, rows: list[_Row], **kw: Any) -> Any:
+    def _forward(
+        self, ids: torch.Tensor, mask: torch.Tensor, cache: Any, rows: list[_Row], **kw: Any
+    ) -> tuple[torch.Tensor, Any]:
         if self.adapters:  # a PeftModel: each row's adapter
             kw["adapter_names"] = [r.ask.adapter or BASE for r in rows]
-        return self.module(
+        kw[self.cache_keyword] = cache
+        out = self.module(
             input_ids=ids.to(self.device),
             attention_mask=mask.to(self.device),
-            cache=cache,
             use_cache=True,
             logits_to_keep=1,
             **kw,
         )
+        return out.logits, getattr(out, self.cache_keyword)
 
 
 def _choose(row: _Row, logits: torch.Tensor) -> End | None:
@@ -326,10 +334,9 @@ class Batcher:
             for row in rows:
                 ask.emit(End(row.index, "cancelled", 0))
             return
-        out = model._forward(ids, mask, None, rows[:1])
+        logits, cache = model._forward(ids, mask, None, rows[:1])
         self.steps += 1
-        cache = out.cache
-        logits = out.logits[0, -1].float().cpu()
+        logits = logits[0, -1].float().cpu()
         keep = []
         for i, row in enumerate(rows):
             end = _choose(row, logits)
@@ -385,10 +392,9 @@ class Batcher:
             ids = torch.tensor([[r.last] for r in rows])
             batch.mask = torch.cat([batch.mask, batch.mask.new_ones(len(rows), 1)], dim=1)
             positions = torch.tensor([[r.position] for r in rows], device=model.device)
-            out = model._forward(ids, batch.mask, batch.cache, rows, position_ids=positions)
+            logits, batch.cache = model._forward(ids, batch.mask, batch.cache, rows, position_ids=positions)
             self.steps += 1
-            batch.cache = out.cache
-            logits = out.logits[:, -1].float().cpu()
+            logits = logits[:, -1].float().cpu()
             for i, row in enumerate(rows):
                 row.position += 1
                 if i in ended:

@@ -32,6 +32,7 @@ CHECKS = (
     "memory",
     "host_syncs",
     "throughput",
+    "inference",
 )
 # what needs CUDA itself; every other check must really run on CPU workers
 SKIPPED_ON_CPU = {"cuda_tests", "host_syncs"}
