@@ -383,6 +383,22 @@ class PlanStage(BaseModel):
     )
 
 
+class PlanBaseVariant(BaseModel):
+    """A LoRA job with a 16-bit or a 4-bit base (``method.base_bits``); sizes in GB."""
+
+    base_bits: Literal[16, 4]
+    fits: bool
+    limit: Literal["gpu_memory", "host_ram"] | None = Field(description="what it does not fit, if anything")
+    host_ram_gb: float
+    weights_gb: float = Field(description="the weights' copy in host RAM (a 4-bit base's blocks packed)")
+    pcie_gb_per_iteration: float | None = Field(
+        description="weights up, gradients down and stage-boundary activations in one iteration; "
+        "null when not even one layer fits a GPU"
+    )
+    max_seq_len: int
+    max_seq_len_limit: Literal["gpu_memory", "host_ram", "context", "planner"]
+
+
 class PlanPublic(BaseModel):
     """The planner's answer (``engine.planner.PlanReport``); sizes in GB (1e9 bytes)."""
 
@@ -415,6 +431,16 @@ class PlanPublic(BaseModel):
         description="DPO: seconds of the reference pass (one forward over every training and "
         "validation pair, before the first step), part of eta_s; null for a supervised job or "
         "when the pair count is unknown (no dataset)",
+    )
+    base_bits: Literal[16, 4] = Field(16, description="the job's base: 16 bits, or 4 (NF4, LoRA only)")
+    pcie: dict[str, float] | None = Field(
+        None,
+        description="GB one iteration moves over PCIe by term (weights, gradients, activations) "
+        "and total_gb; null when not even one layer fits a GPU",
+    )
+    base_variants: list[PlanBaseVariant] = Field(
+        default_factory=list,
+        description="a LoRA job with a 16-bit and with a 4-bit base side by side; empty for a full fine-tune",
     )
     assumptions: dict[str, Any]
     calibrated_from: str | None

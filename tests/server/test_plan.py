@@ -136,3 +136,41 @@ def test_a_dpo_plan_steps_like_the_lora_plan_of_twice_the_batch(client: TestClie
         assert d_plan[key] == s_plan[key], key
     # no dataset: the pair count, hence the reference pass, is unknown
     assert d_plan["reference_s"] is None and d_plan["eta_s"] == pytest.approx(10 * d_plan["iteration_s"])
+
+
+def test_a_lora_plan_shows_both_bases(client: TestClient) -> None:
+    from tests.engine.test_planner_quantized import QWEN3_32B
+
+    body = {
+        "config": QWEN3_32B,
+        "data": {"max_length": 2048},
+        "method": {"kind": "lora"},
+        "hyper": {"batch_size": 16, "max_steps": 10},
+        "engine": {"num_microbatches": 16},
+        "hardware": {"num_gpus": 8, "gpu_memory_gb": 24, "host_ram_gb": 64},
+    }
+    r = client.post("/api/plan", json=body)
+    assert r.status_code == 200, r.text
+    plan = r.json()
+    sixteen, four = plan["base_variants"]
+    # 66 GB of bf16 weights: not in 64 GB of RAM; about 20 GB with the blocks in 4 bits
+    assert not plan["fits"] and plan["base_bits"] == 16
+    assert (sixteen["base_bits"], sixteen["fits"], sixteen["limit"]) == (16, False, "host_ram")
+    assert (four["base_bits"], four["fits"], four["limit"]) == (4, True, None)
+    assert four["host_ram_gb"] < 0.5 * sixteen["host_ram_gb"] and four["max_seq_len"] > 0
+    assert four["pcie_gb_per_iteration"] < sixteen["pcie_gb_per_iteration"]
+    assert sixteen["host_ram_gb"] == plan["host_ram"]["total_gb"]
+    assert sixteen["pcie_gb_per_iteration"] == plan["pcie"]["total_gb"]
+    # the job with a 4-bit base: it fits, with the same two variants
+    quantized = client.post("/api/plan", json=body | {"method": {"kind": "lora", "base_bits": 4}}).json()
+    assert quantized["fits"] and quantized["base_bits"] == 4
+    assert quantized["base_variants"] == plan["base_variants"]
+    assert quantized["max_seq_len"] == four["max_seq_len"]
+    assert any(s["memory_gb"]["dequantized"] > 0 for s in quantized["stages"])
+    # a full fine-tune: no variants, and no 4-bit base
+    full = client.post("/api/plan", json=body | {"method": {"kind": "full"}}).json()
+    assert full["base_variants"] == []
+    refused = client.post("/api/plan", json=body | {"method": {"kind": "full", "base_bits": 4}})
+    assert refused.status_code in (400, 422) and "base_bits" in refused.json()["error"]["param"]
+    schema = client.get("/openapi.json").json()["components"]["schemas"]["PlanPublic"]["properties"]
+    assert {"base_bits", "pcie", "base_variants"} <= set(schema)
