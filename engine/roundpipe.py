@@ -191,6 +191,21 @@ class RoundPipe(SequenceMethods):
         Returns:
             The mean loss over every label token of the batch.
         """
+        return self.evaluate_counts(input_ids=input_ids, labels=labels, attention_mask=attention_mask)[0]
+
+    def evaluate_counts(
+        self,
+        *,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+    ) -> tuple[float, int, int]:
+        """``evaluate``, with what a token accuracy needs, from the same forward.
+
+        Returns:
+            The mean loss (as ``evaluate`` returns it), the label tokens whose logits' argmax is
+            the label, and the label tokens.
+        """
         self._check_open()
         m = min(self.config.num_microbatches, int(input_ids.shape[0])) if input_ids.dim() == 2 else 1
         mbs, total = split_batch(
@@ -198,7 +213,7 @@ class RoundPipe(SequenceMethods):
         )
         it = self._launch(mbs, total, train=False)
         self.board.wait_for(lambda: it.remaining == 0, it)
-        return it.loss_sum() / total
+        return it.loss_sum() / total, it.correct_tokens() or 0, total
 
     def _launch(
         self, mbs: list[MicroBatch], total: int, *, train: bool, objective: Objective | None = None

@@ -91,7 +91,7 @@ METHODS: dict[str, MethodEntry] = {
         sequences_per_example=1,
         needs_reference=False,
         config_fields={},
-        metric_keys=(),
+        metric_keys=("accuracy/train", "accuracy/val"),
         module="engine.methods.sft",
     ),
     "dpo": MethodEntry(

@@ -34,16 +34,19 @@ def load_examples(config: Any, tokenizer: Any) -> tuple[list[Encoded], list[Enco
     return train, val
 
 
-def evaluate(engine: RoundPipe, examples: list[Encoded], batch_size: int, pad_id: int) -> float:
-    """Token-weighted mean validation loss."""
-    total, tokens = 0.0, 0
+def evaluate(engine: RoundPipe, examples: list[Encoded], batch_size: int, pad_id: int) -> dict[str, float]:
+    """``loss/val``, the token-weighted mean validation loss, and ``accuracy/val``, the share of
+    label tokens whose logits' argmax is the label."""
+    total, tokens, correct = 0.0, 0, 0
     for i in range(0, len(examples), batch_size):
         batch = collate(examples[i : i + batch_size], pad_id)
         n = int((batch["labels"][:, 1:] != -100).sum())
         if n:
-            total += engine.evaluate(**batch) * n
+            mean, right, _ = engine.evaluate_counts(**batch)
+            total += mean * n
             tokens += n
-    return total / max(tokens, 1)
+            correct += right
+    return {"loss/val": total / max(tokens, 1), "accuracy/val": correct / max(tokens, 1)}
 
 
 class SupervisedRun(MethodRun):
@@ -61,7 +64,7 @@ class SupervisedRun(MethodRun):
     def validate(self, engine: RoundPipe, batch_size: int, pad_id: int) -> dict[str, float] | None:
         if not self.validation:
             return None
-        return {"loss/val": evaluate(engine, self.validation, batch_size, pad_id)}
+        return evaluate(engine, self.validation, batch_size, pad_id)
 
 
 RUN = SupervisedRun

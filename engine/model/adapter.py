@@ -33,6 +33,7 @@ from engine.model.family_spec import llama_block_arguments
 from engine.model.loss import (
     DEFAULT_LOSS_CHUNK_TOKENS,
     check_chunk_tokens,
+    chunked_causal_lm_loss_and_correct,
     chunked_causal_lm_loss_sum,
     chunked_sequence_logps,
     finish_logits,
@@ -89,10 +90,13 @@ class OutputLayer(nn.Module):
         *,
         per_sequence: bool = False,
         grad_scale: float = 1.0,
+        count_correct: bool = False,
     ) -> torch.Tensor:
         """The logits; given ``labels``, the loss sum, or with ``per_sequence`` the ``[b]`` sums of
         each row's label-token log-probabilities (``engine.model.loss``). ``grad_scale``: the
-        gradient the caller will back-propagate into the loss sum (``chunked_causal_lm_loss_sum``)."""
+        gradient the caller will back-propagate into the loss sum (``chunked_causal_lm_loss_sum``).
+        ``count_correct``: ``[2]`` fp32, the loss sum and the number of label tokens whose logits'
+        argmax is the label (exact up to 2**24 label tokens per call)."""
         normed = self.norm(hidden)
         divisor, cap = self.logits_divisor, self.logit_softcap
         if labels is None:
@@ -118,6 +122,11 @@ class OutputLayer(nn.Module):
         # the head's gradients are taken in this pass: autograd reaches its tensors through the loss
         trained = list({id(t): t for t in tensors.values() if t.requires_grad}.values())
         chunk = self.chunk_tokens
+        if count_correct:
+            loss, correct = chunked_causal_lm_loss_and_correct(
+                normed, labels, head, chunk_tokens=chunk, weights=trained, grad_scale=grad_scale
+            )
+            return torch.stack([loss, correct.to(loss.dtype)])
         return chunked_causal_lm_loss_sum(
             normed, labels, head, chunk_tokens=chunk, weights=trained, grad_scale=grad_scale
         )
@@ -320,18 +329,22 @@ def run_layer(
     *,
     per_sequence: bool = False,
     grad_scale: float = 1.0,
+    count_correct: bool = False,
 ) -> torch.Tensor:
     """Run one layer on ``x``; ``call(*args, **kwargs)`` invokes (a copy of) ``layer.module``.
 
     The output layer given ``labels`` returns the loss sum, not the logits (``grad_scale``: the
-    gradient its caller will back-propagate into it); with ``per_sequence`` the ``[b]`` per-row
-    sums of the label tokens' log-probabilities.
+    gradient its caller will back-propagate into it); with ``count_correct`` ``[2]``: the loss
+    sum and the label tokens predicted right (``OutputLayer``); with ``per_sequence`` the ``[b]``
+    per-row sums of the label tokens' log-probabilities.
     """
     if layer.kind == LayerKind.OUTPUT:
         if labels is None:
             return call(x)  # type: ignore[no-any-return]
         if per_sequence:
             return call(x, labels, per_sequence=True)  # type: ignore[no-any-return]
+        if count_correct:
+            return call(x, labels, grad_scale=grad_scale, count_correct=True)  # type: ignore[no-any-return]
         return call(x, labels, grad_scale=grad_scale)  # type: ignore[no-any-return]
     if layer.kind != LayerKind.BLOCK:
         return call(x)  # type: ignore[no-any-return]

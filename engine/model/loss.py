@@ -13,6 +13,10 @@ log-probability (``chunked_sequence_logps``, what the preference methods score) 
 gradient per row, so its chunks run again in backward under ``torch.utils.checkpoint``. Going
 through the head module (not a hand-written ``hidden @ weight.T``) keeps whatever the head is: a
 tied embedding weight, a LoRA-wrapped ``lm_head``.
+
+The same pass can count the label tokens the model predicts right (``argmax(logits) == label``),
+from each chunk's logits as they are (``chunked_causal_lm_loss_and_correct``): the token accuracy
+costs one argmax per chunk and no second head pass.
 """
 
 from __future__ import annotations
@@ -71,23 +75,39 @@ def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tens
     return nn.functional.cross_entropy(shift_logits, shift_labels, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
+def causal_lm_correct(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Number of label tokens != -100 whose logits' argmax is the label (int64), from full logits.
+
+    The unchunked reference of ``chunked_causal_lm_loss_and_correct``'s count.
+    """
+    predicted = logits[:, :-1, :].argmax(dim=-1)
+    return (predicted == labels[:, 1:].to(predicted.device)).sum()
+
+
 def _chunk_loss(
-    head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, labels: torch.Tensor
-) -> torch.Tensor:
-    # hidden [n, d] -> logits [n, vocab] in the head's dtype, the loss in fp32 (as the unchunked one)
+    head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, labels: torch.Tensor, count: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    # hidden [n, d] -> logits [n, vocab] in the head's dtype, the loss in fp32 (as the unchunked one);
+    # with ``count``, the label tokens whose logits' argmax is the label (-100 never equals one)
     logits = head(hidden).float()
-    return nn.functional.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    loss = nn.functional.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    if not count:
+        return loss, None
+    with torch.no_grad():
+        return loss, (logits.argmax(dim=-1) == labels).sum()
 
 
 class _LossWithGradients(torch.autograd.Function):
     """The chunked loss sum whose gradients are taken chunk by chunk in forward.
 
     Inputs: ``flat [n, d]``, ``targets [n]``, the chunk size, the incoming gradient expected in
-    backward, the head and the head's tensors that need a gradient (so that autograd routes their
-    gradients here). Forward takes each chunk's gradients for that expected incoming gradient, so
-    they round exactly as autograd's own backward would; backward multiplies them by the ratio
-    of the incoming gradient to the expected one (1: unchanged), exact since the output is a
-    scalar, and without reading anything back from the device.
+    backward, whether to count the right predictions, the head and the head's tensors that need a
+    gradient (so that autograd routes their gradients here). Outputs: the loss sum and the count
+    (int64, 0 when not counted; not differentiable). Forward takes each chunk's gradients for
+    that expected incoming gradient, so they round exactly as autograd's own backward would;
+    backward multiplies them by the ratio of the incoming gradient to the expected one (1:
+    unchanged), exact since the loss is a scalar, and without reading anything back from the
+    device.
     """
 
     @staticmethod
@@ -97,18 +117,22 @@ class _LossWithGradients(torch.autograd.Function):
         targets: torch.Tensor,
         chunk_tokens: int,
         grad_scale: float,
+        count: bool,
         head: Callable[[torch.Tensor], torch.Tensor],
         *weights: torch.Tensor,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         expected = torch.tensor(grad_scale, dtype=torch.float32, device=flat.device)
         wants_hidden = bool(ctx.needs_input_grad[0])
         grad_hidden = torch.zeros_like(flat)
         grad_weights: list[torch.Tensor | None] = [None] * len(weights)
         total: torch.Tensor | None = None
+        correct = torch.zeros((), dtype=torch.int64, device=flat.device)
         for start in range(0, max(flat.shape[0], 1), chunk_tokens):
             with torch.enable_grad():
                 h = flat[start : start + chunk_tokens].detach().requires_grad_(wants_hidden)
-                part = _chunk_loss(head, h, targets[start : start + chunk_tokens])
+                part, right = _chunk_loss(head, h, targets[start : start + chunk_tokens], count)
+                if right is not None:
+                    correct = correct + right
                 wants = [h] if wants_hidden else []
                 wants += list(weights)
                 found: tuple[torch.Tensor | None, ...] = ()
@@ -126,10 +150,13 @@ class _LossWithGradients(torch.autograd.Function):
         if total is None:
             raise RuntimeError("chunked loss: no chunk was computed")
         ctx.kept = (grad_hidden, grad_weights, expected)
-        return total
+        ctx.mark_non_differentiable(correct)
+        return total, correct
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+    def backward(  # type: ignore[override]
+        ctx: Any, grad: torch.Tensor, _grad_correct: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, ...]:
         grad_hidden, grad_weights, expected = ctx.kept
         del ctx.kept
         ratio = grad.float() / expected  # exactly 1 when backward brings the expected gradient
@@ -139,7 +166,7 @@ class _LossWithGradients(torch.autograd.Function):
 
         hidden = scaled(grad_hidden) if ctx.needs_input_grad[0] else None
         weights = tuple(None if g is None else scaled(g) for g in grad_weights)
-        return (hidden, None, None, None, None, *weights)
+        return (hidden, None, None, None, None, None, *weights)
 
 
 def chunked_causal_lm_loss_sum(
@@ -180,6 +207,54 @@ def chunked_causal_lm_loss_sum(
     Raises:
         ConfigError: ``chunk_tokens`` < 1.
     """
+    loss, _ = _chunked_loss(
+        hidden, labels, head, chunk_tokens, weights, grad_scale, preserve_rng_state, count=False
+    )
+    return loss
+
+
+def chunked_causal_lm_loss_and_correct(
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    head: Callable[[torch.Tensor], torch.Tensor],
+    *,
+    chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS,
+    weights: Sequence[torch.Tensor] | None = None,
+    grad_scale: float = 1.0,
+    preserve_rng_state: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``chunked_causal_lm_loss_sum`` and, from the same logits, the number of label tokens
+    != -100 whose logits' argmax is the label (``causal_lm_correct``: the token accuracy's
+    numerator; an argmax tie goes to the lower token id, as ``torch.argmax``).
+
+    Args: as ``chunked_causal_lm_loss_sum``.
+
+    Returns:
+        The 0-d fp32 loss sum (differentiable as ``chunked_causal_lm_loss_sum``'s) and the 0-d
+        int64 count (not differentiable).
+
+    Raises:
+        ConfigError: ``chunk_tokens`` < 1.
+    """
+    loss, correct = _chunked_loss(
+        hidden, labels, head, chunk_tokens, weights, grad_scale, preserve_rng_state, count=True
+    )
+    if correct is None:
+        raise RuntimeError("chunked loss: the right predictions were not counted")
+    return loss, correct
+
+
+def _chunked_loss(
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    head: Callable[[torch.Tensor], torch.Tensor],
+    chunk_tokens: int,
+    weights: Sequence[torch.Tensor] | None,
+    grad_scale: float,
+    preserve_rng_state: bool,
+    *,
+    count: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     check_chunk_tokens(chunk_tokens)
     # [b, s - 1, d] -> [n, d]: position t predicts token t + 1
     flat = hidden[:, :-1, :].reshape(-1, hidden.shape[-1])
@@ -190,23 +265,26 @@ def chunked_causal_lm_loss_sum(
     if grad and weights is not None:
         trained = list({id(w): w for w in weights if w.requires_grad}.values())
         if flat.requires_grad or trained:
-            loss: torch.Tensor = _LossWithGradients.apply(
-                flat, targets, chunk_tokens, float(grad_scale), head, *trained
+            loss, counted = _LossWithGradients.apply(
+                flat, targets, chunk_tokens, float(grad_scale), count, head, *trained
             )
-            return loss
+            return loss, counted if count else None
     total: torch.Tensor | None = None
+    correct: torch.Tensor | None = None
     for start in range(0, max(flat.shape[0], 1), chunk_tokens):
         h, y = flat[start : start + chunk_tokens], targets[start : start + chunk_tokens]
         if grad:
-            part = checkpoint(
-                _chunk_loss, head, h, y, use_reentrant=False, preserve_rng_state=preserve_rng_state
+            part, right = checkpoint(
+                _chunk_loss, head, h, y, count, use_reentrant=False, preserve_rng_state=preserve_rng_state
             )
         else:
-            part = _chunk_loss(head, h, y)
+            part, right = _chunk_loss(head, h, y, count)
         total = part if total is None else total + part
+        if right is not None:
+            correct = right if correct is None else correct + right
     if total is None:
         raise RuntimeError("chunked loss: no chunk was computed")
-    return total
+    return total, correct
 
 
 def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -118,7 +118,8 @@ class Iteration:
     act_uses: dict[tuple[int, int], int] = field(default_factory=dict)
     grads: dict[tuple[int, int], tuple[Any, Any]] = field(default_factory=dict)
     # per micro-batch: (host tensor, index, copy event) of its loss sum (read with ``loss_sum``);
-    # an objective's report follows it (a sequence-scoring iteration's rows' log-probabilities)
+    # an objective's report follows it (a sequence-scoring iteration's rows' log-probabilities),
+    # else the label tokens predicted right (``correct_tokens``)
     loss_sums: dict[int, tuple[Any, int, Any]] = field(default_factory=dict)
     objective: Objective = TOKEN_LOSS  # what the fused stage makes of the output layer's result
     # busy spans (worker, stage name, start, end): clock readings, or CUDA timing events
@@ -147,6 +148,19 @@ class Iteration:
             if event is not None:
                 event.synchronize()
             total += float(host[j])
+        return total
+
+    def correct_tokens(self) -> int | None:
+        """The label tokens whose logits' argmax was the label, over every micro-batch (None: the
+        objective scores whole sequences, e.g. DPO, and nothing was counted)."""
+        if self.objective.per_sequence:
+            return None
+        total = 0
+        for mb in range(len(self.microbatches)):
+            host, j, event = self.loss_sums[mb]
+            if event is not None:
+                event.synchronize()
+            total += int(host[j + 1])
         return total
 
     def settle_times(self) -> None:

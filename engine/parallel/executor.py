@@ -384,16 +384,25 @@ class Worker:
         grad_scale: float = 1.0,
     ) -> torch.Tensor:
         """Run one layer; the output layer given ``labels`` returns the loss sum (chunked), its
-        gradients taken for ``grad_scale``, the gradient back-propagated into it."""
+        gradients taken for ``grad_scale``, the gradient back-propagated into it, followed by the
+        label tokens predicted right (``[2]``) unless the objective scores whole sequences."""
         module, tensors = self.modules[layer.index], params[layer.index]
 
         def call(*args: Any, **kwargs: Any) -> Any:
             return functional_call(module, tensors, args, kwargs, tie_weights=False, strict=False)
 
         lock = PARAMETRIZE_LOCK if self.parametrized[layer.index] else contextlib.nullcontext()
+        per_sequence = it.objective.per_sequence
         with self._rng(it, mb, layer.index), lock:
             return run_layer(
-                layer, call, x, ctx, labels, per_sequence=it.objective.per_sequence, grad_scale=grad_scale
+                layer,
+                call,
+                x,
+                ctx,
+                labels,
+                per_sequence=per_sequence,
+                grad_scale=grad_scale,
+                count_correct=not per_sequence,
             )
 
     def _context(self, it: Iteration, mb: int, hidden: torch.Tensor) -> Any:
@@ -440,8 +449,9 @@ class Worker:
                 self.routing.statistics(it, mb, i)  # an evaluation adds no router loss
                 if ctx is None:
                     ctx = self._context(it, mb, x)
+            x, correct = self._split_output(it, x)
             loss_sum, report = it.objective.fused_loss(mb, x, self.link.upload)
-            return loss_sum if report is None else report
+            return self._report(loss_sum, report, correct)
 
     def _backward(
         self,
@@ -482,9 +492,10 @@ class Worker:
                 if ctx is None:
                     ctx = self._context(it, mb, x)
                 saved.append((inp, x))
-            loss_sum, report = None, None
+            loss_sum, report, correct = None, None, None
             if stage.kind == StageKind.FUSED:
                 # x: the output layer's result (a token loss sum, or the rows' log-probabilities)
+                x, correct = self._split_output(it, x)
                 loss_sum, report = it.objective.fused_loss(mb, x, self.link.upload)
                 scale = self.board.scale_for(it) / it.total_tokens
                 top: torch.Tensor | None = loss_sum * scale
@@ -533,9 +544,27 @@ class Worker:
                         else:
                             acc.add_(t.grad)
                         t.grad = None
+        return None if loss_sum is None else self._report(loss_sum, report, correct)
+
+    @staticmethod
+    def _split_output(it: Iteration, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The output layer's result without the count of right predictions, and the count (None:
+        the objective scores whole sequences, and nothing was counted)."""
+        if it.objective.per_sequence:
+            return out, None
+        return out[0], out[1].detach()
+
+    @staticmethod
+    def _report(
+        loss_sum: torch.Tensor, report: torch.Tensor | None, correct: torch.Tensor | None
+    ) -> torch.Tensor:
+        """What goes to the host for a micro-batch: the objective's report, or the loss sum (with the
+        router loss) followed by the label tokens predicted right (``Iteration.correct_tokens``)."""
         if report is not None:
             return report
-        return None if loss_sum is None else loss_sum.detach()
+        if correct is None:
+            return loss_sum.detach()
+        return torch.stack([loss_sum.detach(), correct])
 
     def _needs_input_grad(self, layer: int) -> bool:
         """Whether the gradient of a block's input is needed: always, except for the block right

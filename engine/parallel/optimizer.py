@@ -54,8 +54,9 @@ class StepJob:
     period: float = 0.0  # seconds since the previous step finished (0: the first step here)
 
     def metrics(self, *, loss_scale: float, num_workers: int) -> dict[str, float]:
-        """The step's metrics for the sink, once it finished (``loss/train``, ``time/*``, ...;
-        and the objective's own, e.g. ``dpo/*``, whose ``loss/train`` is the mean over pairs).
+        """The step's metrics for the sink, once it finished (``loss/train``, ``accuracy/train``: the
+        share of label tokens whose argmax was the label, ``time/*``, ...; and the objective's own,
+        e.g. ``dpo/*``, whose ``loss/train`` is the mean over pairs, without ``accuracy/train``).
 
         ``time/optimizer_s`` is the step itself (norm, update and copy, and the waits for the
         uploads of the old compute copies); ``time/optimizer/<phase>_s`` the phases (``fold``
@@ -92,6 +93,9 @@ class StepJob:
         for it in its:
             for name, s in it.stage_s.items():
                 metrics[f"time/stage/{name}_s"] = metrics.get(f"time/stage/{name}_s", 0.0) + s
+        correct = [it.correct_tokens() for it in its]  # None: the objective scores sequences (DPO)
+        if all(c is not None for c in correct):
+            metrics["accuracy/train"] = sum(c or 0 for c in correct) / tokens
         metrics.update(objective_metrics(its))  # e.g. a DPO step's rewards (and its answers' tokens)
         return metrics
 

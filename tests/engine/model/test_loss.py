@@ -15,8 +15,10 @@ from engine.errors import ConfigError
 from engine.model.adapter import AdaptedModel, OutputLayer
 from engine.model.loss import (
     DEFAULT_LOSS_CHUNK_TOKENS,
+    causal_lm_correct,
     causal_lm_loss_sum,
     check_chunk_tokens,
+    chunked_causal_lm_loss_and_correct,
     chunked_causal_lm_loss_sum,
 )
 from tests.engine.tiny import tiny_model
@@ -75,6 +77,53 @@ def test_chunked_equals_unchunked(chunk: int) -> None:
     assert torch.allclose(got[0], ref[0], rtol=TOL, atol=TOL), (got[0], ref[0])
     for a, b in zip(got[1:], ref[1:], strict=True):
         assert (a - b).abs().max().item() < TOL
+
+
+@pytest.mark.parametrize("path", ["gradients", "recompute", "no_grad"])
+@pytest.mark.parametrize("chunk", [1, 5, 22, 1000])
+def test_counting_right_predictions_is_exact_and_changes_nothing(chunk: int, path: str) -> None:
+    hidden, labels, head = _inputs(2, 12, 16, 50)
+    with torch.no_grad():  # every other position's label is the model's own prediction
+        predicted = head(hidden).argmax(dim=-1)
+    labels[:, 1::2] = predicted[:, :-1:2]
+    labels[0, 1] = -100  # a predicted position that is not a label token
+    expected = int(causal_lm_correct(head(hidden), labels))
+    assert 5 < expected < int((labels[:, 1:] != -100).sum())
+    # the recompute path: a head whose tensors are unknown
+    call = (lambda x: head(x)) if path == "recompute" else head
+    results = []
+    for count in (False, True):
+        head.zero_grad()
+        h = hidden.clone().requires_grad_(path != "no_grad")
+        with torch.set_grad_enabled(path != "no_grad"):
+            if count:
+                loss, correct = chunked_causal_lm_loss_and_correct(h, labels, call, chunk_tokens=chunk)
+                assert correct.dtype == torch.int64 and not correct.requires_grad
+                assert int(correct) == expected
+            else:
+                loss = chunked_causal_lm_loss_sum(h, labels, call, chunk_tokens=chunk)
+        if path != "no_grad":
+            loss.backward()
+            assert h.grad is not None and head.weight.grad is not None
+            results.append((loss.detach(), h.grad, head.weight.grad.clone()))
+        else:
+            results.append((loss,))
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_output_layer_counts_next_to_its_loss_sum() -> None:
+    model = tiny_model("llama")
+    out = AdaptedModel(model, loss_chunk_tokens=5).layers[-1].module
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(2, 9, 32, generator=g)
+    labels = torch.randint(0, 96, (2, 9), generator=g)
+    with torch.no_grad():
+        labels[:, 1:] = torch.where(labels[:, 1:] % 2 == 0, out(hidden)[:, :-1].argmax(-1), labels[:, 1:])
+        both = out(hidden, labels, count_correct=True)
+        assert both.shape == (2,)
+        assert torch.equal(both[0], out(hidden, labels))
+        assert int(both[1]) == int(causal_lm_correct(out(hidden), labels)) > 0
 
 
 def test_all_ignored_and_single_position() -> None:
