@@ -263,6 +263,7 @@ def _report(shape: Shape, hardware: Hardware, workload: Workload) -> PlanReport:
             "gpu_tflops": h.gpu_tflops,
             "efficiency": h.efficiency,
             "link_gb_s": h.link_gb_s,
+            "host_ram_gb": h.host_ram_gb,
             "detected": list(h.detected),
             "optimizer_params_per_s": OPTIMIZER_PARAMS_PER_S,
             "loss_chunk_tokens": w.loss_chunk_tokens,

@@ -27,6 +27,29 @@ function pairsNote(p) {
   return `${a.objective.toUpperCase()}: 2 sequences (preferred and rejected) per pair, ${a.sequences_per_step} a step; ${pass}.`;
 }
 
+// A LoRA job with either base (POST /api/plan's base_variants): the host RAM each needs against
+// the host's, then PCIe bytes an iteration and the longest sequence that fits with each.
+function baseNote(p) {
+  const [b16, b4] = [16, 4].map((bits) => p.base_variants.find((v) => v.base_bits === bits));
+  if (!b16 || !b4) return null;
+  const ram = p.assumptions.host_ram_gb;
+  const gb = (v) => `${number(v.host_ram_gb)} GB`;
+  const ramFits = (v) => v.limit !== "host_ram";
+  let lead;
+  if (ram === null || ram === undefined) lead = `Host RAM: ${gb(b4)} with a 4-bit base, ${gb(b16)} without.`;
+  else if (ramFits(b4) && !ramFits(b16))
+    lead = `Fits in ${number(ram)} GB of RAM with a 4-bit base, needs ${gb(b16)} without.`;
+  else if (!ramFits(b4))
+    lead = `Needs ${gb(b4)} of RAM with a 4-bit base, ${gb(b16)} without: the host has ${number(ram)} GB.`;
+  else lead = `Host RAM: ${gb(b4)} with a 4-bit base, ${gb(b16)} without (the host has ${number(ram)} GB).`;
+  const pcie = (v) => (v.pcie_gb_per_iteration === null ? "–" : `${number(v.pcie_gb_per_iteration)} GB`);
+  const seq = (v) => v.max_seq_len.toLocaleString("en-US");
+  return (
+    `${lead} PCIe per iteration: ${pcie(b4)} with a 4-bit base, ${pcie(b16)} without. ` +
+    `Longest sequence: ${seq(b4)} tokens with a 4-bit base, ${seq(b16)} without.`
+  );
+}
+
 // The card (``element``); ``schedule()`` plans ``body()`` 300 ms after the last call, a newer
 // answer replacing an older one; ``stop()`` when the page goes.
 export function planCard(body) {
@@ -117,6 +140,7 @@ export function planCard(body) {
               : null,
             el("div", {}, el("dt", { text: "ETA" }), el("dd", { id: "plan-eta", text: duration(p.eta_s) })),
           ),
+          baseNote(p) ? el("p", { id: "plan-base-bits", text: baseNote(p) }) : null,
           el("p", {
             class: "muted small",
             text: `${p.partition ? `Stages ${p.partition}; ` : ""}${rate}; ${perSeq} (${hw}). An estimate: a finished job on this box calibrates it (POST /api/plan with calibrate_job_id).`,
