@@ -9,7 +9,7 @@ PRETTIER := node_modules/.bin/prettier
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install services test lint lint-js fmt-js types unit bench gpu-check gpu-bundle run demo demo-dpo plan clean
+.PHONY: mlflow-server install services test lint lint-js fmt-js types unit bench gpu-check gpu-bundle run demo demo-dpo plan clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -57,12 +57,12 @@ services:
 	@# the browser tests drive Debian's Chromium (never a downloaded browser)
 	@test -x /usr/bin/chromium || (apt-get update -qq && apt-get install -y -qq chromium)
 
-unit: install services
+unit: install services mlflow-server
 	$(PY) -m pytest
 
 # the README's test command: lint, then the type check running beside the whole suite (the suite
 # leaves a core idle while it waits on servers and workers); fails when either fails
-test: lint services
+test: lint services mlflow-server
 	@log=$$(mktemp); $(VENV)/bin/mypy > $$log 2>&1 & types=$$!; \
 	$(PY) -m pytest; tests=$$?; \
 	wait $$types; typed=$$?; echo "mypy:"; cat $$log; rm -f $$log; \
@@ -100,3 +100,13 @@ plan: install
 
 clean:
 	rm -rf $(VENV) node_modules .pytest_cache .mypy_cache .ruff_cache *.egg-info
+
+# the MLflow tracking server the tracker tests start (tests/engine/test_tracking.py), in a venv of
+# its own: the full mlflow package's pins (pyarrow<26) conflict with the service's, which only
+# needs the client (mlflow-skinny)
+.venv-mlflow/bin/mlflow: requirements-mlflow-server.txt
+	$(PYTHON) -m venv .venv-mlflow
+	.venv-mlflow/bin/pip install --quiet -r requirements-mlflow-server.txt
+	touch $@
+
+mlflow-server: .venv-mlflow/bin/mlflow

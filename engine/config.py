@@ -286,6 +286,52 @@ class EvalSpec(_Strict):
     )
 
 
+class MlflowSpec(_Strict):
+    """An MLflow tracking server the run logs to (credentials: the settings or the environment
+    variables MLflow reads, never the config)."""
+
+    tracking_uri: str = Field(..., min_length=1, max_length=2000, description="http(s)://host:port or file:")
+    experiment: str = Field("roundhouse", min_length=1, max_length=500)
+    log_adapter: bool = Field(False, description="log the final checkpoint's export as the run's artifact")
+
+    @field_validator("tracking_uri")
+    @classmethod
+    def _no_secrets(cls, uri: str) -> str:
+        scheme, _, rest = uri.partition("://")
+        if scheme not in ("http", "https", "file") and not uri.startswith("file:"):
+            raise PydanticCustomError("tracking_uri", "must start with http://, https:// or file:", {})
+        if "@" in rest.split("/", 1)[0]:
+            raise PydanticCustomError(
+                "tracking_uri", "must not carry credentials: MLflow's come from the settings", {}
+            )
+        return uri
+
+
+class WandbSpec(_Strict):
+    """A Weights & Biases project the run logs to (the API key: the settings, never the config)."""
+
+    project: str = Field(..., min_length=1, max_length=128)
+    entity: str | None = Field(None, min_length=1, max_length=128)
+    name: str | None = Field(None, min_length=1, max_length=128, description="the run's name")
+    tags: list[str] = Field(default_factory=list, max_length=20)
+    mode: Literal["online", "offline"] = Field("online", description='"offline" writes the run files only')
+
+    @field_validator("tags")
+    @classmethod
+    def _tags(cls, tags: list[str]) -> list[str]:
+        if any(not t or len(t) > 64 for t in tags):
+            raise PydanticCustomError("tags", "each tag must have 1 to 64 characters", {})
+        return tags
+
+
+class TrackingSpec(_Strict):
+    """Experiment trackers the run's metrics also go to (``engine.tracking``)."""
+
+    tensorboard: bool = Field(False, description="event files under output_dir/tensorboard")
+    mlflow: MlflowSpec | None = None
+    wandb: WandbSpec | None = None
+
+
 class TrainConfig(_Strict):
     """A whole fine-tuning run."""
 
@@ -296,6 +342,7 @@ class TrainConfig(_Strict):
     engine: EngineSpec = Field(default_factory=lambda: EngineSpec())
     checkpoint: CheckpointSpec = Field(default_factory=lambda: CheckpointSpec())
     eval: EvalSpec = Field(default_factory=lambda: EvalSpec())
+    tracking: TrackingSpec = Field(default_factory=lambda: TrackingSpec())
     output_dir: str = Field("runs/default", min_length=1)
 
     @model_validator(mode="after")

@@ -23,6 +23,7 @@ class EngineEvent(StrEnum):
     PARTITION = "partition"  # the pipeline's layer partition, from parameter sizes
     REPARTITION = "repartition"  # the partition recomputed from measured layer times
     REFERENCE = "reference"  # a method's reference pass (DPO's log-probabilities), computed or read back
+    TRACKER = "tracker"  # an experiment tracker's problem or recovery: data {"tracker", "level"}
 
 
 class RunStatus(StrEnum):

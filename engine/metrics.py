@@ -8,6 +8,7 @@ Sinks may be called from the engine's optimizer thread; the engine serialises th
 from __future__ import annotations
 
 import sys
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TextIO, runtime_checkable
 
@@ -73,3 +74,26 @@ class StdoutSink:
 
     def close(self) -> None:
         self.stream.flush()
+
+
+class FanoutSink:
+    """Hands every call to each of its sinks in order, one call at a time (``lock``: shared with
+    anything else that writes to them from another thread, e.g. a tracker's warnings)."""
+
+    def __init__(self, *sinks: Sink, lock: threading.Lock | None = None) -> None:
+        self.sinks = sinks
+        self.lock = lock or threading.Lock()
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        with self.lock:
+            for sink in self.sinks:
+                sink.log(metrics, step)
+
+    def event(self, kind: str, message: str, data: dict[str, Any] | None = None) -> None:
+        with self.lock:
+            for sink in self.sinks:
+                sink.event(kind, message, data)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()

@@ -40,6 +40,7 @@ class EventKind(StrEnum):
     PARTITION = EngineEvent.PARTITION.value  # the pipeline's layer partition, from parameter sizes
     REPARTITION = EngineEvent.REPARTITION.value  # the partition recomputed from measured layer times
     REFERENCE = EngineEvent.REFERENCE.value  # a reference pass (DPO's log-probabilities), computed or read
+    TRACKER = EngineEvent.TRACKER.value  # a tracker (MLflow, W&B) failing or back: data {"tracker"}
 
 
 class EvaluationStatus(StrEnum):

@@ -26,11 +26,13 @@ from engine.data.batches import Batcher
 from engine.errors import Cancelled, ConfigError, EngineError
 from engine.kinds import EngineEvent, RunStatus
 from engine.methods import method_entry
-from engine.metrics import NullSink, Sink
+from engine.metrics import FanoutSink, NullSink, Sink
 from engine.model.export import base_model_name, save_export
 from engine.model.families import DEFAULT_LORA_TARGETS, family_for
 from engine.model.loading import checkpoint_dtype, load_model, load_tokenizer, resolve_model_path
 from engine.roundpipe import RoundPipe
+from engine.tracking import TrackingOptions, warn_into
+from engine.tracking import start as start_trackers
 from engine.training.checkpoint import load_state, save_state, tensor_bytes, write_checkpoint
 from engine.training.folders import latest, list_checkpoints
 
@@ -331,6 +333,7 @@ def train(
     *,
     models_dir: str | Path = "data/models",
     reserve_bytes: int = 0,
+    tracking: TrackingOptions | None = None,
 ) -> TrainResult:
     """Run (or resume) a fine-tune to the end, or until ``cancel`` is set.
 
@@ -340,6 +343,8 @@ def train(
         cancel: set it to stop at the next step boundary (or between micro-batches).
         models_dir: where the demo model is prepared.
         reserve_bytes: the disk space a checkpoint must leave free beside it.
+        tracking: names, hashes and credentials for the trackers ``config.tracking`` asks for
+            (``engine.tracking``); they get every metric and event the sink gets.
 
     Returns:
         The final status, step and checkpoint.
@@ -350,7 +355,23 @@ def train(
         DiskFull: a checkpoint did not fit (or would leave less than ``reserve_bytes``); the
             checkpoints before it are intact, and a run started again resumes from the latest.
     """
-    run = Run(config, sink or NullSink(), cancel, Path(models_dir), reserve_bytes=reserve_bytes)
+    sink, lock = sink or NullSink(), threading.Lock()
+    tracked = start_trackers(config, warn=warn_into(sink, lock), options=tracking)
+    if tracked is None:
+        return _train(config, sink, cancel, Path(models_dir), reserve_bytes)
+    outcome = "failed"
+    try:
+        result = _train(config, FanoutSink(sink, tracked, lock=lock), cancel, Path(models_dir), reserve_bytes)
+        outcome = str(result.status)
+        return result
+    finally:
+        tracked.finish(outcome)
+
+
+def _train(
+    config: TrainConfig, sink: Sink, cancel: threading.Event | None, models_dir: Path, reserve_bytes: int
+) -> TrainResult:
+    run = Run(config, sink, cancel, models_dir, reserve_bytes=reserve_bytes)
     try:
         try:
             run.prepare()
