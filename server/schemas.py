@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, StringConstraints
 
-from engine.config import CheckpointSpec, EngineSpec, EvalSpec, HyperSpec, MethodSpec
+from engine.config import CheckpointSpec, EngineSpec, EvalSpec, HyperSpec, MethodSpec, TrackingSpec
 from engine.planner import HARDWARE_RANGES
 from server.kinds import JobStatus
 
@@ -130,6 +130,7 @@ class JobBase(BaseModel):
     engine: Section = Field(default_factory=dict, description=EngineSpec.__doc__ or "engine")
     checkpoint: Section = Field(default_factory=dict, description=CheckpointSpec.__doc__ or "")
     eval: Section = Field(default_factory=dict, description=EvalSpec.__doc__ or "")
+    tracking: Section = Field(default_factory=dict, description=TrackingSpec.__doc__ or "")
 
 
 class Placement(BaseModel):

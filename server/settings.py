@@ -92,6 +92,14 @@ class Settings(BaseSettings):
         ge=0,
         description="disk space a checkpoint must leave free beside it (else the job pauses, saying so)",
     )
+    wandb_api_key: SecretStr | None = Field(
+        None, description="the W&B API key jobs with tracking.wandb log with (never stored in a job)"
+    )
+    mlflow_tracking_token: SecretStr | None = Field(
+        None, description="a bearer token for the MLflow servers jobs log to (never stored in a job)"
+    )
+    mlflow_tracking_username: str | None = Field(None, description="MLflow basic auth user")
+    mlflow_tracking_password: SecretStr | None = Field(None, description="MLflow basic auth password")
     hub_xet: bool = Field(
         True, description="pushes upload weights through Xet (hf-xet); off: Git LFS, for a Hub without Xet"
     )
@@ -147,6 +155,14 @@ class Settings(BaseSettings):
         env["ROUNDHOUSE_CHECKPOINT_RESERVE_BYTES"] = str(self.checkpoint_reserve_bytes)
         if self.hub_token is not None:
             env["ROUNDHOUSE_HUB_TOKEN"] = self.hub_token.get_secret_value()
+        secrets = {
+            "WANDB_API_KEY": self.wandb_api_key,
+            "MLFLOW_TRACKING_TOKEN": self.mlflow_tracking_token,
+            "MLFLOW_TRACKING_PASSWORD": self.mlflow_tracking_password,
+        }
+        env |= {f"ROUNDHOUSE_{k}": v.get_secret_value() for k, v in secrets.items() if v is not None}
+        if self.mlflow_tracking_username:
+            env["ROUNDHOUSE_MLFLOW_TRACKING_USERNAME"] = self.mlflow_tracking_username
         return env
 
     @property

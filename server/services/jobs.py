@@ -50,6 +50,10 @@ def config_path(storage: Storage, key: str) -> str:
     return str(own) if own is not None else key
 
 
+# the TrainConfig sections a job request carries as they are
+SECTIONS = ("method", "hyper", "engine", "checkpoint", "eval", "tracking")
+
+
 def build_config(
     *,
     request: dict[str, Any],
@@ -65,7 +69,7 @@ def build_config(
         "model": {"path": str(model_path), "name": request["base_model"]},
         "data": data,
         "output_dir": str(output_dir),
-        **{k: request[k] for k in ("method", "hyper", "engine", "checkpoint", "eval") if request.get(k)},
+        **{k: request[k] for k in SECTIONS if request.get(k)},
     }
     return TrainConfig.parse(raw)
 

@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 from engine.config import MAX_SEED
 from engine.methods import preference_methods
 from server.kinds import EventKind, JobStatus
-from server.services import checkpoints, methods
+from server.services import checkpoints, integrations, methods
 from server.services.fine_tuned import ORGANIZATION, checkpoint_name, model_name
 from server.storage import Storage
 from server.tables import Checkpoint, Dataset, Job, JobEvent
@@ -151,7 +151,7 @@ def job_object(job: Job) -> dict[str, Any]:
         "training_file": FILE + job.dataset_id,
         "validation_file": FILE + job.validation_dataset_id if job.validation_dataset_id else None,
         "estimated_finish": None,
-        "integrations": [],
+        "integrations": integrations.shown(job.config),
         "metadata": job.meta,
         "method": {"type": kind, kind: {"hyperparameters": shown}},
         "roundhouse": {

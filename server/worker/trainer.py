@@ -27,6 +27,7 @@ from server.kinds import EventKind
 from server.services import checkpoints, jobs
 from server.settings import get_settings
 from server.worker import files
+from server.worker import tracking as job_tracking
 
 if TYPE_CHECKING:
     from server.storage import Storage
@@ -157,7 +158,11 @@ def main(argv: list[str]) -> int:
             keep_last=keep,
         )
         reserve = settings.checkpoint_reserve_bytes
-        result = train(config, sink, cancel, models_dir=settings.models_dir, reserve_bytes=reserve)
+        tracking = job_tracking.options(settings, sessions, job_id)
+        result = train(
+            config, sink, cancel, models_dir=settings.models_dir, reserve_bytes=reserve, tracking=tracking
+        )
+        job_tracking.keep_tensorboard(store, config, output_dir=output_dir, folder=folder)
     except Exception as exc:
         full = isinstance(exc, DiskFull) or (isinstance(exc, OSError) and exc.errno in FULL)
         with contextlib.suppress(OSError):  # the log and the reason may not fit on a full disk either

@@ -21,7 +21,7 @@ from server.api.openai.shapes import (
 from server.deps import IdPath, SessionDep, SettingsDep, StorageDep, current_key
 from server.errors import ApiError
 from server.schemas import JobCreate
-from server.services import datasets, jobs, openai_compat, submission
+from server.services import datasets, integrations, jobs, openai_compat, submission
 from server.services.failures import Refusal
 from server.services.openai_compat import FILE, JOB
 from server.tables import Dataset, Job
@@ -73,10 +73,10 @@ def create_job(
     session: SessionDep, settings: SettingsDep, storage: StorageDep, body: FineTuningJobCreate
 ) -> Any:
     """Create a fine-tuning job."""
-    if body.integrations:
-        raise ApiError(
-            400, "unsupported", "integrations are not supported: leave them out", param="integrations"
-        )
+    try:
+        tracking = integrations.tracking_section(body.integrations)
+    except Refusal as exc:
+        raise ApiError(400, exc.code, exc.message, param=exc.param) from exc
     train = _file(session, body.training_file, "training_file")
     validation = _file(session, body.validation_file, "validation_file") if body.validation_file else None
     method_type = body.method.type if body.method is not None else "supervised"
@@ -106,6 +106,7 @@ def create_job(
         engine=options.engine,
         checkpoint=options.checkpoint,
         eval=options.eval,
+        tracking=tracking,
     )
     try:
         job = submission.submit(session, request=request, settings=settings, storage=storage)

@@ -130,7 +130,11 @@ class FineTuningJobCreate(_Request):
         None, description=f"deprecated: use method; {AUTO_DEFAULTS}"
     )
     method: Method | None = None
-    integrations: list[dict[str, Any]] | None = Field(None, description="not supported: leave out or empty")
+    integrations: list[dict[str, Any]] | None = Field(
+        None,
+        description='[{"type": "wandb", "wandb": {"project", "name", "entity", "tags"}}]: the run logs to '
+        'W&B (the key: ROUNDHOUSE_WANDB_API_KEY); our extension: wandb.mode "offline"',
+    )
     roundhouse: RoundhouseOptions | None = Field(
         None, description="Roundhouse's extension: TrainConfig sections (LoRA rank, engine settings, ...)"
     )
