@@ -51,6 +51,8 @@ class Dataset(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=now)
     # where it came from when not uploaded: {"hub": repo, "config", "split", "revision", "files"}
     source: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True), nullable=True)
+    # deleted while finished jobs still name it: its file is gone, the row stays for them
+    deleted_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
 
 
 class Job(Base):
@@ -84,6 +86,10 @@ class Job(Base):
     suffix: Mapped[str | None] = mapped_column(String(64), nullable=True)
     # where it may run: {"host": name | None, "gpus": count | None} (``services.placement``); null: anywhere
     placement: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True), nullable=True)
+    # tokens of the batches of steps 1..step (padding left out), and when its run expects to end
+    # (``services.progress``); null until its first step
+    trained_tokens: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    estimated_finish: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
 
 
 class JobEvent(Base):

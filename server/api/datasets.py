@@ -111,9 +111,10 @@ def dataset_stats(
 
 @router.delete("/{dataset_id}", status_code=204, responses=documented(404, 409))
 def delete_dataset(session: SessionDep, storage: StorageDep, dataset_id: IdPath) -> None:
-    """Delete a dataset that no job uses."""
+    """Delete a dataset no unfinished job uses (a finished job keeps its record, and cannot resume)."""
     dataset = _found(session, dataset_id)
     user = datasets.in_use(session, dataset_id=dataset_id)
     if user is not None:
-        raise ApiError(409, "in_use", f"dataset {dataset_id!r} is used by job {user!r}", param="dataset_id")
+        message = f"dataset {dataset_id!r} is used by job {user!r}, which has not finished"
+        raise ApiError(409, "in_use", message, param="dataset_id")
     datasets.delete_dataset(session, dataset=dataset, storage=storage)

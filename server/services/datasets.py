@@ -1,5 +1,6 @@
 """Datasets in the store (``datasets/<id>/<file name>``) and in the database; validated with the
-engine's validator before storing."""
+engine's validator before storing. A dataset that finished jobs name is deleted by removing its
+file and marking its row (``deleted_at``): the jobs keep their record, and only they see the row."""
 
 from __future__ import annotations
 
@@ -10,13 +11,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from sqlalchemy import select
+from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
 from engine.data.encode import Report, validate
 from engine.data.read import SUFFIXES
+from server.services.job_states import TERMINAL
 from server.storage import Storage
-from server.tables import Dataset, Job
+from server.tables import Dataset, Job, now
 
 CHUNK = 1 << 20
 FOLDER = "datasets"  # the store's folder of datasets
@@ -109,25 +111,58 @@ def store_upload(
 
 
 def list_datasets(session: Session) -> list[Dataset]:
-    return list(session.scalars(select(Dataset).order_by(Dataset.created_at.desc())))
+    q = select(Dataset).where(Dataset.deleted_at.is_(None)).order_by(Dataset.created_at.desc())
+    return list(session.scalars(q))
 
 
 def get_dataset(session: Session, *, dataset_id: str) -> Dataset | None:
-    return session.get(Dataset, dataset_id)
+    """The dataset, or None (also when it was deleted and only its finished jobs' record keeps it)."""
+    found = session.get(Dataset, dataset_id)
+    return None if found is None or found.deleted_at is not None else found
+
+
+def _users(dataset_id: str) -> Any:
+    return select(Job.id).where((Job.dataset_id == dataset_id) | (Job.validation_dataset_id == dataset_id))
 
 
 def in_use(session: Session, *, dataset_id: str) -> str | None:
-    """The id of a job that uses the dataset, or None."""
-    used = select(Job.id).where((Job.dataset_id == dataset_id) | (Job.validation_dataset_id == dataset_id))
-    return session.scalar(used.limit(1))
+    """The id of a job that may still read the dataset (one not succeeded, failed or cancelled), or
+    None: a finished job's record does not hold its files."""
+    return session.scalar(_users(dataset_id).where(Job.status.not_in(TERMINAL)).limit(1))
 
 
 def delete_dataset(session: Session, *, dataset: Dataset, storage: Storage) -> None:
-    """Delete the row, then its folder in the store (``datasets/<id>``)."""
+    """Delete the row (or, while finished jobs name it, mark it deleted), then its folder in the
+    store (``datasets/<id>``)."""
     folder = f"{FOLDER}/{dataset.id}"
-    session.delete(dataset)
+    if session.scalar(_users(dataset.id).limit(1)) is None:
+        session.delete(dataset)
+    else:
+        dataset.deleted_at = now()
     session.commit()
     storage.delete_prefix(folder)
+
+
+def forget_deleted(session: Session) -> None:
+    """Delete the rows of deleted datasets no job names any more (the caller commits)."""
+    named = select(Job.dataset_id).union(
+        select(Job.validation_dataset_id).where(Job.validation_dataset_id.is_not(None))
+    )
+    session.execute(delete(Dataset).where(Dataset.deleted_at.is_not(None), Dataset.id.not_in(named)))
+
+
+def missing_files(session: Session, *, job: Job) -> list[tuple[str, Dataset]]:
+    """The job's datasets that were deleted, each with its field (``dataset_id``,
+    ``validation_dataset_id``): a run of it cannot read them."""
+    out = []
+    for field, ident in (
+        ("dataset_id", job.dataset_id),
+        ("validation_dataset_id", job.validation_dataset_id),
+    ):
+        found = session.get(Dataset, ident) if ident else None
+        if found is not None and found.deleted_at is not None:
+            out.append((field, found))
+    return out
 
 
 def local_file(storage: Storage, dataset: Dataset, *, cache: Path) -> Path:

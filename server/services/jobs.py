@@ -16,7 +16,8 @@ from engine.config import TrainConfig
 from engine.errors import ConfigError
 from engine.methods import method_entry, preference_methods
 from server.kinds import METRIC_KINDS, EventKind, JobStatus
-from server.services import checkpoints
+from server.services import checkpoints, datasets
+from server.services.failures import Conflict
 from server.services.job_states import DELETABLE as DELETABLE
 from server.services.job_states import HELD as HELD
 from server.services.job_states import RESUMABLE as RESUMABLE
@@ -231,6 +232,7 @@ def resume(session: Session, *, job: Job) -> None:
 
     Raises:
         IllegalTransition: the job is not resumable (naming its status).
+        Conflict: (``file_deleted``) a dataset it trains on was deleted (naming it and its field).
     """
     previous = job.status
     if previous not in RESUMABLE:
@@ -238,6 +240,9 @@ def resume(session: Session, *, job: Job) -> None:
             f"job {job.id} is {previous}: only a cancelled, failed, interrupted or paused job can be resumed"
         )
         raise IllegalTransition(job, JobStatus.QUEUED, message)
+    for field, gone in datasets.missing_files(session, job=job):
+        message = f"{field}: dataset {gone.id} ({gone.filename}) was deleted: job {job.id} cannot resume"
+        raise Conflict("file_deleted", message, param=field)
     taken = session.execute(
         update(Job)
         .where(Job.id == job.id, Job.status == previous)
@@ -298,6 +303,7 @@ def delete_job(session: Session, *, job: Job) -> None:
         now_status = status_of(session, job_id=job.id)
         if now_status is not None:
             raise refused(now_status)
+    datasets.forget_deleted(session)  # a deleted dataset's row stays only for the jobs that name it
     session.commit()
     session.expunge(job)
 
@@ -362,6 +368,7 @@ def claim(session: Session, *, job_id: str, worker_id: str, lease_seconds: float
             lease_until=now() + timedelta(seconds=lease_seconds),
             attempts=Job.attempts + 1,
             started_at=func.coalesce(Job.started_at, now()),
+            estimated_finish=None,  # until this run's first step says
         )
     )
     if taken.rowcount != 1:  # type: ignore[attr-defined]
@@ -395,15 +402,6 @@ def renew(session: Session, *, job_id: str, worker_id: str, lease_seconds: float
 def status_of(session: Session, *, job_id: str) -> str | None:
     """The job's status as stored now (None for no such job)."""
     return session.scalar(select(Job.status).where(Job.id == job_id))
-
-
-def record_progress(
-    session: Session, *, job_id: str, step: int, total_steps: int, commit: bool = True
-) -> None:
-    """The run's step counter, as the training process logs it."""
-    session.execute(update(Job).where(Job.id == job_id).values(step=step, total_steps=total_steps))
-    if commit:
-        session.commit()
 
 
 def finish(

@@ -24,6 +24,7 @@ from server.storage import Storage
 from server.tables import Checkpoint, Dataset, Job, JobEvent
 
 FILE, JOB, EVENT, CHECKPOINT = "file-", "ftjob-", "ftevent-", "ftckpt-"
+RESULTS = "results-"  # a job's result file: "file-results-<job id>" (``openai_results``)
 # what "auto" (or a hyperparameter left out) stands for; the learning rate multiplies the base
 # rate of what is trained (or roundhouse.hyper.learning_rate when the request sets one)
 AUTO_EPOCHS = 1
@@ -45,6 +46,7 @@ STATUSES: dict[str, str] = {
     JobStatus.PAUSED: "paused",
 }
 FINISHED = (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED)
+RUNNING = (JobStatus.RUNNING, JobStatus.CANCELLING, JobStatus.PAUSING)
 
 
 class Invalid(ValueError):
@@ -97,10 +99,10 @@ def page_files(
     order = (
         (Dataset.created_at.desc(), Dataset.id.desc()) if newest_first else (Dataset.created_at, Dataset.id)
     )
-    q = select(Dataset).order_by(*order)
+    q = select(Dataset).where(Dataset.deleted_at.is_(None)).order_by(*order)
     if after is not None:
         last = session.get(Dataset, ours(after, FILE))
-        if last is None:
+        if last is None or last.deleted_at is not None:
             raise Invalid("after", f"no file {after!r}")
         if newest_first:
             q = q.where(
@@ -132,6 +134,8 @@ def job_object(job: Job) -> dict[str, Any]:
     if objective != "sft":
         shown["beta"] = method.get("beta")
     failed = job.status == JobStatus.FAILED
+    # once it stopped (paused too): its metrics as a result file, and the tokens its steps trained
+    stopped = job.status in FINISHED or job.status == JobStatus.PAUSED
     return {
         "id": JOB + job.id,
         "object": "fine_tuning.job",
@@ -144,13 +148,13 @@ def job_object(job: Job) -> dict[str, Any]:
         "hyperparameters": shown,
         "model": job.base_model,
         "organization_id": ORGANIZATION,
-        "result_files": [],
+        "result_files": [f"{FILE}{RESULTS}{job.id}"] if stopped and job.step > 0 else [],
         "seed": int(hyper.get("seed") or 0),
         "status": STATUSES.get(job.status, "running"),
-        "trained_tokens": None,
+        "trained_tokens": job.trained_tokens if stopped else None,
         "training_file": FILE + job.dataset_id,
         "validation_file": FILE + job.validation_dataset_id if job.validation_dataset_id else None,
-        "estimated_finish": None,
+        "estimated_finish": unix(job.estimated_finish) if job.status in RUNNING else None,
         "integrations": integrations.shown(job.config),
         "metadata": job.meta,
         "method": {"type": kind, kind: {"hyperparameters": shown}},

@@ -24,7 +24,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from engine.errors import DiskFull
 from server.db import make_engine, session_factory
 from server.kinds import EventKind
-from server.services import checkpoints, jobs
+from server.services import checkpoints, jobs, progress
 from server.settings import get_settings
 from server.worker import files
 from server.worker import tracking as job_tracking
@@ -72,14 +72,8 @@ class DatabaseSink:
             jobs.add_event(
                 session, job_id=self.job_id, kind=EventKind.METRICS, step=step, data=metrics, commit=False
             )
-            if "progress/step" in metrics:
-                jobs.record_progress(
-                    session,
-                    job_id=self.job_id,
-                    step=int(metrics["progress/step"]),
-                    total_steps=int(metrics["progress/total_steps"]),
-                    commit=False,
-                )
+            if "progress/step" in metrics:  # the step counter, trained tokens, estimated finish
+                progress.record(session, job_id=self.job_id, metrics=metrics, commit=False)
             session.commit()
 
     def event(self, kind: str, message: str, data: dict[str, Any] | None = None) -> None:

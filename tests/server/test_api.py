@@ -13,6 +13,7 @@ from fastapi.testclient import TestClient
 from server.kinds import EventKind
 from server.services import gpus, jobs, keys
 from server.settings import Settings
+from server.tables import Dataset
 from tests.utils.jobs import job_body
 
 CHAT = [
@@ -185,7 +186,26 @@ def test_job_create_validates_names_fields_and_records_transitions(client: TestC
     assert client.post(f"/api/jobs/{job['id']}/cancel").json()["status"] == "cancelled"
     r = client.post(f"/api/jobs/{job['id']}/cancel")
     assert r.status_code == 409 and r.json()["error"]["code"] == "illegal_transition"
-    assert client.delete(f"/api/datasets/{ds['id']}").status_code == 409  # a job uses it
+
+    # a dataset an unfinished job may read stays; one only finished jobs name goes, they stay
+    queued = make_job(client, ds["id"], name="second").json()
+    r = client.delete(f"/api/datasets/{ds['id']}")
+    assert r.status_code == 409 and queued["id"] in r.json()["error"]["message"]
+    client.post(f"/api/jobs/{queued['id']}/cancel")
+    assert client.delete(f"/api/datasets/{ds['id']}").status_code == 204
+    assert client.get(f"/api/datasets/{ds['id']}").status_code == 404
+    assert ds["id"] not in {d["id"] for d in client.get("/api/datasets").json()["data"]}
+    assert client.get(f"/api/jobs/{job['id']}").json()["dataset_id"] == ds["id"]
+    r = client.post(f"/api/jobs/{job['id']}/resume")
+    assert r.status_code == 409 and r.json()["error"]["param"] == "dataset_id"
+    assert r.json()["error"]["code"] == "file_deleted" and "train.jsonl" in r.json()["error"]["message"]
+    assert client.delete(f"/api/jobs/{job['id']}").status_code == 204
+    sessions = client.app.state.sessions  # type: ignore[attr-defined]
+    with sessions() as session:
+        assert session.get(Dataset, ds["id"]) is not None  # the other job still names it
+    assert client.delete(f"/api/jobs/{queued['id']}").status_code == 204
+    with sessions() as session:
+        assert session.get(Dataset, ds["id"]) is None
 
 
 def test_job_list_pages_by_cursor_and_filters(client: TestClient) -> None:

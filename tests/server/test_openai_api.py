@@ -1,11 +1,12 @@
 """``/v1``: OpenAI's fine-tuning API, driven by the official ``openai`` client against a live server
 (uvicorn on a port): files, jobs (create, list with paging and metadata, cancel, pause, resume,
 events), errors in OpenAI's shape, and a run by a real worker whose fine-tuned model and
-checkpoints the playground runs and the download route serves by name."""
+checkpoints the playground and /v1/chat/completions run and the download route serves by name."""
 
 from __future__ import annotations
 
 import contextlib
+import csv
 import json
 import threading
 import time
@@ -374,6 +375,85 @@ def test_a_run_gives_checkpoints_the_playground_and_download_take_by_name(
     )
     assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"
 
+    # the fine-tuned model answers on the same base URL, by the names the job gave
+    for name in (job.fine_tuned_model, saved[1].fine_tuned_model_checkpoint):
+        answer = client.chat.completions.create(model=name, messages=chat, temperature=0, max_tokens=4)  # type: ignore[arg-type]
+        assert answer.model == name and answer.choices[0].finish_reason in ("stop", "length")
+    with pytest.raises(openai.NotFoundError) as gone:
+        client.chat.completions.create(model=f"ft:tiny:count:{ident}:ckpt-step-3", messages=chat)  # type: ignore[arg-type]
+    assert gone.value.code == "model_not_found"
+
+
+@pytest.mark.slow
+def test_a_finished_job_counts_its_tokens_gives_its_metrics_and_outlives_its_files(
+    busy: tuple[LiveServer, WorkerProcess],
+) -> None:
+    server, worker = busy
+    client, http = server.client(), server.http()
+    train, valid = upload(client), upload(client, name="valid.jsonl")
+    options = SMALL | {"eval": {"every_steps": 2}}
+    job = client.fine_tuning.jobs.create(
+        model="tiny", training_file=train, validation_file=valid, extra_body={"roundhouse": options}
+    )
+    assert job.result_files == [] and job.trained_tokens is None and job.estimated_finish is None
+    # a second job on the same files, cancelled while it waits for the worker (or at its next step)
+    other = client.fine_tuning.jobs.create(
+        model="tiny", training_file=train, extra_body={"roundhouse": SMALL}
+    )
+    with pytest.raises(openai.ConflictError) as in_use:  # unfinished jobs use the file
+        client.files.delete(train)
+    assert in_use.value.param == "file_id" and "has not finished" in in_use.value.message
+    client.fine_tuning.jobs.cancel(other.id)
+    job = wait_status(client, job.id, {"succeeded"}, worker)
+    ident = job.to_dict()["roundhouse"]["job_id"]
+    keys = ["tokens/batch", "loss/train", "accuracy/train", "loss/val", "accuracy/val"]
+    stored = http.get(f"/api/jobs/{ident}/metrics", params={"keys": keys}).json()["data"]
+    by_step = {k: {p["step"]: p["value"] for p in stored[k]} for k in keys}
+    # every token of the 4 steps' batches (prompts too, padding not): the file's tokens per epoch
+    assert job.trained_tokens == sum(by_step["tokens/batch"].values()) > 0
+    assert job.estimated_finish is None  # it is no longer running
+
+    [result] = job.result_files
+    text = client.files.content(result).text
+    rows = list(csv.DictReader(text.splitlines()))
+    assert text.splitlines()[0] == "step,train_loss,train_accuracy,valid_loss,valid_mean_token_accuracy"
+    assert [int(r["step"]) for r in rows] == [1, 2, 3, 4]
+    names = ("train_loss", "train_accuracy", "valid_loss", "valid_mean_token_accuracy")
+    for column, key in zip(names, keys[1:], strict=True):  # as stored; validation at steps 2 and 4
+        shown = {int(r["step"]): float(r[column]) for r in rows if r[column]}
+        assert shown == by_step[key], column
+    assert set(by_step["accuracy/val"]) == {2, 4}
+    assert all(0 <= v <= 1 for v in by_step["accuracy/train"].values())
+    info = client.files.retrieve(result)
+    assert (info.purpose, info.filename, info.bytes) == ("fine-tune-results", "step_metrics.csv", len(text))
+    with pytest.raises(openai.ConflictError) as kept:  # it goes with its job
+        client.files.delete(result)
+    assert kept.value.param == "file_id"
+    with pytest.raises(openai.NotFoundError):
+        client.files.content("file-results-nope")
+
+    # its files can go once every job that uses them finished; the jobs keep their record
+    wait_status(client, other.id, {"cancelled"}, worker)
+    assert client.files.delete(train).deleted and client.files.delete(valid).deleted
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(train)
+    assert train not in {f.id for f in client.files.list()}
+    again = client.fine_tuning.jobs.retrieve(job.id)
+    assert (again.status, again.training_file, again.trained_tokens) == (
+        "succeeded",
+        train,
+        job.trained_tokens,
+    )
+    assert job.id in {j.id for j in client.fine_tuning.jobs.list(limit=100)}
+    assert client.files.content(result).text == text
+    with pytest.raises(openai.ConflictError) as gone:
+        client.fine_tuning.jobs.resume(other.id)
+    assert (gone.value.param, gone.value.code) == ("training_file", "file_deleted")
+    assert train in gone.value.message and "rows.jsonl" in gone.value.message
+    with pytest.raises(openai.BadRequestError) as refused:  # a new job cannot name it
+        client.fine_tuning.jobs.create(model="tiny", training_file=train)
+    assert refused.value.param == "training_file"
+
 
 @pytest.mark.slow
 def test_a_running_job_pauses_at_a_checkpoint_and_resumes(busy: tuple[LiveServer, WorkerProcess]) -> None:
@@ -390,6 +470,9 @@ def test_a_running_job_pauses_at_a_checkpoint_and_resumes(busy: tuple[LiveServer
         what=f"{job.id} reaching step 1",
         details=worker.tail,
     )
+    running = client.fine_tuning.jobs.retrieve(job.id)  # when its run expects to end; no tokens yet
+    assert running.status == "running" and running.trained_tokens is None
+    assert isinstance(running.estimated_finish, int) and running.estimated_finish >= running.created_at
     assert client.fine_tuning.jobs.pause(job.id).status == "running"  # pausing: it stops at its next step
     paused = wait_status(client, job.id, {"paused", "succeeded"}, worker)
     assert paused.status == "paused", "the run ended before the pause took effect"
@@ -399,6 +482,51 @@ def test_a_running_job_pauses_at_a_checkpoint_and_resumes(busy: tuple[LiveServer
     done = wait_status(client, job.id, {"succeeded"}, worker)
     assert client.fine_tuning.jobs.checkpoints.list(job.id).data[0].step_number == 40
     assert done.fine_tuned_model is not None
+    # each of the 40 steps counted once, though the steps after the checkpoint ran twice
+    ident = done.to_dict()["roundhouse"]["job_id"]
+    series = server.http().get(f"/api/jobs/{ident}/metrics", params={"keys": ["tokens/batch"]}).json()
+    per_step = {p["step"]: p["value"] for p in series["data"]["tokens/batch"]}
+    assert sorted(per_step) == list(range(1, 41)) and done.trained_tokens == sum(per_step.values())
+
+
+def test_progress_counts_each_step_once_when_a_resume_trains_steps_again(client: Any) -> None:
+    from fastapi.testclient import TestClient
+
+    from server.kinds import EventKind
+    from server.services import jobs, openai_results, progress
+    from tests.utils.jobs import job_body
+
+    assert isinstance(client, TestClient)
+    ds = client.post("/api/datasets", files={"file": ("rows.jsonl", CHAT)}).json()
+    job_id = client.post("/api/jobs", json=job_body(ds["id"])).json()["id"]
+
+    def log(step: int, tokens: int, loss: float) -> None:  # as the worker's sink logs a step
+        metrics = {"progress/step": step, "progress/total_steps": 3, "tokens/batch": tokens, "time/eta_s": 60}
+        with client.app.state.sessions() as session:  # type: ignore[attr-defined]
+            jobs.add_event(
+                session, job_id=job_id, kind=EventKind.METRICS, step=step, data=metrics, commit=False
+            )
+            progress.record(session, job_id=job_id, metrics=metrics)
+            jobs.add_event(
+                session, job_id=job_id, kind=EventKind.METRICS, step=step, data={"loss/train": loss}
+            )
+
+    def trained() -> int | None:
+        with client.app.state.sessions() as session:  # type: ignore[attr-defined]
+            return jobs.get_job(session, job_id=job_id).trained_tokens  # type: ignore[union-attr]
+
+    for step, tokens in ((1, 10), (2, 20), (3, 30)):
+        log(step, tokens, 1.0 / step)
+    assert trained() == 60
+    log(2, 21, 0.25)  # resumed from the checkpoint at step 1: steps 2 and 3 again
+    assert trained() == 31
+    log(3, 31, 0.125)
+    assert trained() == 62
+    with client.app.state.sessions() as session:  # type: ignore[attr-defined]
+        job = jobs.get_job(session, job_id=job_id)
+        assert job is not None and job.estimated_finish is not None
+        text = openai_results.content(session, job=job).decode()
+    assert text.splitlines()[1:] == ["1,1.0,,,", "2,0.25,,,", "3,0.125,,,"]  # each step's latest
 
 
 def test_auto_resolves_to_the_stated_defaults() -> None:
@@ -418,6 +546,33 @@ def test_auto_resolves_to_the_stated_defaults() -> None:
     assert fine_tuned.parse_model("ft:Org/Model-1:x:abc:ckpt-step-12") == ("abc", 12)
     assert fine_tuned.parse_model("ft:tiny:roundhouse:abc") == ("abc", None)
     assert fine_tuned.parse_model("tiny") is None and fine_tuned.parse_model("ft:a:b") is None
+
+
+def test_migration_0011_adds_job_progress_and_deleted_datasets_as_declared(database_url: str) -> None:
+    from alembic import command
+    from alembic.autogenerate import compare_metadata
+    from alembic.config import Config
+    from alembic.migration import MigrationContext
+    from sqlalchemy import inspect
+
+    from server.db import MIGRATIONS, make_engine
+    from server.tables import Base
+
+    engine = make_engine(database_url)
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS))
+    for step, target in ((command.upgrade, "0011"), (command.downgrade, "0010"), (command.upgrade, "head")):
+        with engine.begin() as conn:
+            cfg.attributes["connection"] = conn
+            step(cfg, target)
+            found = inspect(conn)
+            columns = {c["name"] for t in ("jobs", "datasets") for c in found.get_columns(t)}
+            added = {"trained_tokens", "estimated_finish", "deleted_at"}
+            assert added & columns == (set() if target == "0010" else added), target
+    with engine.connect() as conn:
+        diff = compare_metadata(MigrationContext.configure(conn), Base.metadata)
+    engine.dispose()
+    assert [d for d in diff if any(f"'{t}'" in repr(d) for t in ("jobs", "datasets"))] == []
 
 
 def test_migration_0006_adds_the_metadata_and_suffix_columns_as_declared(database_url: str) -> None:

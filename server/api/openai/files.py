@@ -1,4 +1,5 @@
-"""``/v1/files``: OpenAI's Files API over our datasets (a file is a stored, validated dataset)."""
+"""``/v1/files``: OpenAI's Files API over our datasets (a file is a stored, validated dataset),
+and each stopped job's result file (``file-results-<job id>``, its metrics by step as a CSV)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ from server.deps import IdPath, SessionDep, SettingsDep, StorageDep, current_key
 from server.downloads import stored_response
 from server.errors import ApiError
 from server.limits import LimitedBodyRoute
-from server.services import datasets, openai_compat, uploads
+from server.services import datasets, jobs, openai_compat, openai_results, uploads
 from server.services.openai_compat import FILE
-from server.tables import Dataset
+from server.tables import Dataset, Job
 
 router = APIRouter(
     prefix="/v1/files",
@@ -34,7 +35,18 @@ def found_file(session: SessionDep, file_id: IdPath) -> Dataset:
     return dataset
 
 
-FileDep = Annotated[Dataset, Depends(found_file)]
+def found_results(session: SessionDep, file_id: IdPath) -> Job | None:
+    """The job whose result file ``{file_id}`` names, None for another file; or the 404."""
+    job_id = openai_results.job_id_of(file_id)
+    if job_id is None:
+        return None
+    job = jobs.get_job(session, job_id=job_id)
+    if job is None:
+        raise ApiError(404, "not_found", f"no file {file_id!r}", param="file_id")
+    return job
+
+
+ResultsDep = Annotated[Job | None, Depends(found_results)]
 
 
 @router.post("", response_model=FileObject, responses=documented(413))
@@ -88,17 +100,26 @@ def list_files(
 
 
 @router.get("/{file_id}", response_model=FileObject, responses=documented(404))
-def retrieve_file(dataset: FileDep) -> Any:
+def retrieve_file(session: SessionDep, file_id: IdPath, results: ResultsDep) -> Any:
     """One file."""
-    return openai_compat.file_object(dataset)
+    if results is not None:
+        size = len(openai_results.content(session, job=results))
+        return openai_results.file_object(results, size=size)
+    return openai_compat.file_object(found_file(session, file_id))
 
 
 @router.delete("/{file_id}", response_model=FileDeleted, responses=documented(404, 409))
-def delete_file(session: SessionDep, storage: StorageDep, dataset: FileDep) -> Any:
-    """Delete a file that no fine-tuning job uses."""
+def delete_file(session: SessionDep, storage: StorageDep, file_id: IdPath, results: ResultsDep) -> Any:
+    """Delete a file that no unfinished fine-tuning job uses (finished jobs keep their record)."""
+    if results is not None:
+        message = f"{file_id!r} is the result file of job 'ftjob-{results.id}': it goes when the job does"
+        raise ApiError(409, "in_use", message, param="file_id")
+    dataset = found_file(session, file_id)
     user = datasets.in_use(session, dataset_id=dataset.id)
     if user is not None:
-        message = f"file {FILE + dataset.id!r} is used by fine-tuning job 'ftjob-{user}'"
+        message = (
+            f"file {FILE + dataset.id!r} is used by fine-tuning job 'ftjob-{user}', which has not finished"
+        )
         raise ApiError(409, "in_use", message, param="file_id")
     ident = FILE + dataset.id
     datasets.delete_dataset(session, dataset=dataset, storage=storage)
@@ -109,13 +130,20 @@ def delete_file(session: SessionDep, storage: StorageDep, dataset: FileDep) -> A
     "/{file_id}/content",
     response_class=Response,
     responses={
-        200: {"content": {"application/octet-stream": {}}},
+        200: {"content": {"application/octet-stream": {}, "text/csv": {}}},
         307: {"description": "a presigned URL of it in the store (storage_presigned_downloads)"},
         **documented(404),
     },
 )
-def file_content(settings: SettingsDep, storage: StorageDep, dataset: FileDep) -> Response:
-    """The file's bytes, as uploaded."""
+def file_content(
+    session: SessionDep, settings: SettingsDep, storage: StorageDep, file_id: IdPath, results: ResultsDep
+) -> Response:
+    """The file's bytes, as uploaded; a result file's CSV as it is now."""
+    if results is not None:
+        disposition = f'attachment; filename="{openai_results.FILENAME}"'
+        body = openai_results.content(session, job=results)
+        return Response(body, media_type="text/csv", headers={"Content-Disposition": disposition})
+    dataset = found_file(session, file_id)
     return stored_response(
         storage,
         storage.key_of(dataset.path),

@@ -22,7 +22,7 @@ from server.deps import IdPath, SessionDep, SettingsDep, StorageDep, current_key
 from server.errors import ApiError
 from server.schemas import JobCreate
 from server.services import datasets, integrations, jobs, openai_compat, submission
-from server.services.failures import Refusal
+from server.services.failures import Conflict, Refusal
 from server.services.openai_compat import FILE, JOB
 from server.tables import Dataset, Job
 
@@ -185,7 +185,19 @@ def pause_job(session: SessionDep, job: JobDep) -> Any:
 @router.post("/{fine_tuning_job_id}/resume", response_model=FineTuningJob, responses=documented(404, 409))
 def resume_job(session: SessionDep, settings: SettingsDep, job: JobDep) -> Any:
     """Resume a paused (or cancelled, failed) job: queued again, from its latest checkpoint."""
-    jobs.resume(session, job=job)
+    try:
+        jobs.resume(session, job=job)
+    except Conflict as exc:  # a file it trains on was deleted: named as the request names it
+        gone = datasets.missing_files(session, job=job)
+        if exc.code != "file_deleted" or not gone:
+            raise
+        field, dataset = gone[0]
+        param = openai_compat.PARAMS[field]
+        message = (
+            f"{param} {FILE + dataset.id!r} ({dataset.filename}) was deleted: {JOB + job.id} cannot "
+            "resume; create a new job with a new file"
+        )
+        raise ApiError(409, "file_deleted", message, param=param) from exc
     submission.send(session, settings=settings, job_id=job.id)
     return openai_compat.job_object(job)
 

@@ -142,16 +142,22 @@ class FineTuningJobCreate(_Request):
 
 # -- responses -----------------------------------------------------------------------------------
 class FileObject(BaseModel):
-    id: str = Field(description='"file-" and the dataset id of /api/datasets')
+    id: str = Field(
+        description='"file-" and the dataset id of /api/datasets; a job\'s result file: '
+        '"file-results-<job id>"'
+    )
     object: Literal["file"] = "file"
     bytes: int
     created_at: int
     filename: str
-    purpose: Literal["fine-tune"] = "fine-tune"
+    purpose: Literal["fine-tune", "fine-tune-results"] = "fine-tune"
     status: Literal["processed"] = "processed"
     expires_at: int | None = None
     status_details: str | None = None
-    roundhouse: dict[str, Any] = Field(description="the dataset: id, name, format, rows, sha256")
+    roundhouse: dict[str, Any] = Field(
+        description="the dataset: id, name, format, rows, sha256; a result file: job_id, and the metric "
+        "key of each column"
+    )
 
 
 class FileList(BaseModel):
@@ -205,17 +211,25 @@ class FineTuningJob(BaseModel):
     hyperparameters: JobHyperparameters
     model: str
     organization_id: str
-    result_files: list[str]
+    result_files: list[str] = Field(
+        description="once it stopped after a step: its result file, a CSV of step, train_loss, "
+        "train_accuracy, valid_loss, valid_mean_token_accuracy (GET /v1/files/{id}/content)"
+    )
     seed: int
     status: JobState = Field(
         description="ours mapped: validating -> validating_files; queued, interrupted -> queued; "
         "running, cancelling, pausing -> running; succeeded, failed, cancelled, paused as they are "
         "(roundhouse.status has ours)"
     )
-    trained_tokens: int | None
-    training_file: str
+    trained_tokens: int | None = Field(
+        description="once it stopped: the tokens of the batches of its steps, padding left out (every epoch "
+        "counts: the training file's tokens times the epochs, for a run to the end)"
+    )
+    training_file: str = Field(description="its file; it may have been deleted since it finished")
     validation_file: str | None
-    estimated_finish: int | None
+    estimated_finish: int | None = Field(
+        description="while running, after its first step: when the run expects to end (else null)"
+    )
     integrations: list[dict[str, Any]]
     metadata: dict[str, str] | None
     method: JobMethod
