@@ -24,6 +24,7 @@ from server.api import (
     methods,
     models,
     plan,
+    sweeps,
 )
 from server.api.openai import completions as openai_completions
 from server.api.openai import files as openai_files
@@ -74,6 +75,7 @@ def create_app(settings: Settings | None = None, *, apply_migrations: bool = Tru
     app.include_router(evaluations.router)
     app.include_router(generate.router)  # the playground: a stream with no session held open
     app.include_router(hub.router)  # Hugging Face Hub pulls and pushes
+    app.include_router(sweeps.router)  # hyperparameter sweeps: their trials are jobs
     for module in (openai_files, openai_fine_tuning, openai_models):  # /v1: OpenAI's fine-tuning API
         app.include_router(module.router)
     app.include_router(openai_completions.router)  # /v1: answers, from the workers' inference services

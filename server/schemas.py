@@ -177,6 +177,7 @@ class JobPublic(BaseModel):
     )
     disk_bytes: int = Field(0, description="bytes of its folder: checkpoints, exports, merged builds, log")
     placement: dict[str, Any] | None = Field(None, description="where it may run (null: any worker)")
+    sweep_id: str | None = Field(None, description="the sweep it is a trial of (GET /api/sweeps/{id})")
 
 
 class JobsPublic(BaseModel):
@@ -640,3 +641,87 @@ class TransfersPublic(BaseModel):
 class ModelDeleted(BaseModel):
     name: str
     freed_bytes: int
+
+
+class SweepRange(BaseModel):
+    """A random search's interval of one field."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    min: float = Field(gt=0)
+    max: float = Field(gt=0)
+    log: bool = Field(False, description="draw log-uniformly (learning rates)")
+
+
+class SweepCreate(BaseModel):
+    """A job body searched over named fields (``hyper.learning_rate`` or ``learning_rate``,
+    ``method.lora_r``, ``method.lora_alpha``, ``hyper.epochs``, ``hyper.batch_size``,
+    ``method.beta``, ...): a grid of value lists, or random draws from lists or intervals."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    name: Line | None = None
+    job: JobCreate = Field(description="the body of POST /api/jobs every trial starts from")
+    search: Literal["grid", "random"] = "grid"
+    parameters: dict[str, list[float] | SweepRange] = Field(
+        description='field -> values (grid, random) or {"min", "max", "log"} (random)'
+    )
+    trials: int | None = Field(
+        None, ge=1, le=64, description="random: how many; grid: at most (default: all)"
+    )
+    seed: int = Field(0, ge=0, le=MAX_INT, description="the random search's draws")
+    metric: Line = Field("loss/val", description="what ranks the trials (a metric the runs log)")
+    goal: Literal["minimize", "maximize"] = "minimize"
+    early_stopping: bool = Field(
+        False, description="stop a trial whose metric is worse than the median of the others at the same step"
+    )
+
+
+class SweepTrialPlan(BaseModel):
+    params: dict[str, float]
+    fits: bool
+    eta_s: float | None
+    problems: list[str]
+
+
+class SweepPlanPublic(BaseModel):
+    eta_s: float | None = Field(description="every trial one after another (null: some trial has no ETA)")
+    fits: bool = Field(description="every trial fits the workers")
+    trials: list[SweepTrialPlan]
+
+
+class SweepTrialPublic(BaseModel):
+    index: int
+    job_id: str
+    name: str | None
+    params: dict[str, float]
+    status: str = Field(description="the job's status, or deleted")
+    step: int | None
+    total_steps: int | None
+    metric: float | None = Field(description="its best value of the sweep's metric so far")
+    last_metric: float | None
+    started_at: datetime | None
+    finished_at: datetime | None
+    duration_s: float | None
+    stopped_early: dict[str, Any] | None = Field(description="why early stopping ended it, if it did")
+
+
+class SweepPublic(BaseModel):
+    id: str
+    name: str
+    status: Literal["running", "cancelling", "cancelled", "finished"]
+    metric: str
+    goal: str
+    search: str
+    parameters: dict[str, Any]
+    early_stopping: bool
+    job: dict[str, Any]
+    plan: SweepPlanPublic
+    created_at: datetime
+    cancelled_at: datetime | None
+    trials: list[SweepTrialPublic]
+    best_job_id: str | None = Field(description="the succeeded trial with the best metric")
+
+
+class SweepsPublic(BaseModel):
+    data: list[SweepPublic]

@@ -86,10 +86,30 @@ class Job(Base):
     suffix: Mapped[str | None] = mapped_column(String(64), nullable=True)
     # where it may run: {"host": name | None, "gpus": count | None} (``services.placement``); null: anywhere
     placement: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True), nullable=True)
+    # the sweep it is a trial of (``services.sweeps``); null: a job of its own
+    sweep_id: Mapped[str | None] = mapped_column(
+        ForeignKey("sweeps.id", ondelete="SET NULL"), nullable=True, index=True
+    )
     # tokens of the batches of steps 1..step (padding left out), and when its run expects to end
     # (``services.progress``); null until its first step
     trained_tokens: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     estimated_finish: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+
+
+class Sweep(Base):
+    """A search over a job's hyperparameters: its trials are ordinary jobs naming it (``sweep_id``)."""
+
+    __tablename__ = "sweeps"
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    name: Mapped[str] = mapped_column(String(255))
+    # the request: base job body, search, parameters, trials, metric, goal, early stopping
+    spec: Mapped[dict[str, Any]] = mapped_column(JSON)
+    # the trials in order: [{"job_id", "params"}]
+    trials: Mapped[list[Any]] = mapped_column(JSON, default=list)
+    # what the planner said before it started: {"eta_s", "trials": [{"fits", "eta_s", ...}]}
+    plan: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=now, index=True)
+    cancelled_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
 
 
 class JobEvent(Base):

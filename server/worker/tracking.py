@@ -3,16 +3,21 @@ the settings, the job's and dataset's names and hash, and its TensorBoard files 
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
 from engine.config import TrainConfig
+from engine.metrics import Sink
 from engine.tracking import TrackerSecrets, TrackingOptions
 from engine.tracking.trackers import TENSORBOARD_DIR
+from server.kinds import EventKind
+from server.services import jobs, sweeps
 from server.settings import Settings
 from server.storage import Storage
-from server.tables import Dataset, Job
+from server.tables import Dataset, Job, Sweep
 
 
 def secrets(settings: Settings) -> TrackerSecrets:
@@ -34,9 +39,8 @@ def options(settings: Settings, sessions: sessionmaker[Session], job_id: str) ->
         dataset = session.get(Dataset, job.dataset_id) if job is not None else None
         name = job.name if job is not None else job_id
         tags = {"roundhouse.job": job_id}
-        sweep = getattr(job, "sweep_id", None)
-        if sweep:
-            tags["roundhouse.sweep"] = sweep
+        if job is not None and job.sweep_id:
+            tags["roundhouse.sweep"] = job.sweep_id
     return TrackingOptions(
         secrets=secrets(settings),
         name=name,
@@ -57,3 +61,60 @@ def keep_tensorboard(store: Storage | None, config: TrainConfig, *, output_dir: 
     if own is not None and own.resolve() == local.resolve():
         return
     store.put_tree(key, local)
+
+
+class EarlyStopping:
+    """The job's sink, and for a trial of a sweep with early stopping: each time the sweep's metric
+    is logged, ``sweeps.early_stop`` judges the trial; one clearly worse than the others at the
+    same step stops at the next step boundary (a ``log`` event says why)."""
+
+    def __init__(
+        self, sink: Sink, sessions: sessionmaker[Session], job_id: str, cancel: threading.Event, metric: str
+    ) -> None:
+        self.sink, self.sessions, self.job_id, self.cancel, self.metric = (
+            sink,
+            sessions,
+            job_id,
+            cancel,
+            metric,
+        )
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self.sink.log(metrics, step)
+        if self.metric not in metrics or self.cancel.is_set():
+            return
+        with self.sessions() as session:
+            reason = sweeps.early_stop(
+                session, job_id=self.job_id, step=step, value=float(metrics[self.metric])
+            )
+            if reason is None:
+                return
+            message = (
+                f"stopped early: {self.metric} {reason['value']:.4g} at step {step} is worse than the "
+                f"median {reason['median']:.4g} of {reason['trials']} other trials of its sweep"
+            )
+            jobs.add_event(
+                session,
+                job_id=self.job_id,
+                kind=EventKind.LOG,
+                message=message,
+                data={sweeps.EARLY_STOP: reason},
+            )
+        self.cancel.set()
+
+    def event(self, kind: str, message: str, data: dict[str, Any] | None = None) -> None:
+        self.sink.event(kind, message, data)
+
+    def close(self) -> None:
+        self.sink.close()
+
+
+def early_stopping(sink: Sink, sessions: sessionmaker[Session], job_id: str, cancel: threading.Event) -> Sink:
+    """``sink`` itself, or wrapped in ``EarlyStopping`` for a trial of a sweep that asks for it."""
+    with sessions() as session:
+        job = session.get(Job, job_id)
+        sweep = session.get(Sweep, job.sweep_id) if job is not None and job.sweep_id else None
+        if sweep is None or not sweep.spec.get("early_stopping"):
+            return sink
+        metric = str(sweep.spec["metric"])
+    return EarlyStopping(sink, sessions, job_id, cancel, metric)

@@ -151,10 +151,11 @@ def main(argv: list[str]) -> int:
             output_dir=output_dir,
             keep_last=keep,
         )
+        judged = job_tracking.early_stopping(sink, sessions, job_id, cancel)  # a sweep's trial
         reserve = settings.checkpoint_reserve_bytes
         tracking = job_tracking.options(settings, sessions, job_id)
         result = train(
-            config, sink, cancel, models_dir=settings.models_dir, reserve_bytes=reserve, tracking=tracking
+            config, judged, cancel, models_dir=settings.models_dir, reserve_bytes=reserve, tracking=tracking
         )
         job_tracking.keep_tensorboard(store, config, output_dir=output_dir, folder=folder)
     except Exception as exc:
