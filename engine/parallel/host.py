@@ -114,6 +114,10 @@ class HostState:
                     ):
                         ht.compute, ht.packed = quant.pack(t, dtype)
                         t.data = torch.empty(0, dtype=t.dtype)  # the dense copy goes: RAM saved
+                    elif base_bits == 4 and not ht.trainable:
+                        # its own copy: the rest of a memory-mapped checkpoint shard was packed,
+                        # and the shard's mapping stays as long as one tensor still reads it
+                        ht.compute = ht.compute.clone()
                     self.tensors.append(ht)
                     originals.append(t)
                 keys[local] = by_id[id(t)]
