@@ -108,6 +108,9 @@ def test_resume_a_cancelled_job_from_its_page_with_times_and_chart_ticks(
     assert len({b - a for a, b in itertools.pairwise(steps)}) == 1, steps  # evenly spaced
     assert texts(page, "#loss-chart text.y-label") == ["loss"]
     assert texts(page, "#loss-chart text.x-label") == ["step"]
+    # the token accuracy of a supervised job's steps
+    expect(page.locator("#token-accuracy-chart path.series").first).to_be_attached()
+    assert texts(page, "#token-accuracy-chart text.y-label") == ["accuracy"]
     # where a step's time goes besides compute, against the step: one line per metric
     for chart, unit, count in (
         ("pipeline-chart", "seconds", 3),

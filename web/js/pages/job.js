@@ -1,6 +1,6 @@
 // Job: status, method, progress and ETA, times (created, started, finished, duration), disk use, loss
-// (train and validation), DPO rewards, throughput, learning rate, bubble ratio, the engine's idle
-// time, waits, transfers and optimizer phases, per-GPU utilization and memory over the job's
+// and token accuracy (train and validation), DPO rewards, throughput, learning rate, bubble ratio,
+// the engine's idle time, waits, transfers and optimizer phases, per-GPU utilization and memory over the job's
 // life, the event log, checkpoints, cancel, pause, resume and delete. Everything is rebuilt from the
 // job's event stream, which replays the stored events and then goes live (again after a resume).
 
@@ -149,6 +149,26 @@ export async function render(main, jobId) {
     ymax: 1,
     empty: "no reward logged yet",
   });
+  // supervised jobs: the share of label tokens whose most likely next token is the label
+  const tokenAccuracyChart = el("rh-line-chart", {
+    id: "token-accuracy-chart",
+    label: "token accuracy",
+    xlabel: "step",
+    ylabel: "accuracy",
+    zero: true,
+    ymax: 1,
+    empty: "no accuracy logged yet",
+  });
+  const tokenAccuracyCard = el(
+    "section",
+    { class: "card", hidden: dpo },
+    el("h2", { text: "Token accuracy" }),
+    el("p", {
+      class: "hint",
+      text: "The share of the answers' tokens the model predicts right (its most likely next token), in training and on the validation rows.",
+    }),
+    tokenAccuracyChart,
+  );
   const dpoCards = [
     el(
       "section",
@@ -211,6 +231,7 @@ export async function render(main, jobId) {
       "div",
       { class: "charts" },
       el("section", { class: "card" }, el("h2", { text: "Loss" }), lossChart),
+      tokenAccuracyCard,
       ...dpoCards,
       el("section", { class: "card" }, el("h2", { text: "Throughput (tokens/s)" }), speedChart),
       ...engine.cards,
@@ -246,6 +267,8 @@ export async function render(main, jobId) {
   const series = {
     "loss/train": [],
     "loss/val": [],
+    "accuracy/train": [],
+    "accuracy/val": [],
     "throughput/tokens_per_s": [],
   };
   for (const c of Object.values(PREFERENCE_CHARTS))
@@ -293,6 +316,11 @@ export async function render(main, jobId) {
     lossChart.setSeries([
       { name: "train", points: series["loss/train"] },
       { name: "validation", points: series["loss/val"] },
+    ]);
+    if (series["accuracy/train"].length) tokenAccuracyCard.hidden = false;
+    tokenAccuracyChart.setSeries([
+      { name: "train", points: series["accuracy/train"] },
+      { name: "validation", points: series["accuracy/val"] },
     ]);
     speedChart.setSeries([{ name: "tokens/s", points: series["throughput/tokens_per_s"] }]);
     if (series[charts.lines[0][1]].length || series[charts.accuracy].length)
