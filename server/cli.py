@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.commands.cli import build_parser as engine_parser
 from engine.commands.cli import main as engine_main
+from server import sweep_commands
 from server.settings import Settings, get_settings
 
 if TYPE_CHECKING:
@@ -455,6 +456,7 @@ def build_parser() -> argparse.ArgumentParser:
     lu = sub.add_parser("login-url", help="print a new one-time login link for the browser")
     lu.add_argument("--key", metavar="ID_OR_PREFIX", help="the session's key (default: the first key)")
     lu.set_defaults(func=cmd_login_url)
+    sweep_commands.add_parser(sub)
     return parser
 
 

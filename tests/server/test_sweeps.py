@@ -151,3 +151,33 @@ def test_a_worker_runs_the_trials_one_after_another_and_the_best_is_marked(
     assert all(t["metric"] is not None and t["duration_s"] > 0 for t in done["trials"])
     best = min(done["trials"], key=lambda t: t["metric"])
     assert done["best_job_id"] == best["job_id"]
+
+
+def test_the_cli_plans_creates_shows_and_cancels(
+    client: TestClient, settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    from server.cli import main
+    from server.settings import get_settings
+
+    monkeypatch.setenv("ROUNDHOUSE_HOME", str(settings.home))
+    monkeypatch.setenv("ROUNDHOUSE_DATABASE_URL", settings.url)
+    monkeypatch.setenv("ROUNDHOUSE_HUB_OFFLINE", "1")
+    get_settings.cache_clear()
+    body = tmp_path / "sweep.json"
+    body.write_text(json.dumps(sweep_body(dataset(client), parameters={"lora_alpha": [4, 8]})))
+    try:
+        assert main(["sweeps", "plan", str(body)]) == 0
+        out = capsys.readouterr().out
+        assert "#1   lora_alpha=4 " in out and "fits" in out and "2 trials, one after another: ETA" in out
+        assert main(["sweeps", "create", str(body)]) == 0
+        capsys.readouterr()
+        (sweep,) = client.get("/api/sweeps").json()["data"]
+        assert main(["sweeps", "show", sweep["id"]]) == 0
+        shown = capsys.readouterr().out
+        assert shown.startswith(f"{sweep['id']}  lr and rank  running") and shown.count(" queued ") == 2
+        assert main(["sweeps", "cancel", sweep["id"]]) == 0
+        assert capsys.readouterr().out.count(" cancelled ") == 3  # the sweep and its two trials
+        assert main(["sweeps", "show", "nope"]) == 1
+        assert "no sweep 'nope'" in capsys.readouterr().err
+    finally:
+        get_settings.cache_clear()
