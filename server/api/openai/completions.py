@@ -10,6 +10,7 @@ and ``no_inference_worker`` (503, with ``Retry-After``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -123,10 +124,12 @@ class Answers:
         finally:
             for task in tasks:
                 task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def close(self) -> None:
         for stream in self.streams:
-            await stream.aclose()  # type: ignore[attr-defined]
+            with contextlib.suppress(RuntimeError):  # one a pump still iterates: closed with the client
+                await stream.aclose()  # type: ignore[attr-defined]
         await self.client.aclose()
 
 
