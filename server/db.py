@@ -37,16 +37,45 @@ def make_engine(url: str) -> Engine:
     return create_engine(url, pool_pre_ping=True)
 
 
+def _transactional_ddl(engine: Engine) -> Engine:
+    """An engine on the same SQLite file whose transactions hold DDL too (``BEGIN IMMEDIATE``: the
+    write lock at once). The driver otherwise commits each ``CREATE``/``ALTER`` on its own, so a
+    migration killed midway (a power cut) would stay half applied, and the next start fail."""
+    ddl = create_engine(
+        engine.url, connect_args={"check_same_thread": False, "timeout": BUSY_TIMEOUT_MS / 1000}
+    )
+
+    @event.listens_for(ddl, "connect")
+    def _manual(conn: Any, _record: Any) -> None:
+        conn.isolation_level = None  # the driver emits no BEGIN of its own
+        cur = conn.cursor()
+        cur.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.close()
+
+    @event.listens_for(ddl, "begin")
+    def _begin(conn: Any) -> None:
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+    return ddl
+
+
 def migrate(engine: Engine) -> None:
-    """Apply every Alembic migration (idempotent)."""
+    """Apply every Alembic migration (idempotent); on SQLite all of them in one transaction, so a
+    kill midway leaves the database as it was."""
     from alembic import command
     from alembic.config import Config
 
     cfg = Config()
     cfg.set_main_option("script_location", str(MIGRATIONS))
-    with engine.begin() as conn:
-        cfg.attributes["connection"] = conn
-        command.upgrade(cfg, "head")
+    target = _transactional_ddl(engine) if engine.url.get_backend_name() == "sqlite" else engine
+    try:
+        with target.begin() as conn:
+            cfg.attributes["connection"] = conn
+            command.upgrade(cfg, "head")
+    finally:
+        if target is not engine:
+            target.dispose()
 
 
 def session_factory(engine: Engine) -> sessionmaker[Session]:

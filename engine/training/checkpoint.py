@@ -58,8 +58,8 @@ def tensor_bytes(value: Any) -> int:
 
 
 def clear_leftovers(root: Path) -> None:
-    """What a write killed midway left in ``root``: its temporary folders go; a checkpoint it had
-    moved aside to replace (``.step_N.old``, with no ``step_N``) comes back."""
+    """What a write killed midway left in ``root``: its temporary folders and the checkpoints it was
+    pruning go; a checkpoint it had moved aside to replace (``.step_N.old``, no ``step_N``) comes back."""
     if not root.is_dir():
         return
     for child in root.iterdir():
@@ -68,7 +68,7 @@ def clear_leftovers(root: Path) -> None:
         final = root / child.name[1:].rsplit(".", 1)[0]
         if child.name.endswith(".old") and not final.exists():
             child.rename(final)
-        elif child.name.endswith((".tmp", ".old")):
+        elif child.name.endswith((".tmp", ".old", ".pruned")):
             shutil.rmtree(child, ignore_errors=True)
 
 
@@ -130,7 +130,10 @@ def write_checkpoint(
         tmp.rename(final)
     _fsync_dir(root)
     for _, path in list_checkpoints(root)[:-keep_last]:
-        shutil.rmtree(path, ignore_errors=True)
+        # hidden first: a removal cut short must not leave a torn folder that still looks complete
+        gone = root / f".{path.name}.pruned"
+        path.rename(gone)
+        shutil.rmtree(gone, ignore_errors=True)
     return final
 
 

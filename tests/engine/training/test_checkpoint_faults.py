@@ -67,6 +67,7 @@ def test_what_a_killed_write_left_is_cleared_and_a_moved_aside_checkpoint_comes_
     # killed while writing step 12, and while replacing step 8 (moved aside, new one not in place)
     (root / ".step_000012.tmp" / "state").mkdir(parents=True)
     (root / "step_000008").rename(root / ".step_000008.old")
+    (root / ".step_000002.pruned" / "state").mkdir(parents=True)  # and while pruning step 2
     assert latest(root) == (4, root / "step_000004")  # a torn or hidden one is never picked
     clear_leftovers(root)
     assert sorted(p.name for p in root.iterdir()) == ["step_000004", "step_000008"]
