@@ -144,7 +144,11 @@ def test_a_job_takes_the_devices_and_trains_the_same_bits_under_traffic(
     refused = wait_for(
         lambda: _refusal(client, "tiny"), timeout=60, what="a 503 while the job trains", details=worker.tail
     )
-    assert refused.code == "gpus_training" and refused.response.headers["Retry-After"].isdigit()
+    assert (
+        refused is not None
+        and refused.code == "gpus_training"
+        and refused.response.headers["Retry-After"].isdigit()
+    )
     assert "training job" in refused.message and f"{CPU_MAX:,}" in refused.message
     assert http.get(f"/api/jobs/{alone['id']}").json()["status"] == "running"
     ask(client, "micro")
