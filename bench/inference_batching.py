@@ -6,9 +6,10 @@ The inference service's decode loop (``engine.inference.batching``) on the demo 
 (SmolLM2-135M-Instruct, fp32, as the service loads it on a CPU host): four chat prompts of
 different lengths, each answered greedily with ``--tokens`` new tokens (no stop token, so every
 run decodes the same count), on ``--threads`` torch threads (1 by default: on a shared machine
-OpenMP's barriers in several threads make single forwards vary tenfold). ``sequential``: each request submitted after the previous one ended;
-``concurrent``: all four submitted together, so each step is one forward over four rows. The two
-alternate, ``--repeats`` times; medians. Target: concurrent / sequential <= 0.4.
+OpenMP's barriers in several threads make single forwards vary tenfold). ``sequential``: each
+request submitted after the previous one ended; ``concurrent``: all four submitted together, so
+each step is one forward over four rows. The two alternate, ``--repeats`` times; medians.
+Target: concurrent / sequential <= 0.4.
 Results: ``results/inference_batching.json``.
 """
 
