@@ -383,6 +383,30 @@ def cmd_keys_revoke(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_backup(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from server.services import backups
+
+    manifest = backups.backup(get_settings(), Path(args.folder))
+    print(f"backed up the {manifest['database']} database and {manifest['files']} file(s) to {args.folder}")
+    return 0
+
+
+def cmd_restore(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from server.services import backups
+
+    try:
+        manifest = backups.restore(get_settings(), Path(args.folder))
+    except ValueError as exc:
+        print(f"not restored: {exc}", file=sys.stderr)
+        return 1
+    print(f"restored the backup of {manifest['created']} ({manifest['files']} file(s))")
+    return 0
+
+
 def cmd_login_url(args: argparse.Namespace) -> int:
     settings = get_settings()
     with _database(settings)() as session:
@@ -453,6 +477,12 @@ def build_parser() -> argparse.ArgumentParser:
     kr = ks.add_parser("revoke", help="delete a key and end its browser sessions")
     kr.add_argument("key", metavar="ID_OR_PREFIX", help="the key's id or prefix, as `keys list` shows")
     kr.set_defaults(func=cmd_keys_revoke)
+    b = sub.add_parser("backup", help="copy the database (online, consistent) and the files its rows name")
+    b.add_argument("folder", metavar="DIR", help="a new or empty folder")
+    b.set_defaults(func=cmd_backup)
+    r = sub.add_parser("restore", help="put a backup back into an empty home (then migrate it)")
+    r.add_argument("folder", metavar="DIR", help="a folder `roundhouse backup` wrote")
+    r.set_defaults(func=cmd_restore)
     lu = sub.add_parser("login-url", help="print a new one-time login link for the browser")
     lu.add_argument("--key", metavar="ID_OR_PREFIX", help="the session's key (default: the first key)")
     lu.set_defaults(func=cmd_login_url)
