@@ -118,14 +118,15 @@ class Memory:
         stage = plan.slots[slot]
         nxt = plan.slots[(slot + num_workers) % plan.num_slots]
         backward = stage.kind != StageKind.FORWARD
+        a, z = stage.start, stage.stop
         terms = {
-            "weights": sum(self.weights[i] for i in stage.layers),
-            "prefetch": sum(self.weights[i] for i in nxt.layers),
-            "activations": sum(self.activations[i] for i in stage.layers) if backward else 0.0,
-            "gradients": sum(self.gradients[i] for i in stage.layers) if backward else 0.0,
-            "logits": sum(self.logits[i] for i in stage.layers) if backward else 0.0,
+            "weights": sum(self.weights[a:z]),
+            "prefetch": sum(self.weights[nxt.start : nxt.stop]),
+            "activations": sum(self.activations[a:z]) if backward else 0.0,
+            "gradients": sum(self.gradients[a:z]) if backward else 0.0,
+            "logits": sum(self.logits[a:z]) if backward else 0.0,
             "workspace": self.workspace,
-            "dequantized": sum(self._decoded(i) for i in stage.layers) + self._scratch(stage.layers),
+            "dequantized": sum(self.decoded[a:z]) + max(self.scratch[a:z]) if self.decoded else 0.0,
         }
         terms["total"] = sum(terms.values())
         return terms
@@ -289,9 +290,15 @@ def layer_times(shape: Shape, workload: Workload, hardware: Hardware) -> list[tu
     else:
         score = shape.heads * (shape.mla.nope + shape.mla.rope + shape.mla.v)
     times = [(0.0, 0.0)]  # the embedding lookup
-    for b in range(shape.layers):
-        fwd = (2.0 * shape.active_block_params(b) + length * score) * t / rate
+    for active in _active_params(shape):
+        fwd = (2.0 * active + length * score) * t / rate
         times.append((fwd, bwd_factor * fwd))
     head = 2.0 * shape.hidden * shape.vocab * t / rate
     times.append((head, bwd_factor * head))
     return times
+
+
+@lru_cache(maxsize=256)
+def _active_params(shape: Shape) -> tuple[int, ...]:
+    """The parameters one token computes with in each block."""
+    return tuple(shape.active_block_params(b) for b in range(shape.layers))

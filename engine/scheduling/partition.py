@@ -6,7 +6,9 @@ Pure Python: nothing here imports torch. Layers are indexed ``0..L-1``; layer 0 
 
 from __future__ import annotations
 
+import bisect
 import math
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -311,10 +313,13 @@ def auto_partition(
         packed, event = greedy.run(t_max)
         if not isinstance(packed, _Blocked):
             slots = _num_slots(packed)
-            t_actual = greedy.t_actual(packed)
-            key = ((num_microbatches * slots + fixed) * t_actual, slots, t_actual)
-            if best is None or key < best:
-                best, best_counts = key, packed
+            # the plan's largest stage costs t_max (it first appears there), up to rounding: one
+            # that cannot win even so is not summed up
+            if best is None or (num_microbatches * slots + fixed) * (t_max - greedy.slack) <= best[0]:
+                t_actual = greedy.t_actual(packed)
+                key = ((num_microbatches * slots + fixed) * t_actual, slots, t_actual)
+                if best is None or key < best:
+                    best, best_counts = key, packed
         if best is not None and event is not None and least * event > best[0]:
             break
         t_max = event
@@ -409,9 +414,10 @@ class _Blocked:
 class _Greedy:
     """The greedy pass of :func:`auto_partition` for any ``t_max``, on prefix sums.
 
-    Each stage grows as far as it fits; the largest fitting end is found by bisection, which
-    gives the layer-by-layer scan's answer because the differences of a non-decreasing prefix
-    sum (with the start fixed) never decrease, rounding included. A pass also reports its
+    Each stage grows as far as it fits; the largest fitting end is found by bisection, then fixed
+    up with the layer-by-layer scan's own comparison (``prefix[b] - prefix[a] <= t_max``), which
+    gives the scan's answer because the differences of a non-decreasing prefix sum (with one end
+    fixed) never decrease as the stage grows, rounding included. A pass also reports its
     *event*: the smallest ``t_max`` at which one of its decisions would go the other way (a
     stage refused a layer by cost alone), None when no larger ``t_max`` changes anything.
     """
@@ -423,8 +429,13 @@ class _Greedy:
         self.both = [c.forward + c.backward for c in costs]
         self.fwd = _prefix(self.forward)
         self.fb = _prefix(self.both)
-        self.mem_f = _prefix([c.memory_forward for c in costs])
-        self.mem_b = _prefix([c.memory_backward for c in costs])
+        # a bound on how far a stage's cost summed layer by layer and a difference of prefix
+        # sums may round apart
+        self.slack = 8 * (self.num_layers + 1) * sys.float_info.epsilon * self.fb[-1]
+        # how far memory alone lets a backward stage reach down from each top, a forward
+        # stage up from each bottom (no t_max in it)
+        self.low_mem = _reach_down(_prefix([c.memory_backward for c in costs]), budget)
+        self.high_mem = _reach_up(_prefix([c.memory_forward for c in costs]), budget)
 
     def t_actual(self, counts: _Counts) -> float:
         """The largest stage cost of a plan, summed layer by layer as :func:`stage_cost` does."""
@@ -442,74 +453,80 @@ class _Greedy:
 
     def run(self, t_max: float) -> tuple[_Counts | _Blocked, float | None]:
         """The plan (or the first layer that cannot fit) and the pass's event."""
-        events: list[float] = []
         L = self.num_layers
-        fb, mem_b, budget = self.fb, self.mem_b, self.budget
-
-        def over(cost: list[float], mem: list[float], lo: int, hi: int) -> bool | None:
-            """[lo, hi) refused: True by memory (t_max cannot help), False by cost, None fits."""
-            if budget is not None and mem[hi] - mem[lo] > budget:
-                return True
-            if cost[hi] - cost[lo] > t_max:
-                events.append(cost[hi] - cost[lo])
-                return False
-            return None
-
-        def event() -> float | None:
-            return min(events) if events else None
-
-        if over(fb, mem_b, L - 1, L) is not None:
-            return _Blocked(L - 1, "fused"), event()
-        # the fused stage: the lowest start that fits (fits() holds on [start, L) for every
-        # start from it up to L - 1: costs and memory only shrink as the start rises)
-        boundary = self._lowest(fb, mem_b, L, L - 1, t_max)
-        if boundary > 0:
-            over(fb, mem_b, boundary - 1, L)
+        fb, fwd, low_mem, high_mem = self.fb, self.fwd, self.low_mem, self.high_mem
+        event = math.inf
+        # the fused stage, then the backward stages top-down: each from ``top`` down to the
+        # lowest start within t_max (bisection, then the exact comparison) and the memory reach
+        top = L
         backward: list[int] = []
-        top = boundary
         while top > 0:
-            if over(fb, mem_b, top - 1, top) is not None:
-                return _Blocked(top - 1, "backward"), event()
-            start = self._lowest(fb, mem_b, top, top - 1, t_max)
-            if start > 0:
-                over(fb, mem_b, start - 1, top)
-            backward.append(top - start)
+            if low_mem[top] > top - 1:  # one layer over the budget: no t_max helps
+                return _Blocked(top - 1, "fused" if top == L else "backward"), _finite(event)
+            if fb[top] - fb[top - 1] > t_max:
+                return _Blocked(top - 1, "fused" if top == L else "backward"), _finite(
+                    min(event, fb[top] - fb[top - 1])
+                )
+            floor, head = low_mem[top], fb[top]
+            start = max(bisect.bisect_left(fb, head - t_max, floor, top - 1), floor)
+            while start > floor and head - fb[start - 1] <= t_max:
+                start -= 1
+            while head - fb[start] > t_max:
+                start += 1
+            if start > floor:  # the layer below was refused by its cost alone
+                event = min(event, head - fb[start - 1])
+            if top < L:
+                backward.append(top - start)
+            else:
+                boundary = start
             top = start
         forward: list[int] = []
         bottom = 0
         while bottom < boundary:
-            if over(self.fwd, self.mem_f, bottom, bottom + 1) is not None:
-                return _Blocked(bottom, "forward"), event()
-            stop = self._highest(bottom, boundary, t_max)
-            if stop < boundary:
-                over(self.fwd, self.mem_f, bottom, stop + 1)
+            if high_mem[bottom] < bottom + 1:
+                return _Blocked(bottom, "forward"), _finite(event)
+            if fwd[bottom + 1] - fwd[bottom] > t_max:
+                return _Blocked(bottom, "forward"), _finite(min(event, fwd[bottom + 1] - fwd[bottom]))
+            ceiling, base = min(high_mem[bottom], boundary), fwd[bottom]
+            stop = min(bisect.bisect_right(fwd, base + t_max, bottom + 1, ceiling + 1) - 1, ceiling)
+            stop = max(stop, bottom + 1)
+            while stop < ceiling and fwd[stop + 1] - base <= t_max:
+                stop += 1
+            while fwd[stop] - base > t_max:
+                stop -= 1
+            if stop < ceiling:  # refused by cost alone
+                event = min(event, fwd[stop + 1] - base)
             forward.append(stop - bottom)
             bottom = stop
-        return (forward, L - boundary, backward), event()
+        return (forward, L - boundary, backward), _finite(event)
 
-    def _fits(self, cost: list[float], mem: list[float], lo: int, hi: int, t_max: float) -> bool:
-        if cost[hi] - cost[lo] > t_max:
-            return False
-        return self.budget is None or mem[hi] - mem[lo] <= self.budget
 
-    def _lowest(self, cost: list[float], mem: list[float], top: int, start: int, t_max: float) -> int:
-        """The lowest ``s <= start`` with ``[s, top)`` fitting, given that ``[start, top)`` fits."""
-        lo, hi = 0, start  # [hi, top) fits; find the least such hi
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if self._fits(cost, mem, mid, top, t_max):
-                hi = mid
-            else:
-                lo = mid + 1
-        return hi
+def _finite(value: float) -> float | None:
+    return None if value == math.inf else value
 
-    def _highest(self, bottom: int, limit: int, t_max: float) -> int:
-        """The highest ``s <= limit`` with ``[bottom, s)`` a fitting forward stage (one layer fits)."""
-        lo, hi = bottom + 1, limit
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if self._fits(self.fwd, self.mem_f, bottom, mid, t_max):
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+
+def _reach_down(prefix: list[float], budget: float | None) -> list[int]:
+    """For every ``top``: the lowest ``s`` with ``prefix[top] - prefix[s] <= budget`` (it never
+    falls as ``top`` rises: two pointers)."""
+    if budget is None:
+        return [0] * len(prefix)
+    out, s = [], 0
+    for top in range(len(prefix)):
+        while s < top and prefix[top] - prefix[s] > budget:
+            s += 1
+        out.append(s)
+    return out
+
+
+def _reach_up(prefix: list[float], budget: float | None) -> list[int]:
+    """For every ``bottom``: the highest ``s`` with ``prefix[s] - prefix[bottom] <= budget``."""
+    last = len(prefix) - 1
+    if budget is None:
+        return [last] * len(prefix)
+    out, s = [], 0
+    for bottom in range(len(prefix)):
+        s = max(s, bottom)
+        while s < last and prefix[s + 1] - prefix[bottom] <= budget:
+            s += 1
+        out.append(s)
+    return out
