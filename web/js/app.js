@@ -3,6 +3,7 @@
 // timers). A 401 (the session expired, or its key was revoked) shows the login notice.
 
 import { api } from "./api.js";
+import * as compare from "./pages/compare.js";
 import * as datasets from "./pages/datasets.js";
 import * as gpus from "./pages/gpus.js";
 import * as job from "./pages/job.js";
@@ -10,10 +11,13 @@ import * as jobs from "./pages/jobs.js";
 import * as models from "./pages/models.js";
 import * as newJob from "./pages/new-job.js";
 import * as playground from "./pages/playground.js";
+import * as sweeps from "./pages/sweeps.js";
 
 const ROUTES = [
   [/^#\/jobs\/new$/, newJob, "new"],
   [/^#\/jobs\/([0-9a-f]+)$/, job, "jobs"],
+  [/^#\/sweeps(?:\/([0-9a-f]+))?$/, sweeps, "sweeps"],
+  [/^#\/compare\/([0-9a-f,]+)$/, compare, "jobs"],
   [/^#\/datasets$/, datasets, "datasets"],
   [/^#\/models$/, models, "models"],
   [/^#\/gpus$/, gpus, "gpus"],

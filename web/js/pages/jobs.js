@@ -6,7 +6,19 @@ import { STATUSES, isActive } from "../kinds.js";
 import { age, bytes, clock, duration, el, errorBox, statusBadge } from "../widgets.js";
 
 const DELETABLE = ["succeeded", "failed", "cancelled", "interrupted", "paused"];
-const COLUMNS = ["Name", "Status", "Progress", "Base model", "Created", "Started", "Finished", "Duration", "Disk", ""];
+const COLUMNS = [
+  "",
+  "Name",
+  "Status",
+  "Progress",
+  "Base model",
+  "Created",
+  "Started",
+  "Finished",
+  "Duration",
+  "Disk",
+  "",
+];
 
 // how long it ran: start to finish, or to now while it runs
 function ran(j) {
@@ -26,6 +38,14 @@ export async function render(main) {
   const more = el("button", { type: "button", class: "secondary", hidden: true, text: "Show more" });
   const diskTotal = el("span", { id: "disk-total", class: "muted small" });
   const problem = el("div", { id: "jobs-error" });
+  // jobs ticked for Compare (2 to 6), kept across refreshes
+  const picked = new Set();
+  const compare = el("a", { class: "button secondary", id: "compare-jobs", hidden: true, text: "Compare" });
+  function showPicked() {
+    compare.hidden = picked.size < 2 || picked.size > 6;
+    compare.textContent = `Compare ${picked.size}`;
+    compare.href = `#/compare/${[...picked].join(",")}`;
+  }
   let cursor = null;
   main.append(
     el(
@@ -35,7 +55,7 @@ export async function render(main) {
       diskTotal,
       el("a", { class: "button", href: "#/jobs/new", text: "New job" }),
     ),
-    el("div", { class: "toolbar" }, el("label", { for: "status-filter", text: "Status" }), filter),
+    el("div", { class: "toolbar" }, el("label", { for: "status-filter", text: "Status" }), filter, compare),
     problem,
     el(
       "div",
@@ -63,6 +83,21 @@ export async function render(main) {
     return el(
       "tr",
       { dataset: { jobId: j.id } },
+      el(
+        "td",
+        {},
+        el("input", {
+          type: "checkbox",
+          class: "pick-job",
+          "aria-label": `select ${j.name} to compare`,
+          checked: picked.has(j.id),
+          onchange: (e) => {
+            if (e.target.checked) picked.add(j.id);
+            else picked.delete(j.id);
+            showPicked();
+          },
+        }),
+      ),
       el("td", {}, el("a", { href: `#/jobs/${j.id}`, text: j.name })),
       el("td", {}, statusBadge(j.status)),
       el(
