@@ -181,3 +181,30 @@ def test_the_cli_plans_creates_shows_and_cancels(
         assert "no sweep 'nope'" in capsys.readouterr().err
     finally:
         get_settings.cache_clear()
+
+
+def test_the_v1_extension_sweeps_fine_tuning_jobs(client: TestClient) -> None:
+    ds = dataset(client)
+    body = {
+        "model": "tiny",
+        "training_file": f"file-{ds}",
+        "hyperparameters": {"n_epochs": 1},
+        "roundhouse": {"engine": {"devices": ["cpu"], "num_microbatches": 1}, "hyper": {"max_steps": 2}},
+        "sweep": {"parameters": {"lora_r": [2, 4]}, "metric": "loss/train"},
+    }
+    r = client.post("/v1/fine_tuning/sweeps", json=body)
+    assert r.status_code == 200, r.text
+    sweep = r.json()
+    assert [t["params"] for t in sweep["trials"]] == [{"lora_r": 2}, {"lora_r": 4}]
+    job = client.get(f"/v1/fine_tuning/jobs/ftjob-{sweep['trials'][1]['job_id']}").json()
+    assert job["status"] == "queued" and job["roundhouse"]["job_id"] == sweep["trials"][1]["job_id"]
+    assert client.get(f"/v1/fine_tuning/sweeps/{sweep['id']}").json()["id"] == sweep["id"]
+    assert client.post(f"/v1/fine_tuning/sweeps/{sweep['id']}/cancel").json()["status"] == "cancelled"
+    for over, param in [
+        ({"sweep": {"parameters": {"momentum": [1]}}}, "sweep.parameters.momentum"),
+        ({"hyperparameters": {"n_epochs": -1}}, "hyperparameters.n_epochs"),
+        ({"training_file": "file-nope"}, "training_file"),
+    ]:
+        r = client.post("/v1/fine_tuning/sweeps", json=body | over)
+        assert r.status_code in (400, 404), (over, r.text)
+        assert r.json()["error"]["param"] == param, (over, r.text)

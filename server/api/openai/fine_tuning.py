@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request
+from sqlalchemy.orm import Session
 
 from server.api.openai.shapes import (
     AUTO_DEFAULTS,
@@ -73,6 +74,18 @@ def create_job(
     session: SessionDep, settings: SettingsDep, storage: StorageDep, body: FineTuningJobCreate
 ) -> Any:
     """Create a fine-tuning job."""
+    request, method_type, given = job_request(session, body)
+    try:
+        job = submission.submit(session, request=request, settings=settings, storage=storage)
+    except Refusal as exc:  # named as the OpenAI request names it; a missing base model is a 400
+        raise named(exc, method_type=method_type, given=given) from exc
+    openai_compat.label(session, job=job, metadata=body.metadata, suffix=body.suffix)
+    return openai_compat.job_object(job)
+
+
+def job_request(session: Session, body: FineTuningJobCreate) -> tuple[JobCreate, str, set[str]]:
+    """The ``POST /api/jobs`` body of an OpenAI request, its method type and the hyperparameters
+    it gave (for naming a refused field as the request names it)."""
     try:
         tracking = integrations.tracking_section(body.integrations)
     except Refusal as exc:
@@ -108,16 +121,16 @@ def create_job(
         eval=options.eval,
         tracking=tracking,
     )
-    try:
-        job = submission.submit(session, request=request, settings=settings, storage=storage)
-    except Refusal as exc:  # named as the OpenAI request names it; a missing base model is a 400
-        param = openai_compat.request_param(exc.param, method_type=method_type, given=given)
-        message = exc.message
-        if exc.param and param != exc.param and message.startswith(f"{exc.param}:"):
-            message = f"{param}:{message.removeprefix(f'{exc.param}:')}"
-        raise ApiError(400, exc.code, message, param=param) from exc
-    openai_compat.label(session, job=job, metadata=body.metadata, suffix=body.suffix)
-    return openai_compat.job_object(job)
+    return request, method_type, given
+
+
+def named(exc: Refusal, *, method_type: str, given: set[str]) -> ApiError:
+    """A refusal of the job as a 400 naming the field as the OpenAI request names it."""
+    param = openai_compat.request_param(exc.param, method_type=method_type, given=given)
+    message = exc.message
+    if exc.param and param != exc.param and message.startswith(f"{exc.param}:"):
+        message = f"{param}:{message.removeprefix(f'{exc.param}:')}"
+    return ApiError(400, exc.code, message, param=param)
 
 
 def metadata_filter(request: Request) -> tuple[dict[str, str], bool]:

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from engine.config import MAX_SEED
-from server.schemas import LINE_PATTERN, DataOptions, Line, Section
+from server.schemas import LINE_PATTERN, DataOptions, Line, Section, SweepRange
 from server.services.openai_compat import (
     AUTO_BATCH_SIZE,
     AUTO_BETA,
@@ -298,3 +298,25 @@ class ModelObject(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelObject]
+
+
+class SweepOptions(_Request):
+    """Our extension: how a sweep searches (``POST /api/sweeps`` without its ``job``)."""
+
+    name: Line | None = None
+    search: Literal["grid", "random"] = "grid"
+    parameters: dict[str, list[float] | SweepRange] = Field(
+        description='field -> values, or {"min", "max", "log"} (random): learning_rate, lora_r, lora_alpha, '
+        "epochs, batch_size, beta, ..."
+    )
+    trials: int | None = Field(None, ge=1, le=64)
+    seed: int = Field(0, ge=0, le=2**31 - 1)
+    metric: Line = "loss/val"
+    goal: Literal["minimize", "maximize"] = "minimize"
+    early_stopping: bool = False
+
+
+class FineTuningSweepCreate(FineTuningJobCreate):
+    """Our extension: a fine-tuning job request whose hyperparameters a sweep searches."""
+
+    sweep: SweepOptions
