@@ -8,17 +8,22 @@ from typing import Any
 from fastapi import APIRouter, Depends
 
 from server.api.openai.fine_tuning import job_request, named
-from server.api.openai.shapes import FineTuningSweepCreate
+from server.api.openai.shapes import FineTuningSweepCreate, documented
 from server.deps import SessionDep, SettingsDep, StorageDep, current_key
 from server.errors import ApiError
 from server.schemas import SweepCreate, SweepPublic
 from server.services import sweeps
 from server.services.failures import Refusal
 
-router = APIRouter(prefix="/v1/fine_tuning/sweeps", tags=["openai"], dependencies=[Depends(current_key)])
+router = APIRouter(
+    prefix="/v1/fine_tuning/sweeps",
+    tags=["openai"],
+    dependencies=[Depends(current_key)],
+    responses=documented(400, 401),
+)
 
 
-@router.post("", response_model=SweepPublic)
+@router.post("", response_model=SweepPublic, responses=documented(404))
 def create_sweep(
     session: SessionDep, settings: SettingsDep, storage: StorageDep, body: FineTuningSweepCreate
 ) -> Any:
@@ -36,13 +41,13 @@ def create_sweep(
     return sweeps.view(session, sweep=sweep)
 
 
-@router.get("/{sweep_id}", response_model=SweepPublic)
+@router.get("/{sweep_id}", response_model=SweepPublic, responses=documented(404))
 def get_sweep(session: SessionDep, sweep_id: str) -> Any:
     """A sweep with its trials (as GET /api/sweeps/{id})."""
     return sweeps.view(session, sweep=sweeps.get(session, sweep_id=sweep_id))
 
 
-@router.post("/{sweep_id}/cancel", response_model=SweepPublic)
+@router.post("/{sweep_id}/cancel", response_model=SweepPublic, responses=documented(404))
 def cancel_sweep(session: SessionDep, sweep_id: str) -> Any:
     """Cancel a sweep's unfinished trials."""
     sweep = sweeps.get(session, sweep_id=sweep_id)
