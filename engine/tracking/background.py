@@ -1,8 +1,8 @@
 """A tracker driven from a thread of its own: the run only queues calls, so a tracker that is slow
 or down never slows or fails it.
 
-Each call is retried with a growing pause, a bounded number of times; the queue is bounded (the
-oldest calls are dropped first); ``close`` waits a bounded time for the rest. Problems reach the
+Each call is retried with a growing pause, a bounded number of times; the queue is bounded (its
+oldest metrics are dropped first); ``close`` waits a bounded time for the rest. Problems reach the
 run's sink as ``tracker`` events: once when a tracker stops answering, once when it answers again,
 and when calls are given up.
 """
@@ -27,7 +27,7 @@ class RetryPolicy:
         attempts: tries of one call before it is given up (starting the run: the tracker is off).
         first_pause_s: the pause after the first failure; it doubles up to ``max_pause_s``.
         max_pause_s: the longest pause between two tries.
-        queue: calls kept waiting at most (the oldest are dropped beyond it).
+        queue: calls kept waiting at most (the oldest metrics are dropped beyond it).
         close_s: how long ``close`` waits for the queued calls.
     """
 
@@ -57,9 +57,11 @@ class Background:
         with self.wake:
             if self.disabled or self.closing:
                 return
-            if len(self.calls) >= self.policy.queue:
-                self.calls.popleft()
-                self.dropped += 1
+            if len(self.calls) >= self.policy.queue:  # the oldest metrics go; a start or finish stays
+                oldest = next((i for i, (w, _) in enumerate(self.calls) if w == "log"), None)
+                if oldest is not None:
+                    del self.calls[oldest]
+                    self.dropped += 1
             self.calls.append((what, call))
             self.wake.notify()
 

@@ -8,6 +8,7 @@ import glob
 import hashlib
 import json
 import os
+import re
 import signal
 import socket
 import struct
@@ -277,3 +278,21 @@ def test_the_engine_imports_no_tracker_until_a_run_asks() -> None:
     code = "import engine.tracking, engine.training.run, sys; print({'wandb', 'mlflow'} & set(sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "set()"
+
+
+def test_a_hung_tracker_costs_the_run_no_time_but_the_bounded_close() -> None:
+    hang = threading.Event()
+    warnings: list[str] = []
+    policy = RetryPolicy(attempts=2, first_pause_s=0.01, queue=100, close_s=0.5)
+    bg = Background("slow", warn=lambda m, d: warnings.append(m), policy=policy)
+    started = time.monotonic()
+    bg.submit("start", hang.wait)  # a server that never answers
+    for _ in range(1000):
+        bg.submit("log", lambda: None)
+    assert time.monotonic() - started < 0.5  # queued, never waited for
+    assert len(bg.calls) <= 101  # bounded: the oldest metrics were dropped, never the start
+    started = time.monotonic()
+    assert bg.close() is False
+    assert time.monotonic() - started < 1.5
+    assert any(re.search(r"gave up 10[01] call\(s\) still waiting when the run ended", m) for m in warnings)
+    hang.set()

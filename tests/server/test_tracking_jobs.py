@@ -117,3 +117,22 @@ def test_a_worker_run_writes_tensorboard_and_wandb_files_without_the_key(
 
 def job_folder(job: dict) -> str:
     return f"runs/{job['id']}"
+
+
+def test_tensorboard_files_go_to_a_store_on_another_host(tmp_path: Path) -> None:
+    from engine.config import TrainConfig
+    from server.storage import LocalStorage
+    from server.worker.tracking import keep_tensorboard
+
+    store = LocalStorage(tmp_path / "store")
+    folder = tmp_path / "cache" / "runs" / "j1"
+    (folder / "tensorboard").mkdir(parents=True)
+    (folder / "tensorboard" / "events.out.tfevents.1").write_bytes(b"event")
+    config = TrainConfig.parse({"data": {"train": "x.jsonl"}, "tracking": {"tensorboard": True}})
+    keep_tensorboard(store, config, output_dir="runs/j1", folder=folder)
+    assert (
+        tmp_path / "store" / "runs" / "j1" / "tensorboard" / "events.out.tfevents.1"
+    ).read_bytes() == b"event"
+    off = TrainConfig.parse({"data": {"train": "x.jsonl"}})
+    keep_tensorboard(store, off, output_dir="runs/j2", folder=folder)
+    assert not (tmp_path / "store" / "runs" / "j2").exists()
