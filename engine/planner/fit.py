@@ -8,7 +8,15 @@ from functools import lru_cache
 from typing import Any
 
 from engine.model.families import DEFAULT_LORA_TARGETS, FAMILIES
-from engine.planner.memory import Memory, base_bytes, fitting_plan, layer_times, layers_fit, memory_model
+from engine.planner.memory import (
+    Memory,
+    base_bytes,
+    fewest_boundaries,
+    fitting_plan,
+    layer_times,
+    layers_fit,
+    memory_model,
+)
 from engine.planner.shapes import Shape
 from engine.planner.workload import (
     DTYPE_BYTES,
@@ -198,20 +206,32 @@ def longest_sequence(
     sure = _edge_at(room, per_token, (shape.layers + 1) * (1 + 1e-9))
     if sure >= lo:
         return length(lo), stop
-    edge = probe(lo)
-    if edge.limit(hardware) is None:
+
+    def host_fits(k: int) -> tuple[bool, int]:
+        """Whether length ``k`` fits the host (its layers fit the GPUs), and its plan's B; a
+        lower bound on B tells a length that cannot fit without a partition (then that bound)."""
+        if at_job is None or length(k) != workload.seq_len:
+            job = at(k)
+            memory = memory_model(shape, job, hardware, per_layer)
+            least = fewest_boundaries(memory, memory.costs(layer_times(shape, job, hardware)))
+            if least * length(k) * per_token > room * (1 + 1e-9) + 1.0:
+                return False, max(1, least)
+        result = probe(k)
+        return result.limit(hardware) is None, _boundaries(result)
+
+    fits, boundaries = host_fits(lo)
+    if fits:
         return length(lo), stop
     lo, hi, stop = sure, lo, "host_ram"
-    boundaries, probes = _boundaries(edge), 0
+    probes = 0
     while hi - lo > 1:
         # near the edge the partition, hence B, hardly changes: the guess (or the step past the
         # lower end when the guess is it) closes the bracket in a probe or two; halving after that
         guess = min(max(_edge_at(room, per_token, boundaries), lo + 1), hi - 1)
         mid = guess if probes < GUESSES else (lo + hi) // 2
         probes += 1
-        result = probe(mid)
-        boundaries = _boundaries(result)
-        lo, hi = (mid, hi) if result.limit(hardware) is None else (lo, mid)
+        fits, boundaries = host_fits(mid)
+        lo, hi = (mid, hi) if fits else (lo, mid)
     return length(lo), stop
 
 

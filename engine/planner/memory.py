@@ -51,7 +51,7 @@ from engine.planner.activations import block_bytes_per_token
 from engine.planner.quantized import block_bytes
 from engine.planner.shapes import Shape
 from engine.planner.workload import DTYPE_BYTES, GB, Hardware, Workload
-from engine.scheduling.partition import LayerCost, Plan, StageKind, auto_partition
+from engine.scheduling.partition import LayerCost, Plan, StageKind, auto_partition, fewest_stages
 
 CUDA_OVERHEAD_BYTES = 0.8 * GB  # CUDA context, allocator slack and workspace per GPU
 PREFETCH_ROUNDS = 2  # partitions tried before one layer per stage (the second with a cut budget)
@@ -265,6 +265,22 @@ def fitting_plan(
         budget -= over
     n = len(costs)
     return Plan.from_counts(n, forward=[1] * (n - 1), fused=1, backward=[1] * (n - 1))
+
+
+def fewest_boundaries(memory: Memory, costs: Sequence[LayerCost]) -> int:
+    """A lower bound on the stage inputs (``Plan.checkpoint_boundaries``) of the plan
+    :func:`fitting_plan` finds, from one greedy pass: no plan within its budget (nor a smaller
+    one's, nor one layer per stage) has fewer. Only for a job whose layers fit (``layers_fit``)."""
+    doubled = [
+        LayerCost(c.forward, c.backward, c.memory_forward + w, c.memory_backward + w)
+        for c, w in zip(costs, memory.weights, strict=True)
+    ]
+    budget = max(memory.capacity - memory.stage_extra(), 1.0)
+    try:
+        plan = fewest_stages(doubled, memory_budget=budget)
+    except ValueError:  # the budget less the workspace leaves some layer no room: one per stage
+        return len(costs) - 2
+    return len(plan.checkpoint_boundaries())
 
 
 def peak(memory: Memory, plan: Plan, num_workers: int) -> float:

@@ -329,6 +329,22 @@ def auto_partition(
     return Plan.from_counts(len(costs), forward=forward, fused=fused, backward=backward)
 
 
+def fewest_stages(costs: Sequence[LayerCost], *, memory_budget: float | None) -> Plan:
+    """The greedy pass of :func:`auto_partition` with no time limit: every stage as full as the
+    budget allows. No plan within the budget has a lower fused stage or fewer backward stages,
+    so none keeps fewer stage inputs for recompute (``Plan.checkpoint_boundaries``).
+
+    Raises:
+        ValueError: no plan fits the memory budget.
+    """
+    _check_costs(costs)
+    packed, _ = _Greedy(costs, memory_budget).run(math.inf)
+    if isinstance(packed, _Blocked):
+        raise ValueError(f"no partition fits memory_budget={memory_budget!r}: layer {packed.layer} does not")
+    forward, fused, backward = packed
+    return Plan.from_counts(len(costs), forward=forward, fused=fused, backward=backward)
+
+
 def proxy_costs(
     param_bytes: Sequence[float], *, activation_bytes: Sequence[float] | None = None
 ) -> list[LayerCost]:

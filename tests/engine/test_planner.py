@@ -331,6 +331,18 @@ def test_the_host_ram_can_be_what_limits_the_sequence() -> None:
     assert not over.fits and "host RAM" in over.problems[0]
 
 
+@pytest.mark.parametrize("ram", [128.0, 512.0])
+def test_the_host_ram_edge_of_a_model_of_256_blocks(ram: float) -> None:
+    deep = LLAMA_3_8B | {"num_hidden_layers": 256}
+    box = Hardware(num_gpus=8, gpu_memory_gb=24.0, host_ram_gb=ram)
+    job = Workload(batch_size=16, num_microbatches=16)
+    report = plan_job(deep, box, job)
+    assert report.max_seq_len_limit == "host_ram"
+    if report.max_seq_len:
+        assert plan_job(deep, box, replace(job, seq_len=report.max_seq_len)).fits
+    assert not plan_job(deep, box, replace(job, seq_len=report.max_seq_len + SEQ_LEN_STEP)).fits
+
+
 def test_workers_sharing_a_gpu_divide_its_memory() -> None:
     box = Hardware(num_gpus=1, gpu_memory_gb=24.0)
     alone = plan_job(QWEN3_1_7B, box, Workload(batch_size=2, num_microbatches=2, devices=("cuda:0",)))

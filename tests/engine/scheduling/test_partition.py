@@ -11,6 +11,7 @@ from engine.scheduling.partition import (
     Plan,
     Stage,
     auto_partition,
+    fewest_stages,
     objective,
     proxy_costs,
     stage_cost,
@@ -404,6 +405,9 @@ def test_auto_partition_is_the_scan_of_every_candidate_t_max() -> None:
             continue
         plan = auto_partition(costs, num_workers=n, num_microbatches=m, memory_budget=budget)
         assert plan == expected, (trial, plan.describe(), expected.describe())
+        # no plan keeps fewer stage inputs than the one of the fewest stages
+        fewest = fewest_stages(costs, memory_budget=budget)
+        assert len(fewest.checkpoint_boundaries()) <= len(plan.checkpoint_boundaries())
 
 
 def test_auto_partition_covers_every_layer_twice_within_budget() -> None:
