@@ -5,14 +5,17 @@ real worker one after another with the best one marked."""
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
 
+from engine.metrics import ListSink
 from server.kinds import EventKind
 from server.services import jobs, sweeps
 from server.settings import Settings
+from server.worker.tracking import early_stopping
 from tests.server.conftest import WorkerProcess
 from tests.utils.jobs import job_body, wait_for
 
@@ -125,6 +128,24 @@ def test_the_median_rule_stops_a_trial_clearly_worse_at_the_same_step(client: Te
         assert reason == {"step": 2, "metric": "loss/val", "value": 1.9, "median": 1.55, "trials": 2}
         # at a step no other trial reached there is nothing to compare with
         assert sweeps.early_stop(session, job_id=c, step=4, value=9.0) is None
+    # the worker's sink: logging a clearly worse value stops the run and says why
+    cancel, inner = threading.Event(), ListSink()
+    sink = early_stopping(inner, sessions, c, cancel)
+    sink.log({"loss/train": 2.0}, 1)
+    assert not cancel.is_set()
+    sink.log({"loss/val": 1.7}, 1)  # better than the others' 2.0 and 2.1 at step 1
+    assert not cancel.is_set()
+    sink.log({"loss/val": 1.9}, 3)
+    assert cancel.is_set() and [r[0] for r in inner.records] == [1, 1, 3]
+    shown = client.get(f"/api/sweeps/{sweep['id']}").json()["trials"][2]
+    assert shown["stopped_early"] == {
+        "step": 3,
+        "metric": "loss/val",
+        "value": 1.9,
+        "median": 1.1,
+        "trials": 2,
+    }
+    assert early_stopping(inner, sessions, a, threading.Event()) is not inner  # a trial of this sweep
     client.post(f"/api/sweeps/{sweep['id']}/cancel")
 
 
