@@ -16,18 +16,24 @@ from typing import Any
 import pytest
 
 from tests.utils.jobs import job_body, wait_for
-from tests.web.conftest import CHROMIUM, Server, screenshot
+from tests.web.conftest import CHROMIUM, VIEWPORT, Server, screenshot
 
 if not Path(CHROMIUM).exists():
     pytest.skip(f"no Chromium at {CHROMIUM}", allow_module_level=True)
 pytest.importorskip("playwright.sync_api")
 
-from playwright.sync_api import Page, expect
+from playwright.sync_api import Page, ViewportSize, expect
 
+NARROW: ViewportSize = {"width": 420, "height": 800}
 ROWS = [
     {"messages": [{"role": "user", "content": f"add {i}"}, {"role": "assistant", "content": str(i % 5)}]}
     for i in range(30)
 ]
+
+
+def no_overflow(page: Page) -> bool:
+    size = page.evaluate("() => ({scroll: document.documentElement.scrollWidth, inner: window.innerWidth})")
+    return bool(size["scroll"] <= size["inner"] + 1)
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +109,11 @@ def test_the_sweep_page_shows_trials_curves_and_the_best(
     expect(page.locator("#best-export")).to_have_attribute("href", f"/api/jobs/{best}/checkpoints/3/download")
     expect(page.locator("#cancel-sweep")).to_be_hidden()
     screenshot(page, "sweep-page")
+    page.set_viewport_size(NARROW)  # the nav, the table and the chart fit without a sideways scroll
+    page.wait_for_timeout(300)
+    assert no_overflow(page), "the sweep page scrolls sideways at 420 px"
+    screenshot(page, "sweep-page-narrow")
+    page.set_viewport_size(VIEWPORT)
 
     page.locator("#compare-trials").click()
     expect(page).to_have_url(
@@ -143,6 +154,10 @@ def test_compare_from_the_jobs_list_shows_only_differences(
     expect(steps).to_have_text("tokens trained")
     expect(page.locator("#compare-loss-train path.series")).to_have_count(2)
     screenshot(page, "compare-page")
+    page.set_viewport_size(NARROW)
+    page.wait_for_timeout(300)
+    assert no_overflow(page), "the compare page scrolls sideways at 420 px"
+    page.set_viewport_size(VIEWPORT)
 
     page.goto(f"{server.base_url}/#/compare/{a}")
     expect(page.locator("#compare-error")).to_have_text("Compare takes 2 to 6 jobs (got 1).")
