@@ -28,6 +28,7 @@ export const EVENT_KINDS = {
   partition: { label: "partition", chart: false },
   repartition: { label: "repartition", chart: false },
   reference: { label: "reference", chart: false },
+  tracker: { label: "tracker", chart: false },
 };
 
 // A job in this status can still change.
