@@ -19,7 +19,9 @@ from server.tables import ApiKey, Job
 
 COOKIE = "roundhouse_session"
 # ``EventSource`` cannot set a header: on these routes (GET) a key may also come as ``?token=``
-QUERY_TOKEN_ROUTES = frozenset({"/api/jobs/{job_id}/stream", "/api/gpus/stream"})
+QUERY_TOKEN_ROUTES = frozenset(
+    {"/api/jobs/{job_id}/stream", "/api/gpus/stream", "/api/transfers/{transfer_id}/stream"}
+)
 
 
 def app_settings(request: Request) -> Settings:
