@@ -1669,8 +1669,10 @@ def check_memory(ctx: Context) -> Result:
     else:
         size = dict(hidden=64, layers=2, vocab=256, inter=128, heads=4, kv=2, seq=32)
         batch, workers = 8, 2
-    # warm-up: the 2 calibration steps and the re-plan after them
-    steps, warmup = (5, 3) if ctx.quick or not ctx.cuda else (8, 3)
+    # warm-up: the 2 calibration steps and the re-plan after them, and the gradient buffers'
+    # pool filling to the number in flight (with two workers sharing a stage, a step later
+    # when the workers' timing differs)
+    steps, warmup = (5, 3) if ctx.quick else (8, 4)
     model = small_llama(**size)
     batches = token_batches(size["vocab"], batch, size["seq"], steps)
     config = EngineConfig(
@@ -1684,6 +1686,7 @@ def check_memory(ctx: Context) -> Result:
         figures["host_active_bytes_before"] = stats.get("active_bytes.current", 0)
     tensors_before = live_tensors("cuda" if ctx.cuda else None)
     per_step: list[int] = []
+    plans: list[str] = []  # the plan after each step: the calibration's re-plan may come a step late
     held: list[dict[int, dict[str, torch.Tensor]]] = []
     rp = RoundPipe(model, config)
     try:
@@ -1692,6 +1695,7 @@ def check_memory(ctx: Context) -> Result:
             rp.step()
             rp.synchronize()
             per_step.append(settled_device_bytes(ctx)["allocated"] if ctx.cuda else live_tensors()[1])
+            plans.append(rp.plan.describe() if rp.plan is not None else "")
         compute_bytes = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
         figures["model_compute_bytes"] = compute_bytes
         host = getattr(rp, "host", None)
@@ -1722,6 +1726,11 @@ def check_memory(ctx: Context) -> Result:
         rp.close()
     name = "device_bytes_per_step" if ctx.cuda else "live_tensor_bytes_per_step"
     figures[name] = per_step
+    # warm-up lasts until the plan is final: a new plan (e.g. more rounds per iteration) may need
+    # one more gradient buffer per layer, once
+    changed = [i for i in range(1, len(plans)) if plans[i] != plans[i - 1]]
+    warmup = min(max(warmup, changed[-1] + 1 if changed else 0), len(per_step) - 1)
+    figures["plans"], figures["warmup_steps"] = plans, warmup
     growth = max(per_step[warmup:]) - per_step[warmup - 1]
     figures["growth_after_warmup_bytes"] = growth
     if growth > 1 << 20:
