@@ -1,17 +1,24 @@
 """Host memory and PCIe bytes of a LoRA base in 16 and in 4 bits (``method.base_bits``).
 
-Part one, each variant in its own process: a randomly initialised Llama-shaped model (about
-1.45e9 parameters by default, bfloat16), LoRA r16 on the family's default targets, one CPU
-worker, bfloat16 compute. It reports the process's RSS before the model exists, once the model
-is built and once the engine holds it (the base's host copy), the bytes of the blocks' base
-weights as the engine keeps them, and the bytes one training iteration uploads
-(``transfer/h2d_bytes``, counted by the transfer layer as it copies). Targets: the 4-bit
-variant's base RSS and uploaded bytes <= 0.35x the 16-bit one's.
+Part one: a randomly initialised Llama-shaped model (about 1.45e9 parameters by default) saved
+in bfloat16 safetensors shards (500 MB: a model's shards are small against the model, 5 GB of
+hundreds for the paper's largest, and a 4-bit load holds one shard's dense pages at a time);
+then, each variant in its own process, loaded as a training run loads it (``load_model`` in the
+compute dtype), LoRA r16 on the family's default targets, one CPU worker, bfloat16 compute. It
+reports the process's RSS before the model exists, once it is loaded, once the engine holds it
+and after one iteration (steady state: every weight read, and the C heap's freed memory handed
+back), the peak RSS of the load (the model loaded and handed to the engine) and of the whole run
+(where a CPU worker's stage copies of the weights, device memory on a GPU, are host memory
+too), the bytes of the blocks' base weights as the engine keeps them, and the bytes one training
+iteration uploads (``transfer/h2d_bytes``, counted by the transfer layer as it copies). Targets:
+the 4-bit variant's base RSS and uploaded bytes <= 0.35x the 16-bit one's; the peak of the load
+<= 1.15x the steady state.
 
 Part two: the demo task (``roundhouse demo``'s model and data), 20 LoRA steps with each base;
 the mean training loss of the last five steps with a 4-bit base within 5% of the 16-bit one.
 
-    python bench/host_memory.py [--layers 24] [--hidden 2048] [--skip-loss]
+    python bench/host_memory.py [--layers 24] [--hidden 2048] [--shard-size 500MB]
+                                [--part all|memory|demo]
 
 Writes ``bench/results/host_memory.json``.
 """
@@ -39,18 +46,12 @@ def _rss() -> int:
     return int(psutil.Process().memory_info().rss)
 
 
-def one_variant(args: argparse.Namespace) -> dict[str, Any]:
-    """Build, wrap and train one iteration with ``args.bits``; the figures as a dict."""
+def save_model(args: argparse.Namespace) -> None:
+    """A randomly initialised Llama of the given shape, saved in bfloat16 safetensors shards."""
     import torch
-    from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from engine import EngineConfig, RoundPipe
-    from engine.metrics import ListSink
-    from engine.model.families import family_for
-
     torch.manual_seed(0)
-    start = _rss()
     config = LlamaConfig(
         vocab_size=32000,
         hidden_size=args.hidden,
@@ -60,18 +61,39 @@ def one_variant(args: argparse.Namespace) -> dict[str, Any]:
         num_key_value_heads=args.hidden // 256,
         max_position_embeddings=256,
         tie_word_embeddings=False,
+        dtype="bfloat16",
     )
     torch.set_default_dtype(torch.bfloat16)
     try:
         model = LlamaForCausalLM(config)
     finally:
         torch.set_default_dtype(torch.float32)
+    model.save_pretrained(args.save, max_shard_size=args.shard_size)
+
+
+def one_variant(args: argparse.Namespace) -> dict[str, Any]:
+    """Load the saved model as a training run does, wrap it, train one iteration with
+    ``args.bits``; the figures as a dict."""
+    import ctypes
+    import resource
+
+    import psutil
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from engine import EngineConfig, RoundPipe
+    from engine.metrics import ListSink
+    from engine.model.families import family_for
+    from engine.model.loading import load_model
+
+    start = _rss()
+    t0 = time.perf_counter()
+    model = load_model(args.folder, dtype="bfloat16")  # a run's load: in its compute dtype
     targets = list(family_for("LlamaForCausalLM").lora_targets)
     model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=targets))
     parameters = sum(p.numel() for p in model.parameters())
-    built = _rss()
+    loaded = _rss()
     sink = ListSink()
-    t0 = time.perf_counter()
     rp = RoundPipe(
         model,
         EngineConfig(
@@ -85,6 +107,7 @@ def one_variant(args: argparse.Namespace) -> dict[str, Any]:
     )
     load_s = time.perf_counter() - t0
     held = _rss()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
     host = rp.host
     blocks = [t for t in host.tensors if not t.trainable and 0 < t.owner < host.num_layers - 1]
     block_base_bytes = sum(t.compute.nbytes for t in blocks if t.compute.dim() != 1 or t.packed is not None)
@@ -95,19 +118,33 @@ def one_variant(args: argparse.Namespace) -> dict[str, Any]:
     rp.synchronize()
     step_s = time.perf_counter() - t0
     metrics = sink.records[-1][1]
+    # steady state: every weight was read by now (a model loaded from safetensors is memory
+    # mapped, and its pages count only once touched); file-backed pages are the mapped files'
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # what the C heap keeps of freed tensors: not held
+    memory = psutil.Process().memory_info()
+    steady, file_backed = int(memory.rss), int(memory.shared)
+    peak_run = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     rp.close()
     return {
         "bits": args.bits,
         "parameters": parameters,
         "rss_start": start,
-        "rss_model_built": built,
+        "rss_model_loaded": loaded,
         "rss_engine_holds_it": held,
-        # what the base costs the process once the engine holds it (the model's own copy gone)
-        "base_rss": held - start,
+        "rss_after_iteration": steady,
+        "rss_file_backed_after_iteration": file_backed,
+        # what the base costs the process in steady state (the model's own copy gone)
+        "base_rss": steady - start,
+        # the most the process held while loading and handing the model to the engine (the
+        # target's figure), and over the whole run, where a CPU worker's stage copies of the
+        # weights (device memory on a GPU) are host memory too
+        "peak_rss_loading": peak,
+        "peak_rss_run": peak_run,
+        "peak_over_steady": peak / steady,
         "block_base_bytes": block_base_bytes,
         "packed_tensors": sum(1 for t in blocks if t.packed is not None),
         "h2d_bytes_per_iteration": metrics.get("transfer/h2d_bytes"),
-        "engine_load_s": load_s,
+        "load_s": load_s,
         "iteration_s": step_s,
         "loss": float(loss),
     }
@@ -137,38 +174,34 @@ def demo_losses(bits: int, steps: int) -> list[float]:
     return [m["loss/train"] for _, m in sink.records if "loss/train" in m and "tokens/label" in m]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=int, default=24)
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--intermediate", type=int, default=6912)
-    parser.add_argument("--steps", type=int, default=20, help="demo-task steps per variant")
-    parser.add_argument("--skip-loss", action="store_true", help="only the memory and bytes part")
-    parser.add_argument("--bits", type=int, help=argparse.SUPPRESS)  # a child: one variant
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "host_memory.json")
-    args = parser.parse_args()
-    if args.bits is not None:
-        print(json.dumps(one_variant(args)))
-        return
-    import torch
-
+def memory_part(args: argparse.Namespace) -> dict[str, Any]:
+    """Part one: both variants, each in a child process, on one saved model."""
     variants = {}
-    for bits in (16, 4):
-        child = [sys.executable, __file__, "--bits", str(bits), "--layers", str(args.layers)]
-        child += ["--hidden", str(args.hidden), "--intermediate", str(args.intermediate)]
-        done = subprocess.run(child, check=True, capture_output=True, text=True)
-        variants[bits] = json.loads(done.stdout.strip().splitlines()[-1])
-        print(f"{bits}-bit base: {json.dumps(variants[bits])}", flush=True)
+    shape = [
+        "--layers",
+        str(args.layers),
+        "--hidden",
+        str(args.hidden),
+        "--intermediate",
+        str(args.intermediate),
+    ]
+    with tempfile.TemporaryDirectory() as folder:
+        subprocess.run(
+            [sys.executable, __file__, "--save", folder, "--shard-size", args.shard_size, *shape], check=True
+        )
+        for bits in (16, 4):
+            child = [sys.executable, __file__, "--bits", str(bits), "--folder", folder, *shape]
+            done = subprocess.run(child, check=True, capture_output=True, text=True)
+            variants[bits] = json.loads(done.stdout.strip().splitlines()[-1])
+            print(f"{bits}-bit base: {json.dumps(variants[bits])}", flush=True)
     dense, packed = variants[16], variants[4]
-    report: dict[str, Any] = {
-        "benchmark": "host_memory",
-        "machine": {"cpu_count": torch.get_num_threads(), "platform": platform.platform()},
-        "versions": {"python": platform.python_version(), "torch": torch.__version__},
+    return {
         "shape": {
             "layers": args.layers,
             "hidden": args.hidden,
             "intermediate": args.intermediate,
             "vocab": 32000,
+            "shard_size": args.shard_size,
         },
         "variants": {"16": dense, "4": packed},
         "ratios": {
@@ -176,20 +209,76 @@ def main() -> None:
             "block_base_bytes": packed["block_base_bytes"] / dense["block_base_bytes"],
             "h2d_bytes_per_iteration": packed["h2d_bytes_per_iteration"] / dense["h2d_bytes_per_iteration"],
         },
-        "targets": {"base_rss": 0.35, "h2d_bytes_per_iteration": 0.35, "demo_loss_relative": 0.05},
+        "peak_over_steady_loading": {"16": dense["peak_over_steady"], "4": packed["peak_over_steady"]},
     }
-    if not args.skip_loss:
-        losses = {bits: demo_losses(bits, args.steps) for bits in (16, 4)}
-        tail = {bits: statistics.mean(v[-5:]) for bits, v in losses.items()}
-        report["demo"] = {
-            "steps": args.steps,
-            "losses": {str(b): v for b, v in losses.items()},
-            "last5_mean": {str(b): v for b, v in tail.items()},
-            "relative_difference": abs(tail[4] - tail[16]) / tail[16],
+
+
+def demo_part(args: argparse.Namespace) -> dict[str, Any]:
+    """Part two: the demo task's loss with each base."""
+    losses = {bits: demo_losses(bits, args.steps) for bits in (16, 4)}
+    tail = {bits: statistics.mean(v[-5:]) for bits, v in losses.items()}
+    return {
+        "steps": args.steps,
+        "losses": {str(b): v for b, v in losses.items()},
+        "last5_mean": {str(b): v for b, v in tail.items()},
+        "relative_difference": abs(tail[4] - tail[16]) / tail[16],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--intermediate", type=int, default=6912)
+    parser.add_argument("--shard-size", default="500MB", help="the saved model's safetensors shards")
+    parser.add_argument("--steps", type=int, default=20, help="demo-task steps per variant")
+    parser.add_argument(
+        "--part",
+        choices=("all", "memory", "demo"),
+        default="all",
+        help="one part only: the other part's figures already in --out are kept, with their time",
+    )
+    parser.add_argument("--bits", type=int, help=argparse.SUPPRESS)  # a child: one variant
+    parser.add_argument("--folder", type=Path, help=argparse.SUPPRESS)  # ... of this saved model
+    parser.add_argument("--save", type=Path, help=argparse.SUPPRESS)  # a child: save the model
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "host_memory.json")
+    args = parser.parse_args()
+    if args.save is not None:
+        save_model(args)
+        return
+    if args.bits is not None:
+        print(json.dumps(one_variant(args)))
+        return
+    import torch
+
+    report: dict[str, Any] = {}
+    if args.part != "all" and args.out.exists():
+        kept = json.loads(args.out.read_text())
+        report = {part: kept[part] for part in ("memory", "demo") if part in kept}
+    report.update(
+        {
+            "benchmark": "host_memory",
+            "machine": {"cpu_count": torch.get_num_threads(), "platform": platform.platform()},
+            "versions": {"python": platform.python_version(), "torch": torch.__version__},
+            "targets": {
+                "base_rss": 0.35,
+                "h2d_bytes_per_iteration": 0.35,
+                "demo_loss_relative": 0.05,
+                "peak_over_steady_loading": 1.15,
+            },
         }
+    )
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    if args.part in ("all", "memory"):
+        report["memory"] = {"measured_at": now, **memory_part(args)}
+    if args.part in ("all", "demo"):
+        report["demo"] = {"measured_at": now, **demo_part(args)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps({k: v for k, v in report.items() if k not in ("variants",)}, indent=2))
+    summary = {k: v for k, v in report.get("memory", {}).items() if k != "variants"}
+    print(
+        json.dumps({"memory": summary, "demo": report.get("demo", {}).get("relative_difference")}, indent=2)
+    )
 
 
 if __name__ == "__main__":
