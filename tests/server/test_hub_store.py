@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from tests.server.conftest import WorkerProcess
-from tests.server.test_hub_models import api, hub, progress_events, settings_for  # noqa: F401
+from tests.server.test_hub_models import api, hub, progress_events, settings_for
 from tests.utils.fake_hub import FakeHub
 from tests.utils.s3 import S3Server, s3_server, s3_settings
 
@@ -32,7 +32,8 @@ def test_a_pull_on_an_s3_store_lands_in_the_shared_models_store(
             worker.kill_group()
     bucket = settings.storage_url.removeprefix("s3://").split("/")[0]
     prefix = settings.storage_url.removeprefix(f"s3://{bucket}").strip("/")
-    listed = s3_server.client().list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/models/org/tiny/".lstrip("/"))
+    models = f"{prefix}/models/org/tiny/".lstrip("/")
+    listed = s3_server.client().list_objects_v2(Bucket=bucket, Prefix=models)
     stored = {obj["Key"].rsplit("/", 1)[-1]: obj["Size"] for obj in listed.get("Contents", [])}
     # every file the pull fetched, at its size, in the store (and the pull's source record)
     assert {f["path"]: f["size"] for f in pull["files"]}.items() <= stored.items(), stored
