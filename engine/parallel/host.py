@@ -118,6 +118,8 @@ class HostState:
                         # its own copy: the rest of a memory-mapped checkpoint shard was packed,
                         # and the shard's mapping stays as long as one tensor still reads it
                         ht.compute = ht.compute.clone()
+                        if isinstance(t, nn.Parameter):  # the model lets go of the shard now
+                            t.data = ht.compute
                     self.tensors.append(ht)
                     originals.append(t)
                 keys[local] = by_id[id(t)]
