@@ -28,10 +28,12 @@ from typing import Any
 
 import torch
 
-BASE_BITS = (16, 4)
-BLOCK = 64  # values per absmax scale
-SCALER_BLOCK = 256  # scales per int8 second-level scale (fewer where a tensor has fewer)
-ALIGN = 16  # bytes: each part of the packed buffer starts aligned, so it can be viewed in place
+# the layout's sizes and their arithmetic live with the planner, which prices packed bytes
+# without importing torch
+from engine.planner.quantized import ALIGN, BASE_BITS, BLOCK, SCALER_BLOCK, packed_bytes, scaler_block
+
+__all__ = ["ALIGN", "BASE_BITS", "BLOCK", "SCALER_BLOCK", "Packed", "dequantized", "pack"]
+__all__ += ["packed_bytes", "quantizable", "scaler_block"]
 
 
 def _nf4() -> Any:
@@ -67,27 +69,6 @@ def quantizable(tensor: torch.Tensor) -> bool:
     """Whether a frozen block weight can be packed: a floating matrix (or stack of them, e.g.
     experts) whose size is a whole number of blocks."""
     return tensor.is_floating_point() and tensor.dim() >= 2 and tensor.numel() % (2 * BLOCK) == 0
-
-
-def scaler_block(numel: int) -> int:
-    """The second-level block of a tensor's scales: 256, or the largest power of two dividing
-    its number of blocks."""
-    blocks, size = numel // BLOCK, SCALER_BLOCK
-    while blocks % size:
-        size //= 2
-    return size
-
-
-def _align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
-def packed_bytes(numel: int, dtype_bytes: int = 2) -> int:
-    """Bytes of a packed tensor of ``numel`` values whose constants are ``dtype_bytes`` wide."""
-    blocks = numel // BLOCK
-    scaler_blocks = blocks // scaler_block(numel)
-    parts = (numel // 2, blocks, scaler_blocks * dtype_bytes, dtype_bytes, 16 * dtype_bytes)
-    return sum(_align(p) for p in parts)
 
 
 @dataclass(frozen=True)
@@ -147,7 +128,7 @@ def pack(tensor: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, Packed
     parts, offset = [], 0
     for p in pieces:
         parts.append((offset, p.numel()))
-        offset += _align(p.numel() * p.element_size())
+        offset += (p.numel() * p.element_size() + ALIGN - 1) // ALIGN * ALIGN
     buffer = torch.zeros(offset, dtype=torch.uint8)
     for (start, _), p in zip(parts, pieces, strict=True):
         raw = torch.empty(p.numel(), dtype=p.dtype).copy_(p.reshape(-1)).view(torch.uint8)
