@@ -1256,11 +1256,11 @@ def row_result(status: str, problems: list[str], figures: dict[str, Any], passed
     return Result(status, f"{message}; {passed}", figures)
 
 
-def check_lora_frozen_base(ctx: Context) -> Result:
-    """LoRA on a frozen base against the plain loop on the peft model: only the adapter moves."""
-    model = lora_model()
-    batches = tiny_batches(2)
-    ref = plain_on(ctx, model, batches, sgd)
+def lora_runs(
+    ctx: Context, model: torch.nn.Module, ref: Run, batches: list[dict[str, torch.Tensor]], **engine: Any
+) -> tuple[str, list[str], dict[str, Any], dict[int, Run]]:
+    """A LoRA model trained by the engine (SGD, ``LORA_PLAN``) on 1-3 workers against ``ref``:
+    ``compare_workers``'s verdict, and the runs."""
     runs: dict[int, Run] = {}
     for n in WORKER_COUNTS:
         config = EngineConfig(
@@ -1270,9 +1270,17 @@ def check_lora_frozen_base(ctx: Context) -> Result:
             optimizer="sgd",
             lr=0.1,
             partition=LORA_PLAN,
+            **engine,
         )
         runs[n] = engine_loop(model, batches, config)[:2]
-    status, problems, figures = compare_workers(ctx, runs, ref, SGD_TOL[ctx.kind], "the plain loop")
+    return (*compare_workers(ctx, runs, ref, SGD_TOL[ctx.kind], "the plain loop"), runs)
+
+
+def check_lora_frozen_base(ctx: Context) -> Result:
+    """LoRA on a frozen base against the plain loop on the peft model: only the adapter moves."""
+    model = lora_model()
+    batches = tiny_batches(2)
+    status, problems, figures, runs = lora_runs(ctx, model, plain_on(ctx, model, batches, sgd), batches)
     before = on_cpu(model.state_dict())
     state = runs[WORKER_COUNTS[0]][1]
     base = [k for k in before if "lora_" not in k]
@@ -1305,19 +1313,7 @@ def check_base_4bit(ctx: Context) -> Result:
                 p.copy_(quant.dequantized(p, torch.float32))
     batches = tiny_batches(2)
     ref = plain_on(ctx, reference, batches, sgd)
-    runs: dict[int, Run] = {}
-    for n in WORKER_COUNTS:
-        config = EngineConfig(
-            tf32=False,
-            devices=ctx.devices(n),
-            num_microbatches=3,
-            optimizer="sgd",
-            lr=0.1,
-            partition=LORA_PLAN,
-            base_bits=4,
-        )
-        runs[n] = engine_loop(model, batches, config)[:2]
-    status, problems, figures = compare_workers(ctx, runs, ref, SGD_TOL[ctx.kind], "the plain loop")
+    status, problems, figures, _ = lora_runs(ctx, model, ref, batches, base_bits=4)
     # one Llama-8B-sized block (hidden 4096, MLP 14336) in bfloat16 on a GPU (a smaller one on
     # CPU workers, where a copy stands for the upload): decode against upload
     hidden, inter = (4096, 14336) if ctx.cuda and not ctx.quick else (1024, 3584)
