@@ -37,6 +37,9 @@ from tests.utils import Process, answers, child_env, free_port, roundhouse
 from tests.utils.jobs import FINAL, start_job, states, wait_for, wait_for_job
 
 MIGRATION_CUTS, UPLOAD_CUTS, TRAINING_CUTS = 7, 7, 6  # 20 power cuts
+# steps of the job cut while it trains: enough that an idle machine, training the tiny model at
+# several steps a second, does not finish it before the sixth cut
+TRAINING_STEPS = 120
 
 
 def integrity(database: Path) -> None:
@@ -155,10 +158,10 @@ def test_power_cuts_while_a_job_trains_and_checkpoints_end_bitwise_as_an_uninter
         job = start_job(
             client,
             dataset(client),
-            hyper={"max_steps": 30},
+            hyper={"max_steps": TRAINING_STEPS},
             checkpoint={"every_steps": 1, "keep_last": 2},  # a checkpoint written at every step
         )
-        job_id, total = job["id"], 30
+        job_id, total = job["id"], TRAINING_STEPS
         folder = Path(job["config"]["output_dir"]) / "checkpoints"
         workers: list[WorkerProcess] = []
 
@@ -179,7 +182,7 @@ def test_power_cuts_while_a_job_trains_and_checkpoints_end_bitwise_as_an_uninter
                     what=f"job {job_id} training again after cut {cut}",
                     details=logs,
                 )
-                time.sleep(rng.uniform(0.0, 1.0))
+                time.sleep(rng.uniform(0.0, 0.5))
                 if client.get(f"/api/jobs/{job_id}").json()["status"] in FINAL:
                     break
                 worker.kill_group()  # the whole worker: its main process, its pool and the training child
