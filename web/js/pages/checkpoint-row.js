@@ -7,13 +7,17 @@ import { age, el, errorBox, number } from "../widgets.js";
 import { transferLine } from "./transfer.js";
 
 const QUANTS = ["q8_0", "q4_k_m", "f16", "bf16"];
+// the quantization chosen per checkpoint ("job/step"): the table is redrawn as checkpoints
+// arrive and a job ends, and a choice must survive that
+const chosenQuant = new Map();
 
 function ggufDownload(jobId, step) {
+  const key = `${jobId}/${step}`;
   const url = (quant) => downloadUrl(`/jobs/${jobId}/checkpoints/${step}/download`, { gguf: quant });
   const link = el("a", {
     class: "button secondary download-gguf",
     download: "",
-    href: url(QUANTS[0]),
+    href: url(chosenQuant.get(key) ?? QUANTS[0]),
     title: "The model as a GGUF file for llama.cpp and Ollama, with a Modelfile (built once, then kept)",
     text: "GGUF",
   });
@@ -23,11 +27,13 @@ function ggufDownload(jobId, step) {
       class: "gguf-quant",
       "aria-label": "GGUF quantization",
       onchange: (ev) => {
+        chosenQuant.set(key, ev.target.value);
         link.href = url(ev.target.value);
       },
     },
     ...QUANTS.map((q) => el("option", { value: q, text: q })),
   );
+  quant.value = chosenQuant.get(key) ?? QUANTS[0];
   return [quant, link];
 }
 
