@@ -52,6 +52,10 @@ def made(server: Server) -> Iterator[dict[str, Any]]:
         client.delete(f"/api/datasets/{state['dataset_id']}")
 
 
+# the job cancelled while it runs: long enough that an idle machine does not finish it first
+STEPS = 100
+
+
 def start(server: Server, made: dict[str, Any], *, steps: int) -> str:
     with server.client() as client:
         job = start_job(
@@ -74,7 +78,7 @@ def texts(page: Page, selector: str) -> list[str]:
 def test_resume_a_cancelled_job_from_its_page_with_times_and_chart_ticks(
     page: Page, server: Server, made: dict[str, Any]
 ) -> None:
-    job_id = start(server, made, steps=30)
+    job_id = start(server, made, steps=STEPS)
     wait(server, job_id, lambda j: j["status"] == "running" and j["step"] >= 2)
     with server.client() as client:  # setup: the cancel has its own test in test_ui.py
         assert client.post(f"/api/jobs/{job_id}/cancel").status_code == 200
@@ -139,11 +143,11 @@ def test_resume_a_cancelled_job_from_its_page_with_times_and_chart_ticks(
     resume.click()
     expect(page.locator("#job-status")).to_have_text(re.compile("queued|running|succeeded"))
     expect(page.locator("#job-status")).to_have_text("succeeded", timeout=TIMEOUT_S * 1000)
-    expect(page.locator("#job-step")).to_have_text("step 30 / 30")
+    expect(page.locator("#job-step")).to_have_text(f"step {STEPS} / {STEPS}")
     expect(resume).to_be_hidden()
     expect(delete).to_be_visible()
     expect(page.locator("#event-log li").filter(has_text=f"step {stopped_at}").first).to_be_attached()
-    expect(page.locator("#loss-chart path.series").first).to_have_attribute("data-count", "30")
+    expect(page.locator("#loss-chart path.series").first).to_have_attribute("data-count", str(STEPS))
     expect(page.locator("#job-finished")).to_have_text(re.compile(r"\d\d:\d\d:\d\d"))
     screenshot(page, "job-manage-resumed")
     made["succeeded"] = job_id

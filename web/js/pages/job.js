@@ -391,8 +391,14 @@ export async function render(main, jobId) {
     );
   }
 
+  // the rows are redrawn only when the list changed: an open Push form or a chosen GGUF
+  // quantization stays while the job's events replay or arrive
+  let shownCheckpoints = null;
   async function refreshCheckpoints() {
     const { data } = await tracked(api(`/jobs/${jobId}/checkpoints`));
+    const shown = JSON.stringify(data);
+    if (shown === shownCheckpoints) return;
+    shownCheckpoints = shown;
     checkpoints.replaceChildren(
       ...(data.length
         ? data.flatMap((c) => checkpointRow(jobId, c, (err) => error.replaceChildren(errorBox(err))))
