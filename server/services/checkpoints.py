@@ -237,6 +237,16 @@ def merged_archive(
     (until :func:`clear_merged`)."""
     from engine.model.export import merge_adapter
 
+    def build(work: Path) -> None:
+        merge_adapter(str(adapter), base, work / "model")
+        _write_archive(work / "model", target, readme=readme, replace=replace or {})
+
+    return _built_once(target, build)
+
+
+def _built_once(target: Path, build: Callable[[Path], None]) -> Path:
+    """``target``, built by ``build(work)`` (a scratch folder beside it, removed after) unless it
+    exists: one build at a time per target, across processes."""
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -245,8 +255,7 @@ def merged_archive(
             return target
         work = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
         try:
-            merge_adapter(str(adapter), base, work / "model")
-            _write_archive(work / "model", target, readme=readme, replace=replace or {})
+            build(work)
         finally:
             shutil.rmtree(work, ignore_errors=True)
     return target
@@ -264,20 +273,12 @@ def gguf_archive(
     """
     from engine.export.bundle import export_gguf_folder
 
-    if target.is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with _building_lock(target):
-        if target.is_file():
-            return target
-        work = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
-        try:
-            top = target.name.removesuffix(".tar")
-            export_gguf_folder(folder, work / "gguf", quant=quant, base=base, system=system, comment=top)
-            _write_archive(work / "gguf", target, readme=readme, replace={})
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
-    return target
+    def build(work: Path) -> None:
+        top = target.name.removesuffix(".tar")
+        export_gguf_folder(folder, work / "gguf", quant=quant, base=base, system=system, comment=top)
+        _write_archive(work / "gguf", target, readme=readme, replace={})
+
+    return _built_once(target, build)
 
 
 def clear_merged(target: Path, *, leftovers: tuple[Path, ...] = ()) -> int:
