@@ -67,18 +67,19 @@ class MethodSpec(_Strict):
     ``dpo_tuning`` always hold that form of the same choice.
     """
 
-    objective: Literal["sft", "dpo", "orpo"] = Field(
+    objective: Literal["sft", "dpo", "orpo", "grpo"] = Field(
         "sft",
         description=(
-            'the training method: supervised fine-tuning ("sft"), or preference tuning on rows with a '
+            'the training method: supervised fine-tuning ("sft"), preference tuning on rows with a '
             'preferred and a rejected answer: "dpo" (against a frozen reference) or "orpo" (reference-free, '
-            "odds ratio); GET /api/methods lists them"
+            'odds ratio), or reinforcement fine-tuning on prompts scored by a grader ("grpo"); '
+            "GET /api/methods lists them"
         ),
     )
     tuning: Literal["lora", "full"] = Field(
         "lora", description='what trains: a LoRA adapter ("lora") or every weight ("full")'
     )
-    kind: Literal["lora", "full", "dpo", "orpo"] = Field(
+    kind: Literal["lora", "full", "dpo", "orpo", "grpo"] = Field(
         "lora",
         description=(
             'the earlier one-word form: "lora" or "full" for supervised fine-tuning, or the preference '
@@ -87,11 +88,12 @@ class MethodSpec(_Strict):
     )
     beta: float = Field(
         0.1,
-        gt=0,
+        ge=0,
         le=100,
         description=(
-            "dpo: how far the policy may move from the reference (the DPO beta); orpo: the weight of the "
-            "odds-ratio loss (the paper's lambda)"
+            "dpo: how far the policy may move from the reference (the DPO beta, > 0); orpo: the weight of "
+            "the odds-ratio loss (the paper's lambda, > 0); grpo: the weight of the KL term to the base "
+            "model (0: none; a full fine-tune takes 0)"
         ),
     )
     dpo_tuning: Literal["lora", "full"] = Field(
@@ -121,6 +123,38 @@ class MethodSpec(_Strict):
             "(NF4, the QLoRA format), decoded on the GPUs: about 3.5x less host RAM and PCIe traffic for "
             "them, at the cost of the quantization's error in the base"
         ),
+    )
+
+    # GRPO (objective "grpo"): reinforcement fine-tuning on prompts, rewarded by a grader
+    grader: dict[str, Any] | None = Field(
+        None,
+        description=(
+            "grpo: the grader that scores each completion, in OpenAI's shapes: string_check, "
+            "text_similarity, python, multi, or ours: regex, json_schema, length "
+            "(POST /v1/fine_tuning/alpha/graders/validate checks one)"
+        ),
+    )
+    group_size: int = Field(4, ge=2, le=64, description="grpo: completions sampled per prompt (the group G)")
+    max_completion_tokens: int = Field(
+        64, ge=1, le=32_768, description="grpo: the longest completion sampled"
+    )
+    temperature: float = Field(1.0, gt=0, le=10, description="grpo: the sampling temperature")
+    top_p: float = Field(1.0, gt=0, le=1, description="grpo: nucleus sampling's probability mass (1: off)")
+    epsilon: float = Field(
+        0.2, gt=0, lt=1, description="grpo: the ratio's clip below 1 (and above, by default)"
+    )
+    epsilon_high: float | None = Field(
+        None, gt=0, le=10, description="grpo: the ratio's clip above 1 (DAPO's clip-higher; default epsilon)"
+    )
+    loss_type: Literal["grpo", "dapo", "dr_grpo"] = Field(
+        "grpo",
+        description=(
+            "grpo: how token losses average: per completion then over completions (grpo), over every "
+            "token of the batch (dapo), or over completions x max_completion_tokens (dr_grpo)"
+        ),
+    )
+    scale_rewards: bool = Field(
+        True, description="grpo: divide each group's advantages by its rewards' std (Dr. GRPO: false)"
     )
 
     @field_validator("target_parameters")
@@ -175,6 +209,29 @@ class MethodSpec(_Strict):
             )
         self.kind = self.tuning if self.objective == "sft" else self.objective  # type: ignore[assignment]
         self.dpo_tuning = self.tuning
+        return self
+
+    @model_validator(mode="after")
+    def _method_settings(self) -> MethodSpec:
+        if self.objective != "grpo" and self.beta <= 0:
+            raise ConfigError(
+                "beta",
+                f"method.beta={self.beta}: must be > 0 (only GRPO takes 0: no KL term)",
+                value=self.beta,
+            )
+        if self.objective == "grpo":
+            if self.grader is None:
+                raise ConfigError("grader", "method.grader: GRPO needs a grader that scores completions")
+            from engine.graders import validate_grader
+
+            try:
+                validate_grader(self.grader, field="method.grader").close()
+            except ConfigError as exc:  # its field relative to this section, as every other's
+                raise ConfigError(exc.field.removeprefix("method."), str(exc), value=exc.value) from None
+        elif self.grader is not None:
+            raise ConfigError(
+                "grader", f"method.grader: only GRPO uses a grader, not {self.objective!r}", value="grader"
+            )
         return self
 
     @model_validator(mode="after")

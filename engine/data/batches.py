@@ -1,5 +1,6 @@
 """Packing and batching: deterministic shuffles by seed, a resumable position. Preference pairs
-batch as two rows each (chosen, then rejected)."""
+batch as two rows each (chosen, then rejected); prompts (GRPO) as left-padded prompts and their
+indices, whose completions the method samples."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 import torch
 
 from engine.data.encode import Encoded, EncodedPair
+from engine.data.prompts import PromptItem
 from engine.errors import ConfigError
 
 
@@ -41,7 +43,7 @@ class Batcher:
     ``batch_size`` counts pairs and each batch is ``collate_pairs``'s (2 × batch_size rows).
     """
 
-    examples: list[Encoded] | list[EncodedPair]
+    examples: list[Encoded] | list[EncodedPair] | list[PromptItem]
     batch_size: int
     seed: int
     pad_id: int
@@ -55,7 +57,8 @@ class Batcher:
                 f"Batcher: {pairs} of {len(self.examples)} examples are pairs (give all pairs or none)"
             )
         if len(self.examples) < self.batch_size:
-            what = "training pairs" if pairs else "training examples"
+            prompts = any(isinstance(e, PromptItem) for e in self.examples)
+            what = "training pairs" if pairs else "training prompts" if prompts else "training examples"
             raise ConfigError(
                 "hyper.batch_size",
                 f"hyper.batch_size={self.batch_size} is larger than the {len(self.examples)} {what}",
@@ -80,6 +83,10 @@ class Batcher:
             for i in order[self.position * self.batch_size : (self.position + 1) * self.batch_size]
         ]
         self.position += 1
+        prompts = [r for r in rows if isinstance(r, PromptItem)]
+        if prompts:
+            picked = order[(self.position - 1) * self.batch_size : self.position * self.batch_size]
+            return collate_prompts(prompts, self.pad_id, picked)
         pairs = [r for r in rows if isinstance(r, EncodedPair)]
         if pairs:
             return collate_pairs(pairs, self.pad_id)
@@ -104,6 +111,18 @@ def collate(rows: list[Encoded], pad_id: int) -> dict[str, torch.Tensor]:
         labels[i, :n] = torch.tensor(r.labels)
         mask[i, :n] = 1
     return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+
+def collate_prompts(items: list[PromptItem], pad_id: int, rows: list[int]) -> dict[str, torch.Tensor]:
+    """Prompts left-padded to the longest (``input_ids``, ``attention_mask``) and ``rows``, their
+    indices among the run's prompts (GRPO samples their completions)."""
+    width = max(len(p.input_ids) for p in items)
+    ids = torch.full((len(items), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(items), width), dtype=torch.long)
+    for i, p in enumerate(items):
+        ids[i, width - len(p.input_ids) :] = torch.tensor(p.input_ids)
+        mask[i, width - len(p.input_ids) :] = 1
+    return {"input_ids": ids, "attention_mask": mask, "rows": torch.tensor(rows, dtype=torch.long)}
 
 
 def collate_pairs(pairs: list[EncodedPair], pad_id: int) -> dict[str, torch.Tensor]:

@@ -101,6 +101,16 @@ def encode(example: Example, tokenizer: Any, max_length: int) -> Encoded:
     return Encoded(example.line, ids[:max_length], labels[:max_length], n, n > max_length)
 
 
+def encode_prompt_row(example: Example, tokenizer: Any, max_length: int) -> Encoded:
+    """A prompt row's prompt as an ``Encoded`` without label tokens (its length counts; its
+    completions are sampled in training). Raises ``ValueError`` for a prompt of no token."""
+    from engine.data.prompts import encode_prompt  # it builds on the row checks this module uses
+
+    item = encode_prompt(example, tokenizer, max_length)
+    n = len(item.input_ids)
+    return Encoded(example.line, item.input_ids, [-100] * n, n, item.truncated)
+
+
 @dataclass
 class EncodedPair:
     """The two sequences of one preference row: its prompt and each answer, the loss on the answer."""
@@ -205,6 +215,9 @@ def _checked(
     sequences: list[Encoded] = []
     for ex in found.examples:
         try:
+            if ex.fields is not None:  # a prompt row (GRPO): its prompt, nothing trained yet
+                sequences.append(encode_prompt_row(ex, tokenizer, max_length))
+                continue
             item = (
                 encode_pair(ex, tokenizer, max_length)
                 if ex.rejected is not None

@@ -8,7 +8,9 @@ Row shapes:
 - prompt_completion: ``{"prompt": str, "completion": str}``;
 - text: ``{"text": str}``;
 - preference (for DPO): a prompt with a preferred and a rejected answer, in the OpenAI or the
-  common open shape (``engine/data/preference.py``).
+  common open shape (``engine/data/preference.py``);
+- prompts (for GRPO): a prompt alone, ``{"messages": [..., user turn]}`` or ``{"prompt": str}``,
+  with any other fields a grader reads (``reference_answer``, ...) (``engine/data/prompts.py``).
 
 Locations are 1-based: a JSONL or CSV *line* (the CSV header is line 1), a Parquet *row*.
 In CSV files a ``messages`` cell holds the JSON-encoded list.
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-FORMATS = ("chat", "instruction", "prompt_completion", "text", "preference")
+FORMATS = ("chat", "instruction", "prompt_completion", "text", "preference", "prompts")
 ROLES = ("system", "user", "assistant")
 PREFERENCE_KEYS = ("chosen", "rejected", "preferred_output", "non_preferred_output")
 SUFFIXES = (".jsonl", ".csv", ".parquet")
@@ -54,6 +56,8 @@ class Example:
     completion: str | None = None
     text: str | None = None
     rejected: str | None = None
+    # a prompt row (GRPO): its fields besides the prompt, for the graders (``item.<field>``)
+    fields: dict[str, Any] | None = None
 
 
 def file_kind(path: str | Path) -> str:
@@ -161,6 +165,8 @@ def detect_format(record: dict[str, Any]) -> str | None:
     """The row shape a record's keys announce, or None."""
     if any(key in record for key in PREFERENCE_KEYS):
         return "preference"
+    if is_prompt_row(record):
+        return "prompts"
     if "messages" in record:
         return "chat"
     if "instruction" in record and "output" in record:
@@ -170,6 +176,16 @@ def detect_format(record: dict[str, Any]) -> str | None:
     if "text" in record:
         return "text"
     return None
+
+
+def is_prompt_row(record: dict[str, Any]) -> bool:
+    """A row that holds a prompt and no answer: ``messages`` ending with a user turn, or
+    ``prompt`` without ``completion``."""
+    messages = record.get("messages")
+    if isinstance(messages, list) and messages:
+        last = messages[-1]
+        return isinstance(last, dict) and last.get("role") == "user"
+    return "prompt" in record and "completion" not in record and "messages" not in record
 
 
 def text_field(record: dict[str, Any], key: str, *, required: bool = True) -> str:
@@ -250,6 +266,10 @@ def to_example(line: int, record: dict[str, Any], fmt: str) -> Example:
         from engine.data.preference import preference_example  # it builds on this module's checks
 
         return preference_example(line, record)
+    if fmt == "prompts":
+        from engine.data.prompts import prompt_example  # it builds on this module's checks
+
+        return prompt_example(line, record)
     raise ValueError(f"unknown format {fmt!r}; use auto or one of {', '.join(FORMATS)}")
 
 

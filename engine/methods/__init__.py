@@ -34,9 +34,10 @@ class MethodEntry:
         title: a short label for listings and the web form.
         description: one sentence for listings and error messages.
         data_format: the rows it trains on: ``"supervised"`` (chat, instruction,
-            prompt/completion or text) or ``"preference"`` (a prompt with a preferred and a
-            rejected answer).
-        sequences_per_example: the sequences one example becomes (a preference pair: 2).
+            prompt/completion or text), ``"preference"`` (a prompt with a preferred and a
+            rejected answer) or ``"prompts"`` (a prompt whose completions are sampled and graded).
+        sequences_per_example: the sequences one example becomes (a preference pair: 2; a
+            prompt: its group, ``method.group_size``, which the planner reads from the job).
         needs_reference: a reference pass over every example runs once before the first step.
         config_fields: the ``method.*`` fields it reads besides what trains (``tuning``) and the
             LoRA settings, each with what it means for this method.
@@ -48,7 +49,7 @@ class MethodEntry:
     name: str
     title: str
     description: str
-    data_format: Literal["supervised", "preference"]
+    data_format: Literal["supervised", "preference", "prompts"]
     sequences_per_example: int
     needs_reference: bool
     config_fields: dict[str, str]
@@ -144,6 +145,45 @@ METHODS: dict[str, MethodEntry] = {
         ),
         module="engine.methods.orpo",
     ),
+    "grpo": MethodEntry(
+        name="grpo",
+        title="GRPO (reinforcement fine-tuning with graders)",
+        description=(
+            "reinforcement fine-tuning: each step samples a group of completions per prompt, scores them "
+            "with a grader and trains on the group-relative advantages (GRPO's clipped objective)"
+        ),
+        data_format="prompts",
+        sequences_per_example=4,
+        needs_reference=False,
+        config_fields={
+            "grader": (
+                "the grader that scores each completion (string_check, text_similarity, python, multi, ...)"
+            ),
+            "group_size": "completions sampled per prompt (4-16 is usual)",
+            "max_completion_tokens": "the longest completion sampled",
+            "temperature": "the sampling temperature (1.0 is usual)",
+            "top_p": "nucleus sampling's probability mass (1: off)",
+            "beta": "the weight of the KL term to the base model (0: none; LoRA only)",
+            "epsilon": "the clip of the policy ratio (0.2 is usual)",
+            "epsilon_high": "the clip above 1 when it differs (DAPO's clip-higher, e.g. 0.28)",
+            "loss_type": "grpo (per completion), dapo (per token) or dr_grpo (no length bias)",
+            "scale_rewards": "divide each group's advantages by its rewards' spread",
+        },
+        metric_keys=(
+            "reward/mean",
+            "reward/min",
+            "reward/max",
+            "reward/std",
+            "reward/val",
+            "grpo/kl",
+            "grpo/clip_fraction",
+            "grpo/grader_errors",
+            "completion/length",
+            "completion/length_max",
+            "completion/finished",
+        ),
+        module="engine.methods.grpo",
+    ),
 }
 
 OBJECTIVES = tuple(METHODS)
@@ -169,6 +209,15 @@ def method_entry(name: str, *, field: str = "method.objective") -> MethodEntry:
 def methods_listing() -> list[dict[str, Any]]:
     """Every method as JSON, in registry order (``GET /api/methods``)."""
     return [m.listing() for m in METHODS.values()]
+
+
+def sequences_per_example(name: str, group_size: int | None = None) -> int:
+    """The sequences one example of method ``name`` trains: its entry's, or for a method that
+    samples groups (GRPO) the job's ``group_size`` when given."""
+    entry = method_entry(name)
+    if entry.data_format == "prompts" and group_size is not None:
+        return group_size
+    return entry.sequences_per_example
 
 
 def preference_methods() -> tuple[str, ...]:

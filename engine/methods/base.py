@@ -50,3 +50,6 @@ class MethodRun:
     def validate(self, engine: RoundPipe, batch_size: int, pad_id: int) -> dict[str, float] | None:
         """``loss/val`` and the method's validation metrics (None: nothing to validate on)."""
         raise NotImplementedError
+
+    def close(self) -> None:
+        """Stop what the method started (a grader's process); none here."""

@@ -36,6 +36,7 @@ from engine.model.loss import (
     chunked_causal_lm_loss_and_correct,
     chunked_causal_lm_loss_sum,
     chunked_sequence_logps,
+    chunked_token_logps,
     finish_logits,
 )
 
@@ -89,11 +90,13 @@ class OutputLayer(nn.Module):
         labels: torch.Tensor | None = None,
         *,
         per_sequence: bool = False,
+        per_token: bool = False,
         grad_scale: float = 1.0,
         count_correct: bool = False,
     ) -> torch.Tensor:
         """The logits; given ``labels``, the loss sum, or with ``per_sequence`` the ``[b]`` sums of
-        each row's label-token log-probabilities (``engine.model.loss``). ``grad_scale``: the
+        each row's label-token log-probabilities, with ``per_token`` the ``[b, s - 1]``
+        log-probabilities themselves (``engine.model.loss``). ``grad_scale``: the
         gradient the caller will back-propagate into the loss sum (``chunked_causal_lm_loss_sum``).
         ``count_correct``: ``[2]`` fp32, the loss sum and the number of label tokens whose logits'
         argmax is the label (exact up to 2**24 label tokens per call)."""
@@ -111,8 +114,9 @@ class OutputLayer(nn.Module):
             logits: torch.Tensor = functional_call(lm_head, tensors, (h,), tie_weights=False, strict=False)
             return finish_logits(logits, divisor=divisor, softcap=cap)
 
-        if per_sequence:
-            return chunked_sequence_logps(
+        if per_sequence or per_token:
+            scored = chunked_sequence_logps if per_sequence else chunked_token_logps
+            return scored(
                 normed,
                 labels,
                 head,
@@ -328,6 +332,7 @@ def run_layer(
     labels: torch.Tensor | None = None,
     *,
     per_sequence: bool = False,
+    per_token: bool = False,
     grad_scale: float = 1.0,
     count_correct: bool = False,
 ) -> torch.Tensor:
@@ -336,13 +341,14 @@ def run_layer(
     The output layer given ``labels`` returns the loss sum, not the logits (``grad_scale``: the
     gradient its caller will back-propagate into it); with ``count_correct`` ``[2]``: the loss
     sum and the label tokens predicted right (``OutputLayer``); with ``per_sequence`` the ``[b]``
-    per-row sums of the label tokens' log-probabilities.
+    per-row sums of the label tokens' log-probabilities; with ``per_token`` the ``[b, s - 1]``
+    log-probabilities of the label tokens.
     """
     if layer.kind == LayerKind.OUTPUT:
         if labels is None:
             return call(x)  # type: ignore[no-any-return]
-        if per_sequence:
-            return call(x, labels, per_sequence=True)  # type: ignore[no-any-return]
+        if per_sequence or per_token:
+            return call(x, labels, per_sequence=per_sequence, per_token=per_token)  # type: ignore[no-any-return]
         if count_correct:
             return call(x, labels, grad_scale=grad_scale, count_correct=True)  # type: ignore[no-any-return]
         return call(x, labels, grad_scale=grad_scale)  # type: ignore[no-any-return]

@@ -303,6 +303,17 @@ def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return -nll.view(b, s - 1).sum(dim=1)
 
 
+def token_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The log-probability of every label token (fp32), from full logits: ``[b, s - 1]``, position
+    ``t`` the probability of ``labels[:, t + 1]`` (0 where that label is -100). The unchunked
+    reference of ``chunked_token_logps``."""
+    b, s = labels.shape
+    shift = logits[:, :-1, :].float().reshape(-1, logits.shape[-1])
+    targets = labels[:, 1:].reshape(-1).to(shift.device)
+    nll = nn.functional.cross_entropy(shift, targets, ignore_index=IGNORE_INDEX, reduction="none")
+    return -nll.view(b, s - 1)
+
+
 def _chunk_token_logps(
     head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, labels: torch.Tensor
 ) -> torch.Tensor:
@@ -337,6 +348,34 @@ def chunked_sequence_logps(
     Raises:
         ConfigError: ``chunk_tokens`` < 1.
     """
+    # a fixed summation order, whatever the chunking
+    return chunked_token_logps(
+        hidden, labels, head, chunk_tokens=chunk_tokens, preserve_rng_state=preserve_rng_state
+    ).sum(dim=1)
+
+
+def chunked_token_logps(
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    head: Callable[[torch.Tensor], torch.Tensor],
+    *,
+    chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS,
+    preserve_rng_state: bool = False,
+) -> torch.Tensor:
+    """The log-probability of every label token, the logits computed chunk by chunk.
+
+    Equals ``token_logps(head(hidden), labels)``; what a per-token objective (GRPO's clipped
+    ratio) scores. Each chunk runs again in backward (``torch.utils.checkpoint``), so the logits
+    alive at any time are at most ``chunk_tokens x vocab``.
+
+    Args: as ``chunked_sequence_logps``.
+
+    Returns:
+        ``[b, s - 1]`` fp32, 0 where the label is -100.
+
+    Raises:
+        ConfigError: ``chunk_tokens`` < 1.
+    """
     check_chunk_tokens(chunk_tokens)
     b, s = labels.shape
     flat = hidden[:, :-1, :].reshape(-1, hidden.shape[-1])
@@ -352,4 +391,4 @@ def chunked_sequence_logps(
             part = _chunk_token_logps(head, h, y)
         parts.append(part)
     # [b * (s - 1)] -> [b, s - 1] -> [b]: a fixed summation order, whatever the chunking
-    return torch.cat(parts).view(b, s - 1).sum(dim=1)
+    return torch.cat(parts).view(b, s - 1)

@@ -152,8 +152,8 @@ class Iteration:
 
     def correct_tokens(self) -> int | None:
         """The label tokens whose logits' argmax was the label, over every micro-batch (None: the
-        objective scores whole sequences, e.g. DPO, and nothing was counted)."""
-        if self.objective.per_sequence:
+        objective scores tokens or whole sequences, e.g. DPO or GRPO, and nothing was counted)."""
+        if self.objective.scores:
             return None
         total = 0
         for mb in range(len(self.microbatches)):

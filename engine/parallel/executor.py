@@ -367,7 +367,7 @@ class Worker:
     def _replay_lock(self, it: Iteration) -> contextlib.AbstractContextManager[Any]:
         """The device generator's lock where a backward replays random numbers (dropout under a
         recomputed per-sequence loss), else nothing."""
-        if self.context.dropout and it.train and it.objective.per_sequence:
+        if self.context.dropout and it.train and it.objective.scores:
             return rng_lock(self.device)
         return contextlib.nullcontext()
 
@@ -385,14 +385,14 @@ class Worker:
     ) -> torch.Tensor:
         """Run one layer; the output layer given ``labels`` returns the loss sum (chunked), its
         gradients taken for ``grad_scale``, the gradient back-propagated into it, followed by the
-        label tokens predicted right (``[2]``) unless the objective scores whole sequences."""
+        label tokens predicted right (``[2]``) unless the objective scores tokens or whole sequences."""
         module, tensors = self.modules[layer.index], params[layer.index]
 
         def call(*args: Any, **kwargs: Any) -> Any:
             return functional_call(module, tensors, args, kwargs, tie_weights=False, strict=False)
 
         lock = PARAMETRIZE_LOCK if self.parametrized[layer.index] else contextlib.nullcontext()
-        per_sequence = it.objective.per_sequence
+        objective = it.objective
         with self._rng(it, mb, layer.index), lock:
             return run_layer(
                 layer,
@@ -400,9 +400,10 @@ class Worker:
                 x,
                 ctx,
                 labels,
-                per_sequence=per_sequence,
+                per_sequence=objective.per_sequence,
+                per_token=objective.per_token,
                 grad_scale=grad_scale,
-                count_correct=not per_sequence,
+                count_correct=not objective.scores,
             )
 
     def _context(self, it: Iteration, mb: int, hidden: torch.Tensor) -> Any:
@@ -549,8 +550,8 @@ class Worker:
     @staticmethod
     def _split_output(it: Iteration, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The output layer's result without the count of right predictions, and the count (None:
-        the objective scores whole sequences, and nothing was counted)."""
-        if it.objective.per_sequence:
+        the objective scores tokens or whole sequences, and nothing was counted)."""
+        if it.objective.scores:
             return out, None
         return out[0], out[1].detach()
 

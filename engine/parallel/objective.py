@@ -2,7 +2,8 @@
 
 Every iteration carries one ``Objective``. The executor asks it three things and nothing else
 about the training method: whether the output layer scores whole sequences (``per_sequence``:
-each row's summed log-probability) or tokens (the micro-batch's token loss sum), whether the
+each row's summed log-probability), each label token (``per_token``: its log-probability) or
+returns the micro-batch's token loss sum, whether the
 LoRA layers run with their adapters on (``adapters``), and, in the fused stage, which loss sum to
 back-propagate and which report to send to the host (``fused_loss``). After a step, the
 optimizer asks the objective of the step's iterations for its metrics (``step_metrics``).
@@ -30,11 +31,20 @@ class Objective:
     Attributes:
         per_sequence: the output layer returns ``[rows]`` per-row summed log-probabilities of
             the label tokens instead of the token loss sum.
+        per_token: the output layer returns ``[rows, seq - 1]`` the log-probability of every
+            label token (0 elsewhere) instead of the token loss sum.
         adapters: run the LoRA layers with their adapters on (False: the base model).
     """
 
     per_sequence: bool = False
+    per_token: bool = False
     adapters: bool = True
+
+    @property
+    def scores(self) -> bool:
+        """The output layer scores tokens or sequences for the objective to turn into its loss
+        (nothing else is counted: no right predictions, no token loss sum)."""
+        return self.per_sequence or self.per_token
 
     def fused_loss(
         self, mb: int, output: torch.Tensor, upload: Upload

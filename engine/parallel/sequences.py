@@ -4,7 +4,10 @@ They cut preference batches into micro-batches of whole pairs (``engine.parallel
 run them through the engine's own iterations under a method's objective:
 ``forward_backward_pairs`` trains on it, ``evaluate_pairs`` measures it, ``sequence_logps``
 measures each row's log-probability (a reference's, before training; a LoRA model's with its
-adapters off). The methods (``engine.methods.dpo``, ``engine.methods.orpo``) build on these.
+adapters off). Their per-token counterparts (``engine.parallel.tokens``) score every label token:
+``forward_backward_tokens`` trains under a per-token objective (GRPO's), ``token_logps``
+measures each token's log-probability. The methods (``engine.methods.dpo``, ``engine.methods.orpo``,
+``engine.methods.grpo``) build on these.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import torch
 from engine.errors import ConfigError
 from engine.parallel.board import split_batch
 from engine.parallel.pairs import PairScores, SequenceScores, lora_layers, policy_logps, split_pairs
+from engine.parallel.tokens import TokenLogps, TokenScores, reported_token_logps
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
@@ -150,3 +154,75 @@ class SequenceMethods:
         it = self._launch(mbs, total, train=False, objective=SequenceScores(adapters=adapters))
         self.board.wait_for(lambda: it.remaining == 0, it)
         return policy_logps(it)
+
+    def forward_backward_tokens(
+        self,
+        objective: TokenScores,
+        *,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        divisor: int,
+    ) -> Iteration:
+        """Forward and backward of a batch under a per-token objective; gradients accumulate
+        until ``step()``.
+
+        Args:
+            objective: the method's loss over each micro-batch's token log-probabilities.
+            input_ids: ``[rows, seq]`` token ids.
+            labels: ``[rows, seq]``, -100 except on the tokens the objective scores.
+            attention_mask: ``[rows, seq]`` 1 for real tokens, 0 for padding.
+            divisor: what the micro-batches' loss sums are divided by (the method's
+                normalisation: rows, label tokens, ...); ``loss_sum() / total_tokens`` is then
+                the batch's loss.
+
+        Raises:
+            ValueError: bad shapes, fewer rows than micro-batches, no label token, a divisor < 1.
+            ConfigError: the MoE router loss is on.
+            EngineError: a worker failed.
+            Cancelled: the cancel flag was set.
+        """
+        self._check_open()
+        if self.config.router_aux_loss:
+            raise ConfigError(
+                "EngineConfig.router_aux_loss",
+                f"router_aux_loss=True: not supported with {objective.name.upper()}",
+                value=True,
+            )
+        if isinstance(divisor, bool) or not isinstance(divisor, int) or divisor < 1:
+            raise ValueError(f"divisor={divisor!r}: must be an integer >= 1")
+        mbs, _ = split_batch(
+            input_ids, labels, attention_mask, self.config.num_microbatches, pin=self.host.pinned
+        )
+        objective.bind(mbs, pin=self.host.pinned)
+        return self._train(mbs, divisor, objective)
+
+    def token_logps(
+        self,
+        *,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        adapters: bool = True,
+    ) -> torch.Tensor:
+        """Every label token's log-probability, without training (the weights the next
+        ``forward_backward`` would use, dropout off).
+
+        Args: as ``sequence_logps``'s.
+
+        Returns:
+            ``[rows, seq - 1]`` fp32 on the CPU: position ``t`` the log-probability of
+            ``labels[:, t + 1]``, 0 where that label is -100.
+        """
+        self._check_open()
+        if not adapters and not lora_layers(layer.module for layer in self.adapted.layers):
+            raise ValueError("token_logps(adapters=False): the model has no LoRA adapter to turn off")
+        m = min(self.config.num_microbatches, int(input_ids.shape[0])) if input_ids.dim() == 2 else 1
+        mbs, total = split_batch(
+            input_ids, labels, attention_mask, m or self.config.num_microbatches, pin=self.host.pinned
+        )
+        objective = TokenLogps(adapters=adapters)
+        objective.bind(mbs, pin=self.host.pinned)
+        it = self._launch(mbs, total, train=False, objective=objective)
+        self.board.wait_for(lambda: it.remaining == 0, it)
+        return reported_token_logps(it)

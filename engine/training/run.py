@@ -390,4 +390,7 @@ def _train(
             exc.step = run.step + 1 if exc.step is None else exc.step
             raise
     finally:
-        run.engine.close()
+        try:
+            run.method.close()
+        finally:
+            run.engine.close()

@@ -1,0 +1,384 @@
+"""GRPO: group relative policy optimization (Shao et al., 2024), with graders as the reward.
+
+Each step samples ``G`` completions of every prompt of the batch with the current policy
+(``engine.methods.rollouts``), grades them (``engine.graders``), and turns each group's rewards
+into advantages: ``A_i = (r_i - mean(r)) / (std(r) + 1e-4)`` (``scale_rewards`` off: the mean
+only, as Dr. GRPO does). The completions are then trained on through the engine's pipeline under
+a per-token objective (``engine.parallel.tokens``). With ``pi`` the policy's log-probability of a
+completion token, ``old`` the sampling policy's and ``ref`` the reference's::
+
+    ratio   = exp(pi - old)
+    policy  = -min(ratio * A, clip(ratio, 1 - epsilon, 1 + epsilon_high) * A)
+    kl      = exp(ref - pi) - (ref - pi) - 1          (the k3 estimator; beta = 0: none)
+    token   = policy + beta * kl
+
+The policy samples the completions it trains on at the start of the step, so ``old`` is the
+policy's own log-probability, detached (the ratio is 1 and its gradient the policy gradient);
+the clip bounds the update of a ratio that moved. The reference is the base model: a LoRA run's
+model with its adapters off (a full fine-tune has no frozen copy: it takes ``beta`` 0).
+
+How token losses become the batch's loss (``loss_type``):
+
+- ``grpo``: each completion's mean over its tokens, then the mean over completions (the paper);
+- ``dapo``: the mean over every completion token of the batch (DAPO's token-level average);
+- ``dr_grpo``: the sum over tokens divided by ``completions x max_completion_tokens`` (Dr. GRPO:
+  no length bias).
+
+A grader that fails on a sample scores it 0 and the error is counted (``grpo/grader_errors``)
+and shown with the step's samples (an event ``samples``); it never fails the run.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from engine.data.batches import split_validation
+from engine.data.prompts import PromptItem, load_prompts
+from engine.errors import ConfigError
+from engine.methods.base import MethodRun
+from engine.methods.rollouts import Rollout, Sampling, policy_model, sample
+from engine.metrics import Sink
+from engine.parallel.objective import Upload
+from engine.parallel.tokens import TokenScores, reported
+from engine.roundpipe import RoundPipe
+
+if TYPE_CHECKING:
+    from engine.parallel.board import Iteration, MicroBatch
+
+LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
+SAMPLES_EVENT = "samples"  # a step's sample completions with their rewards: data {"step", "samples"}
+SAMPLES_SHOWN = 4  # completions per step in the samples event
+ADVANTAGE_EPS = 1e-4
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, *, scale: bool = True) -> torch.Tensor:
+    """Each completion's reward against its group's: ``r - mean``, divided by ``std + 1e-4``
+    with ``scale`` (the unbiased std, as the paper's implementations).
+
+    Args:
+        rewards: ``[groups * group_size]`` fp32, group by group.
+
+    Raises:
+        ValueError: the rewards do not fill whole groups.
+    """
+    if rewards.dim() != 1 or group_size < 1 or rewards.shape[0] % group_size:
+        raise ValueError(f"{tuple(rewards.shape)} rewards do not fill groups of {group_size}")
+    grouped = rewards.float().view(-1, group_size)
+    centred = grouped - grouped.mean(dim=1, keepdim=True)
+    if scale and group_size > 1:
+        centred = centred / (grouped.std(dim=1, keepdim=True) + ADVANTAGE_EPS)
+    return centred.reshape(-1)
+
+
+def token_terms(
+    logps: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    old: torch.Tensor | None,
+    ref: torch.Tensor | None,
+    epsilon: float,
+    epsilon_high: float,
+    beta: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each token's GRPO loss, its KL term and whether its ratio was clipped.
+
+    Args:
+        logps: ``[rows, T]`` the policy's token log-probabilities (differentiable).
+        advantages: ``[rows]``.
+        old: ``[rows, T]`` the sampling policy's (None: ``logps`` detached).
+        ref: ``[rows, T]`` the reference's (None: no KL term; needs ``beta`` 0).
+
+    Returns:
+        ``(loss [rows, T], kl [rows, T], clipped [rows, T])`` fp32; the caller masks them.
+    """
+    old = logps.detach() if old is None else old
+    ratio = torch.exp(logps - old)
+    a = advantages.unsqueeze(1)
+    unclipped = ratio * a
+    clipped_ratio = torch.clamp(ratio, 1.0 - epsilon, 1.0 + epsilon_high)
+    loss = -torch.min(unclipped, clipped_ratio * a)
+    clipped = (clipped_ratio * a < unclipped).float().detach()
+    if ref is None or beta == 0.0:
+        kl = torch.zeros_like(loss)
+    else:
+        delta = ref - logps
+        kl = torch.exp(delta) - delta - 1.0
+        loss = loss + beta * kl
+    return loss, kl.detach(), clipped
+
+
+def combine(loss: torch.Tensor, mask: torch.Tensor, loss_type: str) -> torch.Tensor:
+    """The summed loss of some rows (``loss``, ``mask``: ``[rows, T]``) for ``loss_type``: per
+    completion its token mean (``grpo``), or every token's loss (``dapo``, ``dr_grpo``); the
+    batch's divisor (``divisor``) turns the sums into the loss."""
+    masked = loss * mask
+    if loss_type == "grpo":
+        return (masked.sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)).sum()
+    return masked.sum()
+
+
+def divisor(loss_type: str, labels: torch.Tensor, max_completion_tokens: int) -> int:
+    """What the batch's summed loss is divided by: completions (``grpo``), completion tokens
+    (``dapo``), or completions times the longest completion allowed (``dr_grpo``)."""
+    rows = int(labels.shape[0])
+    if loss_type == "grpo":
+        return rows
+    if loss_type == "dapo":
+        return max(1, int((labels[:, 1:] != -100).sum()))
+    return rows * max_completion_tokens
+
+
+class GRPOObjective(TokenScores):
+    """GRPO's per-token loss over a micro-batch, with its rows' advantages (and reference).
+
+    Reports per micro-batch: the KL terms' sum, the clipped tokens and the completion tokens.
+    """
+
+    name = "grpo"
+    stats_size = 3
+
+    def __init__(
+        self,
+        advantages: torch.Tensor,
+        *,
+        reference: torch.Tensor | None = None,
+        old: torch.Tensor | None = None,
+        loss_type: str = "grpo",
+        epsilon: float = 0.2,
+        epsilon_high: float | None = None,
+        beta: float = 0.0,
+    ) -> None:
+        super().__init__()
+        if loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type={loss_type!r}: must be one of {', '.join(LOSS_TYPES)}")
+        if beta and reference is None:
+            raise ValueError(f"beta={beta}: the KL term needs the reference's log-probabilities")
+        self.advantages = advantages.detach().float().cpu()
+        self.reference_all = None if reference is None else reference.detach().float().cpu()
+        self.old_all = None if old is None else old.detach().float().cpu()
+        self.loss_type = loss_type
+        self.epsilon = float(epsilon)
+        self.epsilon_high = float(epsilon if epsilon_high is None else epsilon_high)
+        self.beta = float(beta)
+        self.parts: list[dict[str, torch.Tensor]] = []
+
+    def bind(self, microbatches: list[MicroBatch], *, pin: bool) -> None:
+        super().bind(microbatches, pin=pin)
+        self.parts = []
+        for start, mb in zip(self.rows, microbatches, strict=True):
+            n = int(mb.input_ids.shape[0])
+            part = {
+                "advantages": self.advantages[start : start + n].contiguous(),
+                "mask": (mb.labels[:, 1:] != -100).float().contiguous(),
+            }
+            if self.reference_all is not None:
+                part["reference"] = self.reference_all[start : start + n].contiguous()
+            if self.old_all is not None:
+                part["old"] = self.old_all[start : start + n].contiguous()
+            self.parts.append({k: v.pin_memory() if pin else v for k, v in part.items()})
+
+    def token_loss(self, mb: int, logps: torch.Tensor, upload: Upload) -> tuple[torch.Tensor, torch.Tensor]:
+        part = {k: upload(v) for k, v in self.parts[mb].items()}
+        mask = part["mask"]
+        loss, kl, clipped = token_terms(
+            logps,
+            part["advantages"],
+            old=part.get("old"),
+            ref=part.get("reference"),
+            epsilon=self.epsilon,
+            epsilon_high=self.epsilon_high,
+            beta=self.beta,
+        )
+        stats = torch.stack([(kl * mask).sum(), (clipped * mask).sum(), mask.sum()])
+        return combine(loss, mask, self.loss_type), stats
+
+    def step_metrics(self, iterations: Sequence[Iteration]) -> dict[str, float]:
+        """The KL to the reference and the share of clipped tokens, over the step's tokens."""
+        kl = clipped = tokens = 0.0
+        for it in iterations:
+            for mb in range(len(it.microbatches)):
+                values = reported(it, mb)
+                kl, clipped, tokens = (
+                    kl + float(values[0]),
+                    clipped + float(values[1]),
+                    tokens + float(values[2]),
+                )
+        tokens = max(tokens, 1.0)
+        return {"grpo/kl": kl / tokens, "grpo/clip_fraction": clipped / tokens}
+
+
+def _grader(config: Any) -> Any:
+    from engine.graders import validate_grader
+
+    spec = config.method.grader
+    if spec is None:
+        raise ConfigError("method.grader", "method.grader: GRPO needs a grader (e.g. a string_check)")
+    return validate_grader(spec, field="method.grader")
+
+
+class GRPORun(MethodRun):
+    """A GRPO run: its prompts, its grader, the rollouts and updates of each step."""
+
+    def __init__(self, config: Any, tokenizer: Any) -> None:
+        super().__init__(config, tokenizer)
+        m, data = config.method, config.data
+        if config.hyper.router_aux_loss:
+            raise ConfigError(
+                "hyper.router_aux_loss", "hyper.router_aux_loss=true: not defined for GRPO", value=True
+            )
+        if data.packing:
+            raise ConfigError("data.packing", "data.packing=true: GRPO samples whole completions", value=True)
+        if not m.lora and m.beta:
+            raise ConfigError(
+                "method.beta",
+                f"method.beta={m.beta}: the KL term's reference is the base model, which a full fine-tune "
+                "does not keep; set method.beta to 0, or train a LoRA adapter",
+                value=m.beta,
+            )
+        budget = data.max_length - m.max_completion_tokens
+        if budget < 1:
+            raise ConfigError(
+                "method.max_completion_tokens",
+                f"method.max_completion_tokens={m.max_completion_tokens} leaves no room for the prompt "
+                f"within data.max_length={data.max_length}",
+                value=m.max_completion_tokens,
+            )
+        self.sampling = Sampling(m.group_size, m.max_completion_tokens, m.temperature, m.top_p)
+        self.train: list[PromptItem] = load_prompts(
+            data.train, tokenizer, fmt=data.format, max_prompt_tokens=budget
+        )
+        if data.validation:
+            self.validation: list[PromptItem] = load_prompts(
+                data.validation, tokenizer, fmt=data.format, max_prompt_tokens=budget, field="data.validation"
+            )
+        else:
+            self.train, self.validation = split_validation(
+                self.train, data.validation_fraction, config.hyper.seed
+            )
+        self.grader = _grader(config)
+        self.sink: Sink | None = None
+        self.pad_id = 0
+        self.last: Rollout | None = None
+
+    def prepare(
+        self,
+        engine: RoundPipe,
+        folder: Path,
+        *,
+        base: str,
+        compute_dtype: str,
+        batch_size: int,
+        pad_id: int,
+        sink: Sink,
+    ) -> None:
+        self.sink, self.pad_id = sink, pad_id
+
+    def close(self) -> None:
+        self.grader.close()
+
+    def rollout(self, engine: RoundPipe, items: list[PromptItem], *, greedy: bool = False) -> Rollout:
+        """Completions of ``items`` sampled with the policy (seeded by the run's seed and step)."""
+        seed = self.config.hyper.seed * 1_000_003 + engine.steps * 2 + int(greedy)
+        with policy_model(engine) as model:
+            return sample(model, self.tokenizer, items, self.sampling, seed=seed, greedy=greedy)
+
+    def grade(self, rollout: Rollout) -> tuple[torch.Tensor, dict[str, list[float]], list[str | None]]:
+        """Each completion's reward, each named grader's scores, and each completion's grader error."""
+        result = self.grader.grade_batch(rollout.texts, rollout.row_items())
+        rewards = torch.tensor([float(r) for r in result.rewards], dtype=torch.float32)
+        return rewards, dict(result.sub_rewards), list(result.errors)
+
+    def forward_backward(
+        self, engine: RoundPipe, batch: dict[str, torch.Tensor]
+    ) -> tuple[float, dict[str, float]]:
+        m = self.config.method
+        items = [self.train[i] for i in batch["rows"].tolist()]
+        rollout = self.rollout(engine, items)
+        rewards, graded, errors = self.grade(rollout)
+        advantages = group_advantages(rewards, m.group_size, scale=m.scale_rewards)
+        rows = rollout.batch(self.pad_id)
+        reference = engine.token_logps(**rows, adapters=False) if m.beta else None
+        objective = GRPOObjective(
+            advantages,
+            reference=reference,
+            loss_type=m.loss_type,
+            epsilon=m.epsilon,
+            epsilon_high=m.epsilon_high,
+            beta=m.beta,
+        )
+        it = engine.forward_backward_tokens(
+            objective, **rows, divisor=divisor(m.loss_type, rows["labels"], m.max_completion_tokens)
+        )
+        loss = it.loss_sum() / it.total_tokens
+        metrics = step_metrics(rollout, rewards, graded, errors)
+        self._show(engine.steps + 1, rollout, rewards, errors)
+        self.last = rollout
+        return loss, metrics
+
+    def _show(self, step: int, rollout: Rollout, rewards: torch.Tensor, errors: list[str | None]) -> None:
+        """A few of the step's completions with their rewards, as an event for the job page."""
+        if self.sink is None:
+            return
+        g = rollout.group_size
+        shown = []
+        for r in range(min(SAMPLES_SHOWN, len(rollout.texts))):
+            row = r * g if r * g < len(rollout.texts) else r  # one per prompt first
+            shown.append(
+                {
+                    "prompt": rollout.items[row // g].text[-500:],
+                    "completion": rollout.texts[row][:1000],
+                    "reward": float(rewards[row]),
+                    "error": errors[row],
+                }
+            )
+        self.sink.event(
+            SAMPLES_EVENT,
+            f"step {step}: {len(rollout.texts)} completions graded",
+            {"step": step, "samples": shown},
+        )
+
+    def validate(self, engine: RoundPipe, batch_size: int, pad_id: int) -> dict[str, float] | None:
+        """``reward/val``: the mean reward of greedy completions of the validation prompts
+        (``loss/val`` is its negative: lower is better, as every method's)."""
+        if not self.validation:
+            return None
+        total, n = 0.0, 0
+        for i in range(0, len(self.validation), batch_size):
+            rollout = self.rollout(engine, self.validation[i : i + batch_size], greedy=True)
+            rewards, _, _ = self.grade(rollout)
+            total, n = total + float(rewards.sum()), n + len(rollout.texts)
+        mean = total / max(n, 1)
+        return {"loss/val": -mean, "reward/val": mean}
+
+
+def step_metrics(
+    rollout: Rollout, rewards: torch.Tensor, graded: dict[str, list[float]], errors: list[str | None]
+) -> dict[str, float]:
+    """A step's reward statistics, each grader's mean, the completions' lengths, and the
+    graders' failures."""
+    lengths = torch.tensor([len(c) for c in rollout.completions], dtype=torch.float32)
+    groups = rewards.view(-1, rollout.group_size)
+    metrics = {
+        "reward/mean": float(rewards.mean()),
+        "reward/min": float(rewards.min()),
+        "reward/max": float(rewards.max()),
+        "reward/std": float(groups.std(dim=1).mean()) if rollout.group_size > 1 else 0.0,
+        "completion/length": float(lengths.mean()),
+        "completion/length_max": float(lengths.max()),
+        "completion/finished": sum(rollout.finished) / max(len(rollout.finished), 1),
+        "grpo/grader_errors": float(sum(e is not None for e in errors)),
+    }
+    for name, scores in graded.items():
+        values = [float(s) for s in scores if isinstance(s, int | float) and math.isfinite(s)]
+        if values:
+            metrics[f"reward/{name}"] = sum(values) / len(values)
+    return metrics
+
+
+RUN = GRPORun
+OBJECTIVE = GRPOObjective

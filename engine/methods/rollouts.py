@@ -1,0 +1,170 @@
+"""Rollouts: sampling a group of completions per prompt with the policy being trained.
+
+The engine's host copy of the weights is the model's own parameters (``RoundPipe``): after
+``synchronize()`` the trained tensors' compute copies are refreshed from their fp32 masters (for
+LoRA only the adapters: the frozen base never changes) and the model samples on the host, with
+dropout off. The sampling is seeded per step, so a resumed run samples what an uninterrupted one
+would, and does not touch the process's random stream.
+
+A completion ends at the first stop token (kept: the policy learns to stop) or after
+``max_new_tokens``; each becomes one training row, its prompt's tokens unlabelled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.data.batches import collate
+from engine.data.encode import Encoded
+from engine.data.prompts import PromptItem
+from engine.errors import ConfigError
+from engine.inference.chat import stop_ids
+from engine.roundpipe import RoundPipe
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How completions are sampled.
+
+    Attributes:
+        group_size: completions per prompt (GRPO's G).
+        max_new_tokens: the longest completion, in tokens.
+        temperature: the softmax temperature (> 0).
+        top_p: nucleus sampling's probability mass (1: off).
+    """
+
+    group_size: int
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+
+
+@dataclass
+class Rollout:
+    """A step's sampled completions, group by group (prompt ``i``'s in rows ``i*G .. i*G+G-1``).
+
+    Attributes:
+        items: the prompts, one per group.
+        completions: each row's completion token ids (its stop token included when it stopped).
+        texts: each row's completion as text (special tokens removed), what graders read.
+        finished: each row stopped on a stop token (else it ran out of ``max_new_tokens``).
+    """
+
+    items: list[PromptItem]
+    completions: list[list[int]]
+    texts: list[str]
+    finished: list[bool]
+
+    @property
+    def group_size(self) -> int:
+        return len(self.completions) // max(len(self.items), 1)
+
+    def row_items(self) -> list[dict[str, Any]]:
+        """The fields of each row's prompt (``item`` to a grader), row by row."""
+        g = self.group_size
+        return [self.items[r // g].fields for r in range(len(self.completions))]
+
+    def batch(self, pad_id: int) -> dict[str, torch.Tensor]:
+        """The rows to train on: prompt then completion, labels on the completion's tokens only."""
+        rows = []
+        g = self.group_size
+        for r, completion in enumerate(self.completions):
+            prompt = self.items[r // g].input_ids
+            ids = list(prompt) + list(completion)
+            labels = [-100] * len(prompt) + list(completion)
+            rows.append(Encoded(r, ids, labels, len(ids), False))
+        return collate(rows, pad_id)
+
+
+@contextlib.contextmanager
+def policy_model(engine: RoundPipe) -> Iterator[Any]:
+    """The model with the weights the next step trains from, in eval mode, without gradients.
+
+    Raises:
+        ConfigError: a 4-bit base (its dense weights are not kept on the host to sample with).
+    """
+    engine.synchronize()
+    host = engine.host
+    if any(t.packed is not None for t in host.tensors):
+        raise ConfigError(
+            "method.base_bits",
+            "method.base_bits=4: GRPO samples on the host with the model's own weights, and a 4-bit base "
+            "keeps none there; use base_bits 16",
+            value=4,
+        )
+    with torch.no_grad():
+        for t in host.trainable:
+            if t.master is not None:
+                t.compute.copy_(t.master)  # the model's parameter is this tensor
+    model = engine.adapted.hf_model
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield model
+    finally:
+        model.train(was_training)
+
+
+def _left_pad(prompts: Sequence[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+        mask[i, width - len(p) :] = 1
+    return ids, mask
+
+
+def sample(
+    model: Any,
+    tokenizer: Any,
+    items: Sequence[PromptItem],
+    sampling: Sampling,
+    *,
+    seed: int,
+    group: int | None = None,
+    greedy: bool = False,
+) -> Rollout:
+    """``group`` (default ``sampling.group_size``) completions of every prompt, seeded by ``seed``.
+
+    Args:
+        model: the causal LM (``policy_model``'s).
+        greedy: the most likely tokens (validation), one completion per prompt.
+    """
+    g = 1 if greedy else (group or sampling.group_size)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    stops = stop_ids(model, tokenizer)
+    ids, mask = _left_pad([it.input_ids for it in items], int(pad))
+    device = next(model.parameters()).device
+    options: dict[str, Any] = {
+        "max_new_tokens": sampling.max_new_tokens,
+        "pad_token_id": int(pad),
+        "eos_token_id": sorted(stops) or None,
+        "num_return_sequences": g,
+    }
+    if greedy:
+        options["do_sample"] = False
+    else:
+        options.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=0)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        out = model.generate(ids.to(device), attention_mask=mask.to(device), **options)
+    new = out[:, ids.shape[1] :].cpu()
+    completions, texts, finished = [], [], []
+    for row in new.tolist():
+        kept, stopped = [], False
+        for token in row:
+            kept.append(token)
+            if token in stops:
+                stopped = True
+                break
+        completions.append(kept)
+        finished.append(stopped)
+        texts.append(str(tokenizer.decode(kept[:-1] if stopped else kept, skip_special_tokens=True)))
+    return Rollout(list(items), completions, texts, finished)
