@@ -1,7 +1,10 @@
 """Database engine and sessions; migrations applied with Alembic at start.
 
 SQLite by default (WAL journal, a busy timeout, foreign keys on); PostgreSQL by setting
-``ROUNDHOUSE_DATABASE_URL``.
+``ROUNDHOUSE_DATABASE_URL`` (each connection checked before use, so one cut by a restart of the
+server is replaced; a connection attempt gives up after ``CONNECT_TIMEOUT_S``). ``unavailable``
+tells a server that cannot be reached from a statement that failed: the API answers the first
+with 503, the worker keeps its writes until the server is back.
 """
 
 from __future__ import annotations
@@ -10,10 +13,18 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 MIGRATIONS = Path(__file__).resolve().parent / "migrations"
 BUSY_TIMEOUT_MS = 10_000
+# how long a new PostgreSQL connection may take (unless the URL sets connect_timeout): a server
+# that is away answers within it, and a request waiting on it gets its 503 within it
+CONNECT_TIMEOUT_S = 5
+# the SQLSTATEs of a PostgreSQL server that cannot serve now: a connection exception (class 08),
+# a server shutting down or crashed (57P01, 57P02), one still starting or recovering (57P03)
+UNAVAILABLE_STATES = ("08", "57P01", "57P02", "57P03")
 
 
 def make_engine(url: str) -> Engine:
@@ -34,7 +45,30 @@ def make_engine(url: str) -> Engine:
             cur.close()
 
         return engine
-    return create_engine(url, pool_pre_ping=True)
+    connect_args: dict[str, Any] = {}
+    if make_url(url).get_backend_name() == "postgresql" and "connect_timeout" not in make_url(url).query:
+        connect_args["connect_timeout"] = CONNECT_TIMEOUT_S
+    return create_engine(url, pool_pre_ping=True, connect_args=connect_args)
+
+
+def unavailable(exc: BaseException) -> bool:
+    """Whether ``exc`` says the database server cannot be reached now (stopped, restarting, the
+    network away) rather than that a statement failed: what a later try may not meet again.
+
+    A connection found dead (SQLAlchemy's disconnect test), or a PostgreSQL driver's operational
+    error without a SQLSTATE (no connection was made) or with one of ``UNAVAILABLE_STATES``.
+    SQLite's errors (a locked file) are never an outage."""
+    if not isinstance(exc, DBAPIError):
+        return False
+    if exc.connection_invalidated:
+        return True
+    if not isinstance(exc, OperationalError | InterfaceError):
+        return False
+    orig = exc.orig
+    if not hasattr(orig, "sqlstate") and not hasattr(orig, "pgcode"):  # not PostgreSQL's driver
+        return False
+    state = getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
+    return state is None or str(state).startswith(UNAVAILABLE_STATES)
 
 
 def _transactional_ddl(engine: Engine) -> Engine:

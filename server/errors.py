@@ -3,11 +3,14 @@
 Under ``/v1`` (the OpenAI-compatible API) the same handlers answer in OpenAI's shape,
 ``{"error": {"message", "type", "param", "code"}}``, and a request that does not validate is a
 400 (OpenAI's status for it) instead of a 422. A service's refusal (``server.services.failures``)
-and a job's illegal transition (409) get their HTTP status here, once."""
+and a job's illegal transition (409) get their HTTP status here, once. A database server that
+cannot be reached (stopped, restarting) is a 503 ``database_unavailable`` with ``Retry-After``:
+the request may be sent again as it is once the server is back."""
 
 from __future__ import annotations
 
 import errno
+import logging
 import re
 import shutil
 from collections.abc import Mapping
@@ -18,8 +21,10 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import DBAPIError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from server.db import unavailable
 from server.schemas import LINE_PATTERN, ErrorBody
 from server.services.failures import Conflict, Invalid, NotFound, Refusal, TooLarge
 from server.services.job_states import IllegalTransition
@@ -65,6 +70,11 @@ OPENAI_TYPES = {
     404: "not_found_error",
     429: "rate_limit_error",
 }
+
+
+log = logging.getLogger("roundhouse.api")
+# what a 503 for a database that cannot be reached suggests to wait before sending the request again
+DATABASE_RETRY_AFTER_S = 5
 
 
 # the HTTP status of each refusal of a service (``server.services.failures``)
@@ -183,6 +193,16 @@ def install(app: FastAPI) -> None:
         if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise exc  # any other OSError stays an internal error
         return _respond(request, 507, body("disk_full", disk_full_message(exc)))
+
+    @app.exception_handler(DBAPIError)
+    async def _database(request: Request, exc: DBAPIError) -> JSONResponse:
+        if not unavailable(exc):
+            raise exc  # a statement that failed stays an internal error
+        # the driver's words stay in the server's log: they name the database's host and port
+        log.warning("%s %s: the database is unavailable: %s", request.method, request.url.path, exc.orig)
+        message = "the database is unavailable (stopped or restarting); try again in a few seconds"
+        headers = {"Retry-After": str(DATABASE_RETRY_AFTER_S)}
+        return _respond(request, 503, body("database_unavailable", message), headers=headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
