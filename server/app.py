@@ -33,6 +33,7 @@ from server.api.openai import models as openai_models
 from server.api.openai import sweeps as openai_sweeps
 from server.db import make_engine, migrate, session_factory
 from server.deps import current_key, plain_parameters
+from server.services import datasets as datasets_service
 from server.services import keys
 from server.settings import Settings, get_settings
 from server.storage import open_storage
@@ -44,14 +45,18 @@ LANDING = """<!doctype html><html lang="en"><head><meta charset="utf-8"><title>R
 
 
 def create_app(settings: Settings | None = None, *, apply_migrations: bool = True) -> FastAPI:
-    """Build the app: apply migrations, create the first API key if there is none."""
+    """Build the app: apply migrations, create the first API key if there is none, and remove what
+    uploads cut short by a killed process left (``datasets.sweep_incoming``)."""
     settings = settings or get_settings()
     engine = make_engine(settings.url)
     if apply_migrations:
         migrate(engine)
     sessions = session_factory(engine)
+    storage = open_storage(settings)
     with sessions() as session:
         first_key = keys.ensure_first_key(session)
+        # what uploads cut short by a killed process left (a crash, a power cut)
+        datasets_service.sweep_incoming(session, storage=storage, scratch=settings.cache_dir / "incoming")
 
     app = FastAPI(
         title="Roundhouse",
@@ -64,7 +69,7 @@ def create_app(settings: Settings | None = None, *, apply_migrations: bool = Tru
         dependencies=[Depends(plain_parameters)],  # before each route's own: no NUL reaches a query
     )
     app.state.settings = settings
-    app.state.storage = open_storage(settings)
+    app.state.storage = storage
     app.state.engine = engine
     app.state.sessions = sessions
     app.state.first_key = first_key

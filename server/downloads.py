@@ -1,6 +1,11 @@
 """Download responses: a local file sent whole or not at all (with one byte range), or an object
 of the store streamed from it, or a redirect to a presigned URL of it; a checkpoint's archive
-(``GET /api/jobs/{id}/checkpoints/{step}/download``, ``GET /v1/models/{model}/content``)."""
+(``GET /api/jobs/{id}/checkpoints/{step}/download``, ``GET /v1/models/{model}/content``).
+
+An object streamed from the store is opened before the response starts, so a store that does not
+answer is a 503 (``StorageUnavailable``, ``server.errors``), and it is sent with the store's
+Content-Length: a store that breaks off mid-body drops the connection, and the client sees an
+incomplete body, never a complete-looking short one."""
 
 from __future__ import annotations
 
@@ -96,12 +101,16 @@ def stored_response(
     media_type: str,
     presigned: bool,
     local: Path | None = None,
-    size: int | None = None,
 ) -> Response:
     """The download of object ``key``: a 307 to a presigned URL of it when ``presigned`` (the
     setting ``storage_presigned_downloads``) and the store makes one; else the local file
-    (``local``, or the store's own) with byte ranges; else the object streamed from the store
-    (``size``: its Content-Length, when known)."""
+    (``local``, or the store's own) with byte ranges; else the object streamed from the store,
+    opened here (this blocks: call it off the event loop) with its size as the Content-Length.
+
+    Raises:
+        StorageUnavailable: the store did not answer (nothing was sent).
+        FileNotFoundError: no such object.
+    """
     if presigned:
         url = storage.presigned_url(key, filename=filename)
         if url is not None:
@@ -109,10 +118,9 @@ def stored_response(
     own = local or storage.local_path(key)
     if own is not None:
         return WholeFileResponse(own, filename=filename, media_type=media_type)
-    headers = {"content-disposition": f'attachment; filename="{filename}"'}
-    if size is not None:
-        headers["content-length"] = str(size)
-    return StreamingResponse(storage.iter_bytes(key), media_type=media_type, headers=headers)
+    size, chunks = storage.stream(key)
+    headers = {"content-disposition": f'attachment; filename="{filename}"', "content-length": str(size)}
+    return StreamingResponse(chunks, media_type=media_type, headers=headers)
 
 
 async def archive_response(
@@ -136,11 +144,14 @@ async def archive_response(
             storage=storage,
         )
     )
-    return stored_response(
-        storage,
-        archive.key,
-        filename=archive.filename,
-        media_type="application/x-tar",
-        presigned=settings.storage_presigned_downloads,
-        local=archive.local,
+    return await run_in_threadpool(
+        functools.partial(
+            stored_response,
+            storage,
+            archive.key,
+            filename=archive.filename,
+            media_type="application/x-tar",
+            presigned=settings.storage_presigned_downloads,
+            local=archive.local,
+        )
     )

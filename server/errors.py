@@ -28,6 +28,7 @@ from server.db import unavailable
 from server.schemas import LINE_PATTERN, ErrorBody
 from server.services.failures import Conflict, Invalid, NotFound, Refusal, TooLarge
 from server.services.job_states import IllegalTransition
+from server.storage import StorageUnavailable
 
 
 class ApiError(Exception):
@@ -72,6 +73,8 @@ OPENAI_TYPES = {
 }
 
 
+# seconds a client is told to wait before it asks again a store that did not answer (503)
+STORAGE_RETRY_AFTER_S = 30
 log = logging.getLogger("roundhouse.api")
 # what a 503 for a database that cannot be reached suggests to wait before sending the request again
 DATABASE_RETRY_AFTER_S = 5
@@ -193,6 +196,12 @@ def install(app: FastAPI) -> None:
         if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise exc  # any other OSError stays an internal error
         return _respond(request, 507, body("disk_full", disk_full_message(exc)))
+
+    @app.exception_handler(StorageUnavailable)
+    async def _storage(request: Request, exc: StorageUnavailable) -> JSONResponse:
+        message = f"the object store is unavailable, try again later: {exc}"
+        headers = {"Retry-After": str(STORAGE_RETRY_AFTER_S)}
+        return _respond(request, 503, body("storage_unavailable", message), headers=headers)
 
     @app.exception_handler(DBAPIError)
     async def _database(request: Request, exc: DBAPIError) -> JSONResponse:

@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Query
 from fastapi import Path as PathParam
+from fastapi.concurrency import run_in_threadpool
 from starlette.responses import Response
 
 from server.deps import JobDep, SessionDep, SettingsDep, StorageDep, current_key
@@ -70,7 +71,7 @@ async def download_checkpoint(
     ] = None,
 ) -> Response:
     """A .tar of the checkpoint's export, one top folder with a README and a SHA-256 manifest."""
-    checkpoint = _found(session, storage, job, step)
+    checkpoint = await run_in_threadpool(_found, session, storage, job, step)  # it asks the store
     return await archive_response(
         job, checkpoint, merged=merged, gguf=gguf, settings=settings, storage=storage
     )

@@ -1,15 +1,24 @@
 """Datasets in the store (``datasets/<id>/<file name>``) and in the database; validated with the
 engine's validator before storing. A dataset that finished jobs name is deleted by removing its
-file and marking its row (``deleted_at``): the jobs keep their record, and only they see the row."""
+file and marking its row (``deleted_at``): the jobs keep their record, and only they see the row.
+
+An upload is copied into ``scratch/.incoming-<id><suffix>``, a file its process holds locked
+(``flock``) until the dataset's row is committed. What an upload cut short by a killed process
+left — that file, and the dataset's folder in the store, whole or partial, that no row names — is
+removed by ``sweep_incoming`` when the API starts again."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
+import logging
+import os
 import re
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import IO, Any, BinaryIO
 
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
@@ -17,11 +26,13 @@ from sqlalchemy.orm import Session
 from engine.data.encode import Report, validate
 from engine.data.read import SUFFIXES
 from server.services.job_states import TERMINAL
-from server.storage import Storage
+from server.storage import Storage, StorageUnavailable
 from server.tables import Dataset, Job, now
 
+log = logging.getLogger("roundhouse.datasets")
 CHUNK = 1 << 20
 FOLDER = "datasets"  # the store's folder of datasets
+INCOMING = ".incoming-"  # an upload's copy in the scratch folder: .incoming-<id><suffix>
 MAX_NAME = 120  # characters of a stored file name
 MAX_REPORTED_ERRORS = 100  # invalid rows listed in an upload's report; the rest are counted
 
@@ -72,42 +83,87 @@ def store_upload(
     ident = uuid.uuid4().hex
     folder, key = f"{FOLDER}/{ident}", f"{FOLDER}/{ident}/{clean}"
     scratch.mkdir(parents=True, exist_ok=True)
-    incoming = scratch / f".incoming-{ident}{suffix}"
+    incoming = scratch / f"{INCOMING}{ident}{suffix}"
     digest, size = hashlib.sha256(), 0
+    out = _held(incoming)  # locked until the row is committed or the upload given up
     try:
-        with incoming.open("wb") as out:
-            while chunk := source.read(CHUNK):
-                size += len(chunk)
-                if size > max_bytes:
-                    raise TooLarge(max_bytes)
-                digest.update(chunk)
-                out.write(chunk)
+        while chunk := source.read(CHUNK):
+            size += len(chunk)
+            if size > max_bytes:
+                raise TooLarge(max_bytes)
+            digest.update(chunk)
+            out.write(chunk)
+        out.flush()
         report = validate(str(incoming), max_errors=MAX_REPORTED_ERRORS)
         report.path = clean
         if not report.ok:
             return None, report
         storage.put_file(key, incoming)
+        dataset = Dataset(
+            id=ident,
+            name=name or clean,
+            filename=clean,
+            path=key,
+            format=report.format or "unknown",
+            rows=report.rows,
+            size_bytes=size,
+            sha256=digest.hexdigest(),
+            source=origin,
+        )
+        try:
+            session.add(dataset)
+            session.commit()
+        except Exception:
+            session.rollback()
+            storage.delete_prefix(folder)
+            raise
+        return dataset, report
     finally:
-        incoming.unlink(missing_ok=True)
-    dataset = Dataset(
-        id=ident,
-        name=name or clean,
-        filename=clean,
-        path=key,
-        format=report.format or "unknown",
-        rows=report.rows,
-        size_bytes=size,
-        sha256=digest.hexdigest(),
-        source=origin,
-    )
-    try:
-        session.add(dataset)
-        session.commit()
-    except Exception:
-        session.rollback()
-        storage.delete_prefix(folder)
-        raise
-    return dataset, report
+        incoming.unlink(missing_ok=True)  # before the lock goes: a sweep never sees it unlocked
+        out.close()
+
+
+def _held(path: Path) -> IO[bytes]:
+    """``path`` created for writing and locked (``flock``) for as long as it is open."""
+    while True:
+        out = path.open("wb")
+        fcntl.flock(out, fcntl.LOCK_EX)
+        with contextlib.suppress(FileNotFoundError):
+            if os.stat(path).st_ino == os.fstat(out.fileno()).st_ino:
+                return out
+        out.close()  # a sweep removed it between its creation and the lock: make it again
+
+
+def sweep_incoming(session: Session, *, storage: Storage, scratch: Path) -> list[str]:
+    """Remove what uploads cut short left (their process was killed: a crash, a power cut): each
+    ``.incoming-<id>`` file in ``scratch`` that no live process holds locked, and, when no row
+    names dataset ``<id>``, its folder in the store (a file stored in part or whole whose row was
+    never committed). For the API's start. Returns the ids swept; a store that does not answer
+    leaves its folder and file for the next start.
+    """
+    swept: list[str] = []
+    for path in sorted(scratch.glob(f"{INCOMING}*")) if scratch.is_dir() else []:
+        try:
+            held = path.open("rb")
+        except FileNotFoundError:  # its upload ended meanwhile
+            continue
+        with held:
+            try:
+                fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # an upload in progress (this process's or another's)
+                continue
+            ident = path.name.removeprefix(INCOMING).split(".", 1)[0]
+            if re.fullmatch(r"[0-9a-f]{32}", ident) and session.get(Dataset, ident) is None:
+                try:
+                    storage.delete_prefix(f"{FOLDER}/{ident}")
+                except StorageUnavailable:
+                    log.warning("the store did not answer: %s/%s is swept at the next start", FOLDER, ident)
+                    continue
+            path.unlink(missing_ok=True)
+            swept.append(ident)
+    if swept:
+        log.warning("removed what %d upload(s) cut short left: %s", len(swept), ", ".join(swept))
+    return swept
 
 
 def list_datasets(session: Session) -> list[Dataset]:

@@ -5,13 +5,21 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from server.storage.base import Storage, check_key, join
+from server.storage.base import Storage, StorageUnavailable, check_key, join
 from server.storage.local import LocalStorage
 
 if TYPE_CHECKING:
     from server.settings import Settings
 
-__all__ = ["LocalStorage", "S3Storage", "Storage", "check_key", "join", "open_storage"]
+__all__ = [
+    "LocalStorage",
+    "S3Storage",
+    "Storage",
+    "StorageUnavailable",
+    "check_key",
+    "join",
+    "open_storage",
+]
 
 
 def open_storage(settings: Settings) -> Storage:

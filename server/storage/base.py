@@ -4,18 +4,84 @@
 Two backends: a local folder (``LocalStorage``: the keys are paths under ROUNDHOUSE_HOME, today's
 layout) and an S3-compatible object store (``S3Storage``). A "folder" is a key prefix: the
 objects under ``prefix/``.
+
+A remote store that does not answer (stopped, unreachable, failing with 5xx) is tried again with
+exponential backoff for a bounded time (``retrying``); past it the operation raises
+``StorageUnavailable``, which the API answers with a 503 and a worker's checkpoint push waits out.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import random
 import shutil
 import tempfile
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path, PurePosixPath
-from typing import BinaryIO
+from typing import BinaryIO, TypeVar
+
+T = TypeVar("T")
+log = logging.getLogger("roundhouse.storage")
+
+
+class StorageUnavailable(Exception):
+    """The store did not answer an operation (a stopped or unreachable object store, or one failing
+    with 5xx), still so after its retries: nothing is known to have been stored or read whole, and
+    the operation may be tried again later. Not an ``OSError``: no caller takes it for a missing
+    or unreadable file."""
+
+
+def _is_unavailable(exc: BaseException) -> bool:
+    return isinstance(exc, StorageUnavailable)
+
+
+def retrying(
+    call: Callable[[], T],
+    *,
+    what: str,
+    budget_s: float,
+    transient: Callable[[BaseException], bool] = _is_unavailable,
+    first_s: float = 0.25,
+    most_s: float = 8.0,
+    on_retry: Callable[[str, float], None] | None = None,
+) -> T:
+    """``call()``, called again after each transient failure (``transient(exc)``; default: a
+    ``StorageUnavailable``) with exponential backoff — ``first_s``, doubling up to ``most_s``, each
+    wait drawn between half and all of it — until ``budget_s`` seconds have passed since the first
+    call. ``on_retry(message, wait_s)`` hears of each retry before its wait (the log always does).
+
+    Raises:
+        StorageUnavailable: still failing when the time is up (``budget_s`` 0: at the first
+            transient failure), naming ``what``, the tries and the last failure.
+        Exception: a failure that is not transient, as it is, at once.
+    """
+    started = time.monotonic()
+    backoff, tries = first_s, 0
+    while True:
+        tries += 1
+        try:
+            return call()
+        except Exception as exc:
+            if not transient(exc):
+                raise
+            left = budget_s - (time.monotonic() - started)
+            wait = min(backoff * random.uniform(0.5, 1.0), left)
+            if wait <= 0:
+                spent = time.monotonic() - started
+                reason = str(exc).split("\n", 1)[0][:300]
+                raise StorageUnavailable(
+                    f"{what}: the store did not answer ({tries} tries in {spent:.0f} s): {reason}"
+                ) from exc
+            message = f"{what}: the store did not answer ({exc}); try {tries + 1} in {wait:.1f} s"
+            log.warning("%s", message)
+            if on_retry is not None:
+                on_retry(message, wait)
+            time.sleep(wait)
+            backoff = min(backoff * 2, most_s)
 
 
 def check_key(key: str, *, prefix: bool = False) -> str:
@@ -95,6 +161,17 @@ class Storage(ABC):
     @abstractmethod
     def iter_bytes(self, key: str, *, chunk: int = 1 << 20) -> Iterator[bytes]:
         """The bytes of ``key`` in chunks. Raises ``FileNotFoundError`` (at the first ``next``)."""
+
+    @abstractmethod
+    def stream(self, key: str, *, chunk: int = 1 << 20) -> tuple[int, Iterator[bytes]]:
+        """Object ``key`` opened now: its size and its bytes in chunks. What keeps it from being
+        read at all is raised here, before a byte is read; the iterator ends only after exactly
+        the size's bytes, else raises (``StorageUnavailable`` when the store broke off).
+
+        Raises:
+            FileNotFoundError: no such key.
+            StorageUnavailable: the store did not answer.
+        """
 
     @abstractmethod
     def exists(self, key: str) -> bool:

@@ -90,6 +90,22 @@ class LocalStorage(Storage):
             while data := f.read(chunk):
                 yield data
 
+    def stream(self, key: str, *, chunk: int = CHUNK) -> tuple[int, Iterator[bytes]]:
+        f = self.path(key).open("rb")
+        size = os.fstat(f.fileno()).st_size
+
+        def chunks() -> Iterator[bytes]:
+            with f:
+                left = size
+                while left > 0:
+                    data = f.read(min(chunk, left))
+                    if not data:
+                        raise OSError(f"{key!r} ended {left} bytes short of its {size} bytes")
+                    left -= len(data)
+                    yield data
+
+        return size, chunks()
+
     def exists(self, key: str) -> bool:
         found = self.path(key)
         return found.is_file() or (found.is_dir() and any(True for _ in self._files(found)))

@@ -2,23 +2,52 @@
 
 ``s3://bucket/prefix``: the object of key ``k`` is ``prefix/k`` in ``bucket``. Large files go up
 in parts (boto3's managed transfer); downloads are written to a temporary file and renamed.
+
+Every operation is tried again while the store does not answer (refused or dropped connections,
+timeouts, 5xx answers), with exponential backoff for ``retry_s`` seconds in all, and then raises
+``StorageUnavailable``; a missing object or a refusal (403, a bad bucket) is raised at once.
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 from urllib.parse import quote, urlsplit
 
-from server.storage.base import Storage, check_key, join
+from server.storage.base import Storage, StorageUnavailable, check_key, join, retrying
 
 if TYPE_CHECKING:
     from server.settings import Settings
 
+T = TypeVar("T")
 PART = 16 << 20  # bytes of one part of a multipart upload
+# how long one operation waits for a store that does not answer: a download answers 503 after it,
+# a worker's checkpoint push tries again for longer (``server.worker.files.PUSH_RETRY_S``)
+RETRY_S = 10.0
+# the S3 error codes of a store that is failing for now (as any 5xx answer is)
+BUSY_CODES = frozenset({"InternalError", "ServiceUnavailable", "SlowDown", "RequestTimeout", "503", "500"})
+
+
+def transient(exc: BaseException) -> bool:
+    """Whether ``exc`` is the store not answering for now: a connection refused, dropped or timed
+    out, a body cut short, a 5xx answer (also wrapped by boto3's transfers), not a missing object
+    or a refusal."""
+    from boto3.exceptions import RetriesExceededError, S3UploadFailedError
+    from botocore.exceptions import ClientError, ConnectionError, HTTPClientError, IncompleteReadError
+
+    if isinstance(exc, S3UploadFailedError | RetriesExceededError):
+        inner = getattr(exc, "last_exception", None) or exc.__cause__ or exc.__context__
+        return inner is not None and transient(inner)
+    if isinstance(exc, ConnectionError | HTTPClientError | IncompleteReadError):
+        return True
+    if isinstance(exc, ClientError):
+        response: Any = exc.response or {}
+        status = int(response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
+        return status >= 500 or str(response.get("Error", {}).get("Code", "")) in BUSY_CODES
+    return False
 
 
 class _Counting:
@@ -58,6 +87,7 @@ class S3Storage(Storage):
         access_key_id: str | None = None,
         secret_access_key: str | None = None,
         region: str | None = None,
+        retry_s: float = RETRY_S,
     ) -> None:
         import boto3
         from boto3.s3.transfer import TransferConfig
@@ -72,8 +102,12 @@ class S3Storage(Storage):
             region_name=region or None,
         )
         config = Config(
-            signature_version="s3v4", s3={"addressing_style": "path"}, retries={"mode": "standard"}
+            signature_version="s3v4",
+            s3={"addressing_style": "path"},
+            retries={"mode": "standard"},
+            connect_timeout=5,  # a host that drops packets fails the try soon; ``retry_s`` goes on
         )
+        self.retry_s = retry_s
         self.client: Any = session.client("s3", endpoint_url=endpoint_url or None, config=config)
         self.signer: Any = (
             session.client("s3", endpoint_url=public_endpoint_url, config=config)
@@ -109,73 +143,117 @@ class S3Storage(Storage):
         code = str(getattr(error, "response", {}).get("Error", {}).get("Code", ""))
         return code in ("404", "NoSuchKey", "NotFound")
 
-    def put_file(self, key: str, path: Path) -> None:
-        self.client.upload_file(str(path), self.bucket, self._name(key), Config=self.transfer)
+    def _retry(self, what: str, call: Callable[[], T], *, budget_s: float | None = None) -> T:
+        """``call()`` tried again while the store does not answer (``retrying``, ``retry_s``)."""
+        budget = self.retry_s if budget_s is None else budget_s
+        return retrying(call, what=f"{self.url}: {what}", budget_s=budget, transient=transient)
 
-    def put_stream(self, key: str, stream: BinaryIO) -> int:
-        counted = _Counting(stream)
-        self.client.upload_fileobj(counted, self.bucket, self._name(key), Config=self.transfer)
-        return counted.count
-
-    def get_file(self, key: str, path: Path) -> None:
+    def _not_found(self, key: str, call: Callable[[], T]) -> T:
+        """``call()``, with a missing object raised as ``FileNotFoundError``."""
         from botocore.exceptions import ClientError
 
+        try:
+            return call()
+        except ClientError as exc:
+            if self._missing(exc):
+                raise FileNotFoundError(f"no object {key!r}") from exc
+            raise
+
+    def put_file(self, key: str, path: Path) -> None:
+        def put() -> None:
+            self.client.upload_file(str(path), self.bucket, self._name(key), Config=self.transfer)
+
+        self._retry(f"putting {key!r}", put)
+
+    def put_stream(self, key: str, stream: BinaryIO) -> int:
+        start = stream.tell() if stream.seekable() else None
+
+        def put() -> int:
+            if start is not None:
+                stream.seek(start)
+            counted = _Counting(stream)
+            self.client.upload_fileobj(counted, self.bucket, self._name(key), Config=self.transfer)
+            return counted.count
+
+        # a stream that cannot be read again is tried once
+        return self._retry(f"putting {key!r}", put, budget_s=None if start is not None else 0.0)
+
+    def get_file(self, key: str, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         try:
             with os.fdopen(fd, "wb") as out:
-                try:
+
+                def get() -> None:
+                    out.seek(0)
+                    out.truncate()
                     self.client.download_fileobj(self.bucket, self._name(key), out, Config=self.transfer)
-                except ClientError as exc:
-                    if self._missing(exc):
-                        raise FileNotFoundError(f"no object {key!r}") from exc
-                    raise
+
+                self._retry(f"getting {key!r}", lambda: self._not_found(key, get))
             os.chmod(name, 0o644)
             os.replace(name, path)
         finally:
             Path(name).unlink(missing_ok=True)
 
     def iter_bytes(self, key: str, *, chunk: int = 1 << 20) -> Iterator[bytes]:
-        from botocore.exceptions import ClientError
+        yield from self.stream(key, chunk=chunk)[1]
 
-        try:
-            body = self.client.get_object(Bucket=self.bucket, Key=self._name(key))["Body"]
-        except ClientError as exc:
-            if self._missing(exc):
-                raise FileNotFoundError(f"no object {key!r}") from exc
-            raise
+    def stream(self, key: str, *, chunk: int = 1 << 20) -> tuple[int, Iterator[bytes]]:
+        def get() -> Any:
+            return self.client.get_object(Bucket=self.bucket, Key=self._name(key))
+
+        response = self._retry(f"getting {key!r}", lambda: self._not_found(key, get))
+        return int(response["ContentLength"]), self._chunks(key, response["Body"], chunk)
+
+    def _chunks(self, key: str, body: Any, chunk: int) -> Iterator[bytes]:
+        """The body's chunks; botocore checks that they add up to its Content-Length, and a store
+        that breaks off is raised as ``StorageUnavailable`` (never a short, clean end)."""
         try:
             yield from body.iter_chunks(chunk)
+        except Exception as exc:
+            if transient(exc):
+                raise StorageUnavailable(f"{self.url}: reading {key!r} broke off: {exc}") from exc
+            raise
         finally:
             body.close()
 
     def exists(self, key: str) -> bool:
         from botocore.exceptions import ClientError
 
-        try:
-            self.client.head_object(Bucket=self.bucket, Key=self._name(key))
-            return True
-        except ClientError as exc:
-            if not self._missing(exc):
-                raise
-        found = self.client.list_objects_v2(Bucket=self.bucket, Prefix=self._folder(key), MaxKeys=1)
-        return bool(found.get("KeyCount", 0))
+        def find() -> bool:
+            try:
+                self.client.head_object(Bucket=self.bucket, Key=self._name(key))
+                return True
+            except ClientError as exc:
+                if not self._missing(exc):
+                    raise
+            found = self.client.list_objects_v2(Bucket=self.bucket, Prefix=self._folder(key), MaxKeys=1)
+            return bool(found.get("KeyCount", 0))
+
+        return self._retry(f"looking up {key!r}", find)
 
     def list(self, prefix: str) -> list[tuple[str, int]]:
-        pages = self.client.get_paginator("list_objects_v2").paginate(
-            Bucket=self.bucket, Prefix=self._folder(prefix)
-        )
-        found = [(self._key(o["Key"]), int(o["Size"])) for page in pages for o in page.get("Contents", [])]
-        return sorted(found)
+        def pages() -> list[tuple[str, int]]:
+            found = self.client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=self._folder(prefix)
+            )
+            return [(self._key(o["Key"]), int(o["Size"])) for page in found for o in page.get("Contents", [])]
+
+        return sorted(self._retry(f"listing {prefix!r}", pages))
 
     def delete(self, key: str) -> None:
-        self.client.delete_object(Bucket=self.bucket, Key=self._name(key))
+        name = self._name(key)
+        self._retry(f"deleting {key!r}", lambda: self.client.delete_object(Bucket=self.bucket, Key=name))
 
     def delete_prefix(self, prefix: str) -> None:
         names = [self._name(key) for key, _ in self.list(check_key(prefix))]
         for start in range(0, len(names), 1000):  # the most one request deletes
-            batch = [{"Key": n} for n in names[start : start + 1000]]
-            self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True})
+            batch = {"Objects": [{"Key": n} for n in names[start : start + 1000]], "Quiet": True}
+
+            def delete(batch: dict[str, Any] = batch) -> None:
+                self.client.delete_objects(Bucket=self.bucket, Delete=batch)
+
+            self._retry(f"deleting under {prefix!r}", delete)
 
     def presigned_url(self, key: str, *, expires_s: int = 3600, filename: str | None = None) -> str | None:
         params = {"Bucket": self.bucket, "Key": self._name(key)}

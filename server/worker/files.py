@@ -15,6 +15,10 @@ remote store (S3) the worker fetches what the job needs into its own home before
 and pushes each checkpoint the run saves before its row is recorded (a row never names a missing
 object), deletes the ones the run pruned (``checkpoint.keep_last``), and pushes ``train.log``.
 Rows whose paths are absolute (made before the store) are used as they are.
+
+A store that does not answer holds a checkpoint's push up: it is tried again, whole, with
+exponential backoff for up to ``PUSH_RETRY_S`` (each retry told to the caller, which records it
+as a job event), and the run goes on once it is stored.
 """
 
 from __future__ import annotations
@@ -22,8 +26,9 @@ from __future__ import annotations
 import logging
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from engine.errors import ConfigError
 
@@ -36,6 +41,29 @@ CACHE = "cache"
 CHECKPOINTS = "checkpoints"
 LOG = "train.log"
 STEP = re.compile(r"^step_\d{6,}$")  # a checkpoint folder (``engine.training.checkpoint.step_name``)
+# how long a checkpoint's push (and its row's look at the store) waits for a store that does not
+# answer before the run fails; its retries wait 1 s, doubling up to 30 s
+PUSH_RETRY_S = 600.0
+T = TypeVar("T")
+
+
+def store_retrying(
+    call: Callable[[], T],
+    *,
+    what: str,
+    on_retry: Callable[[str, float], None] | None = None,
+    budget_s: float = PUSH_RETRY_S,
+) -> T:
+    """``call()`` (which uses the store) called again while the store is unavailable
+    (``StorageUnavailable``), with exponential backoff for ``budget_s`` seconds; ``on_retry(message,
+    wait_s)`` hears of each retry.
+
+    Raises:
+        StorageUnavailable: still unavailable after ``budget_s``.
+    """
+    from server.storage.base import retrying
+
+    return retrying(call, what=what, budget_s=budget_s, first_s=1.0, most_s=30.0, on_retry=on_retry)
 
 
 def open_store(settings: Settings) -> Storage:
@@ -158,15 +186,41 @@ def pull_checkpoint(
     return True
 
 
-def push_checkpoint(store: Storage | None, *, output_dir: str, path: Path, keep_last: int) -> str:
+def push_checkpoint(
+    store: Storage | None,
+    *,
+    output_dir: str,
+    path: Path,
+    keep_last: int,
+    on_retry: Callable[[str, float], None] | None = None,
+    budget_s: float = PUSH_RETRY_S,
+) -> str:
     """Put a checkpoint the run just saved in the store, then delete the stored ones the run's
-    ``keep_last`` drops (counting those other hosts stored). Returns the row's path: the key."""
+    ``keep_last`` drops (counting those other hosts stored). Returns the row's path: the key.
+
+    While the store is unavailable the whole push is tried again (``store_retrying``: ``on_retry``,
+    ``budget_s``); it returns only once every file of the checkpoint is stored.
+
+    Raises:
+        StorageUnavailable: the store stayed unavailable for ``budget_s``.
+    """
     if not _is_key(output_dir):
         return str(path)
     root = f"{output_dir}/{CHECKPOINTS}"
     key = f"{root}/{path.name}"
     if store is None or same_file(store.local_path(key), path):
         return key
+    what = f"pushing checkpoint {path.name}"
+    return store_retrying(
+        lambda: _push(store, root=root, key=key, path=path, keep_last=keep_last),
+        what=what,
+        on_retry=on_retry,
+        budget_s=budget_s,
+    )
+
+
+def _push(store: Storage, *, root: str, key: str, path: Path, keep_last: int) -> str:
+    """One try of ``push_checkpoint`` (all of it may be done again: each step is idempotent)."""
     store.put_tree(key, path)
     stored = {k[len(root) + 1 :].split("/", 1)[0] for k, _ in store.list(root)}
     stored = {name for name in stored if STEP.match(name)}

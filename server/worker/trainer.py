@@ -81,22 +81,37 @@ class DatabaseSink:
         key = str(data.get("path"))
         if kind == EventKind.CHECKPOINT and self.output_dir is not None:  # stored before a row names it
             key = files.push_checkpoint(
-                self.store, output_dir=self.output_dir, path=Path(key), keep_last=self.keep_last
+                self.store,
+                output_dir=self.output_dir,
+                path=Path(key),
+                keep_last=self.keep_last,
+                on_retry=self._store_retry,
             )
         with self.lock, self.sessions() as session:
             jobs.add_event(
                 session, job_id=self.job_id, kind=kind, message=message, data=data, step=data.get("step")
             )
-            if kind == EventKind.CHECKPOINT:
-                checkpoints.record(
-                    session,
-                    job_id=self.job_id,
-                    step=int(data["step"]),
-                    path=key,
-                    kind=self.kind,
-                    metrics=dict(self.latest),
-                    storage=self.store,
-                )
+            if kind == EventKind.CHECKPOINT:  # it looks at the store: waits for it as the push does
+
+                def record() -> None:
+                    session.rollback()  # nothing read by a try that waited for the store is kept
+                    checkpoints.record(
+                        session,
+                        job_id=self.job_id,
+                        step=int(data["step"]),
+                        path=key,
+                        kind=self.kind,
+                        metrics=dict(self.latest),
+                        storage=self.store,
+                    )
+
+                files.store_retrying(record, what=f"recording checkpoint {key}", on_retry=self._store_retry)
+
+    def _store_retry(self, message: str, wait_s: float) -> None:
+        """A job event for each retry of a store that did not answer (its own session)."""
+        with self.sessions() as session:
+            data = {"storage_unavailable": True, "retry_in_s": round(wait_s, 1)}
+            jobs.add_event(session, job_id=self.job_id, kind=EventKind.LOG, message=message, data=data)
 
     def close(self) -> None:
         pass

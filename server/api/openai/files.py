@@ -150,5 +150,4 @@ def file_content(
         filename=dataset.filename,
         media_type="application/octet-stream",
         presigned=settings.storage_presigned_downloads,
-        size=dataset.size_bytes,
     )

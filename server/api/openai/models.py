@@ -7,6 +7,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Response
 from fastapi import Path as PathParam
+from fastapi.concurrency import run_in_threadpool
 
 from server.api.openai.shapes import ModelList, ModelObject, documented
 from server.deps import SessionDep, SettingsDep, StorageDep, current_key
@@ -74,7 +75,7 @@ async def download_model(
     merged: Annotated[bool, Query(description="LoRA only: merge the adapter into its base model")] = False,
 ) -> Response:
     """Download a fine-tuned model or checkpoint by name: GET /api/jobs/{id}/checkpoints/{step}/download."""
-    job, checkpoint = _resolve(session, model, storage)
+    job, checkpoint = await run_in_threadpool(_resolve, session, model, storage)  # it asks the store
     return await archive_response(job, checkpoint, merged=merged, settings=settings, storage=storage)
 
 
