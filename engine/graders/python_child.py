@@ -1,0 +1,311 @@
+"""The child process of a ``python`` grader: runs the user's ``grade(sample, item)`` away from the
+service. Started by ``engine.graders.python`` as ``python -I python_child.py <memory bytes> <CPU
+seconds>`` with an empty environment, in a fresh temporary directory; it imports nothing of the
+engine.
+
+Before it reads any user code it:
+
+- caps its address space (``RLIMIT_AS``), CPU time (``RLIMIT_CPU``, the whole batch's), the size
+  of a file it writes, its open files and core dumps;
+- makes ``socket.socket`` and ``socket.create_connection`` raise;
+- moves the protocol to file descriptors of its own and points descriptor 1 at 2, so what user
+  code prints goes to the parent's log of the child, not into the answers;
+- installs an audit hook (``sys.addaudithook``, which cannot be removed) that refuses sockets,
+  new processes (``subprocess``, ``os.system``, ``os.exec*``, ``os.fork``, ``os.posix_spawn``),
+  signals to other processes, ``ctypes``, raising its limits, links, and opening or listing a
+  path outside its working directory; the Python standard library and the installed packages
+  stay readable (imports read them), never writable, and an extension module may only load from
+  there.
+
+numpy, when the source names it, is imported before the hook (it loads its libraries with
+``ctypes``). Protocol, one JSON object per line: the parent sends ``{"op": "load", "source", "timeout"}``,
+answered ``{"ok": true}`` or ``{"ok": false, "error"}``; then ``{"op": "grade", "id", "sample",
+"item"}`` per sample, answered ``{"id", "score"}`` or ``{"id", "error", "kind"}`` (kind
+``runtime`` or ``timeout``). Each call runs under a wall-clock alarm of ``timeout`` seconds; the
+parent also kills the child if an answer is late, so user code that ignores the alarm is stopped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import decimal
+import importlib
+import inspect
+import itertools
+import json
+import math
+import numbers
+import os
+import resource
+import signal
+import site
+import socket
+import sys
+import sysconfig
+import tempfile
+import traceback
+from collections.abc import Callable
+from importlib.machinery import EXTENSION_SUFFIXES
+from typing import Any, BinaryIO
+
+FILENAME = "<grader>"
+MAX_FILES = 64
+MAX_FILE_BYTES = 64 << 20
+REFUSED = (
+    "socket.",
+    "subprocess.",
+    "os.system",
+    "os.exec",
+    "os.posix_spawn",
+    "os.spawn",
+    "os.fork",
+    "os.forkpty",
+    "os.kill",
+    "os.killpg",
+    "os.symlink",
+    "os.link",
+    "os.startfile",
+    "signal.pthread_kill",
+    "ctypes.",
+    "pty.",
+    "resource.setrlimit",
+    "resource.prlimit",
+    "sqlite3.",
+    "gc.get_",
+    "_posixsubprocess",
+    "webbrowser.",
+)
+# events whose first argument is a path that must lie in the working directory
+WRITE_PATH_EVENTS = frozenset(
+    {
+        "os.chmod",
+        "os.chown",
+        "os.mkdir",
+        "os.remove",
+        "os.rmdir",
+        "os.truncate",
+        "os.utime",
+        "os.setxattr",
+        "os.removexattr",
+        "shutil.chown",
+        "shutil.copyfile",
+        "shutil.copymode",
+        "shutil.copystat",
+        "shutil.copytree",
+        "shutil.move",
+        "shutil.rmtree",
+        "shutil.make_archive",
+        "shutil.unpack_archive",
+    }
+)
+READ_PATH_EVENTS = frozenset({"os.listdir", "os.scandir", "os.listxattr", "os.getxattr"})
+# modules imported before the audit hook when the source names them
+PRELOAD = ("numpy",)
+WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
+
+
+class GraderTimeout(BaseException):
+    """The call ran past its time (raised by the alarm; a BaseException, so that ``except
+    Exception`` in user code does not swallow it)."""
+
+
+def limit(memory: int, cpu_seconds: int) -> None:
+    """Cap this process: address space, CPU seconds, file size, open files, no core dump."""
+    resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu_seconds, cpu_seconds + 1))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (MAX_FILE_BYTES, MAX_FILE_BYTES))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (MAX_FILES, MAX_FILES))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
+def no_network() -> None:
+    """``socket.socket`` and ``socket.create_connection`` raise (the audit hook refuses the rest)."""
+
+    def refused(*args: Any, **kwargs: Any) -> Any:
+        raise PermissionError("a grader has no network")
+
+    socket.socket = refused  # type: ignore[assignment, misc]
+    socket.create_connection = refused
+    socket.socketpair = refused
+
+
+def readable_roots() -> tuple[str, ...]:
+    """The standard library's and the installed packages' folders (resolved)."""
+    paths = sysconfig.get_paths()
+    found = [paths.get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")]
+    found += getattr(site, "getsitepackages", list)()
+    return tuple(sorted({os.path.realpath(p) for p in found if p}))
+
+
+def audit_hook(workdir: str, readable: tuple[str, ...]) -> Callable[[str, tuple[Any, ...]], None]:
+    """The audit hook of the child: what a grader may not do raises ``PermissionError``."""
+
+    def inside(path: Any, roots: tuple[str, ...]) -> bool:
+        real = os.path.realpath(os.fsdecode(path))
+        return any(real == root or real.startswith(root.rstrip(os.sep) + os.sep) for root in roots)
+
+    def hook(event: str, args: tuple[Any, ...]) -> None:
+        if event.startswith(REFUSED):
+            raise PermissionError(f"a grader may not do this ({event})")
+        if event == "open":
+            path, flags = args[0], args[2] if len(args) > 2 else None
+            if isinstance(path, int) or path is None:
+                return
+            if inside(path, (workdir,)):
+                return
+            writes = not isinstance(flags, int) or flags & WRITE_FLAGS
+            if not writes and inside(path, readable):
+                return
+            raise PermissionError(f"a grader may only open files in its working directory, not {path!r}")
+        if event in WRITE_PATH_EVENTS or event == "os.rename":
+            paths = args[:2] if event == "os.rename" else args[:1]
+            for path in paths:
+                if isinstance(path, str | bytes | os.PathLike) and not inside(path, (workdir,)):
+                    message = f"a grader may only change files in its working directory ({event})"
+                    raise PermissionError(message)
+        elif event in READ_PATH_EVENTS:
+            path = args[0] if args else "."
+            if isinstance(path, str | bytes | os.PathLike) and not inside(path, (workdir, *readable)):
+                raise PermissionError(f"a grader may only list its working directory ({event})")
+        elif event == "import" and len(args) > 1 and args[1]:
+            filename = os.fsdecode(args[1])
+            if filename.endswith(tuple(EXTENSION_SUFFIXES)) and not inside(filename, readable):
+                raise PermissionError(f"a grader may not load the extension module {filename!r}")
+
+    return hook
+
+
+def error_line(exc: BaseException) -> str:
+    """``"ZeroDivisionError: division by zero (line 3)"``: the exception and the grader's line."""
+    line = None
+    for frame in traceback.extract_tb(exc.__traceback__):
+        if frame.filename == FILENAME:
+            line = frame.lineno
+    text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+    if isinstance(exc, MemoryError):
+        text = "MemoryError: the grader ran out of its memory limit"
+    return f"{text} (line {line})" if line is not None else text
+
+
+def on_alarm(signum: int, frame: Any) -> None:
+    raise GraderTimeout
+
+
+def call(function: Callable[..., Any], timeout: float, *args: Any) -> Any:
+    """``function(*args)`` under an alarm of ``timeout`` seconds."""
+    signal.setitimer(signal.ITIMER_REAL, timeout)
+    try:
+        return function(*args)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+
+
+def load(source: str, timeout: float) -> tuple[Callable[..., Any] | None, str | None]:
+    """Compile and run the grader's source; its ``grade`` function, or why there is none."""
+    namespace: dict[str, Any] = {"__name__": "grader", "__builtins__": __builtins__}
+    try:
+        code = compile(source, FILENAME, "exec")
+        call(exec, timeout, code, namespace)
+    except GraderTimeout:
+        return None, f"running the source took longer than {timeout:g} s"
+    except SyntaxError as exc:
+        return None, f"SyntaxError: {exc.msg} (line {exc.lineno})"
+    except BaseException as exc:
+        return None, error_line(exc)
+    grade = namespace.get("grade")
+    if not callable(grade):
+        return None, "the source defines no function grade(sample, item)"
+    try:
+        inspect.signature(grade).bind(None, None)
+    except TypeError:
+        return None, "grade must take two arguments: grade(sample, item)"
+    except ValueError:  # no signature to inspect (a builtin): let the call tell
+        pass
+    return grade, None
+
+
+def as_score(value: Any) -> tuple[float | None, str | None]:
+    """A returned value as a finite float, or why it is not one."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real | decimal.Decimal):
+        return None, f"grade returned {type(value).__name__}, not a number"
+    try:
+        score = float(value)
+    except (TypeError, ValueError, OverflowError) as exc:
+        return None, f"grade returned {value!r}, not a number: {exc}"
+    if not math.isfinite(score):
+        return None, f"grade returned {score}, not a finite number"
+    return score, None
+
+
+def preload(source: str) -> None:
+    """Import what ``PRELOAD`` lists and the source names, before the audit hook is installed
+    (numpy loads its libraries with ``ctypes``, which a grader may not use itself)."""
+    for name in PRELOAD:
+        if name in source:
+            os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # no thread pool: this is one sample
+            os.environ.setdefault("OMP_NUM_THREADS", "1")
+            with contextlib.suppress(Exception):  # not installed, or failing: the user's import says so
+                importlib.import_module(name)
+
+
+def serve(inbox: BinaryIO, outbox: BinaryIO, first: bytes) -> None:
+    """Answer the parent's requests (``first``, then each line) until it closes the pipe."""
+    grade: Callable[..., Any] | None = None
+    timeout = 1.0
+
+    def answer(message: dict[str, Any]) -> None:
+        outbox.write(json.dumps(message).encode() + b"\n")
+        outbox.flush()
+
+    for line in itertools.chain((first,), inbox):
+        request = json.loads(line)
+        if request["op"] == "load":
+            timeout = float(request["timeout"])
+            grade, error = load(request["source"], timeout)
+            answer({"ok": True} if error is None else {"ok": False, "error": error})
+            continue
+        ident = request["id"]
+        if grade is None:
+            answer({"id": ident, "error": "no grader is loaded", "kind": "runtime"})
+            continue
+        try:
+            try:
+                value = call(grade, timeout, request["sample"], request["item"])
+            except GraderTimeout:
+                answer({"id": ident, "error": f"timed out after {timeout:g} s", "kind": "timeout"})
+                continue
+            except BaseException as exc:  # SystemExit and KeyboardInterrupt too: the sample failed
+                answer({"id": ident, "error": error_line(exc), "kind": "runtime"})
+                continue
+            score, problem = as_score(value)
+            if score is None:
+                answer({"id": ident, "error": problem, "kind": "runtime"})
+            else:
+                answer({"id": ident, "score": score})
+        except GraderTimeout:  # the alarm fired just as the call returned
+            answer({"id": ident, "error": f"timed out after {timeout:g} s", "kind": "timeout"})
+
+
+def main() -> None:
+    memory, cpu_seconds = int(sys.argv[1]), int(sys.argv[2])
+    workdir = os.path.realpath(os.getcwd())
+    readable = readable_roots()
+    limit(memory, cpu_seconds)
+    no_network()
+    tempfile.tempdir = workdir
+    inbox, outbox = os.fdopen(os.dup(0), "rb"), os.fdopen(os.dup(1), "wb")
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    os.dup2(2, 1)
+    signal.signal(signal.SIGALRM, on_alarm)
+    first = inbox.readline()
+    if not first:
+        return
+    preload(json.loads(first).get("source", ""))
+    sys.addaudithook(audit_hook(workdir, readable))
+    serve(inbox, outbox, first)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,293 @@
+"""The graders that read text in this process: ``string_check`` and ``text_similarity``
+(OpenAI's), and ours, ``regex``, ``json_schema`` and ``length``.
+
+Each reads its fields from a ``Fields`` (``from_fields``), so a bad value is refused naming its
+path, and scores one sample at a time (``score``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from engine.graders.base import Fields, GradeFailure, LocalGrader, parse_json
+from engine.graders.metrics import METRICS, words_and_marks
+from engine.graders.templates import Template
+
+OUTPUT_TEXT = "{{sample.output_text}}"
+STRING_OPERATIONS = ("eq", "ne", "like", "ilike")
+# OpenAI's names; all but cosine are computed (engine.graders.metrics)
+EVALUATION_METRICS = (
+    *("fuzzy_match", "bleu", "gleu", "meteor", "cosine"),
+    *(f"rouge_{n}" for n in range(1, 6)),
+    "rouge_l",
+)
+LENGTH_UNITS = ("characters", "tokens")
+MAX_PATTERN = 2000
+MAX_LENGTH = 10_000_000
+
+
+class StringCheck(LocalGrader):
+    """OpenAI's ``string_check``: 1.0 when ``input`` and ``reference`` (both templates) compare as
+    ``operation`` says, else 0.0. ``eq``: equal; ``ne``: not equal; ``like``: ``input`` contains
+    ``reference``; ``ilike``: the same, ignoring case."""
+
+    type = "string_check"
+
+    def __init__(self, name: str, input: Template, reference: Template, operation: str) -> None:
+        super().__init__(name)
+        self.input, self.reference, self.operation = input, reference, operation
+
+    @classmethod
+    def from_fields(cls, fields: Fields) -> StringCheck:
+        name = fields.name(cls.type)
+        text = Template.parse(fields.text("input"), fields.at("input"))
+        reference = Template.parse(fields.text("reference"), fields.at("reference"))
+        operation = fields.choice("operation", STRING_OPERATIONS)
+        fields.done(cls.type)
+        return cls(name, text, reference, operation)
+
+    def spec(self) -> dict[str, Any]:
+        return {
+            "type": self.type,
+            "name": self.name,
+            "input": self.input.source,
+            "reference": self.reference.source,
+            "operation": self.operation,
+        }
+
+    def score(self, sample: dict[str, Any], item: Mapping[str, Any]) -> float:
+        text, reference = self.input.render(sample, item), self.reference.render(sample, item)
+        if self.operation == "eq":
+            return float(text == reference)
+        if self.operation == "ne":
+            return float(text != reference)
+        if self.operation == "like":
+            return float(reference in text)
+        return float(reference.casefold() in text.casefold())
+
+
+class TextSimilarity(LocalGrader):
+    """OpenAI's ``text_similarity``: ``evaluation_metric`` of ``input`` against ``reference``
+    (both templates), in [0, 1]; the metrics are those of ``engine.graders.metrics``."""
+
+    type = "text_similarity"
+
+    def __init__(self, name: str, input: Template, reference: Template, metric: str) -> None:
+        super().__init__(name)
+        self.input, self.reference, self.metric = input, reference, metric
+
+    @classmethod
+    def from_fields(cls, fields: Fields) -> TextSimilarity:
+        name = fields.name(cls.type)
+        text = Template.parse(fields.text("input"), fields.at("input"))
+        reference = Template.parse(fields.text("reference"), fields.at("reference"))
+        metric = fields.choice("evaluation_metric", EVALUATION_METRICS)
+        if metric not in METRICS:
+            message = (
+                f"{metric} needs an embedding model, which the graders do not run; use one of "
+                f"{', '.join(METRICS)}"
+            )
+            raise fields.fail("evaluation_metric", message, metric)
+        fields.done(cls.type)
+        return cls(name, text, reference, metric)
+
+    def spec(self) -> dict[str, Any]:
+        return {
+            "type": self.type,
+            "name": self.name,
+            "input": self.input.source,
+            "reference": self.reference.source,
+            "evaluation_metric": self.metric,
+        }
+
+    def score(self, sample: dict[str, Any], item: Mapping[str, Any]) -> float:
+        return METRICS[self.metric](self.input.render(sample, item), self.reference.render(sample, item))
+
+
+class Regex(LocalGrader):
+    """Ours, ``regex``: 1.0 when ``pattern`` (Python's ``re`` syntax) is found in ``input`` (a
+    template, the answer by default), or matches all of it with ``full_match``; else 0.0.
+    ``ignore_case`` matches regardless of case."""
+
+    type = "regex"
+
+    def __init__(self, name: str, input: Template, pattern: str, full_match: bool, ignore_case: bool) -> None:
+        super().__init__(name)
+        self.input, self.pattern, self.full_match, self.ignore_case = input, pattern, full_match, ignore_case
+        self.compiled = re.compile(pattern, re.IGNORECASE if ignore_case else 0)
+
+    @classmethod
+    def from_fields(cls, fields: Fields) -> Regex:
+        name = fields.name(cls.type)
+        text = Template.parse(fields.text("input", OUTPUT_TEXT), fields.at("input"))
+        pattern = fields.text("pattern", max_length=MAX_PATTERN)
+        full_match = fields.boolean("full_match", False)
+        ignore_case = fields.boolean("ignore_case", False)
+        try:
+            re.compile(pattern)
+        except (re.error, RecursionError, OverflowError) as exc:
+            raise fields.fail("pattern", f"not a regular expression: {exc}", pattern) from exc
+        fields.done(cls.type)
+        return cls(name, text, pattern, full_match, ignore_case)
+
+    def spec(self) -> dict[str, Any]:
+        return {
+            "type": self.type,
+            "name": self.name,
+            "input": self.input.source,
+            "pattern": self.pattern,
+            "full_match": self.full_match,
+            "ignore_case": self.ignore_case,
+        }
+
+    def score(self, sample: dict[str, Any], item: Mapping[str, Any]) -> float:
+        text = self.input.render(sample, item)
+        found = self.compiled.fullmatch(text) if self.full_match else self.compiled.search(text)
+        return float(found is not None)
+
+
+class JsonSchema(LocalGrader):
+    """Ours, ``json_schema``: 1.0 when ``input`` (a template, the answer by default) parses as
+    JSON and the value is valid against ``schema`` (a JSON Schema; its ``$schema`` picks the draft,
+    2020-12 when it names none), else 0.0. Surrounding whitespace is allowed; anything else
+    around the JSON (a Markdown fence) makes it not JSON."""
+
+    type = "json_schema"
+
+    def __init__(self, name: str, input: Template, schema: Mapping[str, Any]) -> None:
+        super().__init__(name)
+        self.input, self.schema = input, schema
+        self.validator = _validator(schema)
+
+    @classmethod
+    def from_fields(cls, fields: Fields) -> JsonSchema:
+        name = fields.name(cls.type)
+        text = Template.parse(fields.text("input", OUTPUT_TEXT), fields.at("input"))
+        schema = fields.mapping("schema")
+        from jsonschema.exceptions import SchemaError
+
+        try:
+            _validator(schema)
+        except SchemaError as exc:
+            where = ".".join(str(p) for p in exc.path)
+            field = fields.at("schema") + (f".{where}" if where else "")
+            raise fields.fail("schema", f"not a valid JSON Schema at {field}: {exc.message}") from exc
+        except (ValueError, TypeError, RecursionError) as exc:
+            raise fields.fail("schema", f"not a valid JSON Schema: {exc}") from exc
+        fields.done(cls.type)
+        return cls(name, text, schema)
+
+    def spec(self) -> dict[str, Any]:
+        return {"type": self.type, "name": self.name, "input": self.input.source, "schema": self.schema}
+
+    def score(self, sample: dict[str, Any], item: Mapping[str, Any]) -> float:
+        text = self.input.render(sample, item)
+        value = parse_json(text)
+        if value is None and text.strip() != "null":
+            return 0.0
+        try:
+            return float(self.validator.is_valid(value))
+        except RecursionError as exc:
+            raise GradeFailure("the schema or the value nests too deep to check", "other") from exc
+        except Exception as exc:  # an unresolvable $ref, a bad format: the grader's own fault
+            raise GradeFailure(f"checking against the schema failed: {type(exc).__name__}: {exc}") from exc
+
+
+def _validator(schema: Mapping[str, Any]) -> Any:
+    """A ``jsonschema`` validator of ``schema`` (checked; raises ``SchemaError`` when invalid)."""
+    from jsonschema import Draft202012Validator, validators
+
+    kind = validators.validator_for(schema, default=Draft202012Validator)
+    kind.check_schema(schema)
+    return kind(schema)
+
+
+class Length(LocalGrader):
+    """Ours, ``length``: a score from the length of ``input`` (a template, the answer by default)
+    in ``unit``s: ``characters``, or ``tokens`` (words and punctuation marks, as BLEU counts
+    them; not the model's tokenizer).
+
+    With ``target_length``: 1.0 at the target, falling linearly to 0.0 at ``min_length`` (0 when
+    not given) below it and at ``max_length`` (twice the target when not given) above it. Without:
+    1.0 from ``min_length`` to ``max_length`` (either may be left out), and outside falling
+    linearly to 0.0 over ``falloff`` units (0, the default: straight to 0.0).
+    """
+
+    type = "length"
+
+    def __init__(
+        self,
+        name: str,
+        input: Template,
+        unit: str,
+        min_length: int | None,
+        max_length: int | None,
+        target_length: int | None,
+        falloff: int,
+    ) -> None:
+        super().__init__(name)
+        self.input, self.unit = input, unit
+        self.min_length, self.max_length, self.target_length = min_length, max_length, target_length
+        self.falloff = falloff
+
+    @classmethod
+    def from_fields(cls, fields: Fields) -> Length:
+        name = fields.name(cls.type)
+        text = Template.parse(fields.text("input", OUTPUT_TEXT), fields.at("input"))
+        unit = fields.choice("unit", LENGTH_UNITS, "characters")
+        bounds = {
+            key: fields.number(key, None, minimum=0, maximum=MAX_LENGTH, integer=True)
+            for key in ("min_length", "max_length", "target_length")
+        }
+        low, high, target = bounds["min_length"], bounds["max_length"], bounds["target_length"]
+        falloff = fields.number("falloff", 0, minimum=0, maximum=MAX_LENGTH, integer=True)
+        if low is None and high is None and target is None:
+            raise fields.fail("target_length", "give target_length, min_length or max_length (or several)")
+        if low is not None and high is not None and low > high:
+            raise fields.fail("max_length", f"must be at least min_length ({low}), got {high}", high)
+        if target is not None:
+            if low is not None and low > target:
+                raise fields.fail("min_length", f"must be at most target_length ({target}), got {low}", low)
+            if high is not None and high < target:
+                message = f"must be at least target_length ({target}), got {high}"
+                raise fields.fail("max_length", message, high)
+            if falloff:
+                raise fields.fail("falloff", "is for min_length/max_length without a target_length", falloff)
+        fields.done(cls.type)
+        return cls(name, text, unit, low, high, target, falloff)
+
+    def spec(self) -> dict[str, Any]:
+        return {
+            "type": self.type,
+            "name": self.name,
+            "input": self.input.source,
+            "unit": self.unit,
+            "min_length": self.min_length,
+            "max_length": self.max_length,
+            "target_length": self.target_length,
+            "falloff": self.falloff,
+        }
+
+    def measure(self, text: str) -> int:
+        """The length of ``text`` in the grader's unit."""
+        return len(text) if self.unit == "characters" else len(words_and_marks(text))
+
+    def score(self, sample: dict[str, Any], item: Mapping[str, Any]) -> float:
+        length = self.measure(self.input.render(sample, item))
+        if self.target_length is not None:
+            target = self.target_length
+            if length <= target:
+                low = self.min_length or 0
+                if length == target:
+                    return 1.0
+                return 0.0 if length <= low else (length - low) / (target - low)
+            high = self.max_length if self.max_length is not None else 2 * target
+            return 0.0 if length >= high else (high - length) / (high - target)
+        below = (self.min_length - length) if self.min_length is not None else 0
+        above = (length - self.max_length) if self.max_length is not None else 0
+        outside = max(below, above, 0)
+        if outside == 0:
+            return 1.0
+        return max(0.0, 1 - outside / self.falloff) if self.falloff else 0.0
