@@ -9,7 +9,7 @@ PRETTIER := node_modules/.bin/prettier
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: mlflow-server install services test lint lint-js fmt-js types unit bench gpu-check gpu-bundle run demo demo-dpo plan clean
+.PHONY: mlflow-server install services test lint lint-js fmt-js types unit bench gpu-check gpu-bundle run demo demo-dpo demo-grpo plan clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -94,6 +94,10 @@ demo: install
 # preference tuning: the preferred and rejected answers' log-likelihoods before and after a few DPO steps
 demo-dpo: install
 	$(VENV)/bin/roundhouse demo --dpo --models-dir data/models
+
+# reinforcement fine-tuning: graded answers' mean reward before and after a few GRPO steps
+demo-grpo: install
+	$(VENV)/bin/roundhouse demo --grpo --models-dir data/models
 
 plan: install
 	$(VENV)/bin/roundhouse plan

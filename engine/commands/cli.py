@@ -10,6 +10,7 @@
     roundhouse prepare-demo                       convert the packaged demo model once
     roundhouse demo [--steps N]                   before/after accuracy of a short demo fine-tune
     roundhouse demo --dpo [--model M]             answers' log-likelihoods before/after a few DPO steps
+    roundhouse demo --grpo [--model M]            graded answers' mean reward before/after a few GRPO steps
     roundhouse plan [--config CONFIG] ...         partition, schedule grid, fit and ETA of a run
     roundhouse synthetic ...                      train a random model on a synthetic task
 

@@ -2,6 +2,7 @@
 
 roundhouse demo [--steps N]                   before/after accuracy of a short LoRA fine-tune
 roundhouse demo --dpo [--model M]             answers' log-likelihoods before/after a few DPO steps
+roundhouse demo --grpo [--model M]            graded answers' mean reward before/after a few GRPO steps
 """
 
 from __future__ import annotations
@@ -27,16 +28,27 @@ def add_demo_command(
     dm.add_argument(
         "--dpo", action="store_true", help="preference tuning: answers' log-likelihoods before and after DPO"
     )
+    dm.add_argument(
+        "--grpo",
+        action="store_true",
+        help="reinforcement fine-tuning: graded answers' reward before and after GRPO",
+    )
     dm.add_argument("--dpo-tuning", choices=["lora", "full"], help="--dpo: train an adapter (default) or all")
     dm.add_argument("--beta", type=float, default=None, help="--dpo: the DPO beta (default 0.1)")
-    dm.add_argument("--learning-rate", type=float, default=None, help="--dpo: default 5e-4 (full: 1e-5)")
-    dm.add_argument("--model", help="--dpo: a model folder instead of the demo model")
+    dm.add_argument(
+        "--learning-rate", type=float, default=None, help="--dpo: default 5e-4 (full: 1e-5); --grpo: 2e-3"
+    )
+    dm.add_argument("--model", help="--dpo, --grpo: a model folder instead of the demo model")
     dm.set_defaults(func=cmd_demo)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    if args.dpo and args.grpo:
+        raise ValueError("--dpo and --grpo: choose one demo")
     if args.dpo:
         return cmd_demo_dpo(args)
+    if args.grpo:
+        return cmd_demo_grpo(args)
     import time
 
     from engine import demo
@@ -83,6 +95,26 @@ def cmd_demo_dpo(args: argparse.Namespace) -> int:
         tuning=args.dpo_tuning or "lora",
         learning_rate=args.learning_rate,
         beta=args.beta or 0.1,
+        sink=ProgressSink(),
+    )
+    print("\n".join(describe(result)))
+    return 0
+
+
+def cmd_demo_grpo(args: argparse.Namespace) -> int:
+    from engine.commands.common import ProgressSink
+    from engine.demo.grpo import describe, run_demo
+    from engine.model.loading import prepare_demo_model
+
+    folder = Path(args.model) if args.model else prepare_demo_model(args.models_dir)
+    steps = args.steps or 16
+    print(f"GRPO demo: {folder.name}, {steps} steps of 4 prompts x 8 sampled answers (LoRA), graded")
+    result = run_demo(
+        folder,
+        steps=steps,
+        workers=args.workers,
+        output_dir=Path(args.output_dir) / "grpo" if args.output_dir == "runs/demo" else args.output_dir,
+        learning_rate=args.learning_rate or 2e-3,
         sink=ProgressSink(),
     )
     print("\n".join(describe(result)))

@@ -90,7 +90,7 @@ def load_prompts(
             names another format.
     """
     from engine.data.encode import ensure_chat_template
-    from engine.data.read import check_rows
+    from engine.data.read import check_rows, detect_format, read_records
     from engine.errors import ConfigError
 
     if fmt not in ("auto", "prompts"):
@@ -99,6 +99,15 @@ def load_prompts(
         )
         raise ConfigError("data.format", message, value=fmt)
     try:
+        first = next((rec for _, rec in read_records(path) if isinstance(rec, dict)), None)
+        shape = None if first is None else detect_format(first)
+        if shape is not None and shape != "prompts":
+            raise ConfigError(
+                field,
+                f"{field}: {path} holds {shape} rows; GRPO trains on prompt rows ('messages' ending with "
+                "a user turn, or 'prompt', with any fields the grader reads)",
+                value=path,
+            )
         found = check_rows(path, "prompts" if fmt == "auto" else fmt, max_errors=20)
     except ValueError as exc:  # an unsupported file type
         raise ConfigError(field, str(exc), value=path) from exc

@@ -4,7 +4,8 @@ Each row lists a small inventory and asks for the count of one item; the answer 
 number. The instruct base model answers in sentences (or miscounts), so its exact-match accuracy
 is low; a short LoRA fine-tune teaches it to find the item and answer with the number alone.
 The DPO demo (``engine.demo.dpo``) asks the same questions with the right count preferred over
-another item's count. The committed files under ``data/`` are the output of ``make_rows`` and
+another item's count; the GRPO demo (``engine.demo.grpo``) asks them as prompts alone, with the
+count as the reference answer its grader checks the sampled answers against. The committed files under ``data/`` are the output of ``make_rows`` and
 ``make_preference_rows`` (tests check that).
 """
 
@@ -21,6 +22,9 @@ HELDOUT = DATA / "inventory_heldout.jsonl"
 # preference rows for the DPO demo: the right count preferred over another item's count
 PREFERENCE_TRAIN = DATA / "inventory_preference_train.jsonl"
 PREFERENCE_HELDOUT = DATA / "inventory_preference_heldout.jsonl"
+# prompt rows for the GRPO demo: the question, and the count as ``reference_answer``
+PROMPTS_TRAIN = DATA / "inventory_prompts_train.jsonl"
+PROMPTS_HELDOUT = DATA / "inventory_prompts_heldout.jsonl"
 ITEMS = ["apples", "pears", "plums", "lemons", "cherries", "melons", "grapes", "peaches", "figs", "limes"]
 
 
@@ -66,6 +70,16 @@ def make_preference_rows(n: int, seed: int) -> list[dict[str, str]]:
     return rows
 
 
+def make_prompt_rows(n: int, seed: int) -> list[dict[str, object]]:
+    """``n`` prompt rows: ``make_rows``' questions as a user turn, the count as ``reference_answer``."""
+    rows: list[dict[str, object]] = []
+    for row in make_rows(n, seed):
+        messages = row["messages"]
+        assert isinstance(messages, list)
+        rows.append({"messages": messages[:1], "reference_answer": messages[1]["content"]})
+    return rows
+
+
 def write(path: Path, rows: Sequence[Mapping[str, object]]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
@@ -73,11 +87,13 @@ def write(path: Path, rows: Sequence[Mapping[str, object]]) -> None:
 
 def regenerate() -> None:
     """Write the committed demo files (train: 400 rows, held-out: 40 rows; preference: 48 and
-    16 rows)."""
+    16 rows; prompts: 64 and 16 rows)."""
     write(TRAIN, make_rows(400, seed=1))
     write(HELDOUT, make_rows(40, seed=2))
     write(PREFERENCE_TRAIN, make_preference_rows(48, seed=3))
     write(PREFERENCE_HELDOUT, make_preference_rows(16, seed=4))
+    write(PROMPTS_TRAIN, make_prompt_rows(64, seed=5))
+    write(PROMPTS_HELDOUT, make_prompt_rows(16, seed=6))
 
 
 if __name__ == "__main__":

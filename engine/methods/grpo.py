@@ -316,6 +316,8 @@ class GRPORun(MethodRun):
         )
         loss = it.loss_sum() / it.total_tokens
         metrics = step_metrics(rollout, rewards, graded, errors)
+        if self.sink is not None:  # host-side numbers: the engine logs only its objective's
+            self.sink.log(metrics, engine.steps + 1)
         self._show(engine.steps + 1, rollout, rewards, errors)
         self.last = rollout
         return loss, metrics
