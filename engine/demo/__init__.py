@@ -5,8 +5,9 @@ number. The instruct base model answers in sentences (or miscounts), so its exac
 is low; a short LoRA fine-tune teaches it to find the item and answer with the number alone.
 The DPO demo (``engine.demo.dpo``) asks the same questions with the right count preferred over
 another item's count; the GRPO demo (``engine.demo.grpo``) asks them as prompts alone, with the
-count as the reference answer its grader checks the sampled answers against. The committed files under ``data/`` are the output of ``make_rows`` and
-``make_preference_rows`` (tests check that).
+count as the reference answer its grader checks the sampled answers against. The committed files
+under ``data/`` are the output of ``make_rows``, ``make_preference_rows`` and ``make_prompt_rows``
+(tests check that).
 """
 
 from __future__ import annotations

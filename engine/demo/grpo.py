@@ -201,7 +201,7 @@ def describe(result: DemoResult) -> list[str]:
             f"training reward (mean of sampled answers): first {k} steps {first:.3f} -> last {k} {last:.3f}"
         )
     lines.append(
-        f"held-out mean reward: {result.before.mean:.3f} -> {result.after.mean:.3f} after {result.steps} GRPO "
-        f"steps ({result.seconds:.0f} s); checkpoint: {result.checkpoint}"
+        f"held-out mean reward: {result.before.mean:.3f} -> {result.after.mean:.3f} after {result.steps} "
+        f"GRPO steps ({result.seconds:.0f} s); checkpoint: {result.checkpoint}"
     )
     return lines
