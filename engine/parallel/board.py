@@ -134,6 +134,8 @@ class Iteration:
     stage_s: dict[str, float] = field(default_factory=dict)
     layer_fwd_s: dict[int, float] = field(default_factory=dict)
     layer_bwd_s: dict[int, float] = field(default_factory=dict)
+    # on GPU workers: (table, layer, start event, end event) of each timed layer run, not yet read
+    layer_events: list[tuple[dict[int, float], int, Any, Any]] = field(default_factory=list)
     # waits, copies, idle gaps and prefetches of its stage runs (engine.parallel.activity)
     activity: Activity = field(default_factory=Activity)
     fold_s: float = 0.0  # the optimizer thread's time adding its gradients into the fp32 buffers
@@ -162,6 +164,14 @@ class Iteration:
                 event.synchronize()
             total += int(host[j + 1])
         return total
+
+    def settle_layer_times(self) -> None:
+        """Read the GPU event pairs of a finished iteration's timed layers into ``layer_fwd_s`` and
+        ``layer_bwd_s`` (seconds); each pair is read once."""
+        events, self.layer_events = self.layer_events, []
+        for table, layer, start, end in events:
+            end.synchronize()
+            table[layer] = table.get(layer, 0.0) + start.elapsed_time(end) / 1000.0
 
     def settle_times(self) -> None:
         """Turn the busy spans into seconds per worker (``busy_s``) and per stage (``stage_s``)."""

@@ -308,24 +308,36 @@ class Worker:
         """A point in time on the compute stream (an event on CUDA, a clock reading on the CPU)."""
         return self.link.record(self.link.compute, timing=True) if self.link.is_cuda else time.perf_counter()
 
-    def _record(self, table: dict[int, float], layer: int, seconds: float) -> None:
+    def _record(
+        self, it: Iteration, table: dict[int, float], layer: int, took: float | tuple[Any, Any]
+    ) -> None:
+        """Add a layer's time to ``table``: seconds, or on a GPU the pair of events around its
+        kernels, read once the iteration is done (``Iteration.settle_layer_times``)."""
         with self.board.cv:
-            table[layer] = table.get(layer, 0.0) + seconds
+            if isinstance(took, tuple):
+                it.layer_events.append((table, layer, *took))
+            else:
+                table[layer] = table.get(layer, 0.0) + took
 
-    def _clock(self, it: Iteration) -> float:
-        """Start timing a layer (profiling only): the compute queued before it finishes first,
-        so the time is the layer's own, not waits on copies queued ahead of it."""
+    def _clock(self, it: Iteration) -> Any:
+        """Start timing a layer (profiling only). On a GPU an event on the compute stream: the
+        layer's own kernels are timed between two events, with no wait on the host and none of
+        another worker's kernels in between."""
         if not it.profile:
             return 0.0
         if self.link.is_cuda:
-            self.link.compute.synchronize()
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(self.link.compute)
+            return start
         return time.perf_counter()
 
-    def _elapsed(self, t0: float) -> float:
-        """Seconds since ``t0`` after the queued compute finished (profiling only)."""
+    def _elapsed(self, t0: Any) -> float | tuple[Any, Any]:
+        """Seconds since ``t0`` (profiling only), or on a GPU the event pair to read later."""
         if self.link.is_cuda:
-            self.link.compute.synchronize()
-        return time.perf_counter() - t0
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(self.link.compute)
+            return (t0, end)
+        return time.perf_counter() - float(t0)
 
     def _stage_input(self, it: Iteration, stage: Stage, mb: int) -> tuple[torch.Tensor, Any]:
         if stage.start == 0:
@@ -424,7 +436,7 @@ class Worker:
                 t0 = self._clock(it)
                 x = self._call(it, mb, layers[i], params, x, ctx)
                 if it.profile:
-                    self._record(it.layer_fwd_s, i, self._elapsed(t0))
+                    self._record(it, it.layer_fwd_s, i, self._elapsed(t0))
                 if (stats := self.routing.statistics(it, mb, i)) is not None:
                     sums = list(stats) if sums is None else [sums[0] + stats[0], sums[1] + stats[1]]
                 if ctx is None:
@@ -487,7 +499,7 @@ class Worker:
                     grad_scale=expected,
                 )
                 if it.profile:
-                    self._record(it.layer_fwd_s, i, self._elapsed(t0))
+                    self._record(it, it.layer_fwd_s, i, self._elapsed(t0))
                 if (stats := self.routing.statistics(it, mb, i)) is not None:
                     routed[i] = stats
                 if ctx is None:
@@ -531,7 +543,7 @@ class Worker:
                 elif out.requires_grad:
                     torch.autograd.backward(out, grad)
                 if it.profile:
-                    self._record(it.layer_bwd_s, i, self._elapsed(t0))
+                    self._record(it, it.layer_bwd_s, i, self._elapsed(t0))
                 top, grad = None, inp.grad if inp.requires_grad else None
         if stage.start > 0:  # None when nothing below trains (a frozen input layer)
             self._publish(it.grads, (mb, stage.start), grad)

@@ -92,6 +92,7 @@ def measured_costs(iterations: Sequence[Iteration], memory: Sequence[LayerCost])
     bwd = [0.0] * len(memory)
     runs = [0] * len(memory)
     for it in iterations:
+        it.settle_layer_times()
         m = len(it.microbatches)
         for i in range(len(memory)):
             if i not in it.layer_fwd_s or i not in it.layer_bwd_s:

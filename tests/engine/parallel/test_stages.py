@@ -40,6 +40,39 @@ def test_measured_costs_average_per_microbatch_and_count_the_recompute() -> None
     assert [c.memory_backward for c in costs] == [0.0, 20.0, 40.0, 60.0]
 
 
+class TimedEvent:
+    """Stands in for a CUDA timing event (none runs here): ``at`` ms on the stream's clock."""
+
+    def __init__(self, at: float) -> None:
+        self.at, self.waited = at, 0
+
+    def synchronize(self) -> None:
+        self.waited += 1
+
+    def elapsed_time(self, end: TimedEvent) -> float:
+        return end.at - self.at
+
+
+def test_gpu_event_pairs_are_read_once_when_the_costs_are_measured() -> None:
+    # a GPU worker records an event pair around each layer and never waits; the pairs are read
+    # (their end awaited) only when the calibration reads the iteration
+    plan = Plan.from_counts(2, forward=[], fused=2, backward=[])
+    it = iteration(plan, {}, {}, m=1)
+    ends = [TimedEvent(30.0), TimedEvent(80.0), TimedEvent(40.0), TimedEvent(100.0)]
+    it.layer_events = [
+        (it.layer_fwd_s, 0, TimedEvent(10.0), ends[0]),
+        (it.layer_fwd_s, 1, TimedEvent(30.0), ends[1]),
+        (it.layer_bwd_s, 0, TimedEvent(20.0), ends[2]),
+        (it.layer_bwd_s, 1, TimedEvent(80.0), ends[3]),
+    ]
+    costs = measured_costs([it], [LayerCost(0, 0, 0, 0)] * 2)
+    assert [c.forward for c in costs] == pytest.approx([0.020, 0.050])
+    assert [c.backward for c in costs] == pytest.approx([0.020, 0.020])
+    assert it.layer_events == [] and [e.waited for e in ends] == [1, 1, 1, 1]
+    measured_costs([it], [LayerCost(0, 0, 0, 0)] * 2)  # read once: the times do not double
+    assert it.layer_fwd_s == pytest.approx({0: 0.020, 1: 0.050})
+
+
 def test_a_layer_without_measurement_is_an_error() -> None:
     plan = Plan.from_counts(2, forward=[], fused=2, backward=[])
     it = iteration(plan, {0: 1.0}, {0: 1.0, 1: 1.0}, m=1)
