@@ -29,6 +29,7 @@ from server.api import (
 from server.api.openai import completions as openai_completions
 from server.api.openai import files as openai_files
 from server.api.openai import fine_tuning as openai_fine_tuning
+from server.api.openai import graders as openai_graders
 from server.api.openai import models as openai_models
 from server.api.openai import sweeps as openai_sweeps
 from server.db import make_engine, migrate, session_factory
@@ -85,6 +86,7 @@ def create_app(settings: Settings | None = None, *, apply_migrations: bool = Tru
     for module in (openai_files, openai_fine_tuning, openai_models):  # /v1: OpenAI's fine-tuning API
         app.include_router(module.router)
     app.include_router(openai_sweeps.router)  # /v1 extension: sweeps of fine-tuning jobs
+    app.include_router(openai_graders.router)  # /v1: graders, checked and tried on answers
     app.include_router(openai_completions.router)  # /v1: answers, from the workers' inference services
     for module in (jobs, gpus, hub):  # the event streams: no database connection while open
         app.include_router(module.stream_router)

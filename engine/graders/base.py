@@ -83,7 +83,10 @@ def parse_json(text: str) -> Any:
 
 
 def short(message: str, limit: int = 1000) -> str:
-    """A message cut to ``limit`` characters."""
+    """A message cut to ``limit`` characters, anything not Unicode text (a lone surrogate a
+    Python grader raised with) written as an escape."""
+    if not message.isascii():
+        message = message.encode("utf-8", "backslashreplace").decode()
     return message if len(message) <= limit else message[: limit - 3] + "..."
 
 
@@ -210,6 +213,11 @@ class Fields:
             raise self.fail(key, f"must be a string, got {_kind(value)}", value)
         if len(value) > max_length:
             raise self.fail(key, f"must be at most {max_length} characters, got {len(value)}", value)
+        if not value.isascii():
+            try:
+                value.encode()
+            except UnicodeEncodeError as exc:
+                raise self.fail(key, "must be Unicode text (it holds a lone surrogate)") from exc
         return value
 
     def name(self, default: str) -> str:

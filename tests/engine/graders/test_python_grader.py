@@ -230,3 +230,13 @@ def test_close_stops_a_batch_in_progress() -> None:
     rewards = results[0].rewards
     assert 0 < sum(rewards) < 50 and len(rewards) == 50
     assert results[0].errors[-1] == "the grader was closed"
+
+
+def test_an_error_message_is_always_unicode_text() -> None:
+    source = "def grade(sample, item):\n    raise ValueError('\\ud800 caf\\u00e9')\n"
+    with validate_grader({"type": "python", "source": source, "image_tag": "2025-05-08"}) as grader:
+        assert grader.spec()["image_tag"] == "2025-05-08"  # OpenAI's field: accepted, not used
+        score, error = grader.grade("x", {})
+    assert score == 0.0
+    assert error == "ValueError: \\ud800 caf\u00e9 (line 2)"
+    assert error is not None and error.encode()
