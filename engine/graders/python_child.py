@@ -6,7 +6,8 @@ engine.
 Before it reads any user code it:
 
 - caps its address space (``RLIMIT_AS``), CPU time (``RLIMIT_CPU``, the whole batch's), the size
-  of a file it writes, its open files and core dumps;
+  of a file it writes, its open files, core dumps, and new processes (``RLIMIT_NPROC`` 0, which
+  a process of root is exempt from);
 - makes ``socket.socket`` and ``socket.create_connection`` raise;
 - moves the protocol to file descriptors of its own and points descriptor 1 at 2, so what user
   code prints goes to the parent's log of the child, not into the answers;
@@ -15,10 +16,15 @@ Before it reads any user code it:
   signals to other processes, ``ctypes``, raising its limits, links, and opening or listing a
   path outside its working directory; the Python standard library and the installed packages
   stay readable (imports read them), never writable, and an extension module may only load from
-  there.
+  there. It also refuses importing what would run code out of the hook's sight
+  (``_posixsubprocess``, sub-interpreters, ``ctypes``, the C API test modules), building code
+  objects by hand, and compiled code the import system did not read from an installed file. So
+  numpy, which loads its libraries with ``ctypes``, cannot be imported.
 
-numpy, when the source names it, is imported before the hook (it loads its libraries with
-``ctypes``). Protocol, one JSON object per line: the parent sends ``{"op": "load", "source", "timeout"}``,
+Audit hooks and resource limits are no operating-system sandbox: they stop what a grader's code
+does through Python's own functions, not an exploit of an interpreter bug.
+
+Protocol, one JSON object per line: the parent sends ``{"op": "load", "source", "timeout"}``,
 answered ``{"ok": true}`` or ``{"ok": false, "error"}``; then ``{"op": "grade", "id", "sample",
 "item"}`` per sample, answered ``{"id", "score"}`` or ``{"id", "error", "kind"}`` (kind
 ``runtime`` or ``timeout``). Each call runs under a wall-clock alarm of ``timeout`` seconds; the
@@ -29,9 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import decimal
-import importlib
 import inspect
-import itertools
 import json
 import math
 import numbers
@@ -44,11 +48,14 @@ import sys
 import sysconfig
 import tempfile
 import traceback
+import types
 from collections.abc import Callable
-from importlib.machinery import EXTENSION_SUFFIXES
+from importlib.machinery import EXTENSION_SUFFIXES, SourceFileLoader, SourcelessFileLoader
+from types import FrameType
 from typing import Any, BinaryIO
 
 FILENAME = "<grader>"
+MODULE = "__grader__"
 MAX_FILES = 64
 MAX_FILE_BYTES = 64 << 20
 REFUSED = (
@@ -72,8 +79,32 @@ REFUSED = (
     "resource.prlimit",
     "sqlite3.",
     "gc.get_",
-    "_posixsubprocess",
+    "code.__new__",  # a code object built by hand (types.CodeType, code.replace): unchecked bytecode
     "webbrowser.",
+)
+# modules a grader may not import: processes without the audit events (fork_exec), interpreters
+# without this hook, raw memory
+DENIED_MODULES = frozenset(
+    {
+        "_posixsubprocess",
+        "_xxsubinterpreters",
+        "_xxinterpchannels",
+        "_interpreters",
+        "_interpchannels",
+        "_interpqueues",
+        "_ctypes",
+        "ctypes",
+        "_testcapi",
+        "_testinternalcapi",
+        "_testbuffer",
+        "_testmultiphase",
+        "_testsinglephase",
+        "_testimportmultiple",
+        "_testclinic",
+        "_xxtestfuzz",
+        "_multiprocessing",
+        "_posixshmem",
+    }
 )
 # events whose first argument is a path that must lie in the working directory
 WRITE_PATH_EVENTS = frozenset(
@@ -99,8 +130,9 @@ WRITE_PATH_EVENTS = frozenset(
     }
 )
 READ_PATH_EVENTS = frozenset({"os.listdir", "os.scandir", "os.listxattr", "os.getxattr"})
-# modules imported before the audit hook when the source names them
-PRELOAD = ("numpy",)
+BOOTSTRAP = "<frozen importlib._bootstrap_external>"
+STOCK_LOADERS = (SourceFileLoader, SourcelessFileLoader)
+STOCK_GET_DATA = SourceFileLoader.get_data  # as it is before user code could replace it
 WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
 
 
@@ -110,12 +142,15 @@ class GraderTimeout(BaseException):
 
 
 def limit(memory: int, cpu_seconds: int) -> None:
-    """Cap this process: address space, CPU seconds, file size, open files, no core dump."""
+    """Cap this process: address space, CPU seconds, file size, open files, no core dump, and no
+    new process or thread (``RLIMIT_NPROC`` 0; a process of root is exempt from it)."""
     resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
     resource.setrlimit(resource.RLIMIT_CPU, (cpu_seconds, cpu_seconds + 1))
     resource.setrlimit(resource.RLIMIT_FSIZE, (MAX_FILE_BYTES, MAX_FILE_BYTES))
     resource.setrlimit(resource.RLIMIT_NOFILE, (MAX_FILES, MAX_FILES))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    with contextlib.suppress(ValueError, OSError):  # no new process or thread (root is exempt)
+        resource.setrlimit(resource.RLIMIT_NPROC, (0, 0))
 
 
 def no_network() -> None:
@@ -137,6 +172,25 @@ def readable_roots() -> tuple[str, ...]:
     return tuple(sorted({os.path.realpath(p) for p in found if p}))
 
 
+def importing(frame: FrameType | None) -> bool:
+    """Whether ``marshal.loads`` is called by the import system reading a file the standard way:
+    ``_compile_bytecode`` called by ``get_code`` of a stock file loader, whose ``get_data`` is
+    its own (so the bytes are a file's that the open check let through)."""
+    caller = frame.f_back if frame is not None else None
+    if frame is None or caller is None:
+        return False
+    if (frame.f_code.co_filename, frame.f_code.co_name) != (BOOTSTRAP, "_compile_bytecode"):
+        return False
+    if (caller.f_code.co_filename, caller.f_code.co_name) != (BOOTSTRAP, "get_code"):
+        return False
+    loader: Any = caller.f_locals.get("self")
+    return (
+        type(loader) in STOCK_LOADERS
+        and "get_data" not in vars(loader)
+        and type(loader).get_data is STOCK_GET_DATA
+    )
+
+
 def audit_hook(workdir: str, readable: tuple[str, ...]) -> Callable[[str, tuple[Any, ...]], None]:
     """The audit hook of the child: what a grader may not do raises ``PermissionError``."""
 
@@ -152,6 +206,8 @@ def audit_hook(workdir: str, readable: tuple[str, ...]) -> Callable[[str, tuple[
             if isinstance(path, int) or path is None:
                 return
             if inside(path, (workdir,)):
+                if os.fsdecode(path).endswith((".pyc", ".pyo")):  # compiled code: only the installed
+                    raise PermissionError(f"a grader may not open compiled code ({path!r})")
                 return
             writes = not isinstance(flags, int) or flags & WRITE_FLAGS
             if not writes and inside(path, readable):
@@ -167,10 +223,15 @@ def audit_hook(workdir: str, readable: tuple[str, ...]) -> Callable[[str, tuple[
             path = args[0] if args else "."
             if isinstance(path, str | bytes | os.PathLike) and not inside(path, (workdir, *readable)):
                 raise PermissionError(f"a grader may only list its working directory ({event})")
-        elif event == "import" and len(args) > 1 and args[1]:
-            filename = os.fsdecode(args[1])
+        elif event == "import":
+            name = str(args[0]) if args else ""
+            if name in DENIED_MODULES or name.partition(".")[0] in DENIED_MODULES:
+                raise PermissionError(f"a grader may not import {name}")
+            filename = os.fsdecode(args[1]) if len(args) > 1 and args[1] else ""
             if filename.endswith(tuple(EXTENSION_SUFFIXES)) and not inside(filename, readable):
                 raise PermissionError(f"a grader may not load the extension module {filename!r}")
+        elif event == "marshal.loads" and not importing(sys._getframe(1)):
+            raise PermissionError("a grader may not load compiled code (marshal.loads)")
 
     return hook
 
@@ -202,7 +263,9 @@ def call(function: Callable[..., Any], timeout: float, *args: Any) -> Any:
 
 def load(source: str, timeout: float) -> tuple[Callable[..., Any] | None, str | None]:
     """Compile and run the grader's source; its ``grade`` function, or why there is none."""
-    namespace: dict[str, Any] = {"__name__": "grader", "__builtins__": __builtins__}
+    module = types.ModuleType(MODULE)  # a module of its own (dataclasses look their module up)
+    sys.modules[MODULE] = module
+    namespace = module.__dict__
     try:
         code = compile(source, FILENAME, "exec")
         call(exec, timeout, code, namespace)
@@ -237,19 +300,8 @@ def as_score(value: Any) -> tuple[float | None, str | None]:
     return score, None
 
 
-def preload(source: str) -> None:
-    """Import what ``PRELOAD`` lists and the source names, before the audit hook is installed
-    (numpy loads its libraries with ``ctypes``, which a grader may not use itself)."""
-    for name in PRELOAD:
-        if name in source:
-            os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # no thread pool: this is one sample
-            os.environ.setdefault("OMP_NUM_THREADS", "1")
-            with contextlib.suppress(Exception):  # not installed, or failing: the user's import says so
-                importlib.import_module(name)
-
-
-def serve(inbox: BinaryIO, outbox: BinaryIO, first: bytes) -> None:
-    """Answer the parent's requests (``first``, then each line) until it closes the pipe."""
+def serve(inbox: BinaryIO, outbox: BinaryIO) -> None:
+    """Answer the parent's requests until it closes the pipe."""
     grade: Callable[..., Any] | None = None
     timeout = 1.0
 
@@ -257,7 +309,7 @@ def serve(inbox: BinaryIO, outbox: BinaryIO, first: bytes) -> None:
         outbox.write(json.dumps(message).encode() + b"\n")
         outbox.flush()
 
-    for line in itertools.chain((first,), inbox):
+    for line in inbox:
         request = json.loads(line)
         if request["op"] == "load":
             timeout = float(request["timeout"])
@@ -299,12 +351,8 @@ def main() -> None:
     os.close(null)
     os.dup2(2, 1)
     signal.signal(signal.SIGALRM, on_alarm)
-    first = inbox.readline()
-    if not first:
-        return
-    preload(json.loads(first).get("source", ""))
     sys.addaudithook(audit_hook(workdir, readable))
-    serve(inbox, outbox, first)
+    serve(inbox, outbox)
 
 
 if __name__ == "__main__":

@@ -209,10 +209,46 @@ def test_validation_runs_the_source_in_a_child(source: str, message: str) -> Non
     assert str(caught.value).startswith(message), str(caught.value)
 
 
-def test_numpy_can_be_used() -> None:
-    source = "import numpy as np\ndef grade(sample, item):\n    return float(np.mean([1.0, 2.0]))\n"
+ESCAPES = {
+    # a process made without subprocess's audit event, an interpreter without the hook
+    "fork_exec": "import _posixsubprocess",
+    "subprocess internals": "import subprocess",
+    "sub-interpreter": "import _xxsubinterpreters",
+    "ctypes": "import ctypes",
+    "C API tests": "import _testcapi",
+    # hand-made bytecode
+    "code.replace": "grade.__code__.replace(co_consts=(None,))",
+    "marshal": "import marshal; marshal.loads(marshal.dumps(compile('1', 'x', 'eval')))",
+    "import's own reader": (
+        "import marshal, importlib._bootstrap_external as b; "
+        "b._compile_bytecode(memoryview(marshal.dumps(compile('1', 'x', 'eval'))))"
+    ),
+    "a hard link": "import os; os.link('/etc/passwd', 'passwd')",
+    "a symbolic link": "import os; os.symlink('/etc/passwd', 'passwd')",
+}
+
+
+@pytest.mark.parametrize("escape", list(ESCAPES))
+def test_ways_around_the_audit_hook_are_refused(escape: str) -> None:
+    source = f"def grade(sample, item):\n    {ESCAPES[escape]}\n    return 1.0\n"
     with validate_grader({"type": "python", "source": source}) as grader:
-        assert grader.grade_batch(["a"], [{}]).rewards == [1.5]
+        score, error = grader.grade("x", {})
+    assert score == 0.0
+    assert error is not None and error.startswith("PermissionError: a grader may not"), error
+
+
+def test_the_standard_library_and_installed_packages_import() -> None:
+    source = (
+        "import dataclasses, fractions, json, statistics, difflib, jsonschema\n"
+        "@dataclasses.dataclass\n"
+        "class Point:\n"
+        "    x: int\n"
+        "def grade(sample, item):\n"
+        "    import decimal, unicodedata\n"
+        "    return float(statistics.mean([Point(1).x, 3])) + float(fractions.Fraction(1, 2))\n"
+    )
+    with validate_grader({"type": "python", "source": source}) as grader:
+        assert grader.grade("x", {}) == (2.5, None)
 
 
 def test_close_stops_a_batch_in_progress() -> None:
