@@ -23,7 +23,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from server.kinds import JobStatus
-from server.storage import Storage
+from server.storage import Storage, StorageUnavailable
 from server.tables import Dataset, Job
 
 TTL_S = 60.0
@@ -90,7 +90,8 @@ def forget(folder: Path | str) -> None:
 
 def job_bytes(storage: Storage, key: str) -> int:
     """The bytes of a job's folder in the store: a local folder's from the cached walk
-    (:func:`folder_bytes`), a remote store's from a listing (kept ``TTL_S``)."""
+    (:func:`folder_bytes`), a remote store's from a listing (kept ``TTL_S``; while the store does
+    not answer, the size last seen: a figure is not worth a 503, nor a wait)."""
     try:
         key = storage.key_of(key)
     except ValueError:  # a host path outside the store (a row from before the store)
@@ -103,7 +104,10 @@ def job_bytes(storage: Storage, key: str) -> int:
         cached = _cache.get(name)
     if cached is not None and time.monotonic() - cached[2] < TTL_S:
         return cached[1]
-    size = storage.size(key)
+    try:
+        size = storage.without_retries().size(key)
+    except StorageUnavailable:  # a store that does not answer: the size last seen (0: none), kept a while
+        size = cached[1] if cached is not None else 0
     with _lock:
         _cache[name] = ((), size, time.monotonic())
     return size

@@ -248,6 +248,11 @@ class Storage(ABC):
         """
         return self.local_copy(prefix, cache, folder=True)
 
+    def without_retries(self) -> Storage:
+        """This store with each operation tried once: ``StorageUnavailable`` at the first failure
+        to answer, for what may be left out rather than waited for (a figure on a page)."""
+        return self
+
     def key_of(self, value: str) -> str:
         """The key a row's value names: a key as it is (checked); a local store also takes an
         absolute path under its folder (what rows held before keys, and older workers write).

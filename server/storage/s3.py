@@ -10,6 +10,7 @@ timeouts, 5xx answers), with exponential backoff for ``retry_s`` seconds in all,
 
 from __future__ import annotations
 
+import copy
 import os
 import tempfile
 from collections.abc import Callable, Iterator
@@ -142,6 +143,11 @@ class S3Storage(Storage):
     def _missing(self, error: Exception) -> bool:
         code = str(getattr(error, "response", {}).get("Error", {}).get("Code", ""))
         return code in ("404", "NoSuchKey", "NotFound")
+
+    def without_retries(self) -> S3Storage:
+        once = copy.copy(self)  # the same clients
+        once.retry_s = 0.0
+        return once
 
     def _retry(self, what: str, call: Callable[[], T], *, budget_s: float | None = None) -> T:
         """``call()`` tried again while the store does not answer (``retrying``, ``retry_s``)."""
