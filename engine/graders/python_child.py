@@ -11,6 +11,7 @@ Before it reads any user code it:
 - makes ``socket.socket`` and ``socket.create_connection`` raise;
 - moves the protocol to file descriptors of its own and points descriptor 1 at 2, so what user
   code prints goes to the parent's log of the child, not into the answers;
+- takes away ``os.pidfd_open`` and ``signal.pidfd_send_signal`` (signals without an audit event);
 - installs an audit hook (``sys.addaudithook``, which cannot be removed) that refuses sockets,
   new processes (``subprocess``, ``os.system``, ``os.exec*``, ``os.fork``, ``os.posix_spawn``),
   signals to other processes, ``ctypes``, raising its limits, links, and opening or listing a
@@ -44,6 +45,7 @@ import resource
 import signal
 import site
 import socket
+import stat
 import sys
 import sysconfig
 import tempfile
@@ -191,12 +193,33 @@ def importing(frame: FrameType | None) -> bool:
     )
 
 
+def no_pidfd() -> None:
+    """Take away ``os.pidfd_open`` and ``signal.pidfd_send_signal``: a signal sent through them
+    raises no audit event."""
+    for module in (os, sys.modules.get("posix")):
+        if module is not None and hasattr(module, "pidfd_open"):
+            delattr(module, "pidfd_open")
+    for module in (signal, sys.modules.get("_signal")):
+        if module is not None and hasattr(module, "pidfd_send_signal"):
+            delattr(module, "pidfd_send_signal")
+
+
 def audit_hook(workdir: str, readable: tuple[str, ...]) -> Callable[[str, tuple[Any, ...]], None]:
-    """The audit hook of the child: what a grader may not do raises ``PermissionError``."""
+    """The audit hook of the child: what a grader may not do raises ``PermissionError``. A
+    module loaded before it may not be imported again (a fresh ``posix`` would bring back what
+    ``no_pidfd`` took away)."""
+    loaded = frozenset(sys.modules)
 
     def inside(path: Any, roots: tuple[str, ...]) -> bool:
         real = os.path.realpath(os.fsdecode(path))
         return any(real == root or real.startswith(root.rstrip(os.sep) + os.sep) for root in roots)
+
+    def device(path: Any) -> bool:
+        try:
+            mode = os.stat(os.fsdecode(path)).st_mode
+        except (OSError, ValueError):
+            return False
+        return stat.S_ISBLK(mode) or stat.S_ISCHR(mode)
 
     def hook(event: str, args: tuple[Any, ...]) -> None:
         if event.startswith(REFUSED):
@@ -208,6 +231,8 @@ def audit_hook(workdir: str, readable: tuple[str, ...]) -> Callable[[str, tuple[
             if inside(path, (workdir,)):
                 if os.fsdecode(path).endswith((".pyc", ".pyo")):  # compiled code: only the installed
                     raise PermissionError(f"a grader may not open compiled code ({path!r})")
+                if device(path):  # a node root made there (os.mknod raises no audit event)
+                    raise PermissionError(f"a grader may not open a device ({path!r})")
                 return
             writes = not isinstance(flags, int) or flags & WRITE_FLAGS
             if not writes and inside(path, readable):
@@ -227,6 +252,8 @@ def audit_hook(workdir: str, readable: tuple[str, ...]) -> Callable[[str, tuple[
             name = str(args[0]) if args else ""
             if name in DENIED_MODULES or name.partition(".")[0] in DENIED_MODULES:
                 raise PermissionError(f"a grader may not import {name}")
+            if name in loaded:
+                raise PermissionError(f"a grader may not import {name} again")
             filename = os.fsdecode(args[1]) if len(args) > 1 and args[1] else ""
             if filename.endswith(tuple(EXTENSION_SUFFIXES)) and not inside(filename, readable):
                 raise PermissionError(f"a grader may not load the extension module {filename!r}")
@@ -351,6 +378,7 @@ def main() -> None:
     os.close(null)
     os.dup2(2, 1)
     signal.signal(signal.SIGALRM, on_alarm)
+    no_pidfd()
     sys.addaudithook(audit_hook(workdir, readable))
     serve(inbox, outbox)
 

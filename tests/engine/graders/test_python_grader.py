@@ -224,6 +224,13 @@ ESCAPES = {
         "b._compile_bytecode(memoryview(marshal.dumps(compile('1', 'x', 'eval'))))"
     ),
     "a hard link": "import os; os.link('/etc/passwd', 'passwd')",
+    # a signal by pidfd raises no audit event: the function is gone, and posix cannot come back
+    "a pidfd": "import os; os.pidfd_open(os.getppid())",
+    "a fresh posix": "import sys; del sys.modules['posix']; import posix; posix.pidfd_open(1)",
+    # root may make a device node (os.mknod raises no audit event): opening it is refused
+    "a device": (
+        "import os, stat; os.mknod('null', 0o600 | stat.S_IFCHR, os.makedev(1, 3)); open('null', 'rb')"
+    ),
     "a symbolic link": "import os; os.symlink('/etc/passwd', 'passwd')",
 }
 
@@ -234,7 +241,12 @@ def test_ways_around_the_audit_hook_are_refused(escape: str) -> None:
     with validate_grader({"type": "python", "source": source}) as grader:
         score, error = grader.grade("x", {})
     assert score == 0.0
-    assert error is not None and error.startswith("PermissionError: a grader may not"), error
+    if escape == "a pidfd":
+        assert error == "AttributeError: module 'os' has no attribute 'pidfd_open' (line 2)"
+    elif escape == "a device" and os.geteuid() != 0:  # only root may make one
+        assert error is not None and error.startswith("PermissionError: [Errno 1]"), error
+    else:
+        assert error is not None and error.startswith("PermissionError: a grader may not"), error
 
 
 def test_the_standard_library_and_installed_packages_import() -> None:
