@@ -287,6 +287,8 @@ class PythonGrader(Grader):
             answer = child.request(message, deadline, f"timed out after {self.timeout_s:g} s")
         except _Gone as exc:
             return 0.0, short(str(exc)), exc.kind, False
+        except (ValueError, TypeError, RecursionError) as exc:  # not sent: the child waits on
+            return 0.0, short(f"the sample or its item is not JSON: {exc}"), "other", True
         if answer.get("id") != index:
             return 0.0, "the grader's process answered out of turn", "crashed", False
         score = answer.get("score")
