@@ -16,11 +16,14 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import TracebackType
 
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
 from engine.training.folders import latest as latest_checkpoint
 from engine.training.folders import list_checkpoints
+from server.db import unavailable
 from server.kinds import EventKind, JobStatus
 from server.services import checkpoints, gpus, inference, jobs, placement
 from server.settings import Settings
@@ -119,9 +122,37 @@ class _Stopped(Exception):
 STOPPING: dict[str, str] = {JobStatus.CANCELLING: "cancel", JobStatus.PAUSING: "pause"}
 
 
+class _Outage:
+    """``with`` it around a use of the database that may wait for the next try: a database that
+    cannot be reached (``db.unavailable``) is logged when it goes and when it is back, not raised."""
+
+    def __init__(self, what: str) -> None:
+        self.what, self.away = what, False
+
+    def __enter__(self) -> _Outage:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool:
+        if exc is None:
+            if self.away:
+                log.warning("%s: the database is back", self.what)
+            self.away = False
+            return False
+        if not (isinstance(exc, DBAPIError) and unavailable(exc)):
+            return False
+        if not self.away:
+            log.warning("%s: the database is unavailable, trying again: %s", self.what, exc.orig)
+        self.away = True
+        return True
+
+
 class _Child:
     """One training process of a job, watched until it exits: the lease renewed, a cancel or pause
-    relayed (SIGTERM, then a kill after the grace period), the host's telemetry recorded."""
+    relayed (SIGTERM, then a kill after the grace period), the host's telemetry recorded. While
+    the database is away the watch goes on without them (the training process keeps its writes)
+    and renews the lease as soon as it is back."""
 
     def __init__(self, settings: Settings, folder: Path, *, job_id: str) -> None:
         env = {**os.environ, **settings.child_environment()}
@@ -152,11 +183,12 @@ class _Child:
         parent = os.getppid()
         renew_every = settings.lease_seconds / 3
         next_renew = next_telemetry = 0.0
+        outage = _Outage(f"job {job_id}")
         while (rc := self.proc.poll()) is None:
             now = time.monotonic()
             if os.getppid() != parent:  # the worker's main process died: stop, the sweep requeues
                 raise self.stop("worker main process gone; child stopped")
-            with sessions() as session:
+            with outage, sessions() as session:
                 if now >= next_renew:
                     status = jobs.renew(
                         session, job_id=job_id, worker_id=worker_id, lease_seconds=settings.lease_seconds
@@ -387,8 +419,16 @@ def telemetry_loop(
                             log.warning("job %s lost its worker: requeued", job_id)
                         for job_id in reconcile(settings, session):
                             log.warning("job %s sent to the queue by the reconcile", job_id)
-            except Exception:  # the database may be briefly unavailable; try again next tick
-                log.exception("telemetry/sweep tick failed")
+            except Exception as exc:  # the database may be briefly unavailable; try again next tick
+                if not unavailable(exc):
+                    log.exception("telemetry/sweep tick failed")
+                else:
+                    log.warning(
+                        "telemetry/sweep tick: the database is unavailable: %s", getattr(exc, "orig", exc)
+                    )
+                    # no lease could be renewed while it was away: their holders get a whole lease
+                    # once it is back to renew them, before a sweep takes their jobs for lost
+                    next_sweep = time.monotonic() + settings.lease_seconds + settings.telemetry_seconds
             stop.wait(settings.telemetry_seconds)
     finally:
         sampler.close()

@@ -7,12 +7,14 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
 from engine.config import TrainConfig
 from engine.metrics import Sink
 from engine.tracking import TrackerSecrets, TrackingOptions
 from engine.tracking.trackers import TENSORBOARD_DIR
+from server.db import unavailable
 from server.kinds import EventKind
 from server.services import jobs, sweeps
 from server.settings import Settings
@@ -83,12 +85,21 @@ class EarlyStopping:
         self.sink.log(metrics, step)
         if self.metric not in metrics or self.cancel.is_set():
             return
+        try:
+            worse = self._judge(step, float(metrics[self.metric]))
+        except DBAPIError as exc:
+            if not unavailable(exc):
+                raise
+            return  # the database is away (the sink keeps the metrics): a later step is judged
+        if worse:
+            self.cancel.set()
+
+    def _judge(self, step: int, value: float) -> bool:
+        """Whether the trial stops at ``step`` (a ``log`` event says why)."""
         with self.sessions() as session:
-            reason = sweeps.early_stop(
-                session, job_id=self.job_id, step=step, value=float(metrics[self.metric])
-            )
+            reason = sweeps.early_stop(session, job_id=self.job_id, step=step, value=value)
             if reason is None:
-                return
+                return False
             message = (
                 f"stopped early: {self.metric} {reason['value']:.4g} at step {step} is worse than the "
                 f"median {reason['median']:.4g} of {reason['trials']} other trials of its sweep"
@@ -100,7 +111,7 @@ class EarlyStopping:
                 message=message,
                 data={sweeps.EARLY_STOP: reason},
             )
-        self.cancel.set()
+        return True
 
     def event(self, kind: str, message: str, data: dict[str, Any] | None = None) -> None:
         self.sink.event(kind, message, data)

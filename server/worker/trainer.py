@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 import traceback
+from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,14 +27,17 @@ from server.db import make_engine, session_factory
 from server.kinds import EventKind
 from server.services import checkpoints, jobs, progress
 from server.settings import get_settings
+from server.tables import JobEvent
 from server.worker import files
 from server.worker import tracking as job_tracking
+from server.worker.writes import Write, Writes
 
 if TYPE_CHECKING:
     from server.storage import Storage
 
 EXIT_OK, EXIT_FAILED, EXIT_CANCELLED, EXIT_DISK_FULL = 0, 1, 3, 4
 ERROR_FILE = "error.txt"
+DRAIN_S = 3600.0  # how long a run that ended waits for a database that is away to write what it logged
 FULL = (errno.ENOSPC, errno.EDQUOT)  # a write that found no space
 # the latest values a checkpoint row records with it (DPO runs: their reward figures too)
 KEEP = (
@@ -47,7 +51,9 @@ KEEP = (
 
 
 class DatabaseSink:
-    """The engine's Sink, writing to the job's rows (thread-safe: the optimizer thread logs too)."""
+    """The engine's Sink, writing to the job's rows (thread-safe: the optimizer thread logs too).
+    While the database is away the run trains on and its writes wait in memory, in order
+    (``server.worker.writes``); ``close()`` waits for them."""
 
     def __init__(
         self,
@@ -65,16 +71,23 @@ class DatabaseSink:
         self.store, self.output_dir, self.keep_last = store, output_dir, keep_last
         self.lock = threading.Lock()
         self.latest: dict[str, float] = {}
+        self.writes = Writes(sessions, job_id)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        with self.lock, self.sessions() as session:
-            self.latest.update({k: v for k, v in metrics.items() if k in KEEP})
-            jobs.add_event(
+        metrics = dict(metrics)  # written now or later, as logged
+
+        def apply(session: Session, at: datetime) -> JobEvent:
+            event = jobs.add_event(
                 session, job_id=self.job_id, kind=EventKind.METRICS, step=step, data=metrics, commit=False
             )
+            event.created_at = at
             if "progress/step" in metrics:  # the step counter, trained tokens, estimated finish
                 progress.record(session, job_id=self.job_id, metrics=metrics, commit=False)
-            session.commit()
+            return event
+
+        with self.lock:
+            self.latest.update({k: v for k, v in metrics.items() if k in KEEP})
+            self.writes.write(Write(apply, EventKind.METRICS))
 
     def event(self, kind: str, message: str, data: dict[str, Any] | None = None) -> None:
         data = dict(data or {})
@@ -87,10 +100,11 @@ class DatabaseSink:
                 keep_last=self.keep_last,
                 on_retry=self._store_retry,
             )
-        with self.lock, self.sessions() as session:
-            jobs.add_event(
-                session, job_id=self.job_id, kind=kind, message=message, data=data, step=data.get("step")
-            )
+        step = data.get("step")
+
+        def apply(session: Session, at: datetime) -> JobEvent:
+            # a checkpoint's row first, then its event: a write made again (its outcome unknown when
+            # the database went away) records the row again, which replaces itself
             if kind == EventKind.CHECKPOINT:  # it looks at the store: waits for it as the push does
 
                 def record() -> None:
@@ -101,11 +115,20 @@ class DatabaseSink:
                         step=int(data["step"]),
                         path=key,
                         kind=self.kind,
-                        metrics=dict(self.latest),
+                        metrics=latest,
                         storage=self.store,
                     )
 
                 files.store_retrying(record, what=f"recording checkpoint {key}", on_retry=self._store_retry)
+            event = jobs.add_event(
+                session, job_id=self.job_id, kind=kind, message=message, data=data, step=step, commit=False
+            )
+            event.created_at = at
+            return event
+
+        with self.lock:
+            latest = dict(self.latest)
+            self.writes.write(Write(apply, kind, alone=kind == EventKind.CHECKPOINT))
 
     def _store_retry(self, message: str, wait_s: float) -> None:
         """A job event for each retry of a store that did not answer (its own session)."""
@@ -114,7 +137,14 @@ class DatabaseSink:
             jobs.add_event(session, job_id=self.job_id, kind=EventKind.LOG, message=message, data=data)
 
     def close(self) -> None:
-        pass
+        """Wait for the writes kept while the database was away (up to ``DRAIN_S``).
+
+        Raises:
+            RuntimeError: the database did not come back in time: what the run logged since is lost.
+        """
+        left = self.writes.drain(DRAIN_S)
+        if left:
+            raise RuntimeError(f"the database was away for {DRAIN_S:g} s: {left} writes of the run lost")
 
 
 def _watch_parent(parent: int) -> None:
@@ -169,9 +199,17 @@ def main(argv: list[str]) -> int:
         judged = job_tracking.early_stopping(sink, sessions, job_id, cancel)  # a sweep's trial
         reserve = settings.checkpoint_reserve_bytes
         tracking = job_tracking.options(settings, sessions, job_id)
-        result = train(
-            config, judged, cancel, models_dir=settings.models_dir, reserve_bytes=reserve, tracking=tracking
-        )
+        try:
+            result = train(
+                config,
+                judged,
+                cancel,
+                models_dir=settings.models_dir,
+                reserve_bytes=reserve,
+                tracking=tracking,
+            )
+        finally:
+            sink.close()  # what the run logged while the database was away, written before the exit
         job_tracking.keep_tensorboard(store, config, output_dir=output_dir, folder=folder)
     except Exception as exc:
         full = isinstance(exc, DiskFull) or (isinstance(exc, OSError) and exc.errno in FULL)
