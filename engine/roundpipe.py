@@ -232,11 +232,10 @@ class RoundPipe(SequenceMethods):
             start_worker=self._rotation,
         )
         rounds = sorted({r.round for r in runs})
-        lag = 1 if self.config.async_optimizer else 0
         serial = self._serial if train else -1 - self._evaluations
         it = Iteration(
             serial=serial,
-            version=max(self.steps - lag, 0),
+            version=self.next_version(),
             plan=plan,
             runs=runs,
             microbatches=mbs,
@@ -273,6 +272,11 @@ class RoundPipe(SequenceMethods):
         self._inflight = [i for i in self._inflight if i.remaining > 0]
         self._inflight.append(it)
         return it
+
+    def next_version(self) -> int:
+        """The weights' version the next iteration computes with: the latest step's, or with the
+        async optimizer the one before it (staleness 1); ``HostTensor.source`` holds it."""
+        return max(self.steps - (1 if self.config.async_optimizer else 0), 0)
 
     def step(self, *, lr: float | None = None) -> None:
         """Apply the optimizer to the gradients accumulated since the last step.

@@ -1,10 +1,11 @@
 """Rollouts: sampling a group of completions per prompt with the policy being trained.
 
 The engine's host copy of the weights is the model's own parameters (``RoundPipe``): after
-``synchronize()`` the trained tensors' compute copies are refreshed from their fp32 masters (for
-LoRA only the adapters: the frozen base never changes) and the model samples on the host, with
-dropout off. The sampling is seeded per step, so a resumed run samples what an uninterrupted one
-would, and does not touch the process's random stream.
+``synchronize()`` the model samples on the host, with dropout off, with the weights the next
+training iteration computes with (``policy_model``: for LoRA only the adapters change between
+steps; the frozen base is the same tensors throughout). The sampling is seeded per step, so a
+resumed run samples what an uninterrupted one would, and does not touch the process's random
+stream.
 
 A completion ends at the first stop token (kept: the policy learns to stop) or after
 ``max_new_tokens``; each becomes one training row, its prompt's tokens unlabelled.
@@ -83,7 +84,12 @@ class Rollout:
 
 @contextlib.contextmanager
 def policy_model(engine: RoundPipe) -> Iterator[Any]:
-    """The model with the weights the next step trains from, in eval mode, without gradients.
+    """The model with the weights the next ``forward_backward`` computes with, in eval mode,
+    without gradients: the samples come from the policy whose gradient the step takes (with the
+    async optimizer, the weights one step behind the masters, as every async step's).
+
+    The trained parameters are pointed at that version's compute buffer for the while (nothing
+    is copied; for LoRA they are the adapters alone) and pointed back after.
 
     Raises:
         ConfigError: a 4-bit base (its dense weights are not kept on the host to sample with).
@@ -97,11 +103,17 @@ def policy_model(engine: RoundPipe) -> Iterator[Any]:
             "keeps none there; use base_bits 16",
             value=4,
         )
-    with torch.no_grad():
-        for t in host.trainable:
-            if t.master is not None:
-                t.compute.copy_(t.master)  # the model's parameter is this tensor
+    version = engine.next_version()
     model = engine.adapted.hf_model
+    params = dict(model.named_parameters())
+    swapped = []
+    for t in host.trainable:
+        source = t.source(version)
+        for name in t.names:
+            p = params.get(name)
+            if p is not None and p.data_ptr() != source.data_ptr():
+                swapped.append((p, p.data))
+                p.data = source
     was_training = model.training
     model.eval()
     try:
@@ -109,6 +121,8 @@ def policy_model(engine: RoundPipe) -> Iterator[Any]:
             yield model
     finally:
         model.train(was_training)
+        for p, data in swapped:
+            p.data = data
 
 
 def _left_pad(prompts: Sequence[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -156,3 +156,37 @@ def test_cli_demo_grpo_prints_the_rewards(tmp_path: Path, capsys) -> None:
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "held-out mean reward:" in out and "after 2 GRPO steps" in out and "training reward" in out
+
+
+@pytest.mark.parametrize("async_optimizer", [False, True], ids=["sync", "async"])
+def test_the_samples_come_from_the_weights_the_step_trains_with(async_optimizer: bool) -> None:
+    # the sampler's model scores a batch exactly as the engine's next iteration does: with the
+    # async optimizer that is the weights one step behind the masters (staleness 1), not the masters
+    import copy
+
+    from engine import EngineConfig, RoundPipe
+    from engine.methods.rollouts import policy_model
+    from engine.model.loss import token_logps
+    from tests.engine.methods.test_grpo import lora_model, rollout_batch
+
+    batch = rollout_batch(seed=4)
+    config = EngineConfig(
+        devices=["cpu", "cpu"], num_microbatches=2, lr=0.05, async_optimizer=async_optimizer
+    )
+    with RoundPipe(copy.deepcopy(lora_model()), config) as rp:
+        for _ in range(3):
+            rp.forward_backward(**batch)
+            rp.step()
+        with policy_model(rp) as model:
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            sampled = token_logps(logits, batch["labels"])
+            lora = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+        engine = rp.token_logps(**batch)
+        assert (sampled - engine).abs().max() < 1e-5
+        masters = rp.master_state_dict(trainable_only=True)
+        behind = max(abs(float((lora[n] - masters[n]).abs().max())) for n in lora)
+        assert (behind > 0) == async_optimizer  # async: one step behind the masters
+        # the model's parameters are the compute copy again, and training goes on unharmed
+        rp.forward_backward(**batch)
+        rp.step()
+        rp.synchronize()
