@@ -41,7 +41,7 @@ from engine.data.batches import split_validation
 from engine.data.prompts import PromptItem, load_prompts
 from engine.errors import ConfigError
 from engine.methods.base import MethodRun
-from engine.methods.rollouts import Rollout, Sampling, policy_model, sample
+from engine.methods.rollouts import Rollout, Sampling, policy_model, rollout_device, sample
 from engine.metrics import Sink
 from engine.parallel.objective import Upload
 from engine.parallel.tokens import TokenScores, reported
@@ -52,6 +52,7 @@ if TYPE_CHECKING:
 
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
 SAMPLES_EVENT = "samples"  # a step's sample completions with their rewards: data {"step", "samples"}
+ROLLOUTS_EVENT = "rollouts"  # where the rollouts sample: data {"device"}
 SAMPLES_SHOWN = 4  # completions per step in the samples event
 ADVANTAGE_EPS = 1e-4
 
@@ -264,6 +265,7 @@ class GRPORun(MethodRun):
         self.sink: Sink | None = None
         self.pad_id = 0
         self.last: Rollout | None = None
+        self.device: torch.device | None = None  # where the rollouts run, chosen at the first
 
     def prepare(
         self,
@@ -284,7 +286,12 @@ class GRPORun(MethodRun):
     def rollout(self, engine: RoundPipe, items: list[PromptItem], *, greedy: bool = False) -> Rollout:
         """Completions of ``items`` sampled with the policy (seeded by the run's seed and step)."""
         seed = self.config.hyper.seed * 1_000_003 + engine.steps * 2 + int(greedy)
-        with policy_model(engine) as model:
+        if self.device is None:
+            engine.synchronize()
+            self.device, why = rollout_device(engine)
+            if self.sink is not None:
+                self.sink.event(ROLLOUTS_EVENT, why, {"device": str(self.device)})
+        with policy_model(engine, self.device) as model:
             return sample(model, self.tokenizer, items, self.sampling, seed=seed, greedy=greedy)
 
     def grade(self, rollout: Rollout) -> tuple[torch.Tensor, dict[str, list[float]], list[str | None]]:

@@ -7,6 +7,10 @@ steps; the frozen base is the same tensors throughout). The sampling is seeded p
 resumed run samples what an uninterrupted one would, and does not touch the process's random
 stream.
 
+On a box with GPU workers the rollouts run on the first GPU when the whole model fits there (the
+workers are idle meanwhile: a step samples, then trains); otherwise, and on a CPU host, on the
+host's CPU (``rollout_device``; the run's ``rollouts`` event says which and why).
+
 A completion ends at the first stop token (kept: the policy learns to stop) or after
 ``max_new_tokens``; each becomes one training row, its prompt's tokens unlabelled.
 """
@@ -82,14 +86,72 @@ class Rollout:
         return collate(rows, pad_id)
 
 
+def model_bytes(model: Any) -> int:
+    """Bytes of a model's parameters and buffers as they are held."""
+    tensors = [*model.parameters(), *model.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def rollout_device(engine: RoundPipe, *, headroom: float = 0.75) -> tuple[torch.device, str]:
+    """Where the rollouts run, and why: the first GPU worker when the whole model fits in
+    ``headroom`` of its free memory (the workers are idle while it samples, their cache emptied),
+    else the host's CPU.
+
+    Returns:
+        ``(device, reason)``; the reason is one line for the run's events.
+    """
+    need = model_bytes(engine.adapted.hf_model)
+    gpus = [d for d in engine.devices if d.type == "cuda"]
+    if not gpus:
+        return torch.device("cpu"), "rollouts sample on the host's CPU (no GPU worker)"
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info(gpus[0])
+    gb = 1024**3
+    if need <= headroom * free:
+        return gpus[
+            0
+        ], f"rollouts sample on {gpus[0]}: the model's {need / gb:.1f} GiB fit in {free / gb:.1f} GiB free"
+    return torch.device("cpu"), (
+        f"rollouts sample on the host's CPU: the model's {need / gb:.1f} GiB do not fit in "
+        f"{headroom:.0%} of {gpus[0]}'s {free / gb:.1f} GiB free"
+    )
+
+
 @contextlib.contextmanager
-def policy_model(engine: RoundPipe) -> Iterator[Any]:
+def _placed(model: Any, device: torch.device) -> Iterator[None]:
+    """The model's parameters and buffers copied to ``device`` for the while (the host tensors
+    are put back after, untouched); nothing happens for the CPU."""
+    if device.type == "cpu":
+        yield
+        return
+    moved: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+    buffers: list[tuple[Any, str, torch.Tensor]] = []
+    try:
+        for p in model.parameters():
+            moved.append((p, p.data))
+            p.data = p.data.to(device, non_blocking=True)
+        for module in model.modules():
+            for name, b in list(module._buffers.items()):
+                if b is not None:
+                    buffers.append((module, name, b))
+                    module._buffers[name] = b.to(device, non_blocking=True)
+        yield
+    finally:
+        for p, data in moved:
+            p.data = data
+        for module, name, b in buffers:
+            module._buffers[name] = b
+
+
+@contextlib.contextmanager
+def policy_model(engine: RoundPipe, device: torch.device | None = None) -> Iterator[Any]:
     """The model with the weights the next ``forward_backward`` computes with, in eval mode,
     without gradients: the samples come from the policy whose gradient the step takes (with the
     async optimizer, the weights one step behind the masters, as every async step's).
 
     The trained parameters are pointed at that version's compute buffer for the while (nothing
-    is copied; for LoRA they are the adapters alone) and pointed back after.
+    is copied; for LoRA they are the adapters alone) and pointed back after. On a GPU
+    (``device``, ``rollout_device``'s choice) the model is copied there for the while.
 
     Raises:
         ConfigError: a 4-bit base (its dense weights are not kept on the host to sample with).
@@ -117,7 +179,7 @@ def policy_model(engine: RoundPipe) -> Iterator[Any]:
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _placed(model, device or torch.device("cpu")):
             yield model
     finally:
         model.train(was_training)
@@ -166,7 +228,8 @@ def sample(
         options["do_sample"] = False
     else:
         options.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=0)
-    with torch.random.fork_rng(devices=[]):
+    # the process's (and the device's) random streams are left as they were
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)
         out = model.generate(ids.to(device), attention_mask=mask.to(device), **options)
     new = out[:, ids.shape[1] :].cpu()

@@ -12,7 +12,7 @@ from engine import demo
 from engine.commands.cli import main
 from engine.config import TrainConfig
 from engine.errors import ConfigError
-from engine.methods.grpo import SAMPLES_EVENT
+from engine.methods.grpo import ROLLOUTS_EVENT, SAMPLES_EVENT
 from engine.metrics import ListSink
 from engine.training.checkpoint import load_state
 from engine.training.run import train
@@ -190,3 +190,10 @@ def test_the_samples_come_from_the_weights_the_step_trains_with(async_optimizer:
         rp.forward_backward(**batch)
         rp.step()
         rp.synchronize()
+
+
+def test_rollouts_sample_on_the_cpu_of_a_cpu_host(workspace: Path) -> None:
+    sink = ListSink()
+    train(config(workspace, "where", hyper={"max_steps": 1}), sink)
+    where = [(m, d) for kind, m, d in sink.events if kind == ROLLOUTS_EVENT]
+    assert where == [("rollouts sample on the host's CPU (no GPU worker)", {"device": "cpu"})]
