@@ -52,7 +52,9 @@ class DataSpec(_Strict):
     train: str = Field(..., description="training file: .jsonl, .csv or .parquet")
     validation: str | None = Field(None, description="validation file (same formats)")
     validation_fraction: float = Field(0.0, ge=0.0, le=0.5, description="held out from train when no file")
-    format: Literal["auto", "chat", "instruction", "prompt_completion", "text", "preference"] = "auto"
+    format: Literal["auto", "chat", "instruction", "prompt_completion", "text", "preference", "prompts"] = (
+        "auto"
+    )
     max_length: int = Field(1024, ge=8, le=1_048_576)
     packing: bool = False
 

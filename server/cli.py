@@ -33,6 +33,8 @@ DEMO_DATASETS = (  # (name, the engine.demo attribute holding the file's path)
     ("demo: inventory (held-out)", "HELDOUT"),
     ("demo: inventory preferences (train)", "PREFERENCE_TRAIN"),
     ("demo: inventory preferences (held-out)", "PREFERENCE_HELDOUT"),
+    ("demo: inventory prompts (train)", "PROMPTS_TRAIN"),
+    ("demo: inventory prompts (held-out)", "PROMPTS_HELDOUT"),
 )
 # how long uvicorn lets requests finish once asked to stop (the event streams end at once);
 # `docker compose stop` waits 10 s before it kills

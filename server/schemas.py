@@ -107,7 +107,9 @@ class ModelsPublic(BaseModel):
 class DataOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    format: Literal["auto", "chat", "instruction", "prompt_completion", "text", "preference"] = "auto"
+    format: Literal["auto", "chat", "instruction", "prompt_completion", "text", "preference", "prompts"] = (
+        "auto"
+    )
     max_length: int = Field(1024, ge=8, le=1_048_576)  # the bounds of engine.config.DataSpec
     packing: bool = False
     validation_fraction: float = Field(0.0, ge=0.0, le=0.5)
@@ -253,12 +255,19 @@ class PreviewAnswer(BaseModel):
 class PreviewRow(BaseModel):
     line: int
     truncated: bool
-    tokens: list[PreviewToken] = Field(description="the row rendered; of a preference row, the prompt alone")
+    tokens: list[PreviewToken] = Field(
+        description="the row rendered; of a preference or a prompt row, the prompt alone"
+    )
     chosen: PreviewAnswer | None = Field(
         None, description="a preference row's preferred answer, after the prompt"
     )
     rejected: PreviewAnswer | None = Field(
         None, description="a preference row's rejected answer, after the prompt"
+    )
+    item: dict[str, Any] | None = Field(
+        None,
+        description="a prompt row's other fields, what a grader reads as item.<field> (e.g. "
+        "reference_answer); its tokens are the prompt alone, nothing trained (GRPO samples the completions)",
     )
 
 
@@ -444,6 +453,21 @@ class PlanPublic(BaseModel):
         default_factory=list,
         description="a LoRA job with a 16-bit and with a 4-bit base side by side; empty for a full fine-tune",
     )
+    step_s: float = Field(
+        0.0, description="seconds a step takes: iteration_s, plus rollout_s for GRPO; 0 when nothing fits"
+    )
+    rollout_s: float | None = Field(
+        None,
+        description="GRPO: seconds a step samples its completions on the host (every one "
+        "max_completion_tokens long) and, with beta > 0, computes their reference log-probabilities; "
+        "part of step_s and eta_s; null for other methods",
+    )
+    rollout_share: float | None = Field(None, description="GRPO: rollout_s over step_s")
+    rollout: dict[str, Any] | None = Field(
+        None,
+        description="GRPO: generation_s, reference_s, rows (completions a step), completion_tokens, "
+        "tokens_per_s (sampled), host_gflops and host_memory_gb_s (assumed), bound (compute or memory)",
+    )
     assumptions: dict[str, Any]
     calibrated_from: str | None
 
@@ -556,8 +580,9 @@ class MethodPublic(BaseModel):
     )
     title: str
     description: str
-    data_format: Literal["supervised", "preference"] = Field(
-        description="the rows it trains on: chat, instruction, prompt/completion or text; or preference pairs"
+    data_format: Literal["supervised", "preference", "prompts"] = Field(
+        description="the rows it trains on: chat, instruction, prompt/completion or text; preference pairs; "
+        "or prompts, whose completions are sampled and graded (GRPO)"
     )
     sequences_per_example: int
     needs_reference: bool = Field(

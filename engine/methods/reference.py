@@ -49,10 +49,20 @@ def reference_seconds(
     return seconds
 
 
+def forward_seconds(
+    shape: Shape, workload: Workload, hardware: Hardware, plan: Plan, weights: Sequence[float]
+) -> float:
+    """One forward-only iteration over a batch's ``workload.sequences`` rows through the plan's
+    forward stages and fused stage: a reference pass's batch, or a GRPO step's reference
+    log-probabilities of its completions (``engine.planner.rollouts``)."""
+    return _batch_seconds(shape, workload, hardware, plan, weights)
+
+
 def _batch_seconds(
     shape: Shape, workload: Workload, hardware: Hardware, plan: Plan, weights: Sequence[float]
 ) -> float:
-    """One batch's forward-only iteration: ``workload.batch_size`` pairs, 2 rows each."""
+    """One batch's forward-only iteration: ``workload.sequences`` rows (``batch_size`` pairs, 2
+    rows each)."""
     w = replace(workload, num_microbatches=min(workload.num_microbatches, workload.sequences))
     m, n = w.num_microbatches, w.num_workers(hardware)
     forward = [f for f, _ in layer_times(shape, w, hardware)]

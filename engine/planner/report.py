@@ -9,6 +9,7 @@ from engine.errors import ConfigError
 from engine.methods.reference import reference_seconds
 from engine.planner.fit import assess, base_variants, longest_sequence, pcie_traffic
 from engine.planner.memory import CUDA_OVERHEAD_BYTES
+from engine.planner.rollouts import rollout_time
 from engine.planner.shapes import Shape
 from engine.planner.workload import DTYPE_BYTES, GB, HARDWARE_RANGES, Hardware, Workload, check
 from engine.scheduling.simulate import closed_form_bubble, simulate
@@ -30,6 +31,13 @@ class PlanReport:
     A DPO job's step trains 2 sequences a pair (``tokens_per_s`` counts both); ``reference_s`` is
     its reference pass (a forward over every training and validation pair, once, before the first
     step), part of ``eta_s``; None for a supervised job or when the pair count is unknown.
+
+    A GRPO job's step first samples its completions on the host (``rollout``, by term:
+    ``engine.planner.rollouts``) and trains on ``batch_size * group_size`` sequences: ``step_s``
+    is ``iteration_s`` plus ``rollout_s`` (the sampling and, with beta > 0, the reference
+    log-probabilities), ``rollout_share`` the part of a step they take; the ETA counts both.
+    ``tokens_per_s`` is the training iteration's. For every other method ``step_s`` is
+    ``iteration_s`` and ``rollout_s`` None.
 
     ``pcie`` is what one iteration moves between host and GPUs, by term (None when nothing fits
     the GPUs). ``base_variants`` puts a LoRA job with a 16-bit and with a 4-bit base side by side
@@ -60,6 +68,10 @@ class PlanReport:
     base_bits: int = 16
     pcie: dict[str, float] | None = None
     base_variants: list[dict[str, Any]] = field(default_factory=list)
+    step_s: float = 0.0
+    rollout_s: float | None = None
+    rollout_share: float | None = None
+    rollout: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -110,7 +122,7 @@ class PlanReport:
                 f"{100 * self.bubble:.1f}% (closed form {100 * self.closed_form_bubble:.1f}%)"
             )
         a = self.assumptions
-        if a.get("objective", "sft") != "sft":  # a preference method: pairs, maybe a reference pass
+        if a.get("objective", "sft") != "sft" and a.get("sequences_per_example") == 2:  # preference pairs
             pairs = a.get("reference_pairs")
             lines.append(
                 f"{a['objective'].upper()}: 2 sequences a pair ({a['sequences_per_step']:,} a step); "
@@ -121,6 +133,15 @@ class PlanReport:
                     if pairs is not None and self.reference_s is not None
                     else "reference pass not counted (the pair count is unknown)"
                 )
+            )
+        if self.rollout is not None and self.rollout_s is not None:
+            r = self.rollout
+            lines.append(
+                f"GRPO: {r['rows']:,} completions of up to {r['completion_tokens']:,} tokens a step, "
+                f"sampled on the host in {r['generation_s']:.2f} s (~{r['tokens_per_s']:,.0f} tokens/s, "
+                f"{r['bound']}-bound)"
+                + (f", reference log-probabilities {r['reference_s']:.2f} s" if r["reference_s"] else "")
+                + f"; a step {self.step_s:.2f} s, {100 * (self.rollout_share or 0):.0f}% of it rollouts"
             )
         if self.eta_s is not None:
             lines.append(f"ETA: {self.eta_s / 3600:.2f} h")
@@ -231,7 +252,9 @@ def _report(shape: Shape, hardware: Hardware, workload: Workload) -> PlanReport:
         closed = closed_form_bubble(num_workers=n, num_microbatches=m, num_slots=plan.num_slots)
     worker = max((s["gpu_memory_gb"] for s in stages), default=(memory.largest_layer() + overhead) / GB)
     reference = reference_seconds(shape, w, h, plan, memory.weights) if plan is not None else None
-    eta = iteration * w.steps + (reference or 0.0) if (w.steps and iteration) else None
+    rollout = rollout_time(shape, w, h, plan, memory.weights)
+    step = iteration + (rollout.total_s if rollout is not None and iteration else 0.0)
+    eta = step * w.steps + (reference or 0.0) if (w.steps and iteration) else None
     return PlanReport(
         fits=not problems,
         problems=problems,
@@ -255,6 +278,10 @@ def _report(shape: Shape, hardware: Hardware, workload: Workload) -> PlanReport:
         base_bits=w.base_bits,
         pcie=pcie_traffic(shape, w, a),
         base_variants=variants,
+        step_s=step,
+        rollout_s=rollout.total_s if rollout is not None else None,
+        rollout_share=rollout.total_s / step if rollout is not None and step > 0 else None,
+        rollout=rollout.to_dict() if rollout is not None else None,
         assumptions={
             "device": h.device,
             "hardware": hardware_label(h),
@@ -272,6 +299,7 @@ def _report(shape: Shape, hardware: Hardware, workload: Workload) -> PlanReport:
             "tuning": w.tuning,
             "needs_reference": w.needs_reference,
             "sequences_per_step": w.sequences,
+            "sequences_per_example": w.sequences_per_example,
             "reference_pairs": w.reference_pairs if w.needs_reference else None,
         },
     )

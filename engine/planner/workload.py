@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from engine.config import EngineConfig, TrainConfig, resolve_compute_dtype
 from engine.errors import ConfigError
 from engine.methods import METHODS as METHOD_TABLE
-from engine.methods import TUNINGS
+from engine.methods import TUNINGS, sequences_per_example
 from engine.model.families import DEFAULT_LORA_TARGETS
 from engine.optimizers import optimizer_spec
 
@@ -53,6 +53,11 @@ METHODS = (*TUNINGS, *(name for name in METHOD_TABLE if name != "sft"))
 CPU_GFLOPS_PER_CORE = 50.0
 CPU_COPY_GB_S = 10.0  # a CPU worker's stage "upload" is a host memory copy
 CPU_DEFAULT_RAM_GB = 16.0  # when the worker reports no RAM figure
+# A GPU box's host CPU, which samples GRPO's completions (engine.planner.rollouts): its cores when
+# the worker reports them, else this many, at CPU_GFLOPS_PER_CORE each; and the rate its cores
+# stream the weights from RAM at (a desktop's dual-channel DDR4/DDR5 achieves 20-60 GB/s).
+HOST_CORES_ASSUMED = 8
+HOST_MEMORY_GB_S = 20.0
 
 
 @dataclass(frozen=True)
@@ -72,6 +77,7 @@ class Hardware:
     efficiency: float = 0.4  # achieved fraction of the peak rate
     detected: tuple[str, ...] = ()  # which fields were read off the machine
     device: str = "gpu"  # "gpu", or "cpu": a host whose workers report no GPU
+    host_cores: int | None = None  # the host's CPU cores, when a worker reports them (GRPO's sampling)
 
     @classmethod
     def cpu_host(cls, *, cores: int, ram_gb: float | None, detected: tuple[str, ...] = ()) -> Hardware:
@@ -86,6 +92,7 @@ class Hardware:
             efficiency=1.0,
             detected=detected,
             device="cpu",
+            host_cores=max(1, cores),
         )
 
 
@@ -102,6 +109,12 @@ class Workload:
     sequences (``sequences``). Before the first step a method with a reference (DPO) runs one
     forward-only pass over the ``reference_pairs`` training and validation pairs for the reference
     log-probabilities (``engine.methods.dpo``).
+
+    A GRPO job (``method="grpo"``) trains on prompts: ``batch_size`` counts prompts, and each step
+    first samples ``group_size`` completions of each (up to ``completion_tokens`` tokens) on the
+    host, then trains on the ``batch_size * group_size`` sequences of prompt and completion
+    (``engine.planner.rollouts`` prices the sampling; ``kl_reference``: a forward pass for the
+    base model's log-probabilities of the completions, when ``beta`` > 0).
     """
 
     seq_len: int = 2048
@@ -121,6 +134,10 @@ class Workload:
     mean_seq_len: float | None = None  # tokens per sequence as batched (padded) from the data
     reference_pairs: int | None = None  # DPO: the pairs of the reference pass, when known
     base_bits: int = 16  # 4: a LoRA base's frozen block weights kept in NF4 (engine.model.quant)
+    group_size: int | None = None  # GRPO: completions sampled per prompt (method.group_size)
+    completion_tokens: int = 0  # GRPO: the longest completion sampled (method.max_completion_tokens)
+    mean_prompt_len: float | None = None  # GRPO: tokens per prompt from the data, when known
+    kl_reference: bool = False  # GRPO with beta > 0: the base model's log-probabilities each step
 
     @property
     def objective(self) -> str:
@@ -134,8 +151,14 @@ class Workload:
 
     @property
     def sequences_per_example(self) -> int:
-        """Sequences one example of the batch runs as: 2 for a preference pair, else 1."""
-        return METHOD_TABLE[self.objective].sequences_per_example
+        """Sequences one example of the batch runs as: 2 for a preference pair, a GRPO prompt's
+        group (``group_size``), else 1."""
+        return sequences_per_example(self.objective, self.group_size)
+
+    @property
+    def samples(self) -> bool:
+        """Whether each step samples completions before it trains (GRPO's rollouts)."""
+        return METHOD_TABLE[self.objective].data_format == "prompts"
 
     @property
     def needs_reference(self) -> bool:
@@ -181,7 +204,7 @@ class Workload:
             The workload; ``steps`` is None when neither ``max_steps`` nor ``num_sequences`` is known.
         """
         h, e, m, d = config.hyper, config.engine, config.method, config.data
-        mean = None
+        mean = prompt_mean = None
         entry = METHOD_TABLE[m.objective]
         per_example = entry.sequences_per_example
         if per_example == 2 and d.packing:  # as the run refuses it (engine.methods.preference)
@@ -190,7 +213,28 @@ class Workload:
                 f"data.packing=true: {m.objective.upper()} trains on whole pairs and cannot pack them",
                 value=True,
             )
-        if token_lengths:
+        prompts = entry.data_format == "prompts"
+        if prompts:  # as the run refuses them (engine.methods.grpo)
+            if d.packing:
+                raise ConfigError(
+                    "data.packing", "data.packing=true: GRPO samples whole completions", value=True
+                )
+            if d.max_length - m.max_completion_tokens < 1:
+                raise ConfigError(
+                    "method.max_completion_tokens",
+                    f"method.max_completion_tokens={m.max_completion_tokens} leaves no room for the prompt "
+                    f"within data.max_length={d.max_length}",
+                    value=m.max_completion_tokens,
+                )
+        if token_lengths and prompts:
+            # the prompts' lengths: each trains as prompt and completion (at most its budget and
+            # max_completion_tokens, the worst case), its group of rows padded as one prompt's
+            budget = d.max_length - m.max_completion_tokens
+            kept = [min(n, budget) for n in token_lengths]
+            prompt_mean = batch_length(kept, batch_size=h.batch_size, max_length=budget, packing=False)
+            whole = [n + m.max_completion_tokens for n in kept]
+            mean = batch_length(whole, batch_size=h.batch_size, max_length=d.max_length, packing=False)
+        elif token_lengths:
             mean = batch_length(
                 token_lengths,
                 batch_size=h.batch_size,
@@ -228,6 +272,10 @@ class Workload:
             mean_seq_len=mean,
             reference_pairs=reference,
             base_bits=m.base_bits,
+            group_size=m.group_size if prompts else None,
+            completion_tokens=m.max_completion_tokens if prompts else 0,
+            mean_prompt_len=prompt_mean,
+            kl_reference=prompts and m.beta > 0,
         )
 
     def num_workers(self, hardware: Hardware) -> int:
@@ -303,6 +351,20 @@ def check(workload: Workload, hardware: Hardware) -> None:
             f"reference_pairs={pairs!r} must be an integer from 0 to {REFERENCE_PAIRS_LIMIT}",
             value=pairs,
         )
+    if w.samples:
+        group, tokens = w.group_size, w.completion_tokens
+        if group is not None and (
+            isinstance(group, bool) or not isinstance(group, int) or not 1 <= group <= 64
+        ):
+            raise ConfigError(
+                "group_size", f"group_size={group!r} must be an integer from 1 to 64", value=group
+            )
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or not 0 <= tokens < w.seq_len:
+            raise ConfigError(
+                "completion_tokens",
+                f"completion_tokens={tokens!r} must be an integer from 0 to seq_len - 1 ({w.seq_len - 1})",
+                value=tokens,
+            )
     if isinstance(w.base_bits, bool) or w.base_bits not in (16, 4):
         raise ConfigError("base_bits", f"base_bits={w.base_bits!r} must be 16 or 4", value=w.base_bits)
     if w.base_bits == 4 and w.tuning != "lora":

@@ -84,7 +84,8 @@ def preview_dataset(
     limit: Annotated[int, Query(ge=1, le=50)] = 5,
     max_length: Annotated[int, Query(ge=8, le=1 << 17)] = 1024,
 ) -> Any:
-    """The first rows through a model's chat template, trained tokens marked (preference: both answers)."""
+    """The first rows through a model's chat template, trained tokens marked (preference: both
+    answers; prompts: the prompt and its grader fields, ``item``)."""
     dataset = _found(session, dataset_id)
     tokenizer = tokenizers.of_model(model, models_dir=settings.models_dir, hf_cache=settings.hf_cache_dir)
     file = _file(storage, settings, dataset)

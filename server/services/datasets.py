@@ -17,6 +17,7 @@ import os
 import re
 import uuid
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import IO, Any, BinaryIO
 
@@ -285,14 +286,21 @@ def preview(
     dataset: Dataset, *, file: Path, tokenizer: Any, limit: int, max_length: int
 ) -> list[dict[str, Any]]:
     """The first rows rendered through the tokenizer's chat template, each token marked trained or
-    not; a preference row as its prompt and both answers."""
-    from engine.data.encode import encode, encode_pair, ensure_chat_template
+    not; a preference row as its prompt and both answers; a prompt row as its prompt (with the
+    generation prompt of a chat prompt; nothing trained: GRPO samples the completions) and its
+    other fields (``item``, what a grader reads)."""
+    from engine.data.encode import encode, encode_pair, encode_prompt_row, ensure_chat_template
 
     ensure_chat_template(tokenizer)
     rows = []
     for ex in first_examples(dataset, limit, file=file):
         if ex.rejected is not None:
             rows.append(_pair_row(tokenizer, encode_pair(ex, tokenizer, max_length)))
+            continue
+        if ex.fields is not None:  # a prompt row: its last max_length tokens, as a run keeps them
+            enc = encode_prompt_row(ex, tokenizer, max_length)
+            tokens = _tokens(tokenizer, enc.input_ids, enc.labels)
+            rows.append({"line": ex.line, "tokens": tokens, "truncated": enc.truncated, "item": ex.fields})
             continue
         enc = encode(ex, tokenizer, max_length)
         tokens = _tokens(tokenizer, enc.input_ids, enc.labels)
@@ -304,8 +312,8 @@ def token_stats(
     dataset: Dataset, *, file: Path, tokenizer: Any, max_length: int, limit: int, bins: int = 20
 ) -> dict[str, Any]:
     """Token lengths of the first ``limit`` rows as a histogram, with the share cut at ``max_length``
-    (both sequences of a preference row count)."""
-    from engine.data.encode import encode, encode_pair, ensure_chat_template
+    (both sequences of a preference row count; a prompt row's prompt alone)."""
+    from engine.data.encode import encode, encode_pair, encode_prompt_row, ensure_chat_template
 
     ensure_chat_template(tokenizer)
     lengths, truncated, sampled = [], 0, 0
@@ -314,6 +322,9 @@ def token_stats(
         if ex.rejected is not None:
             pair = encode_pair(ex, tokenizer, max_length)
             sequences = [pair.chosen, pair.rejected]
+        elif ex.fields is not None:  # its whole length, as encode() counts a row's
+            whole = encode_prompt_row(ex, tokenizer, 1 << 30)
+            sequences = [replace(whole, truncated=whole.length > max_length)]
         else:
             sequences = [encode(ex, tokenizer, max_length)]
         for enc in sequences:

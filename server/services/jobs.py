@@ -14,9 +14,9 @@ from sqlalchemy.orm import Session
 
 from engine.config import TrainConfig
 from engine.errors import ConfigError
-from engine.methods import method_entry, preference_methods
+from engine.methods import method_entry
 from server.kinds import METRIC_KINDS, EventKind, JobStatus
-from server.services import checkpoints, datasets
+from server.services import checkpoints, datasets, methods
 from server.services.failures import Conflict
 from server.services.job_states import DELETABLE as DELETABLE
 from server.services.job_states import HELD as HELD
@@ -75,29 +75,45 @@ def build_config(
     return TrainConfig.parse(raw)
 
 
+# what a method of each data format needs, for the message refusing a dataset that is not one
+NEEDS = {
+    "preference": "rows with a preferred and a rejected answer",
+    "prompts": (
+        "prompt rows ('messages' ending with a user turn, or 'prompt' without a completion) and the "
+        "fields its grader reads"
+    ),
+    "supervised": "chat, instruction, prompt/completion or text rows",
+}
+
+
 def check_formats(*, config: TrainConfig, train: Dataset, validation: Dataset | None) -> None:
-    """A preference job (DPO, ORPO: ``GET /api/methods``) trains on preference datasets (rows with
-    a preferred and a rejected answer); a supervised one (``lora``, ``full``) on any other format.
+    """A job trains on datasets of its method's data format (``GET /api/methods``): a preference
+    method (DPO, ORPO) on preference datasets (rows with a preferred and a rejected answer), a
+    reinforcement method (GRPO) on prompts datasets (a prompt and the fields its grader reads), a
+    supervised one (``lora``, ``full``) on any other format (chat, instruction, prompt/completion,
+    text).
 
     Raises:
         ConfigError: naming ``dataset_id``, ``validation_dataset_id`` or ``data.format``, with the
             dataset's name and format and the method.
     """
     entry = method_entry(config.method.objective)
-    dpo, kind, given = entry.data_format == "preference", config.method.kind, config.data.format
-    if given != "auto" and (given == "preference") != dpo:
-        wanted = "preference" if dpo else "a supervised format"
-        message = f"data.format={given!r} does not suit method.kind={kind!r}: it takes {wanted} (or auto)"
+    wanted, kind, given = entry.data_format, config.method.kind, config.data.format
+    if given != "auto" and methods.dataset_kind(given) != wanted:
+        takes = "a supervised format" if wanted == "supervised" else wanted
+        message = f"data.format={given!r} does not suit method.kind={kind!r}: it takes {takes} (or auto)"
         raise ConfigError("data.format", message, value=given)
     for field, dataset in (("dataset_id", train), ("validation_dataset_id", validation)):
-        if dataset is None or (dataset.format == "preference") == dpo:
+        if dataset is None:
             continue
-        if dpo:
-            need = "rows with a preferred and a rejected answer"
-            why = f"is not a preference dataset: {kind.upper()} needs {need}"
+        has = methods.dataset_kind(dataset.format)
+        if has == wanted:
+            continue
+        if wanted != "supervised":
+            why = f"is not a {wanted} dataset: {entry.name.upper()} needs {NEEDS[wanted]}"
         else:
-            methods = " or ".join(repr(m) for m in preference_methods())
-            why = f"is a preference dataset: it trains with method.kind {methods}, not {kind!r}"
+            fitting = " or ".join(repr(m) for m in methods.methods_for(has))
+            why = f"is a {has} dataset: it trains with method.kind {fitting}, not {kind!r}"
         message = f"{field}: dataset {dataset.name!r} ({dataset.format}) {why}"
         raise ConfigError(field, message, value=dataset.id)
 

@@ -10,6 +10,9 @@ from typing import Any
 
 from engine.methods import METHODS, methods_listing
 
+# the row formats that are a method's data format of their own; every other one is supervised
+DATA_FORMATS = ("preference", "prompts")
+
 
 def listing() -> list[dict[str, Any]]:
     """Every method, in registry order (``GET /api/methods``)."""
@@ -35,6 +38,24 @@ def tuning_of(method: dict[str, Any]) -> str:
     return str(method.get("dpo_tuning", "lora"))
 
 
-def takes_preference_data(method: dict[str, Any]) -> bool:
-    """Whether the method of a ``method`` section trains on preference rows."""
-    return METHODS[objective_of(method)].data_format == "preference"
+def data_format_of(method: dict[str, Any]) -> str:
+    """The rows the method of a ``method`` section trains on (its registry entry's
+    ``data_format``): ``"supervised"``, ``"preference"`` or ``"prompts"``."""
+    return METHODS[objective_of(method)].data_format
+
+
+def dataset_kind(dataset_format: str) -> str:
+    """The ``data_format`` a dataset of this row format suits: ``"preference"`` pairs,
+    ``"prompts"`` (a prompt and the fields a grader reads), else ``"supervised"`` (chat,
+    instruction, prompt/completion, text)."""
+    return dataset_format if dataset_format in DATA_FORMATS else "supervised"
+
+
+def fits(dataset_format: str, method: dict[str, Any]) -> bool:
+    """Whether a dataset of row format ``dataset_format`` suits the method of a ``method`` section."""
+    return dataset_kind(dataset_format) == data_format_of(method)
+
+
+def methods_for(data_format: str) -> list[str]:
+    """The registered methods that train on rows of ``data_format``, in registry order."""
+    return [name for name, entry in METHODS.items() if entry.data_format == data_format]

@@ -32,6 +32,7 @@ AUTO_BATCH_SIZE = 8
 AUTO_LEARNING_RATE_MULTIPLIER = 1.0
 AUTO_BETA = 0.1
 BASE_LEARNING_RATE = {"lora": 2e-4, "full": 2e-5}
+REINFORCEMENT_OBJECTIVE = "grpo"  # what OpenAI's method.type "reinforcement" runs
 # ours -> OpenAI's (a job being cancelled or paused still runs until its next step)
 STATUSES: dict[str, str] = {
     JobStatus.VALIDATING: "validating_files",
@@ -130,9 +131,20 @@ def job_object(job: Job) -> dict[str, Any]:
         "n_epochs": int(epochs) if isinstance(epochs, float) and epochs.is_integer() else epochs or "auto",
     }
     objective = methods.objective_of(method)
-    kind = "supervised" if objective == "sft" else objective  # method.type: dpo, orpo (our extension)
+    # method.type: dpo, orpo (our extension), reinforcement (GRPO)
+    kind = {"sft": "supervised", REINFORCEMENT_OBJECTIVE: "reinforcement"}.get(objective, objective)
     if objective != "sft":
         shown["beta"] = method.get("beta")
+    if kind == "reinforcement":
+        every = (config.get("eval") or {}).get("every_steps")
+        shown |= {
+            "eval_interval": every or "auto",
+            "group_size": method.get("group_size"),
+            "max_completion_tokens": method.get("max_completion_tokens"),
+        }
+    options: dict[str, Any] = {"hyperparameters": shown}
+    if kind == "reinforcement":
+        options["grader"] = method.get("grader") or {}
     failed = job.status == JobStatus.FAILED
     # once it stopped (paused too): its metrics as a result file, and the tokens its steps trained
     stopped = job.status in FINISHED or job.status == JobStatus.PAUSED
@@ -157,7 +169,7 @@ def job_object(job: Job) -> dict[str, Any]:
         "estimated_finish": unix(job.estimated_finish) if job.status in RUNNING else None,
         "integrations": integrations.shown(job.config),
         "metadata": job.meta,
-        "method": {"type": kind, kind: {"hyperparameters": shown}},
+        "method": {"type": kind, kind: options},
         "roundhouse": {
             "job_id": job.id,
             "name": job.name,
@@ -173,22 +185,38 @@ def _auto(value: Any, default: Any) -> Any:
 
 
 def train_sections(
-    *, method_type: str, hyperparameters: dict[str, Any], seed: int | None, options: dict[str, Any]
+    *,
+    method_type: str,
+    hyperparameters: dict[str, Any],
+    seed: int | None,
+    options: dict[str, Any],
+    grader: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The ``method`` and ``hyper`` sections of ``POST /api/jobs`` for an OpenAI request:
-    ``options`` (our extension's sections) with the OpenAI fields over them, "auto" resolved.
+    """The ``method``, ``hyper`` and ``eval`` sections of ``POST /api/jobs`` for an OpenAI
+    request: ``options`` (our extension's sections) with the OpenAI fields over them, "auto"
+    resolved. A reinforcement request (``grader``: its ``method.reinforcement.grader``) is a GRPO
+    job (``method.objective: "grpo"``); its ``eval_interval`` is ``eval.every_steps``.
 
     Raises:
         Invalid: a method we do not run, or an extension that contradicts the method.
     """
     method, hyper = dict(options.get("method") or {}), dict(options.get("hyper") or {})
+    evaluation = dict(options.get("eval") or {})
     kind = method.get("kind")
     given = methods.objective_of(method) if ("kind" in method or "objective" in method) else None
     if method_type == "reinforcement":
-        raise Invalid(
-            "method.type", "reinforcement fine-tuning is not supported: use supervised, dpo or orpo"
-        )
-    if method_type in preference_methods():  # dpo, and our extension orpo
+        if given not in (None, REINFORCEMENT_OBJECTIVE):
+            raise Invalid(
+                "roundhouse.method.kind",
+                f"{kind or method.get('objective')!r} contradicts method.type reinforcement (GRPO)",
+            )
+        method["kind"] = REINFORCEMENT_OBJECTIVE
+        if grader is not None:
+            method["grader"] = grader
+        interval = hyperparameters.get("eval_interval")
+        if interval not in (None, "auto"):
+            evaluation["every_steps"] = interval
+    elif method_type in preference_methods():  # dpo, and our extension orpo
         if given not in (None, method_type):
             raise Invalid(
                 "roundhouse.method.kind",
@@ -199,7 +227,8 @@ def train_sections(
     elif given not in (None, "sft"):
         raise Invalid(
             "roundhouse.method.kind",
-            f"{kind or method.get('objective')!r}: a supervised job is lora or full (dpo, orpo: method.type)",
+            f"{kind or method.get('objective')!r}: a supervised job is lora or full "
+            "(dpo, orpo, reinforcement: method.type)",
         )
     base = hyper.get(
         "learning_rate", BASE_LEARNING_RATE.get(methods.tuning_of(method), BASE_LEARNING_RATE["lora"])
@@ -214,7 +243,7 @@ def train_sections(
         hyper["seed"] = seed
     elif "seed" not in hyper:  # as OpenAI does: one is generated, and the job shows it
         hyper["seed"] = secrets.randbelow(min(MAX_SEED, 2**31 - 1))
-    return {"method": method, "hyper": hyper}
+    return {"method": method, "hyper": hyper, "eval": evaluation}
 
 
 # our config's fields -> the OpenAI request's, for the param of an error
@@ -227,6 +256,7 @@ PARAMS = {
     "hyper.learning_rate": "learning_rate_multiplier",
     "hyper.seed": "seed",
     "method.beta": "beta",
+    "eval.every_steps": "eval_interval",
 }
 
 
@@ -236,6 +266,8 @@ def request_param(param: str | None, *, method_type: str, given: set[str]) -> st
     name = PARAMS.get(param or "")
     if param is None or name in ("model", "training_file", "validation_file"):
         return name or param
+    if method_type == "reinforcement" and (param == "method.grader" or param.startswith("method.grader.")):
+        return f"method.reinforcement.{param.removeprefix('method.')}"  # the grader the request gave
     if name == "seed" and name in given:
         return name
     if name is not None and name in given:

@@ -35,8 +35,9 @@ def token_lengths(dataset: Dataset, *, tokenizer_folder: Path, file: Path | None
     this tokenizer (chat template included, before truncation); counted once per dataset file and
     tokenizer, then remembered by this process. A preference row counts both its sequences, the
     prompt with the preferred answer and with the rejected one, one after the other
-    (``encode_pair``, as a DPO run batches them)."""
-    from engine.data.encode import encode, encode_pair
+    (``encode_pair``, as a DPO run batches them); a prompt row its prompt (``encode_prompt_row``:
+    a GRPO run samples the completion)."""
+    from engine.data.encode import encode, encode_pair, encode_prompt_row
     from server.services.datasets import first_examples
 
     key = (dataset.id, dataset.sha256, str(tokenizer_folder))
@@ -51,6 +52,8 @@ def token_lengths(dataset: Dataset, *, tokenizer_folder: Path, file: Path | None
             if ex.rejected is not None:
                 pair = encode_pair(ex, tokenizer, big)
                 lengths += [pair.chosen.length, pair.rejected.length]
+            elif ex.fields is not None:  # a prompt row
+                lengths.append(encode_prompt_row(ex, tokenizer, big).length)
             else:
                 lengths.append(encode(ex, tokenizer, big).length)
         while len(_lengths) >= _CACHE_SIZE:
@@ -128,6 +131,8 @@ def hardware(
         if memory and "gpu_memory_gb" not in fields:
             fields["gpu_memory_gb"] = min(memory) / 1e9
             detected.append("GPU memory")
+    if hosts and hosts[0]["cpu"].get("cores"):  # GRPO samples on the host's cores
+        fields["host_cores"] = int(hosts[0]["cpu"]["cores"])
     if hosts and "host_ram_gb" not in fields and hosts[0]["cpu"].get("memory_total"):
         fields["host_ram_gb"] = hosts[0]["cpu"]["memory_total"] / 1e9
         detected.append("host RAM")
@@ -179,11 +184,12 @@ def _token_lengths(
     """The training rows' token counts through the base model's tokenizer; None without a
     dataset, for a plan of a bare config.json, before the model's folder is ready (the demo before
     its preparation), or for a dataset the job's method does not train on (``POST /api/jobs``
-    refuses that job: preference pairs are the preference methods' alone): the plan then assumes
-    every sequence is ``max_length`` long. A preference dataset's list each pair's two sequences."""
+    refuses that job: preference pairs are the preference methods' alone, prompts GRPO's): the
+    plan then assumes every sequence is ``max_length`` long. A preference dataset's list each
+    pair's two sequences; a prompts dataset's each prompt alone (the planner adds the completion)."""
     if dataset is None or request.config is not None:
         return None
-    if (dataset.format == "preference") != methods.takes_preference_data(request.method):
+    if not methods.fits(dataset.format, request.method):
         return None
     folder = models.usable_folder(request.base_model or "demo", settings.models_dir, settings.hf_cache_dir)
     if folder is None:

@@ -10,6 +10,7 @@ import torch
 
 from engine import EngineConfig, RoundPipe
 from engine.config import TrainConfig, resolve_compute_dtype
+from engine.errors import ConfigError
 from engine.planner import SEQ_LEN_STEP, Hardware, Shape, Workload, calibrate, plan_job
 from tests.engine.tiny import FAMILIES, MOE_FAMILIES, tiny_batch, tiny_model
 
@@ -490,3 +491,38 @@ def test_workload_of_a_dpo_run_counts_pairs() -> None:
     packed = config.model_copy(update={"data": config.data.model_copy(update={"packing": True})})
     with pytest.raises(ValueError, match=r"data\.packing"):
         Workload.from_train_config(packed)
+
+
+def test_workload_of_a_grpo_run_counts_prompts_times_their_group() -> None:
+    grader = {"type": "string_check", "name": "x", "input": "{{sample.output_text}}", "reference": "a"}
+    raw = {
+        "data": {"train": "t.jsonl", "max_length": 128},
+        "method": {"objective": "grpo", "grader": grader | {"operation": "eq"}, "group_size": 8},
+        "hyper": {"batch_size": 4, "epochs": 1},
+        "engine": {"num_microbatches": 2},
+    }
+    raw["method"]["max_completion_tokens"] = 32
+    config = TrainConfig.parse(raw)
+    w = Workload.from_train_config(config, num_sequences=10)
+    assert (w.method, w.sequences_per_example, w.sequences, w.steps) == ("grpo", 8, 32, 2)
+    assert w.samples and w.completion_tokens == 32 and w.kl_reference  # beta 0.1 by default
+    # the prompts' lengths, cut to leave room for the completion, each followed by a whole one
+    lengths = [10, 200, 30, 40]
+    w = Workload.from_train_config(config, num_sequences=4, token_lengths=lengths)
+    assert w.mean_prompt_len == 96.0 and w.mean_seq_len == 128.0  # one batch, padded to its longest
+    w = Workload.from_train_config(config, num_sequences=4, token_lengths=[10, 20, 30, 40])
+    assert (w.mean_prompt_len, w.mean_seq_len) == (40.0, 72.0)
+    # the run's refusals: packing, and a completion that leaves the prompt no room
+    for section, field, value in (("data", "packing", True), ("method", "max_completion_tokens", 128)):
+        bad = TrainConfig.parse(raw | {section: raw[section] | {field: value}})
+        with pytest.raises(ConfigError) as info:
+            Workload.from_train_config(bad)
+        assert info.value.field == f"{section}.{field}"
+    # a step: its training iteration, then its rollouts; other methods have none
+    box = Hardware(num_gpus=2, gpu_memory_gb=24.0)
+    grpo = plan_job(QWEN3_1_7B, box, Workload.from_train_config(config, num_sequences=10))
+    assert grpo.rollout is not None and grpo.rollout_s is not None and grpo.rollout_s > 0
+    assert grpo.step_s == pytest.approx(grpo.iteration_s + grpo.rollout_s)
+    assert grpo.eta_s == pytest.approx(2 * grpo.step_s) and "GRPO: 32 completions" in grpo.describe()
+    lora = plan_job(QWEN3_1_7B, box, Workload(batch_size=4, num_microbatches=2, steps=2))
+    assert lora.rollout is None and lora.rollout_s is None and lora.step_s == lora.iteration_s

@@ -295,8 +295,18 @@ def test_a_csv_preference_file_is_stored(client: TestClient) -> None:
     assert bad.status_code == 422 and bad.json()["error"]["details"][0]["line"] == 2
 
 
-@pytest.mark.parametrize("attr", ["PREFERENCE_TRAIN", "PREFERENCE_HELDOUT"])
-def test_the_demo_preference_files_are_stored_as_preference(client: TestClient, attr: str) -> None:
+@pytest.mark.parametrize(
+    ("attr", "expected"),
+    [
+        ("PREFERENCE_TRAIN", "preference"),
+        ("PREFERENCE_HELDOUT", "preference"),
+        ("PROMPTS_TRAIN", "prompts"),
+        ("PROMPTS_HELDOUT", "prompts"),
+    ],
+)
+def test_the_demo_preference_and_prompts_files_are_stored_as_such(
+    client: TestClient, attr: str, expected: str
+) -> None:
     from engine import demo
     from server.cli import DEMO_DATASETS
 
@@ -304,4 +314,37 @@ def test_the_demo_preference_files_are_stored_as_preference(client: TestClient, 
     path = getattr(demo, attr)
     with path.open("rb") as f:
         r = client.post("/api/datasets", files={"file": (path.name, f)})
-    assert r.status_code == 201 and r.json()["format"] == "preference", r.text
+    assert r.status_code == 201 and r.json()["format"] == expected, r.text
+
+
+PROMPTS = [
+    {"messages": [{"role": "user", "content": f"How many {n}?"}], "reference_answer": str(n)}
+    for n in range(3)
+] + [{"prompt": "Say hi.", "reference_answer": "hi", "tags": ["short"]}]
+
+
+def test_a_prompts_file_is_stored_and_previewed_with_its_grader_fields(client: TestClient) -> None:
+    content = "".join(json.dumps(r) + "\n" for r in PROMPTS).encode()
+    r = client.post("/api/datasets", files={"file": ("prompts.jsonl", content)})
+    assert r.status_code == 201, r.text
+    ds = r.json()
+    assert (ds["format"], ds["rows"]) == ("prompts", 4)
+    rows = client.get(f"/api/datasets/{ds['id']}/preview", params={"model": "tiny"}).json()["rows"]
+    assert [row["line"] for row in rows] == [1, 2, 3, 4]
+    for n, row in enumerate(rows[:3]):
+        text = "".join(t["text"] for t in row["tokens"])
+        # the prompt with the generation prompt a completion follows; nothing trained, no answers
+        assert f"How many {n}?" in text and text.endswith("<|im_start|>assistant\n"), text
+        assert not any(t["trained"] for t in row["tokens"]) and row["chosen"] is None
+        assert row["item"] == {"reference_answer": str(n)}
+    assert "".join(t["text"] for t in rows[3]["tokens"]).endswith("Say hi.")
+    assert rows[3]["item"] == {"reference_answer": "hi", "tags": ["short"]}
+    cut = client.get(f"/api/datasets/{ds['id']}/preview", params={"model": "tiny", "max_length": 8}).json()
+    assert cut["rows"][0]["truncated"] and len(cut["rows"][0]["tokens"]) == 8  # its last tokens kept
+    stats = client.get(f"/api/datasets/{ds['id']}/stats", params={"model": "tiny", "max_length": 8}).json()
+    assert stats["sampled"] == 4 and sum(b["count"] for b in stats["histogram"]) == 4
+    assert stats["max"] > 8 and stats["truncated_share"] == 0.75  # the chat prompts, not "Say hi."
+    # a row with an answer is no prompt row: a file mixing them is refused by line
+    mixed = content + json.dumps({"prompt": "q", "completion": "a"}).encode() + b"\n"
+    r = client.post("/api/datasets", files={"file": ("mixed.jsonl", mixed)})
+    assert r.status_code == 422 and r.json()["error"]["details"][0]["line"] == 5, r.text

@@ -221,7 +221,7 @@ def test_create_maps_the_request_and_refuses_bad_files(idle: LiveServer) -> None
         ({"hyperparameters": {"n_epochs": 0}}, "hyperparameters.n_epochs"),
         ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
         ({"suffix": "a:b"}, "suffix"),
-        ({"method": {"type": "reinforcement"}}, "method.type"),
+        ({"method": {"type": "reinforcement"}}, "method.reinforcement.grader"),
     ]:
         with pytest.raises(openai.BadRequestError) as bad:
             client.fine_tuning.jobs.create(**({"model": "tiny", "training_file": file_id} | body))  # type: ignore[arg-type]
@@ -253,6 +253,49 @@ def test_dpo_jobs_take_preference_files(idle: LiveServer) -> None:
     with pytest.raises(openai.BadRequestError) as bad:  # a chat file is no preference data
         client.fine_tuning.jobs.create(model="tiny", training_file=upload(client), method={"type": "dpo"})
     assert bad.value.param == "training_file"
+
+
+def test_reinforcement_jobs_take_prompt_files_and_a_grader(idle: LiveServer) -> None:
+    client = idle.client()
+    rows = [{"prompt": f"Count to {i}.", "reference_answer": str(i)} for i in range(8)]
+    prompts = upload(client, "".join(json.dumps(r) + "\n" for r in rows).encode(), "prompts.jsonl")
+    assert client.files.retrieve(prompts).to_dict()["roundhouse"]["format"] == "prompts"
+    grader = {
+        "type": "string_check",
+        "name": "exact",
+        "input": "{{sample.output_text}}",
+        "reference": "{{item.reference_answer}}",
+        "operation": "eq",
+    }
+    job = client.fine_tuning.jobs.create(
+        model="tiny",
+        training_file=prompts,
+        method={
+            "type": "reinforcement",
+            "reinforcement": {"grader": grader, "hyperparameters": {"batch_size": 4, "eval_interval": 2}},  # type: ignore[typeddict-item]
+        },
+        extra_body={"roundhouse": {"method": {"group_size": 2, "max_completion_tokens": 8}}},
+    )
+    assert job.status == "queued" and job.method is not None and job.method.type == "reinforcement"
+    assert job.method.reinforcement is not None and job.method.reinforcement.grader.to_dict() == grader
+    config = idle.http().get(f"/api/jobs/{job.to_dict()['roundhouse']['job_id']}").json()["config"]
+    assert (config["method"]["objective"], config["method"]["group_size"], config["eval"]["every_steps"]) == (
+        "grpo",
+        2,
+        2,
+    )
+    assert client.fine_tuning.jobs.retrieve(job.id).method == job.method
+    bad = {"type": "reinforcement", "reinforcement": {"grader": grader | {"operation": "equals"}}}
+    with pytest.raises(openai.BadRequestError) as refused:  # the grader's field, as the request named it
+        client.fine_tuning.jobs.create(model="tiny", training_file=prompts, method=bad)  # type: ignore[arg-type]
+    assert refused.value.param == "method.reinforcement.grader.operation", refused.value.body
+    with pytest.raises(openai.BadRequestError) as refused:  # a chat file holds no prompts to sample for
+        client.fine_tuning.jobs.create(
+            model="tiny",
+            training_file=upload(client),
+            method={"type": "reinforcement", "reinforcement": {"grader": grader}},  # type: ignore[typeddict-item]
+        )
+    assert refused.value.param == "training_file" and "not a prompts dataset" in str(refused.value)
 
 
 def test_list_pages_by_after_and_filters_by_metadata(idle: LiveServer) -> None:

@@ -22,7 +22,7 @@ def test_the_method_listing_is_the_engines_registry(client: TestClient) -> None:
     r = client.get("/api/methods")
     assert r.status_code == 200, r.text
     listed = {m["name"]: m for m in r.json()["data"]}
-    assert list(listed) == list(METHODS) == ["sft", "dpo", "orpo"]
+    assert list(listed) == list(METHODS) == ["sft", "dpo", "orpo", "grpo"]
     assert listed["orpo"]["data_format"] == "preference" and listed["orpo"]["needs_reference"] is False
     assert listed["dpo"]["needs_reference"] is True and listed["sft"]["data_format"] == "supervised"
     assert listed["orpo"]["sequences_per_example"] == 2 and "beta" in listed["orpo"]["config_fields"]

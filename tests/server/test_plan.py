@@ -174,3 +174,90 @@ def test_a_lora_plan_shows_both_bases(client: TestClient) -> None:
     assert refused.status_code in (400, 422) and "base_bits" in refused.json()["error"]["param"]
     schema = client.get("/openapi.json").json()["components"]["schemas"]["PlanPublic"]["properties"]
     assert {"base_bits", "pcie", "base_variants"} <= set(schema)
+
+
+def test_a_grpo_plan_adds_its_rollouts_to_the_step_of_the_sft_plan_of_its_completions(
+    client: TestClient, settings: Settings
+) -> None:
+    from engine.planner.rollouts import host_gflops
+    from engine.planner.workload import HOST_CORES_ASSUMED, HOST_MEMORY_GB_S, Hardware
+    from tests.server.test_grpo_jobs import GRADER, prompts_dataset
+
+    common = {
+        "config": LLAMA_3_8B,
+        "data": {"max_length": 1024},
+        "engine": {"num_microbatches": 4, "compute_dtype": "bfloat16"},
+        "hardware": {"num_gpus": 2, "gpu_memory_gb": 24},
+    }
+    grpo = {"objective": "grpo", "grader": GRADER, "group_size": 8, "max_completion_tokens": 256, "beta": 0}
+    g = client.post("/api/plan", json=common | {"method": grpo, "hyper": {"batch_size": 4, "max_steps": 10}})
+    assert g.status_code == 200, g.text
+    # the same 32 sequences a step, trained as a supervised job would train them
+    sft = {"method": {"kind": "lora"}, "hyper": {"batch_size": 32, "max_steps": 10}}
+    s = client.post("/api/plan", json=common | sft).json()
+    g_plan = g.json()
+    for key in ("iteration_s", "tokens_per_s", "stages", "max_seq_len", "host_ram"):
+        assert g_plan[key] == s[key], key
+    assert g_plan["assumptions"]["sequences_per_step"] == 32 and s["rollout_s"] is None
+    # a step: the SFT step plus the rollouts' estimate, which the ETA counts
+    rollout = g_plan["rollout"]
+    assert g_plan["rollout_s"] > 0 and rollout["reference_s"] == 0.0  # beta 0: no KL term
+    assert (
+        g_plan["step_s"] == pytest.approx(s["step_s"] + g_plan["rollout_s"])
+        and s["step_s"] == s["iteration_s"]
+    )
+    assert g_plan["step_s"] > s["step_s"] and g_plan["eta_s"] == pytest.approx(10 * g_plan["step_s"])
+    assert g_plan["rollout_share"] == pytest.approx(g_plan["rollout_s"] / g_plan["step_s"])
+    # the estimate: 32 completions of 256 tokens sampled on the host (no worker: its assumed cores),
+    # after a prefill of the prompts (no dataset: max_length - 256 tokens each)
+    gflops = host_gflops(Hardware())
+    assert rollout["host_gflops"] == gflops == HOST_CORES_ASSUMED * 50.0
+    assert (rollout["rows"], rollout["completion_tokens"], rollout["host_memory_gb_s"]) == (
+        32,
+        256,
+        HOST_MEMORY_GB_S,
+    )
+    # every weight a token computes with: the blocks and the (untied) head, not the embedding table
+    embedding = LLAMA_3_8B["vocab_size"] * LLAMA_3_8B["hidden_size"]
+    params = g_plan["parameters"] - embedding - LLAMA_3_8B["hidden_size"]  # nor the final norm
+    decode = max(2 * params * 32 / (gflops * 1e9), 2 * params / (HOST_MEMORY_GB_S * 1e9))
+    prefill = 2 * params * 32 * (1024 - 256) / (gflops * 1e9)
+    assert rollout["generation_s"] == pytest.approx(prefill + 256 * decode, rel=1e-6)
+    assert rollout["tokens_per_s"] == pytest.approx(32 / decode, rel=1e-6)
+    # beta > 0: each step also takes the base model's log-probabilities of its completions
+    with_kl = client.post(
+        "/api/plan",
+        json=common | {"method": grpo | {"beta": 0.04}, "hyper": {"batch_size": 4, "max_steps": 10}},
+    ).json()
+    assert 0 < with_kl["rollout"]["reference_s"] < with_kl["iteration_s"]
+    assert with_kl["rollout_s"] == pytest.approx(g_plan["rollout_s"] + with_kl["rollout"]["reference_s"])
+    # a completion longer than the sequence leaves no room for the prompt
+    long = client.post(
+        "/api/plan",
+        json=common | {"method": grpo | {"max_completion_tokens": 1024}, "hyper": {"batch_size": 4}},
+    )
+    assert long.status_code == 422 and long.json()["error"]["param"] == "method.max_completion_tokens"
+    # with a prompts dataset: its prompts' lengths, each with the completion after it
+    prompts = prompts_dataset(client)
+    body = {
+        "base_model": "tiny",
+        "dataset_id": prompts,
+        "data": {"max_length": 128},
+        "method": grpo | {"max_completion_tokens": 16, "group_size": 2},
+        "hyper": {"batch_size": 4, "epochs": 1},
+        "engine": {"num_microbatches": 2},
+        "hardware": {"num_gpus": 1, "gpu_memory_gb": 24},
+    }
+    r = client.post("/api/plan", json=body)
+    assert r.status_code == 200, r.text
+    plan = r.json()
+    with client.app.state.sessions() as session:  # type: ignore[attr-defined]
+        lengths = plans.token_lengths(
+            session.get(Dataset, prompts), tokenizer_folder=settings.models_dir / "tiny"
+        )
+    assert len(lengths) == 8 and plan["assumptions"]["tokens_from_data"]
+    expected = batch_length([n + 16 for n in lengths], batch_size=4, max_length=128, packing=False)
+    assert plan["assumptions"]["tokens_per_sequence"] == pytest.approx(expected)
+    assert plan["eta_s"] == pytest.approx(2 * plan["step_s"])  # 8 prompts, 4 a step
+    schema = client.get("/openapi.json").json()["components"]["schemas"]["PlanPublic"]["properties"]
+    assert {"step_s", "rollout_s", "rollout_share", "rollout"} <= set(schema)

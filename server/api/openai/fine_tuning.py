@@ -98,12 +98,15 @@ def job_request(session: Session, body: FineTuningJobCreate) -> tuple[JobCreate,
     given = {k for k, v in hyperparameters.items() if v != "auto"} | (
         {"seed"} if body.seed is not None else set()
     )
+    reinforcement = body.method.reinforcement if body.method is not None else None
+    grader = reinforcement.grader if reinforcement is not None and method_type == "reinforcement" else None
     try:
         sections = openai_compat.train_sections(
             method_type=method_type,
             hyperparameters=hyperparameters,
             seed=body.seed,
             options=options.model_dump(),
+            grader=grader,
         )
     except openai_compat.Invalid as exc:
         raise ApiError(400, "invalid_request", str(exc), param=exc.param) from exc
@@ -118,7 +121,7 @@ def job_request(session: Session, body: FineTuningJobCreate) -> tuple[JobCreate,
         hyper=sections["hyper"],
         engine=options.engine,
         checkpoint=options.checkpoint,
-        eval=options.eval,
+        eval=sections["eval"],
         tracking=tracking,
     )
     return request, method_type, given

@@ -75,6 +75,18 @@ class DpoHyperparameters(Hyperparameters):
     beta: Auto | Annotated[float, Field(gt=0, le=100)] = "auto"
 
 
+class ReinforcementHyperparameters(Hyperparameters):
+    """OpenAI's reinforcement hyperparameters: ``eval_interval`` is how often the validation
+    prompts are graded (``eval.every_steps``); ``reasoning_effort``, ``compute_multiplier`` and
+    ``eval_samples`` are accepted and have no effect here (GRPO's own settings, group_size,
+    max_completion_tokens, temperature, beta, loss_type, ..., go in roundhouse.method)."""
+
+    eval_interval: Auto | Annotated[int, Field(ge=1, le=1 << 20)] = "auto"
+    eval_samples: Auto | Annotated[int, Field(ge=1, le=1 << 20)] = "auto"
+    compute_multiplier: Auto | Annotated[float, Field(gt=0, le=1000)] = "auto"
+    reasoning_effort: Literal["default", "low", "medium", "high"] = "default"
+
+
 class SupervisedMethod(_Request):
     hyperparameters: Hyperparameters | None = None
 
@@ -83,16 +95,27 @@ class DpoMethod(_Request):
     hyperparameters: DpoHyperparameters | None = None
 
 
+class ReinforcementMethod(_Request):
+    grader: dict[str, Any] = Field(
+        description="the grader that scores each sampled completion, in OpenAI's shapes: string_check, "
+        "text_similarity, python, multi (and ours: regex, json_schema, length); "
+        "POST /v1/fine_tuning/alpha/graders/validate checks one"
+    )
+    hyperparameters: ReinforcementHyperparameters | None = None
+
+
 class Method(_Request):
     type: Literal["supervised", "dpo", "orpo", "reinforcement"] = Field(
         description='supervised: a LoRA adapter (or every weight: roundhouse.method.kind "full"); dpo: '
         "preference tuning (roundhouse.method.dpo_tuning lora or full); orpo (our extension): "
-        "reference-free preference tuning by odds ratio, beta its weight; reinforcement is not supported"
+        "reference-free preference tuning by odds ratio, beta its weight; reinforcement: GRPO on a file of "
+        "prompts, each completion scored by reinforcement.grader (group_size, max_completion_tokens, "
+        "temperature, beta, loss_type, ...: roundhouse.method)"
     )
     supervised: SupervisedMethod | None = None
     dpo: DpoMethod | None = None
     orpo: DpoMethod | None = Field(None, description="as dpo's: hyperparameters with beta (ORPO's lambda)")
-    reinforcement: dict[str, Any] | None = None
+    reinforcement: ReinforcementMethod | None = None
 
 
 class RoundhouseOptions(_Request):
@@ -183,7 +206,10 @@ class JobError(BaseModel):
 # batch_size, learning_rate_multiplier, n_epochs, and beta for dpo: as the job runs them
 JobHyperparameters = Annotated[
     dict[str, float | int | str | None],
-    Field(description="batch_size, learning_rate_multiplier, n_epochs (and beta: dpo), as resolved"),
+    Field(
+        description="batch_size, learning_rate_multiplier, n_epochs (and beta: dpo, orpo; beta, "
+        "eval_interval, group_size, max_completion_tokens: reinforcement), as resolved"
+    ),
 ]
 
 
@@ -191,11 +217,16 @@ class JobMethodOptions(BaseModel):
     hyperparameters: JobHyperparameters
 
 
+class JobReinforcement(JobMethodOptions):
+    grader: dict[str, Any] = Field(description="the grader that scores each completion, as given")
+
+
 class JobMethod(BaseModel):
-    type: Literal["supervised", "dpo", "orpo"]
+    type: Literal["supervised", "dpo", "orpo", "reinforcement"]
     supervised: JobMethodOptions | None = None
     dpo: JobMethodOptions | None = None
     orpo: JobMethodOptions | None = None
+    reinforcement: JobReinforcement | None = None
 
 
 class FineTuningJob(BaseModel):
