@@ -14,7 +14,9 @@ export class ApiError extends Error {
   }
 }
 
-function url(path, query) {
+// root: "/api" (ours), or "/v1" (the OpenAI-compatible API, e.g. its graders), which takes the
+// session cookie too and answers errors in the same {"error": {message, param, code}} shape
+function url(path, query, root = "/api") {
   const q = new URLSearchParams();
   for (const [k, v] of Object.entries(query || {})) {
     if (v === undefined || v === null || v === "") continue;
@@ -22,16 +24,16 @@ function url(path, query) {
     else q.set(k, String(v));
   }
   const s = q.toString();
-  return `/api${path}${s ? `?${s}` : ""}`;
+  return `${root}${path}${s ? `?${s}` : ""}`;
 }
 
-export async function api(path, { method = "GET", body, query } = {}) {
+export async function api(path, { method = "GET", body, query, root } = {}) {
   const init = { method, credentials: "same-origin", headers: { Accept: "application/json" } };
   if (body !== undefined) {
     init.headers["Content-Type"] = "application/json";
     init.body = JSON.stringify(body);
   }
-  const r = await fetch(url(path, query), init);
+  const r = await fetch(url(path, query, root), init);
   if (r.status === 204) return null;
   const data = await r.json().catch(() => null);
   if (!r.ok) throw new ApiError(r.status, data);

@@ -1,6 +1,6 @@
 // Datasets: upload (drop or pick; progress; errors by line), list, preview through a model's
 // chat template with the trained tokens highlighted (preference rows: the prompt, then both
-// answers), token-length histogram, delete.
+// answers; prompt rows: the prompt, then the fields a grader reads), token-length histogram, delete.
 
 import { api, upload } from "../api.js";
 import { age, bytes, el, errorBox, number } from "../widgets.js";
@@ -17,6 +17,17 @@ function tokens(list) {
 // side by side (stacked on a narrow window).
 function previewRow(r) {
   const where = el("div", { class: "muted small", text: `line ${r.line}${r.truncated ? " (truncated)" : ""}` });
+  if (r.item)
+    // a prompt row (GRPO): what the completions follow, and what its grader reads as item.<field>
+    return el(
+      "div",
+      { class: "preview-row prompts" },
+      where,
+      el("h4", { text: "Prompt" }),
+      el("div", { class: "prompt" }, tokens(r.tokens)),
+      el("h4", { text: "Grader fields (item)" }),
+      el("pre", { class: "item code", text: JSON.stringify(r.item, null, 2) }),
+    );
   if (!r.chosen || !r.rejected) return el("div", { class: "preview-row" }, where, tokens(r.tokens));
   const answer = (kind, title, a) =>
     el(
@@ -67,8 +78,9 @@ export async function render(main) {
     el("p", {
       class: "muted small",
       text:
-        "Rows: chat messages, instruction/input/output, prompt/completion, text, or preference pairs " +
-        "(prompt with chosen/rejected, or input with preferred_output/non_preferred_output) for DPO.",
+        "Rows: chat messages, instruction/input/output, prompt/completion, text, preference pairs " +
+        "(prompt with chosen/rejected, or input with preferred_output/non_preferred_output) for DPO, or " +
+        "prompts (messages ending with a user turn, or prompt alone, with fields such as reference_answer) for GRPO.",
     }),
   );
   const body = el("tbody");
@@ -214,7 +226,8 @@ export async function render(main) {
         ]);
         rows.replaceChildren(...p.rows.map(previewRow));
         histogram.setBins(stats.histogram, stats.max_length);
-        const each = d.format === "preference" ? " (both answers of each pair)" : "";
+        const each =
+          d.format === "preference" ? " (both answers of each pair)" : d.format === "prompts" ? " (the prompts)" : "";
         summary.textContent = `${stats.sampled} of ${stats.rows} rows measured${each} · mean ${number(stats.mean)} tokens · longest ${stats.max} · ${number(100 * stats.truncated_share)}% longer than ${stats.max_length} (cut)`;
       } catch (error) {
         rows.replaceChildren(errorBox(error));

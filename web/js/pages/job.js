@@ -1,5 +1,6 @@
 // Job: status, method, progress and ETA, times (created, started, finished, duration), disk use, loss
-// and token accuracy (train and validation), DPO rewards, throughput, learning rate, bubble ratio,
+// and token accuracy (train and validation), DPO rewards, GRPO rewards, completions and the latest
+// graded samples, throughput, learning rate, bubble ratio,
 // the engine's idle time, waits, transfers and optimizer phases, per-GPU utilization and memory over the job's
 // life, the event log, checkpoints, cancel, pause, resume and delete. Everything is rebuilt from the
 // job's event stream, which replays the stored events and then goes live (again after a resume).
@@ -50,16 +51,62 @@ const PREFERENCE_CHARTS = {
   },
 };
 
-// A job's method (either form of its method section): "sft", "dpo", "orpo"
+// GRPO's charts (engine.methods.grpo's metrics): [chart id, label, y label, [[name, key], ...]];
+// each reward/<grader name> is added to the rewards chart as it arrives
+const GRPO_CHARTS = [
+  [
+    "reward-chart",
+    "Rewards (GRPO)",
+    "reward",
+    [
+      ["mean", "reward/mean"],
+      ["min", "reward/min"],
+      ["max", "reward/max"],
+      ["validation", "reward/val"],
+    ],
+  ],
+  [
+    "grpo-chart",
+    "KL, clipping and reward spread (GRPO)",
+    "value",
+    [
+      ["KL to the base", "grpo/kl"],
+      ["clipped share", "grpo/clip_fraction"],
+      ["reward std in a group", "reward/std"],
+    ],
+  ],
+  [
+    "completion-chart",
+    "Completion length (GRPO)",
+    "tokens",
+    [
+      ["mean", "completion/length"],
+      ["longest", "completion/length_max"],
+    ],
+  ],
+];
+const GRPO_HINTS = {
+  "reward-chart":
+    "The grader's scores of each step's completions, and of greedy completions of the validation prompts.",
+  "grpo-chart":
+    "How far the policy moved from the base model (beta's KL term), the share of tokens whose ratio was clipped, and how much rewards differ within a prompt's group (none: nothing to learn from).",
+  "completion-chart": "Tokens per sampled completion.",
+};
+const SAMPLE_STEPS = 5; // the samples events shown: the latest steps'
+
+// A job's method (either form of its method section): "sft", "dpo", "orpo", "grpo"
 export function methodObjective(m = {}) {
   if (m.objective) return m.objective;
   return m.kind === "lora" || m.kind === "full" || !m.kind ? "sft" : m.kind;
 }
 
-// "LoRA (r 16)", "LoRA (r 16), 4-bit base", "Full fine-tune", "DPO (LoRA), beta 0.1", "ORPO (full), beta 0.1"
+// "LoRA (r 16)", "LoRA (r 16), 4-bit base", "Full fine-tune", "DPO (LoRA), beta 0.1", "ORPO (full), beta 0.1",
+// "GRPO (LoRA), group 4, beta 0.04"
 export function methodLabel(m = {}) {
   const objective = methodObjective(m);
   const tuning = m.tuning ?? (objective === "sft" ? m.kind : m.dpo_tuning) ?? "lora";
+  if (objective === "grpo")
+    return `GRPO (${tuning === "full" ? "full" : "LoRA"}), group ${m.group_size ?? 4}, beta ${m.beta ?? 0.1}`;
   if (objective !== "sft")
     return `${objective.toUpperCase()} (${tuning === "full" ? "full" : "LoRA"}), beta ${m.beta ?? 0.1}`;
   if (tuning === "full") return "Full fine-tune";
@@ -132,6 +179,7 @@ export async function render(main, jobId) {
   const title = el("h1", { text: job.name });
   const objective = methodObjective(job.config.method);
   const dpo = objective in PREFERENCE_CHARTS; // a preference method: its charts are shown
+  const grpo = objective === "grpo"; // GRPO: the reward charts and the samples are shown
   const charts = PREFERENCE_CHARTS[objective] ?? PREFERENCE_CHARTS.dpo;
   const marginChart = el("rh-line-chart", {
     id: "reward-margin-chart",
@@ -161,7 +209,7 @@ export async function render(main, jobId) {
   });
   const tokenAccuracyCard = el(
     "section",
-    { class: "card", hidden: dpo },
+    { class: "card", hidden: dpo || grpo },
     el("h2", { text: "Token accuracy" }),
     el("p", {
       class: "hint",
@@ -185,6 +233,41 @@ export async function render(main, jobId) {
       accuracyChart,
     ),
   ];
+  const grpoCharts = GRPO_CHARTS.map(([id, label, ylabel, lines]) => ({
+    lines: [...lines],
+    chart: el("rh-line-chart", { id, label, xlabel: "step", ylabel, empty: "nothing logged yet" }),
+    title: label,
+    hint: GRPO_HINTS[id],
+  }));
+  const grpoCards = grpoCharts.map(({ chart, title: heading, hint }) =>
+    el(
+      "section",
+      { class: "card grpo-card", hidden: !grpo },
+      el("h2", { text: heading }),
+      el("p", { class: "hint", text: hint }),
+      chart,
+    ),
+  );
+  const finishedShare = el("span", { id: "completion-finished", text: "–" });
+  const graderErrors = el("span", { id: "grader-errors", text: "–" });
+  // the latest steps' graded completions (the run's "samples" events), newest first
+  const samplesList = el("ol", { id: "grpo-samples", class: "samples-list" });
+  const samplesCard = el(
+    "section",
+    { class: "card", id: "samples", hidden: !grpo },
+    el("h2", { text: "Samples" }),
+    el("p", {
+      class: "hint",
+      text: "A few of each step's sampled completions with the grader's reward (the latest steps).",
+    }),
+    el(
+      "dl",
+      { class: "stats" },
+      el("div", {}, el("dt", { text: "completions that stopped" }), el("dd", {}, finishedShare)),
+      el("div", {}, el("dt", { text: "grader errors (last step)" }), el("dd", {}, graderErrors)),
+    ),
+    samplesList,
+  );
   main.append(
     el("div", { class: "title-row" }, title, status),
     el(
@@ -233,6 +316,7 @@ export async function render(main, jobId) {
       el("section", { class: "card" }, el("h2", { text: "Loss" }), lossChart),
       tokenAccuracyCard,
       ...dpoCards,
+      ...grpoCards,
       el("section", { class: "card" }, el("h2", { text: "Throughput (tokens/s)" }), speedChart),
       ...engine.cards,
       el("section", { class: "card" }, el("h2", { text: "Device utilization (%)" }), gpuChart),
@@ -261,6 +345,7 @@ export async function render(main, jobId) {
         ),
       ),
     ),
+    samplesCard,
     el("section", { class: "card" }, el("h2", { text: "Events" }), log),
   );
 
@@ -273,6 +358,8 @@ export async function render(main, jobId) {
   };
   for (const c of Object.values(PREFERENCE_CHARTS))
     for (const key of [...c.lines.map((l) => l[1]), c.accuracy]) series[key] = [];
+  for (const c of grpoCharts) for (const [, key] of c.lines) series[key] = [];
+  const rewards = grpoCharts[0];
   const devices = new Map();
   const memory = new Map();
   let runStart = null; // when the run first started (ms): the x origin of the device charts
@@ -327,6 +414,8 @@ export async function render(main, jobId) {
       for (const card of dpoCards) card.hidden = false; // the metrics shown wherever they come from
     marginChart.setSeries(charts.lines.map(([name, key]) => ({ name, points: series[key] })));
     accuracyChart.setSeries([{ name: "accuracy", points: series[charts.accuracy] }]);
+    if (series["reward/mean"].length) for (const card of [...grpoCards, samplesCard]) card.hidden = false;
+    for (const c of grpoCharts) c.chart.setSeries(c.lines.map(([name, key]) => ({ name, points: series[key] })));
     gpuChart.setSeries([...devices.entries()].map(([k, points]) => ({ name: k, points })));
     memoryChart.setSeries([...memory.entries()].map(([k, points]) => ({ name: k, points })));
     engine.draw();
@@ -345,7 +434,15 @@ export async function render(main, jobId) {
   // a training step's metrics: the loss and throughput charts, the figures, the progress
   function metrics(e) {
     const d = e.data;
+    // a grader's own mean (reward/<name>, a multi grader's parts): a line of the rewards chart
+    for (const key of Object.keys(d))
+      if (key.startsWith("reward/") && !(key in series)) {
+        series[key] = [];
+        rewards.lines.push([key.slice("reward/".length), key]);
+      }
     for (const key of Object.keys(series)) if (key in d) series[key].push([e.step, d[key]]);
+    if ("completion/finished" in d) finishedShare.textContent = `${number(100 * d["completion/finished"])}%`;
+    if ("grpo/grader_errors" in d) graderErrors.textContent = number(d["grpo/grader_errors"]);
     engine.take(e);
     if ("progress/step" in d) {
       job.step = d["progress/step"];
@@ -376,6 +473,51 @@ export async function render(main, jobId) {
       target.get(label).push([x, isMemory ? value / 1e9 : value]);
     }
     schedule();
+  }
+
+  // a step's graded completions: a list item of the step, the latest SAMPLE_STEPS kept
+  function samples(e) {
+    const d = e.data || {};
+    const shown = Array.isArray(d.samples) ? d.samples : [];
+    const item = el(
+      "li",
+      { class: "sample-step", dataset: { step: d.step ?? e.step ?? "" } },
+      el("h3", { text: `step ${d.step ?? e.step}` }),
+      el(
+        "table",
+        { class: "grpo-samples-table" },
+        el(
+          "thead",
+          {},
+          el(
+            "tr",
+            {},
+            ["Prompt", "Completion", "Reward"].map((h) => el("th", { text: h })),
+          ),
+        ),
+        el(
+          "tbody",
+          {},
+          shown.map((s) =>
+            el(
+              "tr",
+              { class: `grpo-sample${s.error ? " failed" : ""}` },
+              el("td", { class: "grpo-prompt", title: s.prompt, text: String(s.prompt ?? "").slice(-200) }),
+              el("td", { class: "grpo-completion", text: s.completion ?? "" }),
+              el(
+                "td",
+                { class: "grpo-reward", title: s.error || "" },
+                number(s.reward),
+                s.error ? el("div", { class: "grpo-error error small", text: s.error }) : null,
+              ),
+            ),
+          ),
+        ),
+      ),
+    );
+    samplesList.prepend(item);
+    while (samplesList.children.length > SAMPLE_STEPS) samplesList.lastElementChild.remove();
+    samplesCard.hidden = false;
   }
 
   function logLine(e) {
@@ -491,6 +633,7 @@ export async function render(main, jobId) {
       logLine(e);
       refreshCheckpoints();
     },
+    samples,
   };
   let lastId = 0; // the last event shown: a new stream (after a resume) continues from it
   const handlers = Object.fromEntries(

@@ -1,10 +1,11 @@
-// New job: base model, dataset, method (LoRA, full, or a preference method on pairs: DPO, ORPO,
-// as GET /api/methods lists them) and the key
-// hyperparameters (engine settings under "Advanced"); the equivalent API request is shown and can be
-// copied.
+// New job: base model, dataset, method (LoRA, full, a preference method on pairs: DPO, ORPO, or
+// reinforcement fine-tuning on prompts with a grader: GRPO, as GET /api/methods lists them) and the
+// key hyperparameters (engine settings under "Advanced"); the equivalent API request is shown and
+// can be copied.
 
 import { api } from "../api.js";
 import { bytes, el, errorBox, field, number } from "../widgets.js";
+import { grpoOptions } from "./grpo-options.js";
 import { planCard } from "./plan-card.js";
 
 function num(value, attrs = {}) {
@@ -99,20 +100,30 @@ export function suitableData(list, kind = "lora") {
   return train ? [train.id, heldOutFor(list, train.id)] : ["", ""];
 }
 
-// The methods that train on preference datasets (GET /api/methods: data_format "preference"),
-// set when the page renders.
-const preferenceMethods = new Set(["dpo", "orpo"]);
+// The data format of each method that does not train on supervised rows (GET /api/methods:
+// data_format "preference" or "prompts"), set when the page renders.
+const methodFormats = new Map([
+  ["dpo", "preference"],
+  ["orpo", "preference"],
+  ["grpo", "prompts"],
+]);
+const FORMATS = ["preference", "prompts"]; // a dataset format that is a method's data format
 
 // Which datasets a method trains on: a preference method (DPO, ORPO) on preference datasets (a
-// preferred and a rejected answer per prompt), the supervised methods on every other format.
-// POST /api/jobs refuses the others.
+// preferred and a rejected answer per prompt), GRPO on prompts datasets (a prompt and the fields
+// its grader reads), the supervised methods on every other format. POST /api/jobs refuses the
+// others.
 export function fits(dataset, kind) {
-  return (dataset.format === "preference") === preferenceMethods.has(kind);
+  const has = FORMATS.includes(dataset.format) ? dataset.format : "supervised";
+  return has === (methodFormats.get(kind) ?? "supervised");
 }
 
 function datasetLabel(d, kind) {
   const rows = d.format === "preference" ? `${d.rows} pairs, preference` : `${d.rows} rows, ${d.format}`;
-  const why = preferenceMethods.has(kind) ? " — not preference pairs" : " — for preference methods";
+  const wanted = methodFormats.get(kind);
+  const why = wanted
+    ? ` — not ${wanted === "preference" ? "preference pairs" : "prompts"}`
+    : ` — for ${d.format === "prompts" ? "GRPO" : "preference methods"}`;
   return `${d.name} (${rows})${fits(d, kind) ? "" : why}`;
 }
 
@@ -124,8 +135,9 @@ export async function render(main) {
     api("/methods"),
   ]);
   const preference = methods.data.filter((m) => m.data_format === "preference");
-  preferenceMethods.clear();
-  for (const m of preference) preferenceMethods.add(m.name);
+  const reinforcement = methods.data.filter((m) => m.data_format === "prompts");
+  methodFormats.clear();
+  for (const m of [...preference, ...reinforcement]) methodFormats.set(m.name, m.data_format);
   const [base, unsupported] = modelPicker(models.data);
   const [trainPick, validationPick] = suitableData(datasets.data);
   const train = choice(
@@ -143,6 +155,20 @@ export async function render(main) {
   // one radio per preference method of the listing: #method-dpo, #method-orpo
   const prefRadios = preference.map((m) =>
     el("input", { type: "radio", name: "method", value: m.name, id: `method-${m.name}` }),
+  );
+  // one radio per prompts method of the listing (#method-grpo), with its options (grpo-options.js)
+  const rlRadios = reinforcement.map((m) =>
+    el("input", { type: "radio", name: "method", value: m.name, id: `method-${m.name}` }),
+  );
+  const rlOptions = new Map(
+    reinforcement.map((m) => [
+      m.name,
+      grpoOptions(
+        m,
+        () => ({ baseModel: base.value, datasetId: train.value }),
+        () => update(),
+      ),
+    ]),
   );
   const shortName = (m) => m.title.split(" ")[0];
   // a preference method: what it trains (method.dpo_tuning) and its beta (method.beta)
@@ -165,9 +191,11 @@ export async function render(main) {
     field("dpo-tuning", "Trains", dpoTuning),
     betaField,
   );
-  const kind = () => prefRadios.find((r) => r.checked)?.value ?? (full.checked ? "full" : "lora");
+  const kind = () => [...prefRadios, ...rlRadios].find((r) => r.checked)?.value ?? (full.checked ? "full" : "lora");
   const chosenMethod = () => preference.find((m) => m.name === kind());
-  const usesLora = () => lora.checked || (Boolean(chosenMethod()) && dpoTuning.value === "lora");
+  const chosenRl = () => rlOptions.get(kind());
+  const usesLora = () =>
+    lora.checked || (Boolean(chosenMethod()) && dpoTuning.value === "lora") || Boolean(chosenRl()?.usesLora());
   // the fieldset says what the chosen preference method is and what its fields mean
   function describeMethod(m) {
     prefLegend.textContent = `Preference tuning (${shortName(m)})`;
@@ -264,15 +292,17 @@ export async function render(main) {
       data: { max_length: Number(maxLength.value) },
       method: lora.checked
         ? { kind: "lora", lora_r: Number(rank.value), ...(fourBit.checked ? { base_bits: 4 } : {}) }
-        : chosenMethod()
-          ? {
-              kind: kind(),
-              dpo_tuning: dpoTuning.value,
-              beta: Number(beta.value),
-              ...(usesLora() ? { lora_r: Number(rank.value) } : {}),
-              ...(usesLora() && fourBit.checked ? { base_bits: 4 } : {}),
-            }
-          : { kind: "full" },
+        : chosenRl()
+          ? { ...chosenRl().method(), ...(usesLora() ? { lora_r: Number(rank.value) } : {}) }
+          : chosenMethod()
+            ? {
+                kind: kind(),
+                dpo_tuning: dpoTuning.value,
+                beta: Number(beta.value),
+                ...(usesLora() ? { lora_r: Number(rank.value) } : {}),
+                ...(usesLora() && fourBit.checked ? { base_bits: 4 } : {}),
+              }
+            : { kind: "full" },
       hyper: {
         batch_size: Number(batch.value),
         learning_rate: Number(lr.value),
@@ -313,11 +343,13 @@ export async function render(main) {
   function showMethod() {
     const k = kind();
     const m = chosenMethod();
+    const rl = chosenRl();
     dpoOptions.hidden = !m;
     if (m) describeMethod(m);
+    for (const [name, options] of rlOptions) options.show(name === k);
     rankField.hidden = !usesLora();
-    fourBitField.hidden = !usesLora();
-    batchField.querySelector("label").textContent = `Batch size (${m ? "pairs" : "sequences"})`;
+    fourBitField.hidden = !usesLora() || Boolean(rl); // GRPO samples with the base's own weights
+    batchField.querySelector("label").textContent = `Batch size (${m ? "pairs" : rl ? "prompts" : "sequences"})`;
     for (const [picker, offset] of [
       [train, 0],
       [validation, 1],
@@ -330,7 +362,9 @@ export async function render(main) {
     const chosen = datasets.data.find((d) => d.id === train.value);
     const wanted = m
       ? "a preference dataset (a preferred and a rejected answer per prompt)"
-      : "a chat, instruction, prompt/completion or text dataset";
+      : rl
+        ? "a prompts dataset (a prompt per row, with the fields its grader reads)"
+        : "a chat, instruction, prompt/completion or text dataset";
     const fitting = datasets.data.filter((d) => fits(d, k)).length;
     dataHint.textContent =
       chosen && !fits(chosen, k)
@@ -371,8 +405,17 @@ export async function render(main) {
           ` ${shortName(m)} (preference pairs)`,
         ),
       ),
+      ...reinforcement.map((m, i) =>
+        el(
+          "label",
+          { for: `method-${m.name}`, title: m.description },
+          rlRadios[i],
+          ` ${shortName(m)} (prompts, scored by a grader)`,
+        ),
+      ),
     ),
     dpoOptions,
+    ...[...rlOptions.values()].map((o) => o.element),
     moeOptions,
     el(
       "div",
@@ -433,7 +476,7 @@ export async function render(main) {
     if (!validationPicked) validation.value = heldOutFor(datasets.data, train.value);
   });
   // a method change moves the training set to one that fits it, when the chosen one does not
-  for (const radio of [lora, full, ...prefRadios])
+  for (const radio of [lora, full, ...prefRadios, ...rlRadios])
     radio.addEventListener("change", () => {
       const chosen = datasets.data.find((d) => d.id === train.value);
       const [better] = suitableData(datasets.data, kind());
@@ -465,13 +508,19 @@ export async function render(main) {
       location.hash = `#/jobs/${job.id}`;
     } catch (err) {
       error.replaceChildren(errorBox(err));
-      const last = (err.param || "").split(".").pop().replace(/_/g, "-");
+      const last = /^method\.grader\b/.test(err.param || "")
+        ? "grader" // a field inside the grader: its text box
+        : (err.param || "").split(".").pop().replace(/_/g, "-");
       // the error's field -> the control's id where they differ
       const param =
         {
           "dataset-id": "dataset",
           "validation-dataset-id": "validation-dataset",
-          beta: "dpo-beta",
+          beta: chosenRl() ? "grpo-beta" : "dpo-beta",
+          "group-size": "grpo-group-size",
+          "max-completion-tokens": "grpo-max-completion-tokens",
+          temperature: "grpo-temperature",
+          "loss-type": "grpo-loss-type",
           host: "placement-host",
           gpus: "placement-gpus",
         }[last] || last;

@@ -1,6 +1,6 @@
 // The new-job page's "Fit and time" card: POST /api/plan with the very body POST /api/jobs would
 // get, shown as fit, memory, the longest sequence, tokens/s and ETA (a DPO job's with its
-// reference pass).
+// reference pass, a GRPO job's with its rollouts).
 
 import { api } from "../api.js";
 import { duration, el, errorBox, number } from "../widgets.js";
@@ -25,6 +25,20 @@ function pairsNote(p) {
       ? "the reference pass is not counted (pick a dataset for its pair count)"
       : `the reference pass over ${a.reference_pairs.toLocaleString("en-US")} pairs (${what}) takes ${duration(p.reference_s)}, in the ETA`;
   return `${a.objective.toUpperCase()}: 2 sequences (preferred and rejected) per pair, ${a.sequences_per_step} a step; ${pass}.`;
+}
+
+// A GRPO job: each step first samples its completions on the host (POST /api/plan's rollout:
+// the worst case, every completion max_completion_tokens long), then trains on them; the ETA
+// counts both.
+function rolloutNote(p) {
+  const r = p.rollout;
+  const kl = r.reference_s ? `, and ${duration(r.reference_s)} for the base model's log-probabilities (beta > 0)` : "";
+  return (
+    `GRPO: ${r.rows} completions of up to ${r.completion_tokens.toLocaleString("en-US")} tokens a step, ` +
+    `sampled on the host's CPU in ${duration(r.generation_s)} (~${number(r.tokens_per_s)} tokens/s, ${r.bound}-bound, ` +
+    `assuming ${number(r.host_gflops)} GFLOP/s and ${number(r.host_memory_gb_s)} GB/s)${kl}: ` +
+    `${number(100 * p.rollout_share)}% of a ${duration(p.step_s)} step, in the ETA.`
+  );
 }
 
 // A LoRA job with either base (POST /api/plan's base_variants): the host RAM each needs against
@@ -138,6 +152,17 @@ export function planCard(body) {
                   el("dd", { id: "plan-reference", text: duration(p.reference_s) }),
                 )
               : null,
+            p.rollout
+              ? el(
+                  "div",
+                  {},
+                  el("dt", { text: "rollouts a step" }),
+                  el("dd", {
+                    id: "plan-rollout",
+                    text: `${duration(p.rollout_s)} (${number(100 * p.rollout_share)}% of the step)`,
+                  }),
+                )
+              : null,
             el("div", {}, el("dt", { text: "ETA" }), el("dd", { id: "plan-eta", text: duration(p.eta_s) })),
           ),
           baseNote(p) ? el("p", { id: "plan-base-bits", text: baseNote(p) }) : null,
@@ -145,7 +170,8 @@ export function planCard(body) {
             class: "muted small",
             text: `${p.partition ? `Stages ${p.partition}; ` : ""}${rate}; ${perSeq} (${hw}). An estimate: a finished job on this box calibrates it (POST /api/plan with calibrate_job_id).`,
           }),
-          p.assumptions.objective !== "sft"
+          p.rollout ? el("p", { id: "plan-grpo", class: "muted small", text: rolloutNote(p) }) : null,
+          p.assumptions.objective !== "sft" && !p.rollout
             ? el("p", { id: "plan-dpo", class: "muted small", text: pairsNote(p) })
             : null,
         ].filter(Boolean),
