@@ -290,6 +290,7 @@ def test_a_database_restart_mid_request_answers_503_and_the_same_api_recovers(
         postgres.start()
         _back(service)
     assert cut is not None, "the upload was stored before the database stopped, 3 times"
+    print(f"the upload was cut mid-request on try {stored_whole + 1}")
     assert cut.status_code == 503 and cut.json()["error"]["code"] == "database_unavailable", cut.text
     # nothing of it stays: no dataset file in the store, no temporary file
     stored = [p for p in settings.datasets_dir.rglob("*") if p.is_file()]
