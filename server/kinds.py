@@ -44,6 +44,9 @@ class EventKind(StrEnum):
     # a GRPO step's sampled completions, graded (``engine.methods.grpo.SAMPLES_EVENT``): data
     # {"step", "samples": [{"prompt", "completion", "reward", "error"}]}
     SAMPLES = "samples"
+    # where a GRPO run samples its completions, and why (``engine.methods.grpo.ROLLOUTS_EVENT``):
+    # data {"device"}
+    ROLLOUTS = "rollouts"
 
 
 class EvaluationStatus(StrEnum):

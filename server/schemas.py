@@ -458,15 +458,16 @@ class PlanPublic(BaseModel):
     )
     rollout_s: float | None = Field(
         None,
-        description="GRPO: seconds a step samples its completions on the host (every one "
-        "max_completion_tokens long) and, with beta > 0, computes their reference log-probabilities; "
-        "part of step_s and eta_s; null for other methods",
+        description="GRPO: seconds a step samples its completions (every one max_completion_tokens "
+        "long; on the first GPU when the model fits there, else the host's CPU) and, with beta > 0, "
+        "computes their reference log-probabilities; part of step_s and eta_s; null for other methods",
     )
     rollout_share: float | None = Field(None, description="GRPO: rollout_s over step_s")
     rollout: dict[str, Any] | None = Field(
         None,
-        description="GRPO: generation_s, reference_s, rows (completions a step), completion_tokens, "
-        "tokens_per_s (sampled), host_gflops and host_memory_gb_s (assumed), bound (compute or memory)",
+        description="GRPO: device (gpu or cpu) and reason, generation_s, upload_s (the model copied to "
+        "the GPU), reference_s, rows (completions a step), completion_tokens, tokens_per_s (sampled), "
+        "gflops and memory_gb_s (assumed), bound (compute or memory)",
     )
     assumptions: dict[str, Any]
     calibrated_from: str | None

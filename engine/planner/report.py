@@ -32,10 +32,11 @@ class PlanReport:
     its reference pass (a forward over every training and validation pair, once, before the first
     step), part of ``eta_s``; None for a supervised job or when the pair count is unknown.
 
-    A GRPO job's step first samples its completions on the host (``rollout``, by term:
-    ``engine.planner.rollouts``) and trains on ``batch_size * group_size`` sequences: ``step_s``
-    is ``iteration_s`` plus ``rollout_s`` (the sampling and, with beta > 0, the reference
-    log-probabilities), ``rollout_share`` the part of a step they take; the ETA counts both.
+    A GRPO job's step first samples its completions (on the first GPU when the model fits there,
+    else on the host's CPU: ``rollout``, by term, ``engine.planner.rollouts``) and trains on
+    ``batch_size * group_size`` sequences: ``step_s`` is ``iteration_s`` plus ``rollout_s`` (the
+    sampling, the model's copy to the GPU and, with beta > 0, the reference log-probabilities),
+    ``rollout_share`` the part of a step they take; the ETA counts both.
     ``tokens_per_s`` is the training iteration's. For every other method ``step_s`` is
     ``iteration_s`` and ``rollout_s`` None.
 
@@ -138,8 +139,9 @@ class PlanReport:
             r = self.rollout
             lines.append(
                 f"GRPO: {r['rows']:,} completions of up to {r['completion_tokens']:,} tokens a step, "
-                f"sampled on the host in {r['generation_s']:.2f} s (~{r['tokens_per_s']:,.0f} tokens/s, "
-                f"{r['bound']}-bound)"
+                f"sampled in {r['generation_s']:.2f} s (~{r['tokens_per_s']:,.0f} tokens/s, "
+                f"{r['bound']}-bound) on {r['reason']}"
+                + (f", the model copied there {r['upload_s']:.2f} s" if r["upload_s"] else "")
                 + (f", reference log-probabilities {r['reference_s']:.2f} s" if r["reference_s"] else "")
                 + f"; a step {self.step_s:.2f} s, {100 * (self.rollout_share or 0):.0f}% of it rollouts"
             )
@@ -252,7 +254,7 @@ def _report(shape: Shape, hardware: Hardware, workload: Workload) -> PlanReport:
         closed = closed_form_bubble(num_workers=n, num_microbatches=m, num_slots=plan.num_slots)
     worker = max((s["gpu_memory_gb"] for s in stages), default=(memory.largest_layer() + overhead) / GB)
     reference = reference_seconds(shape, w, h, plan, memory.weights) if plan is not None else None
-    rollout = rollout_time(shape, w, h, plan, memory.weights)
+    rollout = rollout_time(shape, w, h, plan, memory.weights, a.trainable)
     step = iteration + (rollout.total_s if rollout is not None and iteration else 0.0)
     eta = step * w.steps + (reference or 0.0) if (w.steps and iteration) else None
     return PlanReport(

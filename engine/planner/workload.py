@@ -53,9 +53,12 @@ METHODS = (*TUNINGS, *(name for name in METHOD_TABLE if name != "sft"))
 CPU_GFLOPS_PER_CORE = 50.0
 CPU_COPY_GB_S = 10.0  # a CPU worker's stage "upload" is a host memory copy
 CPU_DEFAULT_RAM_GB = 16.0  # when the worker reports no RAM figure
-# A GPU box's host CPU, which samples GRPO's completions (engine.planner.rollouts): its cores when
-# the worker reports them, else this many, at CPU_GFLOPS_PER_CORE each; and the rate its cores
-# stream the weights from RAM at (a desktop's dual-channel DDR4/DDR5 achieves 20-60 GB/s).
+# Where GRPO samples its completions (engine.planner.rollouts): a GPU reads the weights at
+# GPU_MEMORY_GB_S (an RTX 4090's 1,008 GB/s; a 5090's 1,792); a host CPU (a CPU host's, or a GPU
+# box's when the model does not fit one GPU) has its cores as the worker reports them, else
+# HOST_CORES_ASSUMED, at CPU_GFLOPS_PER_CORE each, and streams the weights from RAM at
+# HOST_MEMORY_GB_S (a desktop's dual-channel DDR4/DDR5 achieves 20-60 GB/s).
+GPU_MEMORY_GB_S = 1000.0
 HOST_CORES_ASSUMED = 8
 HOST_MEMORY_GB_S = 20.0
 

@@ -140,5 +140,6 @@ def test_v1_reinforcement_is_a_grpo_job_with_its_grader(client: TestClient) -> N
     refused_v1({"roundhouse": {"method": {"kind": "dpo"}}}, "roundhouse.method.kind", "contradicts")
 
 
-def test_the_samples_event_is_a_kind_of_the_service() -> None:
+def test_the_grpo_events_are_kinds_of_the_service() -> None:
     assert EventKind.SAMPLES == grpo.SAMPLES_EVENT == "samples"
+    assert EventKind.ROLLOUTS == grpo.ROLLOUTS_EVENT == "rollouts"

@@ -180,7 +180,7 @@ def test_a_grpo_plan_adds_its_rollouts_to_the_step_of_the_sft_plan_of_its_comple
     client: TestClient, settings: Settings
 ) -> None:
     from engine.planner.rollouts import host_gflops
-    from engine.planner.workload import HOST_CORES_ASSUMED, HOST_MEMORY_GB_S, Hardware
+    from engine.planner.workload import GPU_MEMORY_GB_S, HOST_CORES_ASSUMED, HOST_MEMORY_GB_S, Hardware
     from tests.server.test_grpo_jobs import GRADER, prompts_dataset
 
     common = {
@@ -208,22 +208,30 @@ def test_a_grpo_plan_adds_its_rollouts_to_the_step_of_the_sft_plan_of_its_comple
     )
     assert g_plan["step_s"] > s["step_s"] and g_plan["eta_s"] == pytest.approx(10 * g_plan["step_s"])
     assert g_plan["rollout_share"] == pytest.approx(g_plan["rollout_s"] / g_plan["step_s"])
-    # the estimate: 32 completions of 256 tokens sampled on the host (no worker: its assumed cores),
-    # after a prefill of the prompts (no dataset: max_length - 256 tokens each)
-    gflops = host_gflops(Hardware())
-    assert rollout["host_gflops"] == gflops == HOST_CORES_ASSUMED * 50.0
-    assert (rollout["rows"], rollout["completion_tokens"], rollout["host_memory_gb_s"]) == (
-        32,
-        256,
-        HOST_MEMORY_GB_S,
-    )
-    # every weight a token computes with: the blocks and the (untied) head, not the embedding table
+    # the estimate: 32 completions of 256 tokens after a prefill of the prompts (no dataset:
+    # max_length - 256 tokens each); the 16 GB of bf16 weights fit a 24 GB GPU, which samples
     embedding = LLAMA_3_8B["vocab_size"] * LLAMA_3_8B["hidden_size"]
-    params = g_plan["parameters"] - embedding - LLAMA_3_8B["hidden_size"]  # nor the final norm
-    decode = max(2 * params * 32 / (gflops * 1e9), 2 * params / (HOST_MEMORY_GB_S * 1e9))
-    prefill = 2 * params * 32 * (1024 - 256) / (gflops * 1e9)
-    assert rollout["generation_s"] == pytest.approx(prefill + 256 * decode, rel=1e-6)
-    assert rollout["tokens_per_s"] == pytest.approx(32 / decode, rel=1e-6)
+    active = g_plan["parameters"] - embedding - LLAMA_3_8B["hidden_size"]  # blocks and head, a token's
+    weights = 2 * (g_plan["parameters"] + g_plan["trainable"])  # what is read, and copied to the GPU
+
+    def expected(rollout: dict, flops: float, read_gb_s: float) -> None:
+        assert (rollout["rows"], rollout["completion_tokens"], rollout["memory_gb_s"]) == (32, 256, read_gb_s)
+        assert rollout["gflops"] == pytest.approx(flops / 1e9)
+        decode = max(2 * active * 32 / flops, weights / (read_gb_s * 1e9))
+        prefill = 2 * active * 32 * (1024 - 256) / flops
+        assert rollout["generation_s"] == pytest.approx(prefill + 256 * decode, rel=1e-6)
+        assert rollout["tokens_per_s"] == pytest.approx(32 / decode, rel=1e-6)
+
+    assert rollout["device"] == "gpu" and "the first GPU" in rollout["reason"]
+    expected(rollout, 165e12 * 0.4, GPU_MEMORY_GB_S)
+    assert rollout["upload_s"] == pytest.approx(weights / 25e9, rel=1e-6)  # once a step, over PCIe
+    # GPUs of 16 GB: the host's CPU samples (no worker: its assumed cores), nothing is copied
+    small = common | {"hardware": {"num_gpus": 2, "gpu_memory_gb": 16}}
+    on_cpu = client.post("/api/plan", json=small | {"method": grpo, "hyper": {"batch_size": 4}}).json()
+    assert on_cpu["rollout"]["device"] == "cpu" and "do not fit" in on_cpu["rollout"]["reason"]
+    assert on_cpu["rollout"]["upload_s"] == 0.0 and host_gflops(Hardware()) == HOST_CORES_ASSUMED * 50.0
+    expected(on_cpu["rollout"], HOST_CORES_ASSUMED * 50e9, HOST_MEMORY_GB_S)
+    assert on_cpu["rollout_s"] > 10 * g_plan["rollout_s"]
     # beta > 0: each step also takes the base model's log-probabilities of its completions
     with_kl = client.post(
         "/api/plan",

@@ -27,16 +27,17 @@ function pairsNote(p) {
   return `${a.objective.toUpperCase()}: 2 sequences (preferred and rejected) per pair, ${a.sequences_per_step} a step; ${pass}.`;
 }
 
-// A GRPO job: each step first samples its completions on the host (POST /api/plan's rollout:
-// the worst case, every completion max_completion_tokens long), then trains on them; the ETA
-// counts both.
+// A GRPO job: each step first samples its completions, on the first GPU when the model fits there,
+// else on the host's CPU (POST /api/plan's rollout: the worst case, every completion
+// max_completion_tokens long), then trains on them; the ETA counts both.
 function rolloutNote(p) {
   const r = p.rollout;
+  const copy = r.upload_s ? `, plus ${duration(r.upload_s)} copying the model there` : "";
   const kl = r.reference_s ? `, and ${duration(r.reference_s)} for the base model's log-probabilities (beta > 0)` : "";
   return (
     `GRPO: ${r.rows} completions of up to ${r.completion_tokens.toLocaleString("en-US")} tokens a step, ` +
-    `sampled on the host's CPU in ${duration(r.generation_s)} (~${number(r.tokens_per_s)} tokens/s, ${r.bound}-bound, ` +
-    `assuming ${number(r.host_gflops)} GFLOP/s and ${number(r.host_memory_gb_s)} GB/s)${kl}: ` +
+    `sampled in ${duration(r.generation_s)} on ${r.reason} (~${number(r.tokens_per_s)} tokens/s, ${r.bound}-bound, ` +
+    `assuming ${number(r.gflops)} GFLOP/s and ${number(r.memory_gb_s)} GB/s)${copy}${kl}: ` +
     `${number(100 * p.rollout_share)}% of a ${duration(p.step_s)} step, in the ETA.`
   );
 }
