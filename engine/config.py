@@ -95,7 +95,7 @@ class MethodSpec(_Strict):
         description=(
             "dpo: how far the policy may move from the reference (the DPO beta, > 0); orpo: the weight of "
             "the odds-ratio loss (the paper's lambda, > 0); grpo: the weight of the KL term to the base "
-            "model (0: none; a full fine-tune takes 0)"
+            "model (0, its default: none; a full fine-tune takes 0)"
         ),
     )
     dpo_tuning: Literal["lora", "full"] = Field(
@@ -222,6 +222,22 @@ class MethodSpec(_Strict):
                 value=self.beta,
             )
         if self.objective == "grpo":
+            if "beta" not in self.model_fields_set:
+                self.beta = 0.0  # GRPO's default: no KL term (DAPO, Dr. GRPO), no reference pass
+            if self.beta and not self.lora:
+                raise ConfigError(
+                    "beta",
+                    f"method.beta={self.beta}: the KL term's reference is the base model, which a full "
+                    "fine-tune does not keep; set method.beta to 0, or train a LoRA adapter",
+                    value=self.beta,
+                )
+            if self.base_bits == 4:
+                raise ConfigError(
+                    "base_bits",
+                    "method.base_bits=4: GRPO samples on the host with the model's own weights, and a "
+                    "4-bit base keeps none there; use base_bits 16",
+                    value=4,
+                )
             if self.grader is None:
                 raise ConfigError("grader", "method.grader: GRPO needs a grader that scores completions")
             from engine.graders import validate_grader
@@ -406,11 +422,23 @@ class TrainConfig(_Strict):
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainConfig:
-        if self.engine.num_microbatches > self.hyper.batch_size:
+        grpo = self.method.objective == "grpo"
+        # GRPO's batch is its prompts, each sampled group_size times: micro-batches cut the rows
+        rows = self.hyper.batch_size * (self.method.group_size if grpo else 1)
+        if self.engine.num_microbatches > rows:
+            what = f"hyper.batch_size={self.hyper.batch_size}"
+            if grpo:
+                what += f" x method.group_size={self.method.group_size}"
             raise ConfigError(
                 "engine.num_microbatches",
-                f"engine.num_microbatches={self.engine.num_microbatches} exceeds "
-                f"hyper.batch_size={self.hyper.batch_size}: each micro-batch needs a sequence",
+                f"engine.num_microbatches={self.engine.num_microbatches} exceeds {what}: each "
+                "micro-batch needs a sequence",
+            )
+        if grpo and self.data.packing:
+            raise ConfigError("data.packing", "data.packing=true: GRPO samples whole completions", value=True)
+        if grpo and self.hyper.router_aux_loss:
+            raise ConfigError(
+                "hyper.router_aux_loss", "hyper.router_aux_loss=true: not defined for GRPO", value=True
             )
         return self
 

@@ -227,20 +227,9 @@ class GRPORun(MethodRun):
 
     def __init__(self, config: Any, tokenizer: Any) -> None:
         super().__init__(config, tokenizer)
+        # the config refused what GRPO cannot train with (packing, the router loss, a 4-bit base,
+        # a KL term without a reference): ``engine.config``
         m, data = config.method, config.data
-        if config.hyper.router_aux_loss:
-            raise ConfigError(
-                "hyper.router_aux_loss", "hyper.router_aux_loss=true: not defined for GRPO", value=True
-            )
-        if data.packing:
-            raise ConfigError("data.packing", "data.packing=true: GRPO samples whole completions", value=True)
-        if not m.lora and m.beta:
-            raise ConfigError(
-                "method.beta",
-                f"method.beta={m.beta}: the KL term's reference is the base model, which a full fine-tune "
-                "does not keep; set method.beta to 0, or train a LoRA adapter",
-                value=m.beta,
-            )
         budget = data.max_length - m.max_completion_tokens
         if budget < 1:
             raise ConfigError(

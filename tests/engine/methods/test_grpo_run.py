@@ -10,7 +10,7 @@ import pytest
 
 from engine import demo
 from engine.commands.cli import main
-from engine.config import TrainConfig
+from engine.config import MethodSpec, TrainConfig
 from engine.errors import ConfigError
 from engine.methods.grpo import ROLLOUTS_EVENT, SAMPLES_EVENT
 from engine.metrics import ListSink
@@ -135,7 +135,18 @@ def test_config_errors_name_the_field(workspace: Path) -> None:
     with pytest.raises(ConfigError, match="only GRPO uses a grader"):
         config(workspace, "x", method={"objective": "sft", "grader": GRADER, "beta": 0.1})
     with pytest.raises(ConfigError, match=r"method.beta=0.1: the KL term's reference is the base model"):
-        train(config(workspace, "x", method={"tuning": "full", "beta": 0.1}), ListSink())
+        config(workspace, "x", method={"tuning": "full", "beta": 0.1})
+    # GRPO's default beta is 0 (no KL term, no reference pass), whatever trains
+    assert MethodSpec(objective="grpo", tuning="full", grader=GRADER).beta == 0
+    assert MethodSpec(objective="grpo", grader=GRADER).beta == 0 and MethodSpec().beta == 0.1
+    with pytest.raises(ConfigError, match=r"method\.base_bits=4: GRPO samples on the host"):
+        config(workspace, "x", method={"base_bits": 4})
+    with pytest.raises(ConfigError, match=r"data\.packing=true: GRPO samples whole completions"):
+        config(workspace, "x", data={"packing": True})
+    # micro-batches cut the sampled rows: 4 prompts x 6 answers fill 24, not 25
+    assert config(workspace, "x", engine={"num_microbatches": 24}).engine.num_microbatches == 24
+    with pytest.raises(ConfigError, match=r"exceeds hyper\.batch_size=4 x method\.group_size=6"):
+        config(workspace, "x", engine={"num_microbatches": 25})
     with pytest.raises(ConfigError, match=r"data\.train: .*chat\.jsonl holds chat rows; GRPO trains on"):
         train(config(workspace, "x", data={"train": str(workspace / "chat.jsonl")}), ListSink())
     with pytest.raises(ConfigError, match=r"method\.max_completion_tokens=48 leaves no room"):
