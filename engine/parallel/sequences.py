@@ -144,16 +144,34 @@ class SequenceMethods:
             ValueError: bad shapes, no label token at all, or ``adapters=False`` for a model
                 without LoRA layers.
         """
+        return policy_logps(
+            self._measure(
+                "sequence_logps", SequenceScores(adapters=adapters), input_ids, labels, attention_mask
+            )
+        )
+
+    def _measure(
+        self,
+        caller: str,
+        objective: Objective,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+    ) -> Iteration:
+        """Run a batch forward under a scoring ``objective`` without training (as many
+        micro-batches as rows allow) and wait for it; ``caller`` names the method in errors."""
         self._check_open()
-        if not adapters and not lora_layers(layer.module for layer in self.adapted.layers):
-            raise ValueError("sequence_logps(adapters=False): the model has no LoRA adapter to turn off")
+        if not objective.adapters and not lora_layers(layer.module for layer in self.adapted.layers):
+            raise ValueError(f"{caller}(adapters=False): the model has no LoRA adapter to turn off")
         m = min(self.config.num_microbatches, int(input_ids.shape[0])) if input_ids.dim() == 2 else 1
         mbs, total = split_batch(
             input_ids, labels, attention_mask, m or self.config.num_microbatches, pin=self.host.pinned
         )
-        it = self._launch(mbs, total, train=False, objective=SequenceScores(adapters=adapters))
+        if isinstance(objective, TokenScores):
+            objective.bind(mbs, pin=self.host.pinned)
+        it = self._launch(mbs, total, train=False, objective=objective)
         self.board.wait_for(lambda: it.remaining == 0, it)
-        return policy_logps(it)
+        return it
 
     def forward_backward_tokens(
         self,
@@ -214,15 +232,6 @@ class SequenceMethods:
             ``[rows, seq - 1]`` fp32 on the CPU: position ``t`` the log-probability of
             ``labels[:, t + 1]``, 0 where that label is -100.
         """
-        self._check_open()
-        if not adapters and not lora_layers(layer.module for layer in self.adapted.layers):
-            raise ValueError("token_logps(adapters=False): the model has no LoRA adapter to turn off")
-        m = min(self.config.num_microbatches, int(input_ids.shape[0])) if input_ids.dim() == 2 else 1
-        mbs, total = split_batch(
-            input_ids, labels, attention_mask, m or self.config.num_microbatches, pin=self.host.pinned
+        return reported_token_logps(
+            self._measure("token_logps", TokenLogps(adapters=adapters), input_ids, labels, attention_mask)
         )
-        objective = TokenLogps(adapters=adapters)
-        objective.bind(mbs, pin=self.host.pinned)
-        it = self._launch(mbs, total, train=False, objective=objective)
-        self.board.wait_for(lambda: it.remaining == 0, it)
-        return reported_token_logps(it)

@@ -106,7 +106,7 @@ export function methodLabel(m = {}) {
   const objective = methodObjective(m);
   const tuning = m.tuning ?? (objective === "sft" ? m.kind : m.dpo_tuning) ?? "lora";
   if (objective === "grpo")
-    return `GRPO (${tuning === "full" ? "full" : "LoRA"}), group ${m.group_size ?? 4}, beta ${m.beta ?? 0.1}`;
+    return `GRPO (${tuning === "full" ? "full" : "LoRA"}), group ${m.group_size ?? 4}, beta ${m.beta ?? 0}`;
   if (objective !== "sft")
     return `${objective.toUpperCase()} (${tuning === "full" ? "full" : "LoRA"}), beta ${m.beta ?? 0.1}`;
   if (tuning === "full") return "Full fine-tune";
