@@ -5,6 +5,7 @@ store (``runs/<job id>/exports/``)."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import io
@@ -22,6 +23,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from engine.errors import DiskFull
 from server.storage import Storage, check_key
 from server.tables import Checkpoint
 
@@ -29,6 +31,8 @@ MANIFEST = "MANIFEST.sha256"
 STATE = "state"  # the resume state inside a checkpoint folder; not part of a download
 CHECKPOINTS = "checkpoints"  # a job's checkpoints: runs/<job id>/checkpoints/step_000123
 EXPORTS = "exports"  # a job's built downloads: runs/<job id>/exports/<name>.tar
+FULL = (errno.ENOSPC, errno.EDQUOT)  # a write that found no space
+WEIGHTS = ("*.safetensors", "*.bin", "*.pt", "*.gguf")
 
 
 def run_key(path: str) -> str:
@@ -207,22 +211,87 @@ def _write_archive(folder: Path, target: Path, *, readme: str | None, replace: d
         info.size, info.mode, info.mtime = len(data), 0o644, made
         tar.addfile(info, io.BytesIO(data))
 
+    sizes = [len(manifest)] + [len(d) if isinstance(d, bytes) else d.stat().st_size for _, d in members]
+    needed = sum(512 + -(-n // 512) * 512 for n in sizes) + 2 * tarfile.RECORDSIZE  # headers, padding
+    check_space(target, needed)
     fd, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
-        with os.fdopen(fd, "wb") as out, tarfile.open(fileobj=out, mode="w") as tar:
-            info = tarfile.TarInfo(top)
-            info.type, info.mode, info.mtime = tarfile.DIRTYPE, 0o755, made
-            tar.addfile(info)
-            add_bytes(tar, MANIFEST, manifest)
-            for rel, data in members:
-                if isinstance(data, bytes):
-                    add_bytes(tar, rel, data)
-                else:
-                    tar.add(data, arcname=f"{top}/{rel}", recursive=False)
+        with filling(target, needed), os.fdopen(fd, "wb") as out:
+            with tarfile.open(fileobj=out, mode="w") as tar:
+                info = tarfile.TarInfo(top)
+                info.type, info.mode, info.mtime = tarfile.DIRTYPE, 0o755, made
+                tar.addfile(info)
+                add_bytes(tar, MANIFEST, manifest)
+                for rel, data in members:
+                    if isinstance(data, bytes):
+                        add_bytes(tar, rel, data)
+                    else:
+                        tar.add(data, arcname=f"{top}/{rel}", recursive=False)
+            out.flush()
+            os.fsync(out.fileno())  # a full disk shows here at the latest, not after the rename
         os.chmod(name, 0o644)  # mkstemp's 0600 otherwise
         os.replace(name, target)
     finally:
         Path(name).unlink(missing_ok=True)
+
+
+def free_bytes(path: Path) -> int:
+    """The bytes free on the disk of ``path`` (a folder that exists)."""
+    return shutil.disk_usage(path).free
+
+
+def check_space(target: Path, needed_bytes: int) -> None:
+    """Refuse a build of ``target`` that would not fit beside it, before writing anything.
+
+    Raises:
+        DiskFull: fewer than ``needed_bytes`` are free on its disk (naming ``target``).
+    """
+    free = free_bytes(target.parent)
+    if free < needed_bytes:
+        raise DiskFull(str(target), needed_bytes=needed_bytes, free_bytes=free)
+
+
+def _full(exc: BaseException, folder: Path) -> bool:
+    """Whether ``exc`` is a write that found no space: an ``OSError`` saying so (here or as its
+    cause), or another error (torch's and safetensors' writers raise their own) while less than
+    a MiB stays free."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in FULL:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    loud = isinstance(exc, Exception) and not isinstance(exc, ValueError)  # a refusal stays one
+    return loud and free_bytes(folder) < 1 << 20
+
+
+@contextlib.contextmanager
+def filling(target: Path, needed_bytes: int) -> Iterator[None]:
+    """Writing the build of ``target``: a disk that fills up meanwhile becomes ``DiskFull``
+    naming ``target``, the bytes it needs (at least ``needed_bytes``) and the bytes free. Leave
+    the block before removing what it wrote, so the free space it reports is the real one."""
+    try:
+        yield
+    except DiskFull as exc:  # a part of the build that knew its own size
+        free = free_bytes(target.parent)
+        needed = max(needed_bytes, exc.needed_bytes, free + 1)
+        raise DiskFull(str(target), needed_bytes=needed, free_bytes=free) from exc
+    except BaseException as exc:
+        if not _full(exc, target.parent):
+            raise
+        free = free_bytes(target.parent)
+        raise DiskFull(str(target), needed_bytes=max(needed_bytes, free + 1), free_bytes=free) from exc
+
+
+def model_bytes(folder: Path) -> int:
+    """About what a model folder's weights take once loaded and saved in fp32 (a merged build):
+    its weight files, doubled when ``config.json`` says 16-bit."""
+    size = sum(p.stat().st_size for pattern in WEIGHTS for p in folder.glob(pattern) if p.is_file())
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        config = {}
+    dtype = str(config.get("torch_dtype") or config.get("dtype") or "") if isinstance(config, dict) else ""
+    return size * 2 if dtype in ("float16", "bfloat16") else size
 
 
 def _digest(data: Path | bytes) -> str:
@@ -241,21 +310,34 @@ def merged_archive(
         merge_adapter(str(adapter), base, work / "model")
         _write_archive(work / "model", target, readme=readme, replace=replace or {})
 
-    return _built_once(target, build)
+    # the merged folder, then its archive beside it
+    return _built_once(target, build, needed_bytes=2 * model_bytes(base) + 2 * _folder_bytes(adapter))
 
 
-def _built_once(target: Path, build: Callable[[Path], None]) -> Path:
+def _folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in export_files(folder))
+
+
+def _built_once(target: Path, build: Callable[[Path], None], *, needed_bytes: int) -> Path:
     """``target``, built by ``build(work)`` (a scratch folder beside it, removed after) unless it
-    exists: one build at a time per target, across processes."""
+    exists: one build at a time per target, across processes.
+
+    Raises:
+        DiskFull: less than ``needed_bytes`` (the estimate of the build's scratch files and
+            archive) is free beside ``target``, or the disk filled up while building; nothing
+            of the build stays.
+    """
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with _building_lock(target):
         if target.is_file():
             return target
+        check_space(target, needed_bytes)
         work = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
         try:
-            build(work)
+            with filling(target, needed_bytes):
+                build(work)
         finally:
             shutil.rmtree(work, ignore_errors=True)
     return target
@@ -278,7 +360,9 @@ def gguf_archive(
         export_gguf_folder(folder, work / "gguf", quant=quant, base=base, system=system, comment=top)
         _write_archive(work / "gguf", target, readme=readme, replace={})
 
-    return _built_once(target, build)
+    # a LoRA checkpoint is merged first (as for a merged download); the GGUF, then its archive
+    model = model_bytes(base if base is not None else folder)
+    return _built_once(target, build, needed_bytes=2 * model + 2 * _folder_bytes(folder))
 
 
 def clear_merged(target: Path, *, leftovers: tuple[Path, ...] = ()) -> int:

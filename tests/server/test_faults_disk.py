@@ -17,6 +17,7 @@ from fastapi.testclient import TestClient
 from safetensors.torch import load_file
 
 from server.app import create_app
+from server.services import checkpoints
 from server.settings import Settings
 from tests.server.conftest import WorkerProcess
 from tests.server.test_durability import _settings, events
@@ -126,3 +127,62 @@ def test_an_upload_that_fills_the_disk_answers_507_and_leaves_nothing(
             assert client.get("/api/datasets").json()["data"] == []
             small = client.post("/api/datasets", files={"file": ("small.jsonl", (row * 10).encode())})
             assert small.status_code == 201, small.text
+
+
+@pytest.fixture
+def plain_settings(tmp_path: Path) -> Settings:
+    """Settings with no Redis (nothing here needs a worker): the broker is a folder."""
+    return _settings(tmp_path, redis_url=None)
+
+
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in files}
+
+
+@pytest.mark.parametrize("kind", ["adapter", "merged", "gguf"])
+def test_a_download_build_that_fills_the_disk_answers_507_and_leaves_nothing(
+    plain_settings: Settings, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The archive (and a merged or GGUF build's scratch folder) that does not fit is removed,
+    the answer names the path, the bytes needed and free, the checkpoint stays as it was, and the
+    same request once space is freed builds it whole."""
+    from tests.server.test_checkpoints import adapter_checkpoint, verified
+
+    settings = plain_settings
+    params: dict[str, str | bool] = {"merged": True} if kind == "merged" else {}
+    params |= {"gguf": "f16"} if kind == "gguf" else {}
+    with small_disk(settings.runs_dir, 24 * MiB) as disk:
+        app = create_app(settings)
+        with TestClient(app) as client:
+            client.headers["Authorization"] = f"Bearer {app.state.first_key}"
+            job_id, step = adapter_checkpoint(client, settings)  # about 6.5 MB
+            folder = next(disk.rglob(f"step_{step:06d}"))
+            before = _snapshot(folder)
+            exports = folder.parent.parent / "exports"
+            for midway in (False, True):  # refused before writing, or the disk fills midway
+                if midway:  # the check up front passes: the writes themselves find no space
+                    monkeypatch.setattr(checkpoints, "check_space", lambda target, needed: None)
+                ballast = fill(disk, leave_bytes=256 * 1024)
+                r = client.get(f"/api/jobs/{job_id}/checkpoints/{step}/download", params=params)
+                assert r.status_code == 507, r.text
+                error = r.json()["error"]
+                assert error["code"] == "disk_full", error
+                message = error["message"]
+                assert str(exports) in message, message
+                needed = int(message.split(" needs ", 1)[1].split(" bytes", 1)[0])
+                free = int(message.split(" bytes,", 1)[1].split(" bytes are free", 1)[0])
+                assert free < needed, message
+                # nothing partial: no archive, no temporary file, no scratch folder
+                left = [p.name for p in exports.iterdir() if not p.name.endswith(".lock")]
+                assert left == [], left
+                assert _snapshot(folder) == before
+                listed = client.get(f"/api/jobs/{job_id}/checkpoints").json()["data"]
+                assert [c["step"] for c in listed] == [step]
+                ballast.unlink()
+            monkeypatch.undo()
+            r = client.get(f"/api/jobs/{job_id}/checkpoints/{step}/download", params=params)
+            assert r.status_code == 200, r.text
+            manifest = verified(r.content)
+            assert ("config.json" in manifest) == (kind == "merged"), sorted(manifest)
+            assert _snapshot(folder) == before
