@@ -71,6 +71,8 @@ def refused(
         return ApiError(422, "invalid_dataset", exc.message, param="split")
     if exc.kind == "no_config":
         return ApiError(422, "unsupported_model", exc.message, param=param)
+    if exc.kind == "disk_full":  # a dataset pull: its partial files are gone with its scratch folder
+        return ApiError(507, "disk_full", f"{exc.message}; free some space (GET /api/disk) and try again")
     if exc.kind == "unreachable":
         return ApiError(
             424,

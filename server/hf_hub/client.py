@@ -12,9 +12,11 @@ large files, its SHA-256, then renamed into place; finished files are never fetc
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import shutil
 import sys
 import threading
 from pathlib import Path
@@ -30,6 +32,7 @@ from server.hf_hub.files import (
 )
 
 PARTS = ".parts"
+FULL = (errno.ENOSPC, errno.EDQUOT)  # a write that found no space
 PROGRESS_S = 0.25
 CHUNK_BYTES = 1 << 16  # progress and a kill's loss are per chunk: the library's default is 10 MiB
 _out = threading.Lock()
@@ -154,6 +157,14 @@ def _download_all(
     try:
         for f in files:
             _fetch(request, repo_type=repo_type, revision=revision, path=f["path"], dest=dest)
+    except Exception as exc:
+        if not no_space(exc):
+            raise
+        needed, free = sum(int(f["size"]) for f in files), shutil.disk_usage(dest).free
+        raise Failure(
+            "disk_full",
+            f"disk full: writing {dest}: the download needs {needed} bytes, {free} bytes are free",
+        ) from exc
     finally:
         stop.set()
         watcher.join()
@@ -186,6 +197,16 @@ def inspect_model(request: dict[str, Any]) -> dict[str, Any]:
         "gated": bool(info.gated),
         "private": bool(info.private),
     }
+
+
+def no_space(exc: BaseException) -> bool:
+    """Whether ``exc`` (or an error it was raised from) is a write that found no space."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in FULL:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def download(request: dict[str, Any]) -> dict[str, Any]:

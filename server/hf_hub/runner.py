@@ -10,6 +10,7 @@ next run of a pull of that commit resumes from it; a cancelled pull removes it.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import shutil
@@ -21,6 +22,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from engine.errors import DiskFull
 from server.hf_hub import child
 from server.services import transfers
 from server.settings import Settings
@@ -33,6 +35,8 @@ WRITE_EVERY_S = 0.5
 SPEED_WINDOW_S = 5.0
 STAGING = ".pulls"
 SOURCE_FILE = ".hub-source.json"  # in a pulled model's folder: where it came from
+DISK_FULL = "disk_full"  # the error code of a pull the disk could not hold
+FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 def staging_folder(settings: Settings, *, repo_id: str, sha: str) -> Path:
@@ -168,6 +172,8 @@ def run_pull(settings: Settings, sessions: sessionmaker[Session], row: HubTransf
     except child.Cancelled:
         return _cancelled(sessions, row, staging)
     except child.HubError as exc:
+        if exc.kind == DISK_FULL:
+            return _disk_full(settings, sessions, row, staging)
         with sessions() as session:
             transfers.finish(
                 session, transfer_id=row.id, status=transfers.FAILED, error=exc.message, error_code=exc.kind
@@ -175,7 +181,12 @@ def run_pull(settings: Settings, sessions: sessionmaker[Session], row: HubTransf
         return transfers.FAILED
     if reporter.tick():  # cancelled as the last bytes arrived: still cancelled
         return _cancelled(sessions, row, staging)
-    folder = _publish(settings, open_storage(settings), name=row.target, staging=staging, row=row)
+    try:
+        folder = _publish(settings, open_storage(settings), name=row.target, staging=staging, row=row)
+    except OSError as exc:
+        if exc.errno not in FULL:
+            raise
+        return _disk_full(settings, sessions, row, staging)
     from server.services import models
 
     models.forget()
@@ -183,6 +194,28 @@ def run_pull(settings: Settings, sessions: sessionmaker[Session], row: HubTransf
         transfers.finish(session, transfer_id=row.id, status=transfers.SUCCEEDED, bytes_done=row.bytes_total)
     log.info("pulled %s into %s", row.repo_id, folder)
     return transfers.SUCCEEDED
+
+
+def _disk_full(settings: Settings, sessions: sessionmaker[Session], row: HubTransfer, staging: Path) -> str:
+    """The models folder's disk filled up: the partial download goes (a pull that resumed it
+    would find the disk as full), and the transfer fails saying where, the bytes a pull needs
+    there (with ``hub_keep_free_bytes``) and the bytes free once it is gone. Nothing is
+    registered: the model folder appears only when a pull is whole."""
+    shutil.rmtree(staging, ignore_errors=True)
+    needed = (row.bytes_total or 0) + settings.hub_keep_free_bytes
+    full = DiskFull(str(staging), needed_bytes=needed, free_bytes=shutil.disk_usage(settings.models_dir).free)
+    message = f"{full}; the partial download was removed: free some space (GET /api/disk) and pull again"
+    with sessions() as session:
+        transfers.finish(
+            session,
+            transfer_id=row.id,
+            status=transfers.FAILED,
+            error=message,
+            error_code=DISK_FULL,
+            bytes_done=0,
+        )
+    log.warning("pull %s of %s: %s", row.id, row.repo_id, message)
+    return transfers.FAILED
 
 
 def _cancelled(sessions: sessionmaker[Session], row: HubTransfer, staging: Path) -> str:

@@ -6,6 +6,7 @@ worker killed mid-download whose pull resumes without fetching a byte twice."""
 
 from __future__ import annotations
 
+import errno
 import json
 import signal
 import uuid
@@ -23,6 +24,7 @@ from tests.server.conftest import WorkerProcess
 from tests.server.test_worker import dataset
 from tests.utils import free_port
 from tests.utils.fake_hub import FakeHub
+from tests.utils.filesystems import small_disk
 from tests.utils.jobs import start_job, wait_for, wait_for_job
 
 TOKEN = "hf_test_token"
@@ -257,3 +259,60 @@ def _repo_folder(hub: FakeHub, repo: str, tmp_path: Path) -> Path:
         (folder / path).parent.mkdir(parents=True, exist_ok=True)
         (folder / path).write_bytes(data)
     return folder
+
+
+def _fill_up(folder: Path) -> Path:
+    """A file in ``folder`` written until its disk has no space left (real blocks); its removal
+    gives the space back."""
+    path = folder / "ballast"
+    block = b"\0" * (1 << 16)
+    with path.open("wb", buffering=0) as out:
+        try:
+            while True:
+                out.write(block)
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC, exc
+    return path
+
+
+def test_a_disk_that_fills_mid_pull_fails_it_naming_the_disk_and_leaves_nothing(
+    tmp_path: Path, hub: FakeHub
+) -> None:
+    """The models folder is a small real disk that something else fills while a pull downloads:
+    the pull fails (``disk_full``) naming the folder, the bytes it needs and the bytes free; its
+    partial download is gone and no model is registered; once space is freed a pull succeeds."""
+    settings = settings_for(tmp_path, hub)
+    hub.add_folder("org/roomy", _repo_folder(hub, "org/tiny", tmp_path))
+    hub.bytes_per_s = 20_000  # about 10 s for the weights: the disk fills well before they are whole
+    try:
+        with small_disk(settings.models_dir, 4 << 20) as disk, api(settings) as client:
+            worker = WorkerProcess(settings, tmp_path / "worker.log").start()
+            try:
+                pull = client.post("/api/models/pulls", json={"repo_id": "org/roomy"}).json()
+                get = lambda: client.get(f"/api/transfers/{pull['id']}").json()  # noqa: E731
+                wait_for(get, until=lambda t: t["bytes_done"] > 0, timeout=60, details=worker.tail)
+                ballast = _fill_up(disk)  # the disk fills while the weights arrive
+                failed = wait_for(
+                    get, until={"failed"}, fail_on={"succeeded"}, timeout=60, details=worker.tail
+                )
+                assert failed["error_code"] == "disk_full", failed
+                staging = settings.models_dir / ".pulls"
+                error = failed["error"]
+                assert f"disk full: {staging}" in error and "partial download was removed" in error, error
+                needed = int(error.split(" needs ", 1)[1].split(" bytes", 1)[0])
+                free = int(error.split("), ", 1)[1].split(" bytes", 1)[0])
+                assert needed == failed["bytes_total"] and free < needed, error
+                assert list(staging.iterdir()) == [] and not (disk / "org").exists()
+                assert "org/roomy" not in {m["name"] for m in client.get("/api/models").json()["data"]}
+                ballast.unlink()
+                again = client.post("/api/models/pulls", json={"repo_id": "org/roomy"}).json()
+                get = lambda: client.get(f"/api/transfers/{again['id']}").json()  # noqa: E731
+                wait_for(
+                    get, until={"succeeded"}, fail_on={"failed", "cancelled"}, timeout=60, details=worker.tail
+                )
+                assert "org/roomy" in {m["name"] for m in client.get("/api/models").json()["data"]}
+            finally:
+                worker.stop()
+                worker.kill_group()
+    finally:
+        hub.bytes_per_s = None
