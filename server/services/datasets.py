@@ -10,6 +10,7 @@ removed by ``sweep_incoming`` when the API starts again."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import logging
@@ -88,13 +89,18 @@ def store_upload(
     digest, size = hashlib.sha256(), 0
     out = _held(incoming)  # locked until the row is committed or the upload given up
     try:
-        while chunk := source.read(CHUNK):
-            size += len(chunk)
-            if size > max_bytes:
-                raise TooLarge(max_bytes)
-            digest.update(chunk)
-            out.write(chunk)
-        out.flush()
+        try:
+            while chunk := source.read(CHUNK):
+                size += len(chunk)
+                if size > max_bytes:
+                    raise TooLarge(max_bytes)
+                digest.update(chunk)
+                out.write(chunk)
+            out.flush()
+        except OSError as exc:  # a full scratch disk: say which (the error names no file)
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT) and exc.filename is None:
+                raise OSError(exc.errno, os.strerror(exc.errno), str(incoming)) from exc
+            raise
         report = validate(str(incoming), max_errors=MAX_REPORTED_ERRORS)
         report.path = clean
         if not report.ok:

@@ -15,6 +15,7 @@ import pytest
 
 from tests.server.test_hub_models import api, settings_for
 from tests.utils.fake_hub import FakeHub
+from tests.utils.filesystems import fill, small_disk
 
 ROWS = [
     {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
@@ -77,3 +78,40 @@ def test_a_split_is_pulled_validated_and_stored_with_its_source(tmp_path: Path, 
         r = client.post("/api/datasets/pulls", json={"repo_id": "org/none", "split": "train"})
         assert r.status_code == 404 and r.json()["error"]["param"] == "repo_id", r.text
         assert len(client.get("/api/datasets").json()["data"]) == 2
+
+
+def test_a_dataset_pull_that_fills_the_disk_answers_507_and_leaves_nothing(
+    tmp_path: Path, hub: FakeHub
+) -> None:
+    """The split's files arrive in the cache folder's scratch, here a small real disk with 64 KiB
+    free: the pull answers 507 naming it, the bytes it needs and free, its partial files are gone
+    and no dataset is made; so too when the download fits but its copy as an upload does not;
+    once space is freed the same pull succeeds."""
+    long: list[dict[str, object]] = [
+        {"messages": [{"role": "user", "content": "q" * 1000}, {"role": "assistant", "content": "a"}]}
+    ]
+    hub.add("org/long", {"data/train-00000-of-00001.jsonl": jsonl(long * 1000)}, kind="dataset")
+    settings = settings_for(tmp_path, hub)
+    with small_disk(settings.cache_dir, 4 << 20) as disk, api(settings) as client:
+        ballast = fill(disk, leave_bytes=64 * 1024)
+        r = client.post("/api/datasets/pulls", json={"repo_id": "org/long", "split": "train"})
+        assert r.status_code == 507, r.text
+        error = r.json()["error"]
+        assert error["code"] == "disk_full" and f"writing {disk / 'hub-scratch'}" in error["message"], error
+        needed = int(error["message"].split(" needs ", 1)[1].split(" bytes", 1)[0])
+        free = int(error["message"].split(" bytes, ", 1)[1].split(" bytes", 1)[0])
+        assert needed == len(jsonl(long * 1000)) and free < needed, error
+        assert list((disk / "hub-scratch").iterdir()) == []
+        assert client.get("/api/datasets").json()["data"] == []
+        # room for the download, not for its copy as an upload (in the same scratch disk)
+        ballast.unlink()
+        ballast = fill(disk, leave_bytes=len(jsonl(long * 1000)) + 256 * 1024)
+        r = client.post("/api/datasets/pulls", json={"repo_id": "org/long", "split": "train"})
+        assert r.status_code == 507, r.text
+        assert f"writing {disk / 'incoming' / '.incoming-'}" in r.json()["error"]["message"], r.text
+        assert list((disk / "hub-scratch").iterdir()) == [] and not list(disk.rglob(".incoming-*"))
+        assert client.get("/api/datasets").json()["data"] == []
+        ballast.unlink()
+        r = client.post("/api/datasets/pulls", json={"repo_id": "org/long", "split": "train"})
+        assert r.status_code == 201, r.text
+        assert [d["rows"] for d in client.get("/api/datasets").json()["data"]] == [1000]
