@@ -230,9 +230,11 @@ def cmd_validate_data(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     import shutil
+    import tempfile
 
+    from engine.errors import DiskFull
     from engine.inference.generate import base_of
-    from engine.model.export import is_adapter, merge_adapter
+    from engine.model.export import is_adapter, merge_adapter, model_bytes
 
     src = Path(args.checkpoint)
     if not (src / "state").is_dir() and not is_adapter(src) and not (src / "config.json").is_file():
@@ -240,24 +242,82 @@ def cmd_export(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if args.gguf and args.merged:
         raise ValueError("--gguf and --merged: choose one (a GGUF of a LoRA checkpoint is merged already)")
-    if args.gguf:
-        from engine.export.bundle import export_gguf_folder
+    base = Path(args.base) if args.base else base_of(src) if is_adapter(src) else None
+    if args.merged and not is_adapter(src):
+        raise ValueError(f"{src} is a full model already; --merged applies to LoRA checkpoints")
+    if args.merged and base is None:
+        raise ValueError(f"{src}: no recorded base model, pass --base")
+    if not args.merged and not args.gguf and out.exists():
+        raise FileExistsError(f"{out} exists already")
+    files = [p for p in src.rglob("*") if p.is_file() and p.relative_to(src).parts[0] != "state"]
+    own = sum(p.stat().st_size for p in files)
+    # what the export writes: a copy of its files; a merge's fp32 weights (a GGUF: those, then the GGUF)
+    needed = (
+        own if not (args.merged or args.gguf) else own + model_bytes(base or src) * (2 if args.gguf else 1)
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    check_space(out, needed)
+    # written into a scratch folder beside it, then moved into place: a failure leaves nothing
+    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    built, said = work / "out", f"exported {src} -> {out}"
+    try:
+        try:
+            if args.gguf:
+                from engine.export.bundle import export_gguf_folder
 
-        base = Path(args.base) if args.base else base_of(src) if is_adapter(src) else None
-        info = export_gguf_folder(src, out, quant=args.quant, base=base, system=args.system)
-        print(f"exported {src} -> {out}: {', '.join(info['files'])} ({info['arch']}, {info['quant']})")
-        return 0
-    if args.merged:
-        if not is_adapter(src):
-            raise ValueError(f"{src} is a full model already; --merged applies to LoRA checkpoints")
-        base = Path(args.base) if args.base else base_of(src)
-        if base is None:
-            raise ValueError(f"{src}: no recorded base model, pass --base")
-        merge_adapter(src, base, out)
-    else:
-        shutil.copytree(src, out, ignore=shutil.ignore_patterns("state"), dirs_exist_ok=False)
-    print(f"exported {src} -> {out}")
+                info = export_gguf_folder(src, built, quant=args.quant, base=base, system=args.system)
+                said += f": {', '.join(info['files'])} ({info['arch']}, {info['quant']})"
+            elif args.merged:
+                assert base is not None  # refused above
+                merge_adapter(src, base, built)
+            else:
+                shutil.copytree(src, built, ignore=shutil.ignore_patterns("state"))
+        except Exception as exc:
+            if not _no_space(exc, out.parent):
+                raise
+            free = shutil.disk_usage(out.parent).free
+            raise DiskFull(str(out), needed_bytes=max(needed, free + 1), free_bytes=free) from exc
+        if args.gguf and out.is_dir():  # files in it are replaced, the others stay
+            for path in built.iterdir():
+                path.replace(out / path.name)
+        else:
+            if out.exists():  # a merge replaces the folder
+                shutil.rmtree(out)
+            built.rename(out)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(said)
     return 0
+
+
+def check_space(out: Path, needed_bytes: int) -> None:
+    """Refuse an export into ``out`` that would not fit beside it, before writing anything.
+
+    Raises:
+        DiskFull: fewer than ``needed_bytes`` are free on the disk of its parent folder.
+    """
+    import shutil
+
+    from engine.errors import DiskFull
+
+    free = shutil.disk_usage(out.parent).free
+    if free < needed_bytes:
+        raise DiskFull(str(out), needed_bytes=needed_bytes, free_bytes=free)
+
+
+def _no_space(exc: BaseException, folder: Path) -> bool:
+    """Whether ``exc`` is a write that found no space: an ``OSError`` saying so (or one it was
+    raised from), or another error (torch's and safetensors' writers raise their own) while less
+    than a MiB stays free on the disk of ``folder``."""
+    import errno
+    import shutil
+
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return not isinstance(exc, ValueError) and shutil.disk_usage(folder).free < 1 << 20
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

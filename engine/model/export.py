@@ -95,6 +95,22 @@ def load_export(folder: str | Path, *, base: str | Path | None = None) -> Any:
     return PeftModel.from_pretrained(base_model, folder)
 
 
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.gguf")
+
+
+def model_bytes(folder: str | Path) -> int:
+    """About what a model folder's weights take once loaded and saved in fp32 (what a merge
+    writes): its weight files, doubled when ``config.json`` says 16-bit."""
+    folder = Path(folder)
+    size = sum(p.stat().st_size for pattern in WEIGHT_FILES for p in folder.glob(pattern) if p.is_file())
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        config = {}
+    dtype = str(config.get("torch_dtype") or config.get("dtype") or "") if isinstance(config, dict) else ""
+    return size * 2 if dtype in ("float16", "bfloat16") else size
+
+
 def merge_adapter(adapter: str | Path, base: str | Path, out: str | Path) -> Path:
     """Merge a LoRA adapter into its base model and write a full model folder."""
     from transformers import AutoTokenizer

@@ -24,6 +24,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from engine.errors import DiskFull
+from engine.model.export import model_bytes
 from server.storage import Storage, check_key
 from server.tables import Checkpoint
 
@@ -32,7 +33,6 @@ STATE = "state"  # the resume state inside a checkpoint folder; not part of a do
 CHECKPOINTS = "checkpoints"  # a job's checkpoints: runs/<job id>/checkpoints/step_000123
 EXPORTS = "exports"  # a job's built downloads: runs/<job id>/exports/<name>.tar
 FULL = (errno.ENOSPC, errno.EDQUOT)  # a write that found no space
-WEIGHTS = ("*.safetensors", "*.bin", "*.pt", "*.gguf")
 
 
 def run_key(path: str) -> str:
@@ -280,18 +280,6 @@ def filling(target: Path, needed_bytes: int) -> Iterator[None]:
             raise
         free = free_bytes(target.parent)
         raise DiskFull(str(target), needed_bytes=max(needed_bytes, free + 1), free_bytes=free) from exc
-
-
-def model_bytes(folder: Path) -> int:
-    """About what a model folder's weights take once loaded and saved in fp32 (a merged build):
-    its weight files, doubled when ``config.json`` says 16-bit."""
-    size = sum(p.stat().st_size for pattern in WEIGHTS for p in folder.glob(pattern) if p.is_file())
-    try:
-        config = json.loads((folder / "config.json").read_text())
-    except (OSError, ValueError):
-        config = {}
-    dtype = str(config.get("torch_dtype") or config.get("dtype") or "") if isinstance(config, dict) else ""
-    return size * 2 if dtype in ("float16", "bfloat16") else size
 
 
 def _digest(data: Path | bytes) -> str:
