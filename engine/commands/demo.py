@@ -107,8 +107,8 @@ def cmd_demo_grpo(args: argparse.Namespace) -> int:
     from engine.model.loading import prepare_demo_model
 
     folder = Path(args.model) if args.model else prepare_demo_model(args.models_dir)
-    steps = args.steps or 16
-    print(f"GRPO demo: {folder.name}, {steps} steps of 4 prompts x 8 sampled answers (LoRA), graded")
+    steps = args.steps or 12
+    print(f"GRPO demo: {folder.name}, {steps} steps of 4 prompts x 6 sampled answers (LoRA), graded")
     result = run_demo(
         folder,
         steps=steps,

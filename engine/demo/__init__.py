@@ -71,13 +71,18 @@ def make_preference_rows(n: int, seed: int) -> list[dict[str, str]]:
     return rows
 
 
+PROMPT_SUFFIX = " Answer with the number only."
+
+
 def make_prompt_rows(n: int, seed: int) -> list[dict[str, object]]:
-    """``n`` prompt rows: ``make_rows``' questions as a user turn, the count as ``reference_answer``."""
+    """``n`` prompt rows: ``make_rows``' questions as a user turn asking for the bare number, the
+    count as ``reference_answer``."""
     rows: list[dict[str, object]] = []
     for row in make_rows(n, seed):
         messages = row["messages"]
         assert isinstance(messages, list)
-        rows.append({"messages": messages[:1], "reference_answer": messages[1]["content"]})
+        question = {"role": "user", "content": messages[0]["content"] + PROMPT_SUFFIX}
+        rows.append({"messages": [question], "reference_answer": messages[1]["content"]})
     return rows
 
 

@@ -1,11 +1,12 @@
 """The GRPO demo: a verifiable task, graded answers, and the mean reward before and after.
 
-The prompts are the inventory questions (``engine.demo``), each with its count as
-``reference_answer``. The grader gives 1 to an answer that is the bare count, and part of it to an
-answer that at least names the count (``GRADER``): the instruct base model answers in sentences,
-so it scores a little; a few GRPO steps on groups of sampled answers teach it to answer with the
-number alone. The mean reward of greedy answers to held-out prompts is measured before and after,
-with the same grader.
+The prompts are the inventory questions (``engine.demo``), asking for the number only, each with
+its count as ``reference_answer``. The grader (``GRADER``) gives 0.6 to an answer that is the bare
+count, 0.2 to one that starts with a number, and up to 0.2 more when that answer is also short
+(all of it up to 2 characters, none from 22). The instruct base model answers in lists and
+sentences ("1. 2 limes", "To solve this problem, ..."), so it scores little; GRPO steps on groups
+of sampled answers teach it to answer with a number, and the right one scores most. The mean
+reward of greedy answers to held-out prompts is measured before and after, with the same grader.
 """
 
 from __future__ import annotations
@@ -29,15 +30,21 @@ GRADER: dict[str, Any] = {
             "reference": "{{item.reference_answer}}",
             "operation": "eq",
         },
-        "mentions": {
-            "type": "string_check",
-            "name": "mentions",
+        "number_first": {
+            "type": "regex",
+            "name": "number_first",
             "input": "{{sample.output_text}}",
-            "reference": "{{item.reference_answer}}",
-            "operation": "like",
+            "pattern": "^\\s*\\d",
+        },
+        "short": {
+            "type": "length",
+            "name": "short",
+            "input": "{{sample.output_text}}",
+            "max_length": 2,
+            "falloff": 20,
         },
     },
-    "calculate_output": "0.7 * exact + 0.3 * mentions",
+    "calculate_output": "0.6 * exact + 0.2 * number_first + 0.2 * number_first * short",
 }
 
 
@@ -74,7 +81,7 @@ def demo_config(
     output_dir: str | Path,
     train: Path = demo.PROMPTS_TRAIN,
     learning_rate: float = 2e-3,
-    group_size: int = 8,
+    group_size: int = 6,
 ) -> dict[str, Any]:
     """The demo run's ``TrainConfig`` mapping: ``steps`` GRPO steps of 4 prompts x ``group_size``."""
     return {
@@ -87,7 +94,7 @@ def demo_config(
             "lora_alpha": 32,
             "grader": GRADER,
             "group_size": group_size,
-            "max_completion_tokens": 12,
+            "max_completion_tokens": 8,
             "temperature": 1.0,
             "beta": 0.0,
             "loss_type": "dapo",
@@ -111,7 +118,7 @@ def score(model: Any, tokenizer: Any, path: Path, grader: Any) -> Scored:
 
     items = load_prompts(str(path), tokenizer, max_prompt_tokens=84, field="prompts")
     model.eval()
-    rollout = sample(model, tokenizer, items, Sampling(1, 12), seed=0, greedy=True)
+    rollout = sample(model, tokenizer, items, Sampling(1, 8), seed=0, greedy=True)
     result = grader.grade_batch(rollout.texts, rollout.row_items())
     questions = [it.text for it in items]
     return Scored(questions, rollout.texts, [float(r) for r in result.rewards])
@@ -142,7 +149,7 @@ def run_demo(
     train: Path = demo.PROMPTS_TRAIN,
     heldout: Path = demo.PROMPTS_HELDOUT,
     learning_rate: float = 2e-3,
-    group_size: int = 8,
+    group_size: int = 6,
     sink: Sink | None = None,
 ) -> DemoResult:
     """Score the held-out prompts, train ``steps`` GRPO steps, score them again.
