@@ -406,6 +406,16 @@ def cmd_restore(args: argparse.Namespace) -> int:
         print(f"not restored: {exc}", file=sys.stderr)
         return 1
     print(f"restored the backup of {manifest['created']} ({manifest['files']} file(s))")
+    missing = manifest.get("missing_objects")
+    if missing:  # restored all the same: the rows that name them find nothing, as after a loss
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        print(
+            f"warning: {len(missing)} of the {manifest['objects']} object(s) the backup lists are not in"
+            f" the store {manifest['store']} (or have another size): {shown}",
+            file=sys.stderr,
+        )
+    elif missing is not None:
+        print(f"all {manifest['objects']} object(s) the backup lists are in the store")
     return 0
 
 

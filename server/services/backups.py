@@ -9,7 +9,7 @@ consistent, with the files its rows name.
   renamed into place (hidden names). Copied after the database, so every row of the copy finds
   its file (a checkpoint written meanwhile comes along too; the worker records it on the next run).
 - With a remote store (S3) the objects stay where they are: ``objects.json`` lists every key
-  with its size, for a check against the store after a restore.
+  with its size, and ``restore`` checks the store against it (``missing_objects``).
 
 ``restore`` refuses a home that has jobs or datasets already; it puts the files and the database
 back, then applies the migrations (a backup of an older release comes up to date).
@@ -173,4 +173,19 @@ def restore(settings: Settings, source: Path) -> dict[str, Any]:
     engine = make_engine(settings.url)
     migrate(engine)
     engine.dispose()
+    if not isinstance(store, LocalStorage) and (source / OBJECTS).is_file():
+        listed = json.loads((source / OBJECTS).read_text())["objects"]
+        manifest |= {"objects": len(listed), "missing_objects": missing_objects(store, source)}
     return manifest
+
+
+def missing_objects(store: Storage, source: Path) -> list[str]:
+    """The keys the backup in ``source`` lists (``objects.json``) that ``store`` lacks or holds
+    at another size; a download (``exports/``), rebuilt on demand, is not missed."""
+    listed = json.loads((source / OBJECTS).read_text())["objects"]
+    held = dict(store.list(""))
+    return [
+        o["key"]
+        for o in listed
+        if not set(o["key"].split("/")) & set(SKIP) and held.get(o["key"]) != o["bytes"]
+    ]
