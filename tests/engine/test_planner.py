@@ -505,19 +505,24 @@ def test_workload_of_a_grpo_run_counts_prompts_times_their_group() -> None:
     config = TrainConfig.parse(raw)
     w = Workload.from_train_config(config, num_sequences=10)
     assert (w.method, w.sequences_per_example, w.sequences, w.steps) == ("grpo", 8, 32, 2)
-    assert w.samples and w.completion_tokens == 32 and w.kl_reference  # beta 0.1 by default
+    assert w.samples and w.completion_tokens == 32 and not w.kl_reference  # GRPO's beta: 0 by default
+    raw["method"]["beta"] = 0.1  # a KL term: the base model's log-probabilities each step
+    assert Workload.from_train_config(TrainConfig.parse(raw), num_sequences=10).kl_reference
+    del raw["method"]["beta"]
     # the prompts' lengths, cut to leave room for the completion, each followed by a whole one
     lengths = [10, 200, 30, 40]
     w = Workload.from_train_config(config, num_sequences=4, token_lengths=lengths)
     assert w.mean_prompt_len == 96.0 and w.mean_seq_len == 128.0  # one batch, padded to its longest
     w = Workload.from_train_config(config, num_sequences=4, token_lengths=[10, 20, 30, 40])
     assert (w.mean_prompt_len, w.mean_seq_len) == (40.0, 72.0)
-    # the run's refusals: packing, and a completion that leaves the prompt no room
-    for section, field, value in (("data", "packing", True), ("method", "max_completion_tokens", 128)):
-        bad = TrainConfig.parse(raw | {section: raw[section] | {field: value}})
-        with pytest.raises(ConfigError) as info:
-            Workload.from_train_config(bad)
-        assert info.value.field == f"{section}.{field}"
+    # the run's refusals: packing (the config itself refuses it), and a completion that leaves
+    # the prompt no room
+    with pytest.raises(ConfigError, match=r"data\.packing=true"):
+        TrainConfig.parse(raw | {"data": raw["data"] | {"packing": True}})
+    bad = TrainConfig.parse(raw | {"method": raw["method"] | {"max_completion_tokens": 128}})
+    with pytest.raises(ConfigError) as info:
+        Workload.from_train_config(bad)
+    assert info.value.field == "method.max_completion_tokens"
     # a step: its training iteration, then its rollouts; other methods have none
     box = Hardware(num_gpus=2, gpu_memory_gb=24.0)
     grpo = plan_job(QWEN3_1_7B, box, Workload.from_train_config(config, num_sequences=10))
