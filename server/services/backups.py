@@ -12,7 +12,8 @@ consistent, with the files its rows name.
   with its size, and ``restore`` checks the store against it (``missing_objects``).
 
 ``restore`` refuses a home that has jobs or datasets already; it puts the files and the database
-back, then applies the migrations (a backup of an older release comes up to date).
+back (on PostgreSQL into a database emptied of the service's tables first), then applies the
+migrations (a backup of an older release comes up to date).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from sqlalchemy.engine import make_url
 from server.db import make_engine, migrate, session_factory
 from server.settings import Settings
 from server.storage import LocalStorage, Storage, open_storage
-from server.tables import Dataset, Job
+from server.tables import Base, Dataset, Job
 
 MANIFEST = "backup.json"
 SQLITE_FILE = "roundhouse.db"
@@ -132,6 +133,20 @@ def _empty(settings: Settings) -> None:
         )
 
 
+def _drop_tables(settings: Settings) -> None:
+    """Drop the service's tables (and its migration mark) from the empty home's PostgreSQL
+    database, so that the dump, maybe of an older release, is restored alone and then migrated
+    (``pg_restore --clean`` drops only what the dump holds: a newer table would stay and its
+    migration find it there)."""
+    engine = make_engine(settings.url)
+    try:
+        Base.metadata.drop_all(engine)
+        with engine.begin() as conn:
+            conn.exec_driver_sql("DROP TABLE IF EXISTS alembic_version")
+    finally:
+        engine.dispose()
+
+
 def restore(settings: Settings, source: Path) -> dict[str, Any]:
     """Put the backup in ``source`` back into an empty home. Returns its manifest."""
     manifest = json.loads((source / MANIFEST).read_text())
@@ -148,6 +163,7 @@ def restore(settings: Settings, source: Path) -> dict[str, Any]:
             Path(f"{database}{suffix}").unlink(missing_ok=True)
     elif database is None:
         _empty(settings)
+        _drop_tables(settings)
     if isinstance(store, LocalStorage) and (source / FILES).is_dir():
         for name in FOLDERS:
             if (source / FILES / name).is_dir():
