@@ -171,10 +171,13 @@ def test_cli_train_generate_and_bad_input(workspace: Path, tmp_path: Path, capsy
     err = capsys.readouterr().err.strip().splitlines()[-1]  # after the loading progress bars
     assert err.startswith("roundhouse train: hyper.learning_rate: Input should be greater than 0 (got -1)")
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n{oops\n')
+    # (a chat row that ends with the user's turn would be a prompt row, GRPO's)
+    bad.write_text('{"messages": [{"role": "assistant", "content": "hi"}]}\n{oops\n')
     assert main(["validate-data", str(bad)]) == 2
     out = capsys.readouterr().out
-    assert "line 1: no assistant turn" in out and "line 2: invalid JSON" in out
+    assert (
+        "line 1: messages[0]: expected role 'user', got 'assistant'" in out and "line 2: invalid JSON" in out
+    )
     assert main(["validate-data", str(workspace / "train.jsonl"), "--model", str(workspace / "model")]) == 0
     assert "format chat, 24 rows, 0 errors" in capsys.readouterr().out
 
@@ -184,7 +187,7 @@ def test_config_errors_name_the_field_and_value(tmp_path: Path) -> None:
         TrainConfig.parse(
             {"data": {"train": "x.jsonl"}, "hyper": {"batch_size": 4}, "engine": {"num_microbatches": 8}}
         )
-    kinds = r"method.kind: Input should be 'lora', 'full', 'dpo' or 'orpo' \(got \"qlora\"\)"
+    kinds = r"method.kind: Input should be 'lora', 'full', 'dpo', 'orpo' or 'grpo' \(got \"qlora\"\)"
     with pytest.raises(ValueError, match=kinds):
         TrainConfig.parse({"data": {"train": "x.jsonl"}, "method": {"kind": "qlora"}})
     with pytest.raises(ValueError, match=r"data: Field required"):
