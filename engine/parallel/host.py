@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -30,6 +31,33 @@ from engine.model import quant
 from engine.model.adapter import AdaptedModel
 
 DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in COMPUTE_DTYPES}
+
+
+_MADV_PAGEOUT = 21  # Linux 5.4+: reclaim the pages now (file pages dropped, anonymous ones swapped)
+
+
+def _page_out(t: torch.Tensor) -> None:
+    """Give back the resident pages of a tensor the engine no longer reads (a base weight just
+    packed from a memory-mapped checkpoint shard): the shard's mapping lives until its last tensor
+    is packed, and the pages read so far would stay resident, counted in the process's memory, till
+    then. ``MADV_PAGEOUT`` loses nothing (a file page is read again, an anonymous one is swapped),
+    so a page shared with a neighbouring tensor stays correct; where it is unknown, nothing
+    happens."""
+    if t.device.type != "cpu" or t.numel() == 0:
+        return
+    page = 4096
+    start = t.data_ptr()
+    first = (start + page - 1) // page * page
+    last = (start + t.numel() * t.element_size()) // page * page
+    if last <= first:
+        return
+    with contextlib.suppress(OSError, AttributeError):  # not glibc, or no such advice: nothing
+        _libc().madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_PAGEOUT)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL("libc.so.6", use_errno=True)
 
 
 def _return_freed_memory() -> None:
@@ -113,17 +141,21 @@ class HostState:
                         and self._packable(t, ht, fp32=keep_fp32(names))
                     ):
                         ht.compute, ht.packed = quant.pack(t, dtype)
+                        _page_out(t.data)  # its checkpoint pages, read once to pack it
                         t.data = torch.empty(0, dtype=t.dtype)  # the dense copy goes: RAM saved
                     elif base_bits == 4 and not ht.trainable:
                         # its own copy: the rest of a memory-mapped checkpoint shard was packed,
                         # and the shard's mapping stays as long as one tensor still reads it
                         ht.compute = ht.compute.clone()
+                        _page_out(t.data)  # the checkpoint's pages of it: the copy is what stays
                         if isinstance(t, nn.Parameter):  # the model lets go of the shard now
                             t.data = ht.compute
                     self.tensors.append(ht)
                     originals.append(t)
                 keys[local] = by_id[id(t)]
             self.layer_keys.append(keys)
+            if base_bits == 4:  # the packing's temporaries: handed back layer by layer, not at the end
+                _return_freed_memory()
         if any(ht.packed is not None for ht in self.tensors):
             _return_freed_memory()  # the dense copies the packing replaced
         self.pinned = pin
