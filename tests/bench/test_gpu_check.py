@@ -99,7 +99,10 @@ def test_gpu_check_runs_clean_on_cpu_workers(tmp_path: Path) -> None:
     backoff = checks["low_precision"]["figures"]["float16_backoff"]
     assert backoff["skipped"][0] is True and backoff["halving_rule_held"] is True
     assert checks["cancel_close"]["figures"]["threads_left"] == []
-    assert checks["memory"]["figures"]["growth_after_warmup_bytes"] <= 0
+    # no leak: flat over the last steps; the gradient buffers' pool may fill a buffer late under
+    # load (seen: +148,004 bytes once, in one of several runs), far below the 1 MiB that fails the row
+    memory = checks["memory"]["figures"]
+    assert memory["late_growth_bytes"] <= 0 and memory["growth_after_warmup_bytes"] < 1 << 20, memory
     assert checks["memory"]["figures"]["leak_control"]["caught"] is True
     # host syncs: counted only on a GPU, but the split plans and the injected .item() ran here
     syncs = checks["host_syncs"]
