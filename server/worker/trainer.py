@@ -39,7 +39,7 @@ EXIT_OK, EXIT_FAILED, EXIT_CANCELLED, EXIT_DISK_FULL = 0, 1, 3, 4
 ERROR_FILE = "error.txt"
 DRAIN_S = 3600.0  # how long a run that ended waits for a database that is away to write what it logged
 FULL = (errno.ENOSPC, errno.EDQUOT)  # a write that found no space
-# the latest values a checkpoint row records with it (DPO runs: their reward figures too)
+# the latest values a checkpoint row records with it (DPO and GRPO runs: their reward figures too)
 KEEP = (
     "loss/train",
     "loss/val",
@@ -47,6 +47,8 @@ KEEP = (
     "throughput/tokens_per_s",
     "dpo/reward_margin",
     "dpo/reward_accuracy",
+    "reward/mean",
+    "reward/val",
 )
 
 
