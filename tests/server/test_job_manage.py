@@ -178,19 +178,19 @@ def test_resume_of_a_cancelled_job_continues_from_its_checkpoint_to_success(
         pytest.skip("resume does not depend on the broker: run once, with the folder transport")
     client = worker_client
     workers.append(WorkerProcess(worker_settings, tmp_path / "worker.log").start())
-    job = start_job(client, dataset(client), hyper={"max_steps": 30}, checkpoint={"every_steps": 100})
+    job = start_job(client, dataset(client), hyper={"max_steps": 200}, checkpoint={"every_steps": 1000})
     wait_for_job(client, job["id"], lambda j: j["status"] == "running" and j["step"] >= 2, logs=workers)
     assert client.post(f"/api/jobs/{job['id']}/cancel").status_code == 200
     job = wait_for_job(client, job["id"], {"cancelled", "succeeded"}, logs=workers)
     assert job["status"] == "cancelled", "the job finished before the cancel took effect"
     stopped_at = job["step"]
-    assert 2 <= stopped_at < 30
+    assert 2 <= stopped_at < 200
 
     r = client.post(f"/api/jobs/{job['id']}/resume")
     assert r.status_code == 200 and r.json()["status"] == "queued", r.text
     job = wait_for_job(client, job["id"], {"succeeded", "failed"}, logs=workers)
     assert job["status"] == "succeeded", (job["error"], workers[0].tail())
-    assert (job["step"], job["attempts"]) == (30, 2)
+    assert (job["step"], job["attempts"]) == (200, 2)
     assert job["started_at"] <= job["finished_at"]
     assert states(client, job["id"])[-5:] == ["cancelling", "cancelled", "queued", "running", "succeeded"]
     events = client.get(f"/api/jobs/{job['id']}/events", params={"limit": 1000}).json()["data"]
