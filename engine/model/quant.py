@@ -24,7 +24,7 @@ import contextlib
 import io
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -33,7 +33,7 @@ import torch
 from engine.planner.quantized import ALIGN, BASE_BITS, BLOCK, SCALER_BLOCK, packed_bytes, scaler_block
 
 __all__ = ["ALIGN", "BASE_BITS", "BLOCK", "SCALER_BLOCK", "Packed", "dequantized", "pack"]
-__all__ += ["packed_bytes", "quantizable", "scaler_block"]
+__all__ += ["Layout", "attach", "attached", "detach_packed", "packed_bytes", "quantizable", "scaler_block"]
 
 
 def _nf4() -> Any:
@@ -140,3 +140,37 @@ def dequantized(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """What a worker computes with for ``tensor`` in a 4-bit base (for reference loops)."""
     buffer, layout = pack(tensor, dtype)
     return layout.unpack(buffer)
+
+
+class Layout(Protocol):
+    """How a packed weight decodes: ``Packed`` (the engine's NF4) and the layouts of checkpoints
+    that arrive quantized (``engine.model.prequantized``)."""
+
+    @property
+    def shape(self) -> torch.Size: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    def unpack(self, buffer: torch.Tensor) -> torch.Tensor: ...
+
+
+_ATTACHED = "_packed_base"
+
+
+def attach(param: torch.Tensor, buffer: torch.Tensor, layout: Layout) -> None:
+    """Give a frozen parameter loaded packed (its data a zero-size placeholder) its buffer and
+    layout, for the host state to keep as its compute copy."""
+    setattr(param, _ATTACHED, (buffer, layout))
+
+
+def attached(param: torch.Tensor) -> tuple[torch.Tensor, Layout] | None:
+    """The packed buffer and layout ``attach`` gave a parameter, or None."""
+    found: tuple[torch.Tensor, Layout] | None = getattr(param, _ATTACHED, None)
+    return found
+
+
+def detach_packed(param: torch.Tensor) -> None:
+    """Forget a parameter's packed buffer (the host state owns it now)."""
+    if hasattr(param, _ATTACHED):
+        delattr(param, _ATTACHED)

@@ -77,7 +77,7 @@ class HostTensor:
     master: torch.nn.Parameter | None = None
     compute_alt: torch.Tensor | None = None  # async mode: the second compute buffer
     # a 4-bit base weight: ``compute`` is its packed uint8 buffer, this says how to decode it
-    packed: quant.Packed | None = None
+    packed: quant.Layout | None = None
 
     def dense(self) -> torch.Tensor:
         """The values stages compute with (a packed weight decoded on the CPU)."""
@@ -134,8 +134,12 @@ class HostState:
                     by_id[id(t)] = len(self.tensors)
                     names = full.get(id(t), [])
                     dtype = torch.float32 if keep_fp32(names) else compute_dtype
-                    ht = self._make(len(self.tensors), t, names, layer.index, dtype)
-                    if (
+                    loaded = quant.attached(t)
+                    if loaded is not None:  # loaded packed from a quantized checkpoint: kept so
+                        ht = self._adopt(len(self.tensors), t, names, layer.index, loaded, base_bits)
+                    else:
+                        ht = self._make(len(self.tensors), t, names, layer.index, dtype)
+                    if loaded is None and (
                         base_bits == 4
                         and layer.kind == LayerKind.BLOCK
                         and self._packable(t, ht, fp32=keep_fp32(names))
@@ -143,7 +147,7 @@ class HostState:
                         ht.compute, ht.packed = quant.pack(t, dtype)
                         _page_out(t.data)  # its checkpoint pages, read once to pack it
                         t.data = torch.empty(0, dtype=t.dtype)  # the dense copy goes: RAM saved
-                    elif base_bits == 4 and not ht.trainable:
+                    elif loaded is None and base_bits == 4 and not ht.trainable:
                         # its own copy: the rest of a memory-mapped checkpoint shard was packed,
                         # and the shard's mapping stays as long as one tensor still reads it
                         ht.compute = ht.compute.clone()
@@ -219,12 +223,30 @@ class HostState:
         ]
 
     @staticmethod
+    def _adopt(
+        key: int,
+        t: torch.Tensor,
+        names: list[str],
+        layer: int,
+        loaded: tuple[torch.Tensor, quant.Layout],
+        base_bits: int,
+    ) -> HostTensor:
+        """The host tensor of a weight loaded packed (``engine.model.prequantized``): its packed
+        buffer is the compute copy; the parameter keeps a zero-size placeholder."""
+        if base_bits != 4 or t.requires_grad:
+            raise ValueError(f"{names}: a weight loaded packed needs a frozen base with base_bits 4")
+        quant.detach_packed(t)
+        t.data = torch.empty(0, dtype=t.dtype)
+        return HostTensor(key, names, loaded[0], False, layer, packed=loaded[1])
+
+    @staticmethod
     def _packable(t: torch.Tensor, ht: HostTensor, *, fp32: bool) -> bool:
         """A 4-bit base packs a frozen floating matrix of a block (linear or expert weights),
-        but not what the family keeps in fp32 nor a mixture of experts' router."""
+        but not what the family keeps in fp32, a mixture of experts' router, nor biases."""
         router = any(".router." in f".{n}" or ".mlp.gate." in f".{n}" for n in ht.names)
+        bias = any(n.endswith("bias") for n in ht.names)  # e.g. GPT-OSS's expert biases [E, out]
         return (
-            isinstance(t, nn.Parameter) and not ht.trainable and not fp32 and not router
+            isinstance(t, nn.Parameter) and not ht.trainable and not fp32 and not router and not bias
         ) and quant.quantizable(ht.compute)
 
     @staticmethod

@@ -256,14 +256,11 @@ class Shape:
 
     def packable(self, block: int, multiple: int) -> list[int]:
         """Sizes (values) of the weights of block ``block`` a 4-bit base packs
-        (``engine.parallel.host.HostState``): its frozen matrices (linear weights, stacked
-        expert weights and GPT-OSS's expert biases) whose size is a multiple of ``multiple``;
-        never the router, norms or other vectors."""
+        (``engine.parallel.host.HostState``): its frozen matrices (linear weights and stacked
+        expert weights) whose size is a multiple of ``multiple``; never the router, norms,
+        biases (GPT-OSS's expert biases are matrices too) or other vectors."""
         sizes = [a * b for a, b in self.linears(block).values()]
         sizes += [e * a * b for e, a, b in self.experts(block).values()]
-        moe = self.moe_of(block)
-        if moe is not None and moe.biases:  # [experts, 2 x width] and [experts, hidden]
-            sizes += [moe.experts * 2 * moe.intermediate, moe.experts * self.hidden]
         return [n for n in sizes if n % multiple == 0]
 
     def active_block_params(self, block: int = 0) -> int:

@@ -189,7 +189,12 @@ class Run:
         # loads float32, so its fp32 masters start from the stored values
         stored = checkpoint_dtype(self.folder)
         full_precision = not m.lora and stored in (None, "float32") and self.compute_dtype != "float32"
-        model = load_model(self.folder, dtype="float32" if full_precision else self.compute_dtype)
+        # a 4-bit base keeps a quantized checkpoint's weights packed as stored (no dense copy)
+        model = load_model(
+            self.folder,
+            dtype="float32" if full_precision else self.compute_dtype,
+            keep_packed=m.lora and m.base_bits == 4,
+        )
         if not m.lora:
             return model
         from peft import LoraConfig, get_peft_model

@@ -163,17 +163,30 @@ def _safetensors_parameters(folder: Path) -> int | None:
         with f.open("rb") as fh:
             (n,) = struct.unpack("<Q", fh.read(8))
             header = json.loads(fh.read(n))
-        total += sum(_tensor_parameters(key, meta) for key, meta in header.items() if key != "__metadata__")
+        header.pop("__metadata__", None)
+        # bitsandbytes 4-bit weights: those with a quantization state beside them
+        bnb = {key.split(_BNB_STATE, 1)[0] for key in header if _BNB_STATE in key}
+        total += sum(_tensor_parameters(key, meta, bnb) for key, meta in header.items())
     return total
 
 
-def _tensor_parameters(name: str, meta: dict[str, Any]) -> int:
+_BNB_STATE = ".quant_state.bitsandbytes__"
+_BNB_PARTS = (".absmax", ".quant_map", ".nested_absmax", ".nested_quant_map")
+
+
+def _tensor_parameters(name: str, meta: dict[str, Any], bnb: set[str]) -> int:
     """The parameters one safetensors entry holds. MXFP4 checkpoints (GPT-OSS) pack two 4-bit
     values in each byte of a uint8 ``*_blocks`` tensor, and their uint8 ``*_scales`` (one shared
-    exponent per 32 values) are not parameters."""
+    exponent per 32 values) are not parameters. A bitsandbytes 4-bit weight (a name in ``bnb``)
+    packs two values a byte too; its scales, code books and quantization state are not
+    parameters."""
     count = 1
     for d in meta["shape"]:
         count *= d
+    if name in bnb:
+        return 2 * count
+    if _BNB_STATE in name or (name.endswith(_BNB_PARTS) and name.rsplit(".", 1)[0] in bnb):
+        return 0
     if meta.get("dtype") == "U8" and name.endswith("_blocks"):
         return 2 * count
     if meta.get("dtype") == "U8" and name.endswith("_scales"):

@@ -90,3 +90,31 @@ def test_a_gpt_oss_mxfp4_folder_lists_its_dense_parameter_count(tmp_path: Path) 
     assert _safetensors_parameters(folder) == dense
     listed = {m.name: m for m in discover(tmp_path / "models", None)}
     assert listed["gpt-oss-tiny"].parameters == dense
+
+
+def test_a_bitsandbytes_4bit_folder_lists_its_dense_parameter_count(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "dense")
+    # written as the hub's -bnb-4bit folders are: transformers with bitsandbytes (its CPU backend)
+    quantized = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "dense",
+        quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_use_double_quant=True),
+        dtype=torch.bfloat16,
+    )
+    folder = tmp_path / "models" / "llama-bnb-4bit"
+    quantized.save_pretrained(folder)
+    assert json.loads((folder / "config.json").read_text())["quantization_config"]["load_in_4bit"]
+    dense = sum(p.numel() for p in model.parameters())
+    assert _safetensors_parameters(folder) == dense
+    listed = {m.name: m for m in discover(tmp_path / "models", None)}
+    assert listed["llama-bnb-4bit"].parameters == dense and listed["llama-bnb-4bit"].supported
