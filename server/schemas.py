@@ -98,6 +98,11 @@ class ModelPublic(BaseModel):
     hub: dict[str, Any] | None = Field(
         None, description='a pulled model\'s origin: {"repo_id", "revision", "sha", "pulled_at"}'
     )
+    quantization: str | None = Field(
+        None,
+        description='how its checkpoint is quantized ("bitsandbytes 4-bit (nf4)", "mxfp4"; null: not): '
+        "with method.base_bits 4 such weights stay packed in host RAM, else they are decoded on load",
+    )
 
 
 class ModelsPublic(BaseModel):

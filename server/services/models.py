@@ -30,6 +30,7 @@ class BaseModelInfo:
     supported: bool = True  # the engine can train it; else unsupported_reason says why
     unsupported_reason: str | None = None
     hub: dict[str, Any] | None = None  # a pulled model: {"repo_id", "revision", "sha", "pulled_at"}
+    quantization: str | None = None  # how its checkpoint is quantized: "bitsandbytes 4-bit (nf4)", "mxfp4"
 
 
 # readable names of a few common model classes the engine does not train whose stem reads badly
@@ -217,10 +218,38 @@ _BROKEN_HEADER = (
 )
 
 
+def _quantization(config: dict[str, Any]) -> tuple[str | None, str | None]:
+    """How a ``config.json`` says its checkpoint is quantized, and why the engine cannot read it
+    (None: it can; ``engine.model.loading``)."""
+    q = config.get("quantization_config")
+    if not q:
+        return None, None
+    method = q.get("quant_method") if isinstance(q, dict) else None
+    if not isinstance(method, str) or not method:
+        return "unknown", "config.json: quantization_config names no quant_method"
+    method = method[:40]
+    if method == "mxfp4":
+        return "mxfp4", None
+    if method == "bitsandbytes":
+        if not (q.get("load_in_4bit") or q.get("_load_in_4bit")):
+            return "bitsandbytes 8-bit", "a bitsandbytes 8-bit checkpoint: the engine reads 4-bit ones"
+        kind = q.get("bnb_4bit_quant_type")
+        return f"bitsandbytes 4-bit ({kind})" if isinstance(
+            kind, str
+        ) and kind.isalnum() else "bitsandbytes 4-bit", None
+    return method, (
+        f"quantized with {method!r}: the engine reads bitsandbytes 4-bit and MXFP4 checkpoints "
+        "(or give the unquantized model)"
+    )
+
+
 def _describe(name: str, source: str, folder: Path) -> BaseModelInfo:
     """A model folder, whatever is in it: what its ``config.json`` says, or why it is unsupported."""
     config, problem = _read_config(folder)
     kind = ModelKind(None, False, problem) if config is None else _kind(config)
+    quantization, unreadable = _quantization(config) if config is not None else (None, None)
+    if unreadable is not None and kind.supported:
+        kind = ModelKind(kind.architecture, False, unreadable)
     parameters: int | None = None
     try:
         parameters = _safetensors_parameters(folder)
@@ -235,7 +264,9 @@ def _describe(name: str, source: str, folder: Path) -> BaseModelInfo:
     except UnicodeEncodeError:  # not expressible in JSON as it is: shown, never startable
         name = name.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
         kind = ModelKind(kind.architecture, False, "the folder name is not valid UTF-8: rename the folder")
-    return _info(name, source, folder, kind, parameters, _size(folder), True)
+    info = _info(name, source, folder, kind, parameters, _size(folder), True)
+    info.quantization = quantization
+    return info
 
 
 def discover(models_dir: Path, hf_cache: Path | None) -> list[BaseModelInfo]:

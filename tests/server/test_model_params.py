@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import save_file
 
@@ -118,3 +119,35 @@ def test_a_bitsandbytes_4bit_folder_lists_its_dense_parameter_count(tmp_path: Pa
     assert _safetensors_parameters(folder) == dense
     listed = {m.name: m for m in discover(tmp_path / "models", None)}
     assert listed["llama-bnb-4bit"].parameters == dense and listed["llama-bnb-4bit"].supported
+    assert listed["llama-bnb-4bit"].quantization == "bitsandbytes 4-bit (fp4)"  # bitsandbytes' default
+
+
+@pytest.mark.parametrize(
+    ("quantization", "label", "reason"),
+    [
+        ({"quant_method": "mxfp4"}, "mxfp4", None),
+        (
+            {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"},
+            "bitsandbytes 4-bit (nf4)",
+            None,
+        ),
+        ({"quant_method": "bitsandbytes", "load_in_8bit": True}, "bitsandbytes 8-bit", "8-bit"),
+        ({"quant_method": "awq", "bits": 4}, "awq", "quantized with 'awq'"),
+        ({"bits": 4}, "unknown", "names no quant_method"),
+        (None, None, None),
+    ],
+)
+def test_the_listing_names_a_checkpoint_s_quantization_and_refuses_what_cannot_be_read(
+    tmp_path: Path, quantization: dict[str, object] | None, label: str | None, reason: str | None
+) -> None:
+    folder = write_shards(tmp_path / "models" / "m", {"embed.weight": torch.zeros(96, 64)})
+    config: dict[str, object] = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2}
+    if quantization is not None:
+        config["quantization_config"] = quantization
+    (folder / "config.json").write_text(json.dumps(config))
+    (info,) = [m for m in discover(tmp_path / "models", None) if m.name == "m"]
+    assert info.quantization == label
+    if reason is None:
+        assert info.supported and info.unsupported_reason is None
+    else:
+        assert not info.supported and reason in (info.unsupported_reason or "")

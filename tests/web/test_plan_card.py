@@ -85,3 +85,42 @@ def test_the_plan_card_shows_a_16_bit_and_a_4_bit_base(page: Page, server: Serve
     expect(page.locator("#plan")).to_contain_text("Try: a 4-bit base")
     screenshot(page, "new-job-4bit-base")
     page.unroute("**/api/plan")
+
+
+def test_a_model_stored_in_4_bits_is_labelled_and_starts_with_a_4_bit_base(
+    page: Page, server: Server
+) -> None:
+    """A bitsandbytes 4-bit folder in the models folder: the pickers name its quantization, and
+    picking it checks "4-bit base" (its weights then stay packed as stored); unchecking it asks
+    for a 16-bit base (decoded on load)."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+
+    tiny = server.home / "models" / "tiny"
+    folder = server.home / "models" / "tiny-bnb-4bit"
+    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")
+    AutoModelForCausalLM.from_pretrained(
+        tiny, quantization_config=quantization, dtype=torch.bfloat16
+    ).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(tiny).save_pretrained(folder)
+    try:
+        page.goto(f"{server.base_url}/#/jobs/new")
+        expect(page.locator("form#new-job-form")).to_be_visible()
+        option = page.locator("select#base-model option[value='tiny-bnb-4bit']")
+        expect(option).to_contain_text("bitsandbytes 4-bit (nf4)")
+        expect(page.locator("#base-4bit-stored")).to_be_hidden()
+        page.select_option("select#base-model", "tiny-bnb-4bit")
+        expect(page.locator("input#base-4bit")).to_be_checked()
+        expect(page.locator("#base-4bit-stored")).to_contain_text("stored bitsandbytes 4-bit (nf4)")
+        expect(page.locator("#request-preview")).to_contain_text('"base_bits": 4')
+        page.uncheck("input#base-4bit")  # the user's choice stands
+        expect(page.locator("#request-preview")).not_to_contain_text("base_bits")
+        page.select_option("select#base-model", "tiny")
+        expect(page.locator("#base-4bit-stored")).to_be_hidden()
+        screenshot(page, "new-job-stored-4bit")
+        page.goto(f"{server.base_url}/#/models")
+        expect(page.locator("main")).to_contain_text("bitsandbytes 4-bit (nf4)")
+    finally:
+        shutil.rmtree(folder)

@@ -9,9 +9,10 @@ import { transferLine } from "./transfer.js";
 const SOURCES = { demo: "demo", models: "models folder", hub: "Hugging Face Hub", "hf-cache": "HF cache" };
 
 function moeText(m) {
-  if (!m.moe) return "dense";
+  const stored = m.quantization ? ` · ${m.quantization}` : "";
+  if (!m.moe) return `dense${stored}`;
   const of = m.experts ? ` · ${m.active_experts ?? "?"} of ${m.experts} experts` : "";
-  return `MoE${of}`;
+  return `MoE${of}${stored}`;
 }
 
 export async function render(main) {

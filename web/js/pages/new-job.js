@@ -31,7 +31,7 @@ function modelLabel(m) {
   const n = m.parameters;
   const count = n >= 1e9 ? `${number(n / 1e9)}B` : n >= 1e6 ? `${number(n / 1e6)}M` : `${number(n / 1e3)}K`;
   const size = n ? `${count} parameters` : bytes(m.size_bytes);
-  return `${m.name} — ${m.family || m.architecture || "?"}${moe}, ${size}`;
+  return `${m.name} — ${m.family || m.architecture || "?"}${moe}, ${size}${m.quantization ? `, ${m.quantization}` : ""}`;
 }
 
 // The base model picker: the models the engine can fine-tune; the others (GET /api/models says
@@ -279,6 +279,20 @@ export async function render(main) {
     fourBit,
     " 4-bit base (QLoRA): the frozen weights in about a quarter of the host RAM and PCIe traffic",
   );
+  // a checkpoint stored quantized (bitsandbytes 4-bit, MXFP4): kept packed as stored with a
+  // 4-bit base, so the box starts checked when such a model is picked
+  const storedHint = el("small", { id: "base-4bit-stored", class: "hint" });
+  fourBitField.append(storedHint);
+  let hintedModel = null;
+  function showStored() {
+    const q = byName.get(base.value)?.quantization;
+    storedHint.hidden = !q;
+    storedHint.textContent = q
+      ? ` · stored ${q}: checked, its quantized weights stay packed as stored; unchecked, they are decoded to 16 bits on load`
+      : "";
+    if (q && hintedModel !== base.value) fourBit.checked = true;
+    hintedModel = base.value;
+  }
   // hyper.batch_size counts a DPO job's pairs (2 sequences each, as the plan card says)
   const batchField = field("batch-size", "Batch size (sequences)", batch);
   const preview = el("pre", { id: "request-preview", class: "code" });
@@ -375,6 +389,7 @@ export async function render(main) {
 
   function update() {
     moeOptions.hidden = !isMoe();
+    showStored();
     showMethod();
     plan.schedule();
     const json = JSON.stringify(body(), null, 2);
