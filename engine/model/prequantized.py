@@ -1,9 +1,9 @@
 """Checkpoints that arrive quantized: bitsandbytes 4-bit (NF4 or FP4) and MXFP4 (GPT-OSS).
 
-Such a folder is read here, shard by shard from memory-mapped safetensors, never through a
-``transformers`` quantizer: the model is built from its config without initializing weights
-(untouched memory costs nothing), each plain tensor of the checkpoint becomes its parameter, and
-each quantized weight is either
+Such a folder is read here, shard by shard from memory-mapped safetensors (each tensor copied out
+and its pages of the mapping given back at once), never through a ``transformers`` quantizer: the
+model is built from its config without initializing weights (untouched memory costs nothing),
+each plain tensor of the checkpoint becomes its parameter, and each quantized weight is either
 
 - decoded to a dense tensor as it is read (``keep_packed=False``: a full fine-tune, a LoRA run
   with a 16-bit base, an export or a served model), one weight at a time, or
@@ -30,7 +30,11 @@ formats' reference decoders bit for bit (tests compare them with bitsandbytes' o
 
 from __future__ import annotations
 
+import contextlib
 import json
+import mmap
+import struct
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -155,6 +159,64 @@ class Mxfp4Layout:
             values = torch.ldexp(values, scales[e].to(torch.int32) - 127)
             out[e].copy_(values.view(rows, groups * 2 * width).t())
         return out
+
+
+# safetensors' dtype names
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+class _Shard:
+    """One safetensors file, memory-mapped: ``get_tensor`` copies an entry out of the mapping
+    and gives the mapping's pages of it back at once (``MADV_DONTNEED``: a read-only file
+    mapping reads them again if touched), so reading a shard never keeps its pages resident and
+    the process holds each tensor once."""
+
+    def __init__(self, path: Path) -> None:
+        with path.open("rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+            self.map = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        header.pop("__metadata__", None)
+        self.header: dict[str, dict[str, Any]] = header
+        self.base = 8 + n
+        self.path = path
+
+    def __enter__(self) -> _Shard:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.map.close()
+
+    def keys(self) -> list[str]:
+        return list(self.header)
+
+    def get_tensor(self, key: str) -> torch.Tensor:
+        meta = self.header[key]
+        if meta["dtype"] not in _DTYPES:
+            raise ValueError(f"{self.path.name}: {key} has dtype {meta['dtype']}, which is not read")
+        start, end = (self.base + int(x) for x in meta["data_offsets"])
+        with warnings.catch_warnings():  # the mapping is read-only; the view is only copied
+            warnings.simplefilter("ignore", UserWarning)
+            view = torch.frombuffer(self.map, dtype=torch.uint8, count=end - start, offset=start)
+        out = view.clone()
+        del view
+        page = mmap.PAGESIZE
+        first, last = (start + page - 1) // page * page, end // page * page
+        if last > first:
+            with contextlib.suppress(OSError, ValueError):
+                self.map.madvise(mmap.MADV_DONTNEED, first, last - first)
+        return out.view(_DTYPES[meta["dtype"]]).reshape(meta["shape"])
 
 
 def _bnb_state(raw: torch.Tensor) -> dict[str, Any]:
@@ -291,9 +353,7 @@ def load(folder: str | Path, method: str, dtype: torch.dtype, *, keep_packed: bo
         return p.dtype if p is not None and p.is_floating_point() else dtype
 
     for shard in _shards(folder):
-        from safetensors import safe_open
-
-        with safe_open(shard, framework="pt") as handle:
+        with _Shard(shard) as handle:
             reader = _Reader(method, handle, dtype_of)
             for name, buffer, layout in reader.quantized():
                 param = params.get(name)

@@ -6,8 +6,9 @@ that ``engine.parallel.host.HostState`` packs (``Shape.packable``) are kept in N
 and uploaded so; everything else of a block stays in the compute dtype. The planner counts:
 
 - **upload bytes** (host RAM and PCIe): each packed tensor's buffer (``packed_bytes``, the same
-  arithmetic as ``engine.model.quant.packed_bytes``, here without torch), the rest of the block
-  at ``d`` bytes a value;
+  arithmetic as ``engine.model.quant.packed_bytes``, here without torch; ``mxfp4_bytes`` for
+  the expert weights a GPT-OSS checkpoint stores in MXFP4, kept so), the rest of the block at
+  ``d`` bytes a value;
 - **decoded bytes** (GPU, while the stage runs): the worker decodes every packed weight of a
   stage at its start (``engine.parallel.executor``) and computes with the dense copies, so a
   stage holds its packed buffers and the decoded weights (``d`` bytes a value);
@@ -75,9 +76,17 @@ def block_bytes(shape: Shape, block: int, dtype_bytes: int, base_bits: int) -> B
     if base_bits == 16:
         return BlockBytes(upload=params * dtype_bytes, decoded=0, scratch=0)
     sizes = shape.packable(block, PACK_MULTIPLE)
-    packed = sum(packed_bytes(n, dtype_bytes) for n in sizes)
+    stored = shape.stored(block)
+    packed = sum(packed_bytes(n, dtype_bytes) for n in sizes) + sum(mxfp4_bytes(n) for n in stored)
+    every = sizes + stored
     return BlockBytes(
-        upload=(params - sum(sizes)) * dtype_bytes + packed,
-        decoded=sum(sizes) * dtype_bytes,
-        scratch=max(sizes, default=0) * decode_scratch_bytes(dtype_bytes),
+        upload=(params - sum(every)) * dtype_bytes + packed,
+        decoded=sum(every) * dtype_bytes,
+        scratch=max(every, default=0) * decode_scratch_bytes(dtype_bytes),
     )
+
+
+def mxfp4_bytes(numel: int) -> int:
+    """Bytes of an MXFP4 weight kept as its checkpoint stores it (``engine.model.prequantized``):
+    16 bytes of codes and one exponent byte per 32 values, each part aligned."""
+    return _align(numel // 2) + _align(numel // 32)

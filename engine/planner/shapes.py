@@ -94,6 +94,8 @@ class Shape:
     moe: Moe | None = None
     mla: Mla | None = None
     context: int | None = None  # max_position_embeddings, when the config gives a sane one
+    # "mxfp4": the checkpoint stores the expert weights in MXFP4 (GPT-OSS), kept so in a 4-bit base
+    stored_experts: str | None = None
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> Shape:
@@ -161,6 +163,10 @@ class Shape:
         context = cfg.get("max_position_embeddings")
         if isinstance(context, bool) or not isinstance(context, int) or context < 1:
             context = None
+        quantization = config.get("quantization_config")
+        stored = (
+            isinstance(quantization, dict) and quantization.get("quant_method") == "mxfp4" and moe is not None
+        )
         return cls(
             hidden=hidden,
             intermediate=sizes["intermediate_size"],
@@ -177,6 +183,7 @@ class Shape:
             moe=moe,
             mla=mla,
             context=context,
+            stored_experts="mxfp4" if stored else None,
         )
 
     @property
@@ -255,13 +262,22 @@ class Shape:
         )
 
     def packable(self, block: int, multiple: int) -> list[int]:
-        """Sizes (values) of the weights of block ``block`` a 4-bit base packs
+        """Sizes (values) of the weights of block ``block`` a 4-bit base packs in NF4
         (``engine.parallel.host.HostState``): its frozen matrices (linear weights and stacked
-        expert weights) whose size is a multiple of ``multiple``; never the router, norms,
-        biases (GPT-OSS's expert biases are matrices too) or other vectors."""
+        expert weights, but those stored in MXFP4: ``stored``) whose size is a multiple of
+        ``multiple``; never the router, norms, biases (GPT-OSS's expert biases are matrices too)
+        or other vectors."""
         sizes = [a * b for a, b in self.linears(block).values()]
-        sizes += [e * a * b for e, a, b in self.experts(block).values()]
+        if self.stored_experts is None:
+            sizes += [e * a * b for e, a, b in self.experts(block).values()]
         return [n for n in sizes if n % multiple == 0]
+
+    def stored(self, block: int) -> list[int]:
+        """Sizes (values) of the weights of block ``block`` the checkpoint stores in MXFP4 (a
+        4-bit base keeps them so: ``engine.model.prequantized``)."""
+        if self.stored_experts is None:
+            return []
+        return [e * a * b for e, a, b in self.experts(block).values()]
 
     def active_block_params(self, block: int = 0) -> int:
         """Parameters one token of block ``block`` computes with: the routed experts it picks,

@@ -74,6 +74,7 @@ def gpt_oss(tmp_path_factory: pytest.TempPathFactory) -> Path:
     model.config.save_pretrained(folder)
     config = json.loads((folder / "config.json").read_text())
     config["quantization_config"] = HUB_QUANTIZATION
+    config["architectures"] = ["GptOssForCausalLM"]
     (folder / "config.json").write_text(json.dumps(config))
     return folder
 
@@ -343,3 +344,44 @@ def test_a_lora_job_on_a_bnb_folder_trains_resumes_and_exports_merged(tmp_path: 
         assert (
             merged.eval()(input_ids=ids).logits - reference.eval()(input_ids=ids).logits
         ).abs().max() < 1e-5
+
+
+def test_the_plan_counts_mxfp4_experts_as_stored(gpt_oss: Path) -> None:
+    """A 4-bit base of an MXFP4 checkpoint: the plan's bytes per layer are what the host holds
+    (the experts at 17 bytes per 32 values, the attention in NF4, the rest dense). In float32:
+    in bfloat16 the plan counts GPT-OSS's norms, which the engine keeps in fp32, at 2 bytes."""
+    dtype = "float32"
+    from dataclasses import replace
+
+    from engine.model.families import family_for
+    from engine.parallel.host import DTYPES
+    from engine.planner import Hardware, Shape, Workload, memory_model
+    from engine.planner.fit import trainable_per_layer
+    from engine.planner.quantized import mxfp4_bytes, packed_bytes
+
+    config = json.loads((gpt_oss / "config.json").read_text())
+    shape = Shape.from_config(config)
+    assert shape.stored_experts == "mxfp4"
+    targets = tuple(family_for("GptOssForCausalLM").lora_targets)
+    job = Workload(lora_r=4, target_modules=targets, compute_dtype=dtype, base_bits=4)
+    memory = memory_model(shape, job, Hardware(), trainable_per_layer(shape, job))
+    lora = _lora(load_model(gpt_oss, dtype, keep_packed=True))
+    with RoundPipe(lora, EngineConfig(base_bits=4, compute_dtype=dtype)) as rp:
+        host = rp.host
+        held = [float(host.param_bytes(i)) for i in range(host.num_layers)]
+        d = torch.empty((), dtype=DTYPES[dtype]).element_size()
+        decoded = [0.0] * host.num_layers
+        for t in host.tensors:
+            if t.packed is not None:
+                decoded[t.owner] += t.packed.shape.numel() * d
+    assert memory.weights == held and memory.decoded == decoded
+    # without the MXFP4 note (an unquantized GPT-OSS) the experts are counted in NF4
+    plain = memory_model(
+        replace(shape, stored_experts=None), job, Hardware(), trainable_per_layer(shape, job)
+    )
+    expert = 4 * 32 * 64
+    nf4, mx = (
+        packed_bytes(expert, 4) + packed_bytes(expert // 2, 4),
+        mxfp4_bytes(expert) + mxfp4_bytes(expert // 2),
+    )
+    assert [b - a for a, b in zip(plain.weights, memory.weights, strict=True)] == [0, *[mx - nf4] * 3, 0]
