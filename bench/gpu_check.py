@@ -1338,6 +1338,17 @@ def check_base_4bit(ctx: Context) -> Result:
     decode_s = timed(lambda: [layout.unpack(b) for b, (_, layout) in zip(on_device, packs, strict=True)])
     upload_s = timed(lambda: target.copy_(dense, non_blocking=True))
     saved_s = upload_s * (1 - packed_bytes / dense_bytes)
+    # the layouts of checkpoints that arrive quantized (bitsandbytes 4-bit, MXFP4 experts):
+    # decoded on the device exactly as on the host, and how long the block's weights take
+    stored = stored_layouts(shapes, g)
+    for kind, pieces in stored.items():
+        device_pieces = [(b.to(ctx.device), layout) for b, layout in pieces]
+        for (host_buffer, layout), (buffer, _) in zip(pieces, device_pieces, strict=True):
+            if not torch.equal(layout.unpack(buffer).cpu(), layout.unpack(host_buffer)):
+                status = "FAIL"
+                problems.append(f"a {kind} weight {tuple(layout.shape)} decodes differently on {ctx.device}")
+        figures[f"{kind}_decode_s"] = timed(lambda p=device_pieces: [layout.unpack(b) for b, layout in p])
+        figures[f"{kind}_packed_ratio"] = sum(b.numel() for b, _ in pieces) / dense_bytes
     figures.update(
         {
             "block": {"hidden": hidden, "intermediate": inter},
@@ -1355,6 +1366,33 @@ def check_base_4bit(ctx: Context) -> Result:
         f"against {saved_s * 1e3:.1f} ms of upload saved"
     )
     return row_result(status, problems, figures, passed)
+
+
+def stored_layouts(
+    shapes: list[tuple[int, int]], g: torch.Generator
+) -> dict[str, list[tuple[torch.Tensor, Any]]]:
+    """The block's weights as a bitsandbytes 4-bit checkpoint (NF4, double-quantized absmax)
+    and as MXFP4 (one expert per weight) stores them: random codes and scales, packed buffers
+    and layouts (``engine.model.prequantized``)."""
+    from engine.model import prequantized as pq
+
+    nf4 = torch.tensor([-1.0, -0.6962, -0.5251, -0.3949, -0.2844, -0.1848, -0.0911, 0.0])
+    nf4 = torch.cat([nf4, torch.tensor([0.0796, 0.1609, 0.2461, 0.3379, 0.4407, 0.5626, 0.7230, 1.0])])
+    bnb, mxfp4 = [], []
+    for rows, cols in shapes:
+        n = rows * cols
+        codes = torch.randint(0, 256, (n // 2,), dtype=torch.uint8, generator=g)
+        absmax = torch.randint(0, 256, (n // 64,), dtype=torch.uint8, generator=g)
+        nested = torch.rand(-(-n // 64 // 256), generator=g) * 0.05
+        book = torch.sort(torch.rand(256, generator=g) * 2 - 1).values
+        buffer, parts = pq._lay_out([codes, absmax, nf4, nested, book])
+        bnb.append((buffer, pq.BnbLayout(torch.Size((rows, cols)), torch.bfloat16, 64, 256, 0.01, parts)))
+        blocks = torch.randint(0, 256, (1, rows, cols // 32, 16), dtype=torch.uint8, generator=g)
+        scales = torch.randint(110, 130, (1, rows, cols // 32), dtype=torch.uint8, generator=g)
+        buffer, parts = pq._lay_out([blocks, scales])
+        layout = pq.Mxfp4Layout(torch.Size((1, cols, rows)), torch.bfloat16, tuple(blocks.shape), parts)
+        mxfp4.append((buffer, layout))
+    return {"bnb4": bnb, "mxfp4": mxfp4}
 
 
 def check_dpo(ctx: Context) -> Result:
