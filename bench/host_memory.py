@@ -14,7 +14,10 @@ iteration uploads (``transfer/h2d_bytes``, counted by the transfer layer as it c
 weights' RSS is the steady state's less the adapter's training state (its masters, gradients,
 compute copies and optimizer moments, counted exactly; the same in both variants). Targets: the
 4-bit variant's base-weight RSS and uploaded bytes <= 0.35x the 16-bit one's; the peak of the
-load <= 1.15x the steady state.
+load <= 1.15x the steady state. A third variant loads the same model saved as a bitsandbytes
+4-bit folder (NF4, double-quantized scales, written by transformers with bitsandbytes), its
+weights kept packed as stored (``engine.model.prequantized``): the same figures, against the
+16-bit base (``ratios_bnb4``).
 
 Part two: the demo task (``roundhouse demo``'s model and data), 20 LoRA steps with each base;
 the mean training loss of the last five steps with a 4-bit base within 5% of the 16-bit one.
@@ -73,6 +76,24 @@ def save_model(args: argparse.Namespace) -> None:
     model.save_pretrained(args.save, max_shard_size=args.shard_size)
 
 
+def save_bnb(args: argparse.Namespace) -> None:
+    """The saved model quantized as the hub's ``-bnb-4bit`` folders are (transformers with
+    bitsandbytes: NF4, double-quantized scales), in shards of the same size."""
+    import torch
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    quantization = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+    )
+    model = AutoModelForCausalLM.from_pretrained(
+        args.folder, quantization_config=quantization, dtype=torch.bfloat16
+    )
+    model.save_pretrained(args.save_bnb, max_shard_size=args.shard_size)
+
+
 def one_variant(args: argparse.Namespace) -> dict[str, Any]:
     """Load the saved model as a training run does, wrap it, train one iteration with
     ``args.bits``; the figures as a dict."""
@@ -90,7 +111,8 @@ def one_variant(args: argparse.Namespace) -> dict[str, Any]:
 
     start = _rss()
     t0 = time.perf_counter()
-    model = load_model(args.folder, dtype="bfloat16")  # a run's load: in its compute dtype
+    # a run's load: in its compute dtype; a quantized folder's weights stay packed in 4 bits
+    model = load_model(args.folder, dtype="bfloat16", keep_packed=args.bits == 4)
     targets = list(family_for("LlamaForCausalLM").lora_targets)
     model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=targets))
     parameters = sum(p.numel() for p in model.parameters())
@@ -220,12 +242,26 @@ def memory_part(args: argparse.Namespace) -> dict[str, Any]:
         subprocess.run(
             [sys.executable, __file__, "--save", folder, "--shard-size", args.shard_size, *shape], check=True
         )
-        for bits in (16, 4):
-            child = [sys.executable, __file__, "--bits", str(bits), "--folder", folder, *shape]
+        bnb = str(Path(folder) / "bnb-4bit")
+        subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--folder",
+                folder,
+                "--save-bnb",
+                bnb,
+                "--shard-size",
+                args.shard_size,
+            ],
+            check=True,
+        )
+        for name, bits, source in (("16", 16, folder), ("4", 4, folder), ("bnb4", 4, bnb)):
+            child = [sys.executable, __file__, "--bits", str(bits), "--folder", source, *shape]
             done = subprocess.run(child, check=True, capture_output=True, text=True)
-            variants[bits] = json.loads(done.stdout.strip().splitlines()[-1])
-            print(f"{bits}-bit base: {json.dumps(variants[bits])}", flush=True)
-    dense, packed = variants[16], variants[4]
+            variants[name] = json.loads(done.stdout.strip().splitlines()[-1])
+            print(f"{name} base: {json.dumps(variants[name])}", flush=True)
+    dense, packed, bnb4 = variants["16"], variants["4"], variants["bnb4"]
     return {
         "shape": {
             "layers": args.layers,
@@ -234,14 +270,20 @@ def memory_part(args: argparse.Namespace) -> dict[str, Any]:
             "vocab": 32000,
             "shard_size": args.shard_size,
         },
-        "variants": {"16": dense, "4": packed},
+        "variants": variants,
         "ratios": {
             "base_rss": packed["base_rss"] / dense["base_rss"],
             "base_weights_rss": packed["base_weights_rss"] / dense["base_weights_rss"],
             "block_base_bytes": packed["block_base_bytes"] / dense["block_base_bytes"],
             "h2d_bytes_per_iteration": packed["h2d_bytes_per_iteration"] / dense["h2d_bytes_per_iteration"],
         },
-        "peak_over_steady_loading": {"16": dense["peak_over_steady"], "4": packed["peak_over_steady"]},
+        # the same model as a bitsandbytes 4-bit folder, its weights kept packed as stored
+        "ratios_bnb4": {
+            "base_weights_rss": bnb4["base_weights_rss"] / dense["base_weights_rss"],
+            "block_base_bytes": bnb4["block_base_bytes"] / dense["block_base_bytes"],
+            "h2d_bytes_per_iteration": bnb4["h2d_bytes_per_iteration"] / dense["h2d_bytes_per_iteration"],
+        },
+        "peak_over_steady_loading": {name: v["peak_over_steady"] for name, v in variants.items()},
     }
 
 
@@ -273,10 +315,14 @@ def main() -> None:
     parser.add_argument("--bits", type=int, help=argparse.SUPPRESS)  # a child: one variant
     parser.add_argument("--folder", type=Path, help=argparse.SUPPRESS)  # ... of this saved model
     parser.add_argument("--save", type=Path, help=argparse.SUPPRESS)  # a child: save the model
+    parser.add_argument("--save-bnb", type=Path, help=argparse.SUPPRESS)  # ... or a bnb copy of it
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "host_memory.json")
     args = parser.parse_args()
     if args.save is not None:
         save_model(args)
+        return
+    if args.save_bnb is not None:
+        save_bnb(args)
         return
     if args.bits is not None:
         print(json.dumps(one_variant(args)))
