@@ -49,7 +49,7 @@ OUTAGE_MIN_S = LEASE_S + 1.0
 OUTAGES = 2
 # an idle machine trains the tiny model at 20 to 30 steps a second (the writes included): the
 # two outages, and the catching up after each, take about 300 steps there
-STEPS, EVERY = 600, 10
+STEPS, EVERY = 2000, 10
 # how long a request may take while the database is down (a refused connection is immediate)
 ANSWER_S = 5.0
 # the upload cut mid-request: its validation (about 20 MB/s) leaves seconds to stop the database

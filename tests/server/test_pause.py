@@ -131,7 +131,7 @@ def test_pause_a_running_job_and_resume_it_to_the_same_weights(
         pytest.skip("pause does not depend on the broker: run once, with Redis")
     client = worker_client
     workers.append(WorkerProcess(worker_settings, tmp_path / "worker.log").start())
-    steps = 40
+    steps = 200
     data = dataset(client)
     # paused as soon as a worker claims it (its training process may not handle the signal yet):
     # paused all the same, never failed
