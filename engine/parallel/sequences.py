@@ -49,6 +49,19 @@ class SequenceMethods:
     ) -> Iteration:
         raise NotImplementedError
 
+    def _refuse_router_loss(self, objective: PairScores | TokenScores) -> None:
+        """The MoE router loss is not defined for the sequence and token objectives.
+
+        Raises:
+            ConfigError: ``router_aux_loss`` is on.
+        """
+        if self.config.router_aux_loss:
+            raise ConfigError(
+                "EngineConfig.router_aux_loss",
+                f"router_aux_loss=True: not supported with {objective.name.upper()}",
+                value=True,
+            )
+
     def forward_backward_pairs(
         self,
         objective: PairScores,
@@ -79,12 +92,7 @@ class SequenceMethods:
             Cancelled: the cancel flag was set.
         """
         self._check_open()
-        if self.config.router_aux_loss:
-            raise ConfigError(
-                "EngineConfig.router_aux_loss",
-                f"router_aux_loss=True: not supported with {objective.name.upper()}",
-                value=True,
-            )
+        self._refuse_router_loss(objective)
         mbs, refs = split_pairs(
             input_ids,
             labels,
@@ -201,12 +209,7 @@ class SequenceMethods:
             Cancelled: the cancel flag was set.
         """
         self._check_open()
-        if self.config.router_aux_loss:
-            raise ConfigError(
-                "EngineConfig.router_aux_loss",
-                f"router_aux_loss=True: not supported with {objective.name.upper()}",
-                value=True,
-            )
+        self._refuse_router_loss(objective)
         if isinstance(divisor, bool) or not isinstance(divisor, int) or divisor < 1:
             raise ValueError(f"divisor={divisor!r}: must be an integer >= 1")
         mbs, _ = split_batch(

@@ -167,3 +167,21 @@ def test_a_run_config_turns_the_router_loss_on() -> None:
     with pytest.raises(ConfigError) as err:
         TrainConfig.parse({**raw, "hyper": {"router_aux_loss_coef": -1}})
     assert err.value.field == "hyper.router_aux_loss_coef"
+
+
+def test_router_loss_is_refused_by_the_pair_and_token_objectives() -> None:
+    """DPO/ORPO pairs and GRPO's tokens have no router loss: the engine says so, naming the
+    setting, before any work (the run config refuses it first; this is the library's guard)."""
+    from engine import RoundPipe
+    from engine.methods.grpo import GRPOObjective
+
+    batch = tiny_batch(batch=4, seed=1)
+    with RoundPipe(moe_model("qwen3_moe"), EngineConfig(router_aux_loss=True)) as rp:
+        objective = GRPOObjective(torch.zeros(4))
+        for call in (
+            lambda: rp.forward_backward_tokens(objective, divisor=4, **batch),
+            lambda: rp.forward_backward_pairs(objective, **batch),  # type: ignore[arg-type]
+        ):
+            with pytest.raises(ConfigError, match="router_aux_loss=True: not supported with GRPO") as exc:
+                call()
+            assert exc.value.field == "EngineConfig.router_aux_loss"
