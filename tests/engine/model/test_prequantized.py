@@ -23,6 +23,7 @@ from engine.model import quant
 from engine.model.loading import load_model, resolve_model_path
 from engine.model.prequantized import BnbLayout, Mxfp4Layout
 from tests.engine.model.test_mxfp4 import HUB_QUANTIZATION, encode_mxfp4, is_expert_matrix
+from tests.engine.model.test_quant import lora_of
 from tests.engine.tiny import SPLIT_PLAN, bitwise_equal, max_diff, plain_loop, tiny_model
 
 TOL = 1e-5
@@ -170,27 +171,10 @@ def test_gpt_oss_experts_kept_packed_decode_as_transformers_de_quantizes_them(
         assert torch.equal(dict(packed.named_buffers())[key], value), key
 
 
-def _lora(model: torch.nn.Module) -> torch.nn.Module:
-    from peft import LoraConfig, get_peft_model
-
-    from engine.model.families import family_for
-
-    spec = family_for(type(model).__name__)
-    torch.manual_seed(3)
-    lora = get_peft_model(
-        model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=list(spec.lora_targets))
-    )
-    with torch.no_grad():
-        for name, p in lora.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.02, generator=torch.Generator().manual_seed(len(name)))
-    return lora
-
-
 def _engine_run(folder: Path, batches: list[dict[str, torch.Tensor]], workers: int) -> tuple[Any, ...]:
     """LoRA with a 4-bit base on the folder loaded packed: losses, masters, and the names of the
     weights kept packed as loaded and those the engine packed itself (NF4)."""
-    lora = _lora(load_model(folder, "float32", keep_packed=True))
+    lora = lora_of(load_model(folder, "float32", keep_packed=True), seed=3)
     config = EngineConfig(
         devices=["cpu"] * workers,
         num_microbatches=3,
@@ -232,7 +216,7 @@ def test_lora_on_a_packed_checkpoint_equals_the_plain_loop_on_its_decoded_model(
         assert {n.rsplit(".", 1)[-1] for n in loaded} == {"gate_up_proj", "down_proj"} and ours
         assert all(".self_attn." in n for n in ours), sorted(ours)
     # the reference: the decoded model, the engine's own NF4 weights replaced by their values
-    reference = _lora(load_model(folder, "float32"))
+    reference = lora_of(load_model(folder, "float32"), seed=3)
     with torch.no_grad():
         for name, p in reference.named_parameters():
             if name in ours:
@@ -247,7 +231,7 @@ def test_lora_on_a_packed_checkpoint_equals_the_plain_loop_on_its_decoded_model(
 
 
 def test_a_weight_loaded_packed_needs_a_frozen_4bit_base(bnb: dict[str, Path]) -> None:
-    lora = _lora(load_model(bnb["nf4"], "float32", keep_packed=True))
+    lora = lora_of(load_model(bnb["nf4"], "float32", keep_packed=True), seed=3)
     with pytest.raises(ValueError, match="base_bits 4"):
         RoundPipe(lora, EngineConfig(devices=["cpu"]))
 
@@ -365,7 +349,7 @@ def test_the_plan_counts_mxfp4_experts_as_stored(gpt_oss: Path) -> None:
     targets = tuple(family_for("GptOssForCausalLM").lora_targets)
     job = Workload(lora_r=4, target_modules=targets, compute_dtype=dtype, base_bits=4)
     memory = memory_model(shape, job, Hardware(), trainable_per_layer(shape, job))
-    lora = _lora(load_model(gpt_oss, dtype, keep_packed=True))
+    lora = lora_of(load_model(gpt_oss, dtype, keep_packed=True), seed=3)
     with RoundPipe(lora, EngineConfig(base_bits=4, compute_dtype=dtype)) as rp:
         host = rp.host
         held = [float(host.param_bytes(i)) for i in range(host.num_layers)]

@@ -53,12 +53,19 @@ def test_the_packed_buffer_decodes_as_torchao_decodes_its_nf4_tensor() -> None:
 
 
 def _lora(family: str) -> torch.nn.Module:
+    return lora_of(tiny_model(family))
+
+
+def lora_of(base: torch.nn.Module, seed: int | None = None) -> torch.nn.Module:
+    """LoRA r4 on the family's default targets (its A matrices drawn after ``manual_seed(seed)``
+    when given), its B matrices non-zero (so the adapter changes the output from the first step)."""
     from peft import LoraConfig, get_peft_model
 
     from engine.model.families import family_for
 
-    base = tiny_model(family)
     spec = family_for(type(base).__name__)
+    if seed is not None:
+        torch.manual_seed(seed)
     lora = get_peft_model(
         base, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=list(spec.lora_targets))
     )
