@@ -20,10 +20,13 @@ weights kept packed as stored (``engine.model.prequantized``): the same figures,
 16-bit base (``ratios_bnb4``).
 
 Part two: the demo task (``roundhouse demo``'s model and data), 20 LoRA steps with each base;
-the mean training loss of the last five steps with a 4-bit base within 5% of the 16-bit one.
+the loss on the demo's held-out rows after the last step with a 4-bit base within 5% of the
+16-bit one (``relative_difference``, means over ``--seeds`` seeds; the mean training loss of the
+last five steps, one batch of 8 each, is reported too), and a control run: a 16-bit base on the
+demo model with its weights replaced by their NF4-decoded values.
 
     python bench/host_memory.py [--layers 24] [--hidden 2048] [--shard-size 500MB]
-                                [--part all|memory|demo]
+                                [--part all|memory|demo] [--seeds 3]
 
 Writes ``bench/results/host_memory.json``.
 """
@@ -203,8 +206,9 @@ def _tensors(value: Any) -> list[Any]:
     return []
 
 
-def demo_losses(bits: int, steps: int) -> list[float]:
-    """The training loss of each of ``steps`` LoRA steps on the demo task with a ``bits`` base."""
+def demo_losses(bits: int, steps: int, seed: int, model: str = "demo") -> tuple[list[float], float]:
+    """The training loss of each of ``steps`` LoRA steps on the demo task with a ``bits`` base,
+    and the loss on the demo's held-out rows after the last step."""
     from engine import demo
     from engine.config import TrainConfig
     from engine.metrics import ListSink
@@ -214,17 +218,47 @@ def demo_losses(bits: int, steps: int) -> list[float]:
     with tempfile.TemporaryDirectory() as out:
         config = TrainConfig.parse(
             {
-                "model": {"path": "demo"},
-                "data": {"train": str(demo.TRAIN), "max_length": 96},
+                "model": {"path": model},
+                "data": {"train": str(demo.TRAIN), "validation": str(demo.HELDOUT), "max_length": 96},
                 "method": {"kind": "lora", "lora_r": 16, "lora_alpha": 32, "base_bits": bits},
-                "hyper": {"max_steps": steps, "batch_size": 8, "learning_rate": 2e-3, "warmup_steps": 5},
+                "hyper": {
+                    "max_steps": steps,
+                    "batch_size": 8,
+                    "learning_rate": 2e-3,
+                    "warmup_steps": 5,
+                    "seed": seed,
+                },
                 "engine": {"devices": ["cpu"], "num_microbatches": 2},
                 "checkpoint": {"every_steps": steps, "keep_last": 1},
+                "eval": {"every_steps": steps},
                 "output_dir": out,
             }
         )
         train(config, sink, models_dir=ROOT / "data" / "models")
-    return [m["loss/train"] for _, m in sink.records if "loss/train" in m and "tokens/label" in m]
+    losses = [m["loss/train"] for _, m in sink.records if "loss/train" in m and "tokens/label" in m]
+    held_out = [m["loss/val"] for _, m in sink.records if "loss/val" in m]
+    return losses, held_out[-1]
+
+
+def decoded_demo_model(folder: Path) -> Path:
+    """The demo model with each weight a 4-bit base packs replaced by its NF4-decoded bfloat16
+    values (``engine.model.quant.dequantized``), saved as a plain model: a 16-bit run on it is the
+    4-bit run's arithmetic without the engine's 4-bit path (the control)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from engine.model import quant
+    from engine.model.loading import prepare_demo_model
+
+    source = prepare_demo_model(ROOT / "data" / "models")
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".layers." in name and "norm" not in name and p.dim() >= 2 and quant.quantizable(p):
+                p.copy_(quant.dequantized(p.to(torch.bfloat16), torch.bfloat16).float())
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(source).save_pretrained(folder)
+    return folder
 
 
 def memory_part(args: argparse.Namespace) -> dict[str, Any]:
@@ -288,14 +322,29 @@ def memory_part(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def demo_part(args: argparse.Namespace) -> dict[str, Any]:
-    """Part two: the demo task's loss with each base."""
-    losses = {bits: demo_losses(bits, args.steps) for bits in (16, 4)}
-    tail = {bits: statistics.mean(v[-5:]) for bits, v in losses.items()}
+    """Part two: the demo task's loss with each base, over ``args.seeds`` seeds (the data order
+    and dropout; a step's loss is one batch of 8 and 20 steps of bfloat16 training amplify small
+    differences, so one seed's figures are noisy), and a control: a 16-bit base on the demo model
+    whose weights were replaced by their NF4-decoded values (seed 0)."""
+    seeds = list(range(args.seeds))
+    runs = {(bits, seed): demo_losses(bits, args.steps, seed) for seed in seeds for bits in (16, 4)}
+    with tempfile.TemporaryDirectory() as folder:
+        control = demo_losses(16, args.steps, 0, model=str(decoded_demo_model(Path(folder) / "decoded")))
+    held = {bits: statistics.mean(runs[bits, seed][1] for seed in seeds) for bits in (16, 4)}
+    tail = {
+        bits: statistics.mean(statistics.mean(runs[bits, seed][0][-5:]) for seed in seeds) for bits in (16, 4)
+    }
     return {
         "steps": args.steps,
-        "losses": {str(b): v for b, v in losses.items()},
-        "last5_mean": {str(b): v for b, v in tail.items()},
-        "relative_difference": abs(tail[4] - tail[16]) / tail[16],
+        "seeds": seeds,
+        "losses": {f"{bits}/seed{seed}": v[0] for (bits, seed), v in runs.items()},
+        "held_out_loss": {f"{bits}/seed{seed}": v[1] for (bits, seed), v in runs.items()},
+        "held_out_loss_mean": {str(b): v for b, v in held.items()},
+        "relative_difference": abs(held[4] - held[16]) / held[16],
+        "last5_train_loss_mean": {str(b): v for b, v in tail.items()},
+        "last5_relative_difference": abs(tail[4] - tail[16]) / tail[16],
+        # the control: the 4-bit arithmetic through the 16-bit path (seed 0)
+        "control_16bit_on_decoded_weights": {"held_out_loss": control[1], "losses": control[0]},
     }
 
 
@@ -306,6 +355,7 @@ def main() -> None:
     parser.add_argument("--intermediate", type=int, default=6912)
     parser.add_argument("--shard-size", default="500MB", help="the saved model's safetensors shards")
     parser.add_argument("--steps", type=int, default=20, help="demo-task steps per variant")
+    parser.add_argument("--seeds", type=int, default=3, help="demo-task runs per variant")
     parser.add_argument(
         "--part",
         choices=("all", "memory", "demo"),
