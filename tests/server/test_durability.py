@@ -212,7 +212,9 @@ def test_queued_jobs_survive_a_flushed_broker_and_run_exactly_once(
     # queued while no worker runs: their messages wait in Redis, and then Redis loses them
     waiting = [start_job(client, ds)["id"] for _ in range(3)]
     broker = redis.Redis.from_url(REDIS)
-    assert broker.llen(settings.queue) == 3
+    # one message each at least: on a loaded machine the sweep may already have re-sent one whose
+    # requeue_after_seconds passed (a further copy; the claim keeps each job to one run)
+    assert broker.llen(settings.queue) >= 3
     broker.flushdb()
     second = WorkerProcess(settings, tmp_path / "worker-2.log").start()
     workers.append(second)
