@@ -295,7 +295,9 @@ class _Reader:
         f = self.f
         state = _bnb_state(f.get_tensor(state_key))
         nested = f"{key}.nested_absmax" in self.keys
-        pieces = [f.get_tensor(key), f.get_tensor(f"{key}.absmax"), f.get_tensor(f"{key}.quant_map").float()]
+        # the codes' bytes, whatever dtype they are stored as (``bnb_4bit_quant_storage``)
+        codes = f.get_tensor(key).contiguous().reshape(-1).view(torch.uint8)
+        pieces = [codes, f.get_tensor(f"{key}.absmax"), f.get_tensor(f"{key}.quant_map").float()]
         if nested:
             pieces += [
                 f.get_tensor(f"{key}.nested_absmax").float(),

@@ -172,6 +172,7 @@ def _safetensors_parameters(folder: Path) -> int | None:
 
 
 _BNB_STATE = ".quant_state.bitsandbytes__"
+_ITEM_BYTES = {"U8": 1, "I8": 1, "BF16": 2, "F16": 2, "I16": 2, "F32": 4, "I32": 4, "F64": 8, "I64": 8}
 _BNB_PARTS = (".absmax", ".quant_map", ".nested_absmax", ".nested_quant_map")
 
 
@@ -184,8 +185,8 @@ def _tensor_parameters(name: str, meta: dict[str, Any], bnb: set[str]) -> int:
     count = 1
     for d in meta["shape"]:
         count *= d
-    if name in bnb:
-        return 2 * count
+    if name in bnb:  # two values a byte, whatever dtype holds the bytes (bnb_4bit_quant_storage)
+        return 2 * count * _ITEM_BYTES.get(str(meta.get("dtype")), 1)
     if _BNB_STATE in name or (name.endswith(_BNB_PARTS) and name.rsplit(".", 1)[0] in bnb):
         return 0
     if meta.get("dtype") == "U8" and name.endswith("_blocks"):

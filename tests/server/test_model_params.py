@@ -93,7 +93,8 @@ def test_a_gpt_oss_mxfp4_folder_lists_its_dense_parameter_count(tmp_path: Path) 
     assert listed["gpt-oss-tiny"].parameters == dense
 
 
-def test_a_bitsandbytes_4bit_folder_lists_its_dense_parameter_count(tmp_path: Path) -> None:
+@pytest.mark.parametrize("storage", ["uint8", "bfloat16"])
+def test_a_bitsandbytes_4bit_folder_lists_its_dense_parameter_count(tmp_path: Path, storage: str) -> None:
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -109,7 +110,9 @@ def test_a_bitsandbytes_4bit_folder_lists_its_dense_parameter_count(tmp_path: Pa
     # written as the hub's -bnb-4bit folders are: transformers with bitsandbytes (its CPU backend)
     quantized = AutoModelForCausalLM.from_pretrained(
         tmp_path / "dense",
-        quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_use_double_quant=True),
+        quantization_config=BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_use_double_quant=True, bnb_4bit_quant_storage=getattr(torch, storage)
+        ),
         dtype=torch.bfloat16,
     )
     folder = tmp_path / "models" / "llama-bnb-4bit"

@@ -27,7 +27,8 @@ from tests.engine.model.test_quant import lora_of
 from tests.engine.tiny import SPLIT_PLAN, bitwise_equal, max_diff, plain_loop, tiny_model
 
 TOL = 1e-5
-# bitsandbytes' settings of the two folders: NF4 with double-quantized scales, FP4 without
+# bitsandbytes' settings of the two folders: NF4 with double-quantized scales, codes in uint8;
+# FP4 without, its codes stored in bfloat16 tensors (``bnb_4bit_quant_storage``)
 BNB = {"nf4": True, "fp4": False}
 
 
@@ -43,6 +44,7 @@ def _bnb_folder(root: Path, quant_type: str) -> Path:
         load_in_4bit=True,
         bnb_4bit_quant_type=quant_type,
         bnb_4bit_use_double_quant=BNB[quant_type],
+        bnb_4bit_quant_storage=torch.uint8 if BNB[quant_type] else torch.bfloat16,
         bnb_4bit_compute_dtype=torch.bfloat16,
     )
     AutoModelForCausalLM.from_pretrained(
@@ -102,7 +104,7 @@ def _bnb_reference(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
                 absmax = bf.dequantize_blockwise(state.absmax, state.state2) + state.offset
             else:
                 absmax = state.absmax.float()
-            codes = f.get_tensor(key).reshape(-1)
+            codes = f.get_tensor(key).reshape(-1).view(torch.uint8)
             out[key] = _dequantize_4bit_compute(
                 codes, absmax, state.code, state.blocksize, state.shape, dtype
             )
@@ -118,6 +120,11 @@ def test_a_bnb_folder_decodes_as_bitsandbytes_dense_or_packed(
     config = json.loads((folder / "config.json").read_text())["quantization_config"]
     assert config["quant_method"] == "bitsandbytes" and config["bnb_4bit_quant_type"] == quant_type
     reference = _bnb_reference(folder, dtype)
+    from safetensors import safe_open
+
+    with safe_open(folder / "model.safetensors", framework="pt") as f:
+        stored = f.get_slice("model.layers.0.mlp.down_proj.weight").get_dtype()
+    assert stored == ("U8" if BNB[quant_type] else "BF16")
     # every linear weight of the blocks is quantized (7 a block, 3 blocks), nothing else
     assert len(reference) == 21 and all(".layers." in k for k in reference)
     name = str(dtype).removeprefix("torch.")
