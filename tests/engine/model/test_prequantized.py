@@ -376,3 +376,46 @@ def test_the_plan_counts_mxfp4_experts_as_stored(gpt_oss: Path) -> None:
         mxfp4_bytes(expert) + mxfp4_bytes(expert // 2),
     )
     assert [b - a for a, b in zip(plain.weights, memory.weights, strict=True)] == [0, *[mx - nf4] * 3, 0]
+
+
+def test_lora_on_the_mxfp4_experts_themselves_equals_the_plain_loop(
+    gpt_oss: Path, batches: list[dict[str, torch.Tensor]]
+) -> None:
+    """peft's LoRA on the expert parameters (``target_parameters``) over experts kept in MXFP4:
+    the adapter wraps a placeholder on the host and the decoded weight on the worker."""
+    from peft import LoraConfig, get_peft_model
+
+    def lora(model: torch.nn.Module) -> torch.nn.Module:
+        torch.manual_seed(3)
+        config = LoraConfig(
+            r=4,
+            lora_alpha=8,
+            target_modules=["q_proj", "v_proj"],
+            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+        )
+        wrapped = get_peft_model(model, config)
+        with torch.no_grad():
+            for name, p in wrapped.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.02, generator=torch.Generator().manual_seed(len(name)))
+        return wrapped
+
+    packed = lora(load_model(gpt_oss, "float32", keep_packed=True))
+    assert any("experts" in n and "lora_A" in n for n, _ in packed.named_parameters())
+    config = EngineConfig(devices=["cpu"] * 2, num_microbatches=3, optimizer="sgd", lr=0.1, base_bits=4)
+    with RoundPipe(packed, config) as rp:
+        assert sum(isinstance(t.packed, Mxfp4Layout) for t in rp.host.tensors) == 6
+        ours = {n for t in rp.host.tensors if isinstance(t.packed, quant.Packed) for n in t.names}
+        losses = []
+        for batch in batches:
+            losses.append(rp.forward_backward(**batch))
+            rp.step()
+        state = rp.master_state_dict()
+    reference = lora(load_model(gpt_oss, "float32"))
+    with torch.no_grad():
+        for name, p in reference.named_parameters():
+            if name in ours:
+                p.copy_(quant.dequantized(p, torch.float32))
+    ref_losses, ref_state = plain_loop(reference, batches, lambda ps: torch.optim.SGD(ps, lr=0.1))
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)) < TOL
+    assert max_diff(state, ref_state) < TOL
