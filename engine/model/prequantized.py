@@ -14,6 +14,11 @@ each plain tensor of the checkpoint becomes its parameter, and each quantized we
   compute copy, stages upload it packed and the worker decodes it on its device, like the NF4
   weights the engine packs itself. Host memory never holds a dense copy of them.
 
+A mixture of experts' checkpoint (Qwen3-MoE, DeepSeek-V3) stores one weight per expert and
+projection where the model has one fused parameter per block (``gate_up_proj``: each expert's
+gate rows then its up rows; ``down_proj``); the pieces are placed into it as they come, and kept
+packed piece by piece (``StackedLayout``) when they arrive quantized.
+
 The decoding is our own, pure torch (CPU workers and CUDA alike), and gives the values of the
 formats' reference decoders bit for bit (tests compare them with bitsandbytes' own
 ``dequantize_4bit`` and with ``transformers``' MXFP4 de-quantization):
@@ -33,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import json
 import mmap
+import re
 import struct
 import warnings
 from collections.abc import Iterator
@@ -219,6 +225,82 @@ class _Shard:
         return out.view(_DTYPES[meta["dtype"]]).reshape(meta["shape"])
 
 
+@dataclass(frozen=True)
+class StackedLayout:
+    """A fused expert parameter (``[experts, rows, cols]``) whose checkpoint stores one weight per
+    expert and projection, each packed in its own layout: ``pieces`` are (byte start, byte end,
+    layout, expert, first row) within one buffer."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+    pieces: tuple[tuple[int, int, BnbLayout, int, int], ...]
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def unpack(self, buffer: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(self.shape, dtype=self.dtype, device=buffer.device)
+        for start, end, layout, expert, row in self.pieces:
+            out[expert, row : row + layout.shape[0]] = layout.unpack(buffer[start:end])
+        return out
+
+
+# per-expert checkpoint entries of a fused experts parameter (transformers' layout for Qwen3-MoE
+# and DeepSeek-V3: ``gate_up_proj`` [experts, 2 x width, hidden] holds each expert's gate rows then
+# its up rows, ``down_proj`` [experts, hidden, width] each expert's down weight)
+_PER_EXPERT = re.compile(
+    r"^(?P<experts>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$"
+)
+
+
+class _Fused:
+    """The pieces of one fused experts parameter as the shards give them."""
+
+    def __init__(self, param: torch.Tensor, slots: int) -> None:
+        self.param = param
+        self.slots = slots
+        self.seen: set[tuple[int, int]] = set()
+        self.dense: torch.Tensor | None = None
+        self.packed: dict[tuple[int, int], tuple[torch.Tensor, BnbLayout]] = {}
+
+    def _dense(self) -> torch.Tensor:
+        if self.dense is None:
+            self.dense = torch.empty(self.param.shape, dtype=self.param.dtype)
+        return self.dense
+
+    def add(
+        self, expert: int, row: int, value: torch.Tensor | tuple[torch.Tensor, BnbLayout], keep: bool
+    ) -> None:
+        if isinstance(value, tuple) and keep:
+            self.packed[expert, row] = value
+        else:
+            dense = value[1].unpack(value[0]) if isinstance(value, tuple) else value
+            self._dense()[expert, row : row + dense.shape[0]] = dense
+        self.seen.add((expert, row))
+
+    @property
+    def complete(self) -> bool:
+        return len(self.seen) == self.slots
+
+    def finish(self) -> None:
+        """Give the parameter its values: packed as stored when every piece came packed."""
+        if self.packed and self.dense is None:
+            pieces, chunks, offset = [], [], 0
+            for (expert, row), (buffer, layout) in sorted(self.packed.items()):
+                pieces.append((offset, offset + buffer.numel(), layout, expert, row))
+                chunks.append(buffer)
+                offset += buffer.numel()
+            stacked = StackedLayout(self.param.shape, self.param.dtype, tuple(pieces))
+            self.param.data = torch.zeros((), dtype=self.param.dtype).expand(self.param.shape)
+            quant.attach(self.param, torch.cat(chunks), stacked)  # each piece stays 16-byte aligned
+            return
+        dense = self._dense()
+        for (expert, row), (buffer, layout) in self.packed.items():
+            dense[expert, row : row + layout.shape[0]] = layout.unpack(buffer)
+        self.param.data = dense
+
+
 def _bnb_state(raw: torch.Tensor) -> dict[str, Any]:
     return json.loads(bytes(raw.tolist()).decode())
 
@@ -350,14 +432,45 @@ def load(folder: str | Path, method: str, dtype: torch.dtype, *, keep_packed: bo
     filled: set[str] = set()
     unknown: list[str] = []
 
+    fused: dict[str, _Fused] = {}
+
     def dtype_of(name: str) -> torch.dtype:
+        match = _PER_EXPERT.match(name)
+        if match is not None:  # a piece of a fused experts parameter: decoded to its dtype
+            proj = "down_proj" if match["proj"] == "down_proj" else "gate_up_proj"
+            name = f"{match['experts']}.{proj}"
         p = params.get(name)
         return p.dtype if p is not None and p.is_floating_point() else dtype
+
+    def expert_piece(key: str, value: Any, shape: torch.Size) -> bool:
+        """Place one expert's projection into its fused parameter; False: no such place."""
+        match = _PER_EXPERT.match(key)
+        assert match is not None
+        expert, proj = int(match["e"]), match["proj"]
+        name = f"{match['experts']}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}"
+        param = params.get(name)
+        if param is None or param.dim() != 3 or not expert < param.shape[0]:
+            return False
+        rows = shape[0]
+        row = rows if proj == "up_proj" else 0
+        if tuple(param.shape[1:]) != ((2 * rows if proj != "down_proj" else rows), shape[1]):
+            return False
+        if name not in fused:
+            fused[name] = _Fused(param, param.shape[0] * (1 if proj == "down_proj" else 2))
+        fused[name].add(expert, row, value, keep_packed)
+        if fused[name].complete:
+            fused[name].finish()
+            filled.add(name)
+        return True
 
     for shard in _shards(folder):
         with _Shard(shard) as handle:
             reader = _Reader(method, handle, dtype_of)
             for name, buffer, layout in reader.quantized():
+                if _PER_EXPERT.match(name) and isinstance(layout, BnbLayout):
+                    if not expert_piece(name, (buffer, layout), layout.shape):
+                        unknown.append(name)
+                    continue
                 param = params.get(name)
                 if param is None or param.shape != layout.shape:
                     unknown.append(name)
@@ -369,6 +482,11 @@ def load(folder: str | Path, method: str, dtype: torch.dtype, *, keep_packed: bo
                     param.data = layout.unpack(buffer)
                 filled.add(name)
             for key in sorted(reader.keys - reader.consumed()):
+                if _PER_EXPERT.match(key):
+                    value = handle.get_tensor(key)
+                    if not expert_piece(key, value, value.shape):
+                        unknown.append(key)
+                    continue
                 target = params.get(key, buffers.get(key))
                 if target is None:
                     unknown.append(key)

@@ -21,7 +21,7 @@ from engine import EngineConfig, RoundPipe
 from engine.errors import ConfigError
 from engine.model import quant
 from engine.model.loading import load_model, resolve_model_path
-from engine.model.prequantized import BnbLayout, Mxfp4Layout
+from engine.model.prequantized import BnbLayout, Mxfp4Layout, StackedLayout
 from tests.engine.model.test_mxfp4 import HUB_QUANTIZATION, encode_mxfp4, is_expert_matrix
 from tests.engine.model.test_quant import lora_of
 from tests.engine.tiny import SPLIT_PLAN, bitwise_equal, max_diff, plain_loop, tiny_model
@@ -419,3 +419,98 @@ def test_lora_on_the_mxfp4_experts_themselves_equals_the_plain_loop(
     ref_losses, ref_state = plain_loop(reference, batches, lambda ps: torch.optim.SGD(ps, lr=0.1))
     assert max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)) < TOL
     assert max_diff(state, ref_state) < TOL
+
+
+@pytest.fixture(scope="module")
+def bnb_moe(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict[str, torch.Tensor]]:
+    """Two bitsandbytes 4-bit Qwen3-MoE folders with one entry per expert and projection, as the
+    checkpoints store them (transformers fuses them into ``gate_up_proj``/``down_proj`` on load):
+    one written by transformers with bitsandbytes (its experts stay bf16: they are not
+    ``nn.Linear``s), one whose expert entries are bitsandbytes-quantized too, as the hub's older
+    ``-bnb-4bit`` MoE checkpoints are (each quantized by bitsandbytes and written with its
+    quantization state, as transformers writes a ``Linear4bit``). And the original weights."""
+    import bitsandbytes.functional as bf
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    root = tmp_path_factory.mktemp("bnb-moe")
+    model = tiny_model("qwen3_moe").to(torch.bfloat16)
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    model.save_pretrained(root / "dense")
+    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True)
+    plain = root / "experts-bf16"
+    AutoModelForCausalLM.from_pretrained(
+        root / "dense", quantization_config=config, dtype=torch.bfloat16
+    ).save_pretrained(plain)
+    quantized = root / "experts-4bit"
+    quantized.mkdir()
+    tensors: dict[str, torch.Tensor] = {}
+    with safe_open(plain / "model.safetensors", framework="pt") as f:
+        names = f.keys()
+        for key in names:
+            value = f.get_tensor(key)
+            if ".experts." in key:
+                codes, state = bf.quantize_4bit(
+                    value, blocksize=64, quant_type="nf4", compress_statistics=True
+                )
+                tensors[key] = codes
+                tensors |= {f"{key}.{k}": v for k, v in state.as_dict(packed=True).items()}
+            else:
+                tensors[key] = value
+    save_file(tensors, quantized / "model.safetensors", metadata={"format": "pt"})
+    (quantized / "config.json").write_text((plain / "config.json").read_text())
+    return plain, quantized, original
+
+
+def test_per_expert_entries_fill_the_fused_experts_of_a_mixture(
+    bnb_moe: tuple[Path, Path, dict[str, torch.Tensor]], batches: list[dict[str, torch.Tensor]]
+) -> None:
+    plain, quantized, original = bnb_moe
+    reference = _bnb_reference(quantized, torch.float32)
+    assert any(".experts.0.gate_proj." in k for k in reference)  # the experts are quantized there
+    # bf16 experts: the fused parameters are the original experts, kept plain (the engine packs
+    # them itself under a 4-bit base)
+    for keep in (False, True):
+        model = load_model(plain, "float32", keep_packed=keep)
+        state = dict(model.named_parameters())
+        gate_up = state["model.layers.1.mlp.experts.gate_up_proj"]
+        assert quant.attached(gate_up) is None
+        assert torch.equal(gate_up.data, original["model.layers.1.mlp.experts.gate_up_proj"].float())
+        assert torch.equal(
+            state["model.layers.1.mlp.experts.down_proj"].data,
+            original["model.layers.1.mlp.experts.down_proj"].float(),
+        )
+    # quantized experts: kept packed as stored, one piece per expert and projection, decoding to
+    # bitsandbytes' values stacked as transformers fuses them (gate rows, then up rows)
+    dense = dict(load_model(quantized, "float32").named_parameters())
+    packed = dict(load_model(quantized, "float32", keep_packed=True).named_parameters())
+    for layer in (1, 2):
+        prefix = f"model.layers.{layer}.mlp.experts"
+        experts = original[f"{prefix}.down_proj"].shape[0]
+        gate_up = torch.stack(
+            [
+                torch.cat(
+                    [reference[f"{prefix}.{e}.gate_proj.weight"], reference[f"{prefix}.{e}.up_proj.weight"]]
+                )
+                for e in range(experts)
+            ]
+        )
+        down = torch.stack([reference[f"{prefix}.{e}.down_proj.weight"] for e in range(experts)])
+        for name, want in ((f"{prefix}.gate_up_proj", gate_up), (f"{prefix}.down_proj", down)):
+            assert torch.equal(dense[name].data, want), name
+            buffer, layout = quant.attached(packed[name]) or (None, None)
+            assert isinstance(layout, StackedLayout) and buffer is not None
+            assert len(layout.pieces) == experts * (2 if "gate_up" in name else 1)
+            assert torch.equal(layout.unpack(buffer), want) and packed[name].untyped_storage().nbytes() <= 4
+    # and the engine trains on it exactly like the plain loop on the decoded model
+    runs = [_engine_run(quantized, batches, workers) for workers in (1, 3)]
+    loaded = runs[0][2]
+    assert {n.rsplit(".", 1)[-1] for n in loaded if ".experts." in n} == {"gate_up_proj", "down_proj"}
+    reference_model = lora_of(load_model(quantized, "float32"), seed=3)
+    ref_losses, ref_state = plain_loop(reference_model, batches, lambda ps: torch.optim.SGD(ps, lr=0.1))
+    for losses, state, _, ours in runs:
+        assert not ours  # every block matrix arrived quantized
+        assert max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)) < TOL
+        assert max_diff(state, ref_state) < TOL
+    assert runs[0][0] == runs[1][0] and bitwise_equal(runs[0][1], runs[1][1])
