@@ -212,6 +212,8 @@ class _Shard:
         if meta["dtype"] not in _DTYPES:
             raise ValueError(f"{self.path.name}: {key} has dtype {meta['dtype']}, which is not read")
         start, end = (self.base + int(x) for x in meta["data_offsets"])
+        if end == start:  # an empty tensor: nothing to read (a zero-length view is refused)
+            return torch.empty(meta["shape"], dtype=_DTYPES[meta["dtype"]])
         with warnings.catch_warnings():  # the mapping is read-only; the view is only copied
             warnings.simplefilter("ignore", UserWarning)
             view = torch.frombuffer(self.map, dtype=torch.uint8, count=end - start, offset=start)
