@@ -1375,6 +1375,7 @@ def stored_layouts(
     and as MXFP4 (one expert per weight) stores them: random codes and scales, packed buffers
     and layouts (``engine.model.prequantized``)."""
     from engine.model import prequantized as pq
+    from engine.model import quant
 
     nf4 = torch.tensor([-1.0, -0.6962, -0.5251, -0.3949, -0.2844, -0.1848, -0.0911, 0.0])
     nf4 = torch.cat([nf4, torch.tensor([0.0796, 0.1609, 0.2461, 0.3379, 0.4407, 0.5626, 0.7230, 1.0])])
@@ -1385,11 +1386,11 @@ def stored_layouts(
         absmax = torch.randint(0, 256, (n // 64,), dtype=torch.uint8, generator=g)
         nested = torch.rand(-(-n // 64 // 256), generator=g) * 0.05
         book = torch.sort(torch.rand(256, generator=g) * 2 - 1).values
-        buffer, parts = pq._lay_out([codes, absmax, nf4, nested, book])
+        buffer, parts = quant.lay_out([codes, absmax, nf4, nested, book])
         bnb.append((buffer, pq.BnbLayout(torch.Size((rows, cols)), torch.bfloat16, 64, 256, 0.01, parts)))
         blocks = torch.randint(0, 256, (1, rows, cols // 32, 16), dtype=torch.uint8, generator=g)
         scales = torch.randint(110, 130, (1, rows, cols // 32), dtype=torch.uint8, generator=g)
-        buffer, parts = pq._lay_out([blocks, scales])
+        buffer, parts = quant.lay_out([blocks, scales])
         layout = pq.Mxfp4Layout(torch.Size((1, cols, rows)), torch.bfloat16, tuple(blocks.shape), parts)
         mxfp4.append((buffer, layout))
     return {"bnb4": bnb, "mxfp4": mxfp4}

@@ -66,25 +66,6 @@ def _byte_table(book: torch.Tensor, *, high_first: bool) -> torch.Tensor:
     return torch.stack([book[first], book[second]], dim=-1)
 
 
-def _lay_out(pieces: list[torch.Tensor]) -> tuple[torch.Tensor, tuple[tuple[int, int], ...]]:
-    """One aligned ``uint8`` buffer holding ``pieces``; each part's (byte offset, numel)."""
-    parts, offset = [], 0
-    for p in pieces:
-        parts.append((offset, p.numel()))
-        offset += (p.numel() * p.element_size() + quant.ALIGN - 1) // quant.ALIGN * quant.ALIGN
-    buffer = torch.zeros(offset, dtype=torch.uint8)
-    for (start, _), p in zip(parts, pieces, strict=True):
-        raw = p.detach().contiguous().reshape(-1).view(torch.uint8)
-        buffer[start : start + raw.numel()].copy_(raw)
-    return buffer, tuple(parts)
-
-
-def _view(buffer: torch.Tensor, part: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
-    offset, n = part
-    size = n * torch.empty((), dtype=dtype).element_size()
-    return buffer[offset : offset + size].view(dtype)
-
-
 @dataclass(frozen=True)
 class BnbLayout:
     """A bitsandbytes 4-bit weight in a packed buffer: codes, absmax (uint8 codes with double
@@ -105,10 +86,10 @@ class BnbLayout:
     def absmax(self, buffer: torch.Tensor) -> torch.Tensor:
         """Each block's fp32 scale."""
         if not self.nested_blocksize:
-            return _view(buffer, self.parts[1], torch.float32)
-        codes = _view(buffer, self.parts[1], torch.uint8)
-        nested = _view(buffer, self.parts[3], torch.float32)
-        book = _view(buffer, self.parts[4], torch.float32)
+            return quant.view_part(buffer, self.parts[1], torch.float32)
+        codes = quant.view_part(buffer, self.parts[1], torch.uint8)
+        nested = quant.view_part(buffer, self.parts[3], torch.float32)
+        book = quant.view_part(buffer, self.parts[4], torch.float32)
         values = torch.nn.functional.embedding(codes.to(torch.int32), book.unsqueeze(-1)).squeeze(-1)
         n = values.numel()
         full = n - n % self.nested_blocksize
@@ -122,8 +103,8 @@ class BnbLayout:
 
     def unpack(self, buffer: torch.Tensor) -> torch.Tensor:
         """The dense weight (``dtype``, on ``buffer``'s device)."""
-        codes = _view(buffer, self.parts[0], torch.uint8)
-        book = _view(buffer, self.parts[2], torch.float32)
+        codes = quant.view_part(buffer, self.parts[0], torch.uint8)
+        book = quant.view_part(buffer, self.parts[2], torch.float32)
         scales = self.absmax(buffer)
         values = torch.nn.functional.embedding(codes.to(torch.int32), _byte_table(book, high_first=True))
         values = values.reshape(-1)[: self.numel]
@@ -154,8 +135,8 @@ class Mxfp4Layout:
         size); values and scales are powers of two apart, so computing in ``dtype`` is exact but
         for float16, which decodes through float32."""
         experts, rows, groups, width = self.stored
-        blocks = _view(buffer, self.parts[0], torch.uint8).view(experts, rows * groups, width)
-        scales = _view(buffer, self.parts[1], torch.uint8).view(experts, rows * groups, 1)
+        blocks = quant.view_part(buffer, self.parts[0], torch.uint8).view(experts, rows * groups, width)
+        scales = quant.view_part(buffer, self.parts[1], torch.uint8).view(experts, rows * groups, 1)
         work = torch.float32 if self.dtype == torch.float16 else self.dtype
         book = torch.tensor(_E2M1, dtype=work, device=buffer.device)
         table = _byte_table(book, high_first=False).reshape(256, 2)
@@ -256,6 +237,11 @@ _PER_EXPERT = re.compile(
 )
 
 
+def _fused_name(match: re.Match[str]) -> str:
+    """The fused parameter a per-expert entry belongs to."""
+    return f"{match['experts']}.{'down_proj' if match['proj'] == 'down_proj' else 'gate_up_proj'}"
+
+
 class _Fused:
     """The pieces of one fused experts parameter as the shards give them."""
 
@@ -343,31 +329,25 @@ class _Reader:
         self.f = handle
         self.keys = set(handle.keys())
         self.dtype_of = dtype_of
+        # each quantized weight's name and the entries it is stored in
+        self.groups: dict[str, set[str]] = {}
+        for key in self.keys:
+            if method == "bitsandbytes" and (state := self._bnb_state_key(key)) is not None:
+                self.groups[key] = {key, state, *(f"{key}.{p}" for p in _BNB_PARTS)}
+            elif method == "mxfp4" and key.endswith("_blocks"):
+                name = key.removesuffix("_blocks")
+                if f"{name}_scales" in self.keys:
+                    self.groups[name] = {key, f"{name}_scales"}
 
     def quantized(self) -> Iterator[tuple[str, torch.Tensor, Any]]:
         """(parameter name, packed buffer, layout) of each quantized weight of the shard."""
-        for key in sorted(self.keys):
-            if self.method == "bitsandbytes" and (state := self._bnb_state_key(key)) is not None:
-                yield key, *self._bnb(key, state)
-            elif (
-                self.method == "mxfp4"
-                and key.endswith("_blocks")
-                and key[: -len("_blocks")] + "_scales" in self.keys
-            ):
-                yield key[: -len("_blocks")], *self._mxfp4(key[: -len("_blocks")])
+        for name in sorted(self.groups):
+            yield name, *(self._bnb(name) if self.method == "bitsandbytes" else self._mxfp4(name))
 
-    def consumed(self) -> set[str]:
-        used: set[str] = set()
-        for key in self.keys:
-            if self.method == "bitsandbytes" and self._bnb_state_key(key) is not None:
-                used |= {key, *(f"{key}.{p}" for p in _BNB_PARTS), self._bnb_state_key(key) or ""}
-            elif (
-                self.method == "mxfp4"
-                and key.endswith("_blocks")
-                and key[: -len("_blocks")] + "_scales" in self.keys
-            ):
-                used |= {key, key[: -len("_blocks")] + "_scales"}
-        return used
+    def plain(self) -> list[str]:
+        """The entries that are not part of a quantized weight."""
+        used = set().union(*self.groups.values())
+        return sorted(self.keys - used)
 
     def _bnb_state_key(self, key: str) -> str | None:
         for kind in ("nf4", "fp4"):
@@ -375,8 +355,10 @@ class _Reader:
                 return f"{key}.{_BNB_STATE}{kind}"
         return None
 
-    def _bnb(self, key: str, state_key: str) -> tuple[torch.Tensor, BnbLayout]:
+    def _bnb(self, key: str) -> tuple[torch.Tensor, BnbLayout]:
         f = self.f
+        state_key = self._bnb_state_key(key)
+        assert state_key is not None
         state = _bnb_state(f.get_tensor(state_key))
         nested = f"{key}.nested_absmax" in self.keys
         # the codes' bytes, whatever dtype they are stored as (``bnb_4bit_quant_storage``)
@@ -387,7 +369,7 @@ class _Reader:
                 f.get_tensor(f"{key}.nested_absmax").float(),
                 f.get_tensor(f"{key}.nested_quant_map").float(),
             ]
-        buffer, parts = _lay_out(pieces)
+        buffer, parts = quant.lay_out(pieces)
         layout = BnbLayout(
             shape=torch.Size(state["shape"]),
             dtype=self.dtype_of(key),
@@ -402,7 +384,7 @@ class _Reader:
         blocks = self.f.get_tensor(f"{name}_blocks")
         scales = self.f.get_tensor(f"{name}_scales")
         experts, rows, groups, width = blocks.shape
-        buffer, parts = _lay_out([blocks, scales])
+        buffer, parts = quant.lay_out([blocks, scales])
         shape = torch.Size((experts, groups * 2 * width, rows))
         return buffer, Mxfp4Layout(shape, self.dtype_of(name), tuple(blocks.shape), parts)
 
@@ -439,8 +421,7 @@ def load(folder: str | Path, method: str, dtype: torch.dtype, *, keep_packed: bo
     def dtype_of(name: str) -> torch.dtype:
         match = _PER_EXPERT.match(name)
         if match is not None:  # a piece of a fused experts parameter: decoded to its dtype
-            proj = "down_proj" if match["proj"] == "down_proj" else "gate_up_proj"
-            name = f"{match['experts']}.{proj}"
+            name = _fused_name(match)
         p = params.get(name)
         return p.dtype if p is not None and p.is_floating_point() else dtype
 
@@ -448,8 +429,7 @@ def load(folder: str | Path, method: str, dtype: torch.dtype, *, keep_packed: bo
         """Place one expert's projection into its fused parameter; False: no such place."""
         match = _PER_EXPERT.match(key)
         assert match is not None
-        expert, proj = int(match["e"]), match["proj"]
-        name = f"{match['experts']}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}"
+        expert, proj, name = int(match["e"]), match["proj"], _fused_name(match)
         param = params.get(name)
         if param is None or param.dim() != 3 or not expert < param.shape[0]:
             return False
@@ -483,7 +463,7 @@ def load(folder: str | Path, method: str, dtype: torch.dtype, *, keep_packed: bo
                 else:
                     param.data = layout.unpack(buffer)
                 filled.add(name)
-            for key in sorted(reader.keys - reader.consumed()):
+            for key in reader.plain():
                 if _PER_EXPERT.match(key):
                     value = handle.get_tensor(key)
                     if not expert_piece(key, value, value.shape):

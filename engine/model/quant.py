@@ -33,7 +33,8 @@ import torch
 from engine.planner.quantized import ALIGN, BASE_BITS, BLOCK, SCALER_BLOCK, packed_bytes, scaler_block
 
 __all__ = ["ALIGN", "BASE_BITS", "BLOCK", "SCALER_BLOCK", "Packed", "dequantized", "pack"]
-__all__ += ["Layout", "attach", "attached", "detach_packed", "packed_bytes", "quantizable", "scaler_block"]
+__all__ += ["Layout", "attach", "attached", "detach_packed", "lay_out", "packed_bytes", "quantizable"]
+__all__ += ["scaler_block", "view_part"]
 
 
 def _nf4() -> Any:
@@ -88,11 +89,7 @@ class Packed:
 
     def _views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
         kinds = (torch.uint8, torch.int8, self.dtype, self.dtype, self.dtype)
-        out = []
-        for (offset, n), kind in zip(self.parts, kinds, strict=True):
-            size = n * torch.empty((), dtype=kind).element_size()
-            out.append(buffer[offset : offset + size].view(kind))
-        return out
+        return [view_part(buffer, part, kind) for part, kind in zip(self.parts, kinds, strict=True)]
 
     def unpack(self, buffer: torch.Tensor) -> torch.Tensor:
         """The dense weight (``dtype``, on ``buffer``'s device) decoded from a packed buffer.
@@ -124,16 +121,32 @@ def pack(tensor: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, Packed
     # the code book as torchao builds it (from a block of zeros: nothing else to quantize)
     book = nf4_cls.from_tensor(torch.zeros(2 * BLOCK, dtype=dtype), BLOCK, 1).nf4
     scales, factors, mean = nf4_cls.double_quantize_scalers(matrix.reshape(-1), BLOCK, size)
-    pieces = [_codes(matrix, book), scales, factors, mean.reshape(1), book]
+    buffer, parts = lay_out([_codes(matrix, book), scales, factors, mean.reshape(1), book])
+    return buffer, Packed(shape, dtype, size, parts)
+
+
+def lay_out(pieces: list[torch.Tensor]) -> tuple[torch.Tensor, tuple[tuple[int, int], ...]]:
+    """One ``uint8`` buffer holding ``pieces`` one after the other, each starting ``ALIGN``-byte
+    aligned, and each part's (byte offset, number of elements)."""
     parts, offset = [], 0
     for p in pieces:
         parts.append((offset, p.numel()))
         offset += (p.numel() * p.element_size() + ALIGN - 1) // ALIGN * ALIGN
     buffer = torch.zeros(offset, dtype=torch.uint8)
     for (start, _), p in zip(parts, pieces, strict=True):
-        raw = torch.empty(p.numel(), dtype=p.dtype).copy_(p.reshape(-1)).view(torch.uint8)
+        flat = p.detach().reshape(-1)
+        if flat.stride(0) != 1:  # a one-element tensor keeps any stride, even when contiguous
+            flat = torch.empty(flat.numel(), dtype=flat.dtype).copy_(flat)
+        raw = flat.view(torch.uint8)
         buffer[start : start + raw.numel()].copy_(raw)
-    return buffer, Packed(shape, dtype, size, tuple(parts))
+    return buffer, tuple(parts)
+
+
+def view_part(buffer: torch.Tensor, part: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    """Part ``(byte offset, number of elements)`` of a ``lay_out`` buffer, as ``dtype``."""
+    offset, n = part
+    size = n * torch.empty((), dtype=dtype).element_size()
+    return buffer[offset : offset + size].view(dtype)
 
 
 def dequantized(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
