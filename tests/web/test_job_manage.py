@@ -195,6 +195,10 @@ def test_delete_from_the_jobs_list_and_from_the_job_page(
 
     page.goto(f"{server.base_url}/#/jobs/{queued}")
     expect(page.locator("#job-status")).to_have_text("cancelled")
+    # the page's panels have loaded (their requests would meet a deleted job otherwise: a 404)
+    expect(page.locator("#checkpoints-table tbody tr")).not_to_have_count(0)
+    expect(page.locator("#evaluations-table tbody tr")).not_to_have_count(0)
+    page.wait_for_load_state("load")
     page.locator("#delete-job").click()
     page.wait_for_url(re.compile(r"#/jobs$"))
     expect(page.locator("#jobs-table")).to_be_visible()
