@@ -231,6 +231,7 @@ FAMILIES: dict[str, FamilySpec] = {
                 biases=True,
             ),
             block_extra=lambda s: s.heads,  # attention sinks
+            fp32_norms=True,
             # every block a mixture of experts; blocks alternate sliding (window 8) and full
             # attention (the config's default layer_types)
             tiny_config={
@@ -258,6 +259,7 @@ FAMILIES: dict[str, FamilySpec] = {
                 peft_remap=True,
             ),
             latent_attention=True,
+            fp32_router=True,
             # multi-head latent attention (low-rank q and kv, interleaved rotary half); the lowest
             # block dense, the others 4 routed experts (one group) plus a shared expert
             tiny_config={

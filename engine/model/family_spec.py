@@ -113,6 +113,11 @@ class FamilySpec:
             and its linears (q/k norms, extra norms, attention sinks), from its ``BlockSizes``.
         latent_attention: multi-head latent attention (DeepSeek-V3): low-rank q and kv whose
             sizes the config gives.
+        fp32_norms: the blocks' two norms and the final norm stay in fp32 whatever the compute
+            dtype (GPT-OSS's ``_keep_in_fp32_modules``, which the engine's host state follows).
+        fp32_router: a mixture-of-experts block's router weight stays in fp32 (DeepSeek-V3's
+            ``_keep_in_fp32_modules_strict``). The planner counts both at 4 bytes a value;
+            ``tests/engine/test_planner.py`` checks them against what the host state keeps.
         tiny_config: the config values of the family's tiny test model on top of the shared tiny
             sizes (``tests/engine/tiny.py``): what its ``*Config`` needs to be small and valid and
             to exercise what the family does differently.
@@ -142,6 +147,8 @@ class FamilySpec:
     qkv_bias: bool = False
     block_extra: Callable[[BlockSizes], int] = two_norms_only
     latent_attention: bool = False
+    fp32_norms: bool = False
+    fp32_router: bool = False
     tiny_config: Mapping[str, Any] = field(default_factory=dict, hash=False)
 
     def refusal(self, config: Any) -> str | None:

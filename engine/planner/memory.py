@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from engine.planner.activations import block_bytes_per_token
-from engine.planner.quantized import block_bytes
+from engine.planner.quantized import FP32_BYTES, block_bytes
 from engine.planner.shapes import Shape
 from engine.planner.workload import DTYPE_BYTES, GB, Hardware, Workload
 from engine.scheduling.partition import LayerCost, Plan, StageKind, auto_partition, fewest_stages
@@ -187,7 +187,7 @@ def base_bytes(shape: Shape, dtype_bytes: int, base_bits: int) -> BaseBytes:
         weights=(
             float(params[0] * dtype_bytes),
             *(float(b.upload) for b in blocks),
-            float(params[-1] * dtype_bytes),
+            float(params[-1] * dtype_bytes + shape.head_fp32 * (FP32_BYTES - dtype_bytes)),
         ),
         decoded=(0.0, *(float(b.decoded) for b in blocks), 0.0),
         scratch=(0.0, *(float(b.scratch) for b in blocks), 0.0),

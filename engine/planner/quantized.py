@@ -8,7 +8,7 @@ and uploaded so; everything else of a block stays in the compute dtype. The plan
 - **upload bytes** (host RAM and PCIe): each packed tensor's buffer (``packed_bytes``, the same
   arithmetic as ``engine.model.quant.packed_bytes``, here without torch; ``mxfp4_bytes`` for
   the expert weights a GPT-OSS checkpoint stores in MXFP4, kept so), the rest of the block at
-  ``d`` bytes a value;
+  ``d`` bytes a value (4 for what the family keeps in fp32: ``Shape.block_fp32``);
 - **decoded bytes** (GPU, while the stage runs): the worker decodes every packed weight of a
   stage at its start (``engine.parallel.executor``) and computes with the dense copies, so a
   stage holds its packed buffers and the decoded weights (``d`` bytes a value);
@@ -29,6 +29,7 @@ BLOCK = 64  # values per absmax scale (engine.model.quant.BLOCK)
 SCALER_BLOCK = 256  # scales per second-level scale, fewer where a tensor has fewer blocks
 ALIGN = 16  # each part of a packed buffer starts 16-byte aligned
 PACK_MULTIPLE = 2 * BLOCK  # a tensor packs when its size is a whole number of these
+FP32_BYTES = 4
 
 
 def decode_scratch_bytes(dtype_bytes: int) -> int:
@@ -73,14 +74,15 @@ class BlockBytes:
 def block_bytes(shape: Shape, block: int, dtype_bytes: int, base_bits: int) -> BlockBytes:
     """The bytes of decoder block ``block`` (0-based) with a ``base_bits`` base."""
     params = shape.block_params(block)
+    wide = shape.block_fp32(block) * (FP32_BYTES - dtype_bytes)  # what fp32 adds to those kept so
     if base_bits == 16:
-        return BlockBytes(upload=params * dtype_bytes, decoded=0, scratch=0)
+        return BlockBytes(upload=params * dtype_bytes + wide, decoded=0, scratch=0)
     sizes = shape.packable(block, PACK_MULTIPLE)
     stored = shape.stored(block)
     packed = sum(packed_bytes(n, dtype_bytes) for n in sizes) + sum(mxfp4_bytes(n) for n in stored)
     every = sizes + stored
     return BlockBytes(
-        upload=(params - sum(every)) * dtype_bytes + packed,
+        upload=(params - sum(every)) * dtype_bytes + wide + packed,
         decoded=sum(every) * dtype_bytes,
         scratch=max(every, default=0) * decode_scratch_bytes(dtype_bytes),
     )

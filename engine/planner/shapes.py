@@ -261,6 +261,21 @@ class Shape:
             dense + stacked + self._router(block) + self._biases(block) + 2 * self.hidden + self.block_extra
         )
 
+    def block_fp32(self, block: int) -> int:
+        """Parameters of block ``block`` the engine keeps in fp32 whatever the compute dtype:
+        the family's fp32 norms and router (``FamilySpec.fp32_norms``, ``fp32_router``)."""
+        family = self.family
+        if family is None:
+            return 0
+        norms = 2 * self.hidden if family.fp32_norms else 0
+        return norms + (self._router(block) if family.fp32_router else 0)
+
+    @property
+    def head_fp32(self) -> int:
+        """Parameters of the output layer kept in fp32: the final norm of an fp32-norm family."""
+        family = self.family
+        return self.hidden if family is not None and family.fp32_norms else 0
+
     def packable(self, block: int, multiple: int) -> list[int]:
         """Sizes (values) of the weights of block ``block`` a 4-bit base packs in NF4
         (``engine.parallel.host.HostState``): its frozen matrices (linear weights and stacked

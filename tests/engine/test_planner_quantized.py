@@ -68,6 +68,11 @@ def _lora(family: str) -> tuple[torch.nn.Module, tuple[str, ...]]:
         ("qwen3_moe", "float32"),
         ("gpt_oss", "float32"),
         ("deepseek_v3", "float32"),
+        # the families that keep some weights in fp32 whatever the dtype (GPT-OSS's norms,
+        # DeepSeek-V3's router): the plan counts those at 4 bytes
+        ("gpt_oss", "bfloat16"),
+        ("deepseek_v3", "bfloat16"),
+        ("qwen3_moe", "bfloat16"),
     ],
 )
 def test_planned_upload_bytes_are_what_the_host_holds_with_a_4bit_base(family: str, dtype: str) -> None:
@@ -76,16 +81,22 @@ def test_planned_upload_bytes_are_what_the_host_holds_with_a_4bit_base(family: s
     job = Workload(lora_r=4, target_modules=targets, compute_dtype=dtype, base_bits=4)
     memory = memory_model(shape, job, Hardware(), trainable_per_layer(shape, job))
     config = EngineConfig(base_bits=4, compute_dtype=dtype)
-    with RoundPipe(copy.deepcopy(lora), config) as rp:
-        host = rp.host
+    buffers = {name for name, _ in lora.named_buffers()}
+
+    def held_by(host: Any) -> list[float]:
         held = [float(host.param_bytes(i)) for i in range(host.num_layers)]
-        d = torch.empty((), dtype=DTYPES[dtype]).element_size()
-        decoded = [0.0] * host.num_layers
-        largest = [0] * host.num_layers
-        buffers = {name for name, _ in lora.named_buffers()}
         for t in host.tensors:
             if t.names and set(t.names) <= buffers:  # not a weight (DeepSeek-V3's router bias)
                 held[t.owner] -= t.compute.numel() * t.compute.element_size()
+        return held
+
+    with RoundPipe(copy.deepcopy(lora), config) as rp:
+        host = rp.host
+        held = held_by(host)
+        d = torch.empty((), dtype=DTYPES[dtype]).element_size()
+        decoded = [0.0] * host.num_layers
+        largest = [0] * host.num_layers
+        for t in host.tensors:
             if t.packed is not None:
                 decoded[t.owner] += t.packed.numel * d
                 largest[t.owner] = max(largest[t.owner], t.packed.numel)
@@ -96,6 +107,8 @@ def test_planned_upload_bytes_are_what_the_host_holds_with_a_4bit_base(family: s
     plain = memory_model(shape, replace(job, base_bits=16), Hardware(), trainable_per_layer(shape, job))
     assert all(a < b for a, b in zip(memory.weights[1:-1], plain.weights[1:-1], strict=True))
     assert plain.decoded == [] and plain.scratch == []
+    with RoundPipe(copy.deepcopy(lora), replace(config, base_bits=16)) as rp:
+        assert plain.weights == held_by(rp.host)
 
 
 class _LiveBytes(TorchDispatchMode):

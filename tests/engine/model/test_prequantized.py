@@ -24,7 +24,7 @@ from engine.model.loading import load_model, resolve_model_path
 from engine.model.prequantized import BnbLayout, Mxfp4Layout, StackedLayout
 from tests.engine.model.test_mxfp4 import HUB_QUANTIZATION, encode_mxfp4, is_expert_matrix
 from tests.engine.model.test_quant import lora_of
-from tests.engine.tiny import SPLIT_PLAN, bitwise_equal, max_diff, plain_loop, tiny_model
+from tests.engine.tiny import FAMILIES, SPLIT_PLAN, bitwise_equal, max_diff, plain_loop, tiny_model
 
 TOL = 1e-5
 # bitsandbytes' settings of the two folders: NF4 with double-quantized scales, codes in uint8;
@@ -337,11 +337,11 @@ def test_a_lora_job_on_a_bnb_folder_trains_resumes_and_exports_merged(tmp_path: 
         ).abs().max() < 1e-5
 
 
-def test_the_plan_counts_mxfp4_experts_as_stored(gpt_oss: Path) -> None:
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_plan_counts_mxfp4_experts_as_stored(gpt_oss: Path, dtype: str) -> None:
     """A 4-bit base of an MXFP4 checkpoint: the plan's bytes per layer are what the host holds
-    (the experts at 17 bytes per 32 values, the attention in NF4, the rest dense). In float32:
-    in bfloat16 the plan counts GPT-OSS's norms, which the engine keeps in fp32, at 2 bytes."""
-    dtype = "float32"
+    (the experts at 17 bytes per 32 values, the attention in NF4, GPT-OSS's norms in fp32, the
+    rest in the compute dtype)."""
     from dataclasses import replace
 
     from engine.model.families import family_for
@@ -372,7 +372,7 @@ def test_the_plan_counts_mxfp4_experts_as_stored(gpt_oss: Path) -> None:
     )
     expert = 4 * 32 * 64
     nf4, mx = (
-        packed_bytes(expert, 4) + packed_bytes(expert // 2, 4),
+        packed_bytes(expert, d) + packed_bytes(expert // 2, d),
         mxfp4_bytes(expert) + mxfp4_bytes(expert // 2),
     )
     assert [b - a for a, b in zip(plain.weights, memory.weights, strict=True)] == [0, *[mx - nf4] * 3, 0]
@@ -514,3 +514,29 @@ def test_per_expert_entries_fill_the_fused_experts_of_a_mixture(
         assert max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)) < TOL
         assert max_diff(state, ref_state) < TOL
     assert runs[0][0] == runs[1][0] and bitwise_equal(runs[0][1], runs[1][1])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_reader_knows_every_key_conversion_transformers_applies_to_a_family(family: str) -> None:
+    """Our reader fills a model from a quantized folder without transformers' loading, so it must
+    do what transformers does to a family's checkpoint keys on load. For the families the engine
+    trains that is only the fusion of a mixture's per-expert entries (stacked along the experts,
+    gate rows then up rows): this fails when a transformers release adds another conversion."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+
+    from engine.model.prequantized import _PER_EXPERT, _fused_name
+
+    for transform in get_model_conversion_mapping(tiny_model(family), add_legacy=False):
+        (target,) = transform.target_patterns
+        sources = list(transform.source_patterns)
+        operations = [(type(o).__name__, getattr(o, "dim", None)) for o in transform.operations]
+        if len(sources) == 1:  # down_proj: the experts stacked
+            assert operations == [("MergeModulelist", 0)], (family, transform)
+        else:  # gate_up_proj: the experts stacked, then gate and up joined row-wise in that order
+            assert [s.rsplit(".", 2)[-2] for s in sources] == ["gate_proj", "up_proj"], (family, transform)
+            assert operations == [("MergeModulelist", 0), ("Concatenate", 1)], (family, transform)
+        for source in sources:
+            key = "model.layers.1." + source.replace("*", "7")
+            match = _PER_EXPERT.match(key)
+            assert match is not None, (family, key)
+            assert _fused_name(match) == "model.layers.1." + target, (family, key)
