@@ -272,6 +272,12 @@ def run_before(rev: str, repeats: int, models: list[str]) -> dict[str, Any]:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=True)
 
 
+def _editable_finder(finder: Any) -> bool:
+    """Whether ``finder`` is the import hook of a pip editable install."""
+    module = finder.__module__ if isinstance(finder, type) else type(finder).__module__
+    return module.startswith("__editable__")
+
+
 def machine() -> dict[str, Any]:
     import fastapi
 
@@ -300,7 +306,16 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS / "plan_speed.json")
     args = parser.parse_args()
     root = Path(os.environ.get("PLAN_SPEED_ROOT", ROOT))
+    if root != ROOT:
+        # another revision's tree: its packages, not those an editable install of this checkout
+        # maps in (its finder on sys.meta_path would win over sys.path)
+        sys.meta_path[:] = [f for f in sys.meta_path if not _editable_finder(f)]
     sys.path.insert(0, str(root))
+    if root != ROOT:
+        import engine
+
+        if not Path(engine.__file__).resolve().is_relative_to(root.resolve()):
+            raise SystemExit(f"plan_speed: measuring {root} imported the engine of {engine.__file__}")
     if args.measure_only:
         args.measure_only.write_text(json.dumps(measure(args.repeats, args.models)))
         return
