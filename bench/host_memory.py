@@ -22,11 +22,13 @@ weights kept packed as stored (``engine.model.prequantized``): the same figures,
 Part two: the demo task (``roundhouse demo``'s model and data), 20 LoRA steps with each base;
 the loss on the demo's held-out rows after the last step with a 4-bit base within 5% of the
 16-bit one (``relative_difference``, means over ``--seeds`` seeds; the mean training loss of the
-last five steps, one batch of 8 each, is reported too), and a control run: a 16-bit base on the
-demo model with its weights replaced by their NF4-decoded values.
+last five steps, one batch of 8 each, is reported too). Then, to find where a gap comes from,
+control runs (seed 0): a 16-bit base on the demo model with its weights replaced by their
+NF4-decoded values (all of them, the attention's only, the MLP's only), and both bases trained
+``--long-steps`` steps (does a gap close with more training?).
 
     python bench/host_memory.py [--layers 24] [--hidden 2048] [--shard-size 500MB]
-                                [--part all|memory|demo] [--seeds 3]
+                                [--part all|memory|demo] [--seeds 3] [--long-steps 40]
 
 Writes ``bench/results/host_memory.json``.
 """
@@ -240,10 +242,14 @@ def demo_losses(bits: int, steps: int, seed: int, model: str = "demo") -> tuple[
     return losses, held_out[-1]
 
 
-def decoded_demo_model(folder: Path) -> Path:
-    """The demo model with each weight a 4-bit base packs replaced by its NF4-decoded bfloat16
-    values (``engine.model.quant.dequantized``), saved as a plain model: a 16-bit run on it is the
-    4-bit run's arithmetic without the engine's 4-bit path (the control)."""
+CONTROL_PARTS = {"all": ".layers.", "attention": ".self_attn.", "mlp": ".mlp."}
+
+
+def decoded_demo_model(folder: Path, part: str = "all") -> Path:
+    """The demo model with each weight a 4-bit base packs (those of ``part`` of the blocks:
+    ``CONTROL_PARTS``) replaced by its NF4-decoded bfloat16 values
+    (``engine.model.quant.dequantized``), saved as a plain model: a 16-bit run on it is the 4-bit
+    run's arithmetic without the engine's 4-bit path (the control)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -254,7 +260,8 @@ def decoded_demo_model(folder: Path) -> Path:
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if ".layers." in name and "norm" not in name and p.dim() >= 2 and quant.quantizable(p):
+            packs = ".layers." in name and "norm" not in name and p.dim() >= 2 and quant.quantizable(p)
+            if packs and CONTROL_PARTS[part] in name:
                 p.copy_(quant.dequantized(p.to(torch.bfloat16), torch.bfloat16).float())
     model.save_pretrained(folder)
     AutoTokenizer.from_pretrained(source).save_pretrained(folder)
@@ -324,12 +331,17 @@ def memory_part(args: argparse.Namespace) -> dict[str, Any]:
 def demo_part(args: argparse.Namespace) -> dict[str, Any]:
     """Part two: the demo task's loss with each base, over ``args.seeds`` seeds (the data order
     and dropout; a step's loss is one batch of 8 and 20 steps of bfloat16 training amplify small
-    differences, so one seed's figures are noisy), and a control: a 16-bit base on the demo model
-    whose weights were replaced by their NF4-decoded values (seed 0)."""
+    differences, so one seed's figures are noisy), and the controls (seed 0): a 16-bit base on the
+    demo model whose weights (all, the attention's, the MLP's) were replaced by their NF4-decoded
+    values, and both bases trained ``args.long_steps`` steps."""
     seeds = list(range(args.seeds))
     runs = {(bits, seed): demo_losses(bits, args.steps, seed) for seed in seeds for bits in (16, 4)}
-    with tempfile.TemporaryDirectory() as folder:
-        control = demo_losses(16, args.steps, 0, model=str(decoded_demo_model(Path(folder) / "decoded")))
+    controls = {}
+    for part in CONTROL_PARTS:
+        with tempfile.TemporaryDirectory() as folder:
+            decoded = decoded_demo_model(Path(folder) / "decoded", part)
+            controls[part] = demo_losses(16, args.steps, 0, model=str(decoded))
+    longer = {bits: demo_losses(bits, args.long_steps, 0) for bits in (16, 4)} if args.long_steps else {}
     held = {bits: statistics.mean(runs[bits, seed][1] for seed in seeds) for bits in (16, 4)}
     tail = {
         bits: statistics.mean(statistics.mean(runs[bits, seed][0][-5:]) for seed in seeds) for bits in (16, 4)
@@ -343,8 +355,19 @@ def demo_part(args: argparse.Namespace) -> dict[str, Any]:
         "relative_difference": abs(held[4] - held[16]) / held[16],
         "last5_train_loss_mean": {str(b): v for b, v in tail.items()},
         "last5_relative_difference": abs(tail[4] - tail[16]) / tail[16],
-        # the control: the 4-bit arithmetic through the 16-bit path (seed 0)
-        "control_16bit_on_decoded_weights": {"held_out_loss": control[1], "losses": control[0]},
+        # the controls: the 4-bit arithmetic through the 16-bit path (seed 0), with every packed
+        # weight of the blocks NF4-decoded, or the attention's only, or the MLP's only
+        "control_16bit_on_decoded_weights": {
+            part: {"held_out_loss": held_out, "losses": losses}
+            for part, (losses, held_out) in controls.items()
+        },
+        "longer_run": {
+            "steps": args.long_steps,
+            **{
+                f"{bits}": {"held_out_loss": held_out, "last5_train_loss_mean": statistics.mean(losses[-5:])}
+                for bits, (losses, held_out) in longer.items()
+            },
+        },
     }
 
 
@@ -356,6 +379,9 @@ def main() -> None:
     parser.add_argument("--shard-size", default="500MB", help="the saved model's safetensors shards")
     parser.add_argument("--steps", type=int, default=20, help="demo-task steps per variant")
     parser.add_argument("--seeds", type=int, default=3, help="demo-task runs per variant")
+    parser.add_argument(
+        "--long-steps", type=int, default=40, help="the demo task's longer run per base (0: none)"
+    )
     parser.add_argument(
         "--part",
         choices=("all", "memory", "demo"),
