@@ -191,14 +191,16 @@ def restore(settings: Settings, source: Path) -> dict[str, Any]:
     engine.dispose()
     if not isinstance(store, LocalStorage) and (source / OBJECTS).is_file():
         listed = json.loads((source / OBJECTS).read_text())["objects"]
-        manifest |= {"objects": len(listed), "missing_objects": missing_objects(store, source)}
+        manifest |= {"objects": len(listed), "missing_objects": missing_objects(store, source, listed)}
     return manifest
 
 
-def missing_objects(store: Storage, source: Path) -> list[str]:
-    """The keys the backup in ``source`` lists (``objects.json``) that ``store`` lacks or holds
-    at another size; a download (``exports/``), rebuilt on demand, is not missed."""
-    listed = json.loads((source / OBJECTS).read_text())["objects"]
+def missing_objects(store: Storage, source: Path, listed: list[dict[str, Any]] | None = None) -> list[str]:
+    """The keys the backup in ``source`` lists (``objects.json``, or ``listed`` when already read)
+    that ``store`` lacks or holds at another size; a download (``exports/``), rebuilt on demand,
+    is not missed."""
+    if listed is None:
+        listed = json.loads((source / OBJECTS).read_text())["objects"]
     held = dict(store.list(""))
     return [
         o["key"]
