@@ -31,6 +31,8 @@ from tests.utils.jobs import FINAL, start_job, states, wait_for_job
 
 REDIS = f"redis://127.0.0.1:6379/{7 - xdist_worker() % 8}"
 TIMEOUT_S = 150
+# a job killed once it reached step 5 runs this long: long enough that it cannot end first
+KILL_STEPS = 120
 
 
 def _settings(tmp_path: Path, **extra: Any) -> Settings:
@@ -258,12 +260,12 @@ def test_a_training_process_killed_by_a_signal_resumes_to_the_same_weights(
     worker = WorkerProcess(settings, tmp_path / "worker.log").start()
     workers.append(worker)
     ds = dataset(client)
-    job = start_job(client, ds, hyper={"max_steps": 40}, checkpoint={"every_steps": 4})
+    job = start_job(client, ds, hyper={"max_steps": KILL_STEPS}, checkpoint={"every_steps": 4})
     wait_for_job(client, job["id"], lambda j: j["step"] >= 5, timeout=TIMEOUT_S, logs=workers)
     assert client.get(f"/api/jobs/{job['id']}/checkpoints").json()["data"], "no checkpoint yet"
     trainer_of(worker).kill()  # as the kernel's out-of-memory killer does
     killed_at = client.get(f"/api/jobs/{job['id']}").json()["step"]
-    assert killed_at < 40, "the job finished before its training process was killed"
+    assert killed_at < KILL_STEPS, "the job finished before its training process was killed"
     job = wait_for_job(client, job["id"], FINAL, timeout=TIMEOUT_S, logs=workers)
     assert job["status"] == "succeeded", (job["error"], worker.tail())
     # the same claim: the worker restarted its training process, the broker was not involved
@@ -273,7 +275,7 @@ def test_a_training_process_killed_by_a_signal_resumes_to_the_same_weights(
     assert 4 <= retry["data"]["checkpoint_step"] <= killed_at
     (resumed,) = [e for e in events(client, job["id"]) if e["kind"] == "resume"]
     assert resumed["data"]["step"] == retry["data"]["checkpoint_step"]
-    same_weights(job, settings, tmp_path / "reference", 40)
+    same_weights(job, settings, tmp_path / "reference", KILL_STEPS)
 
     # an error inside the run would only repeat: it fails at once, without a retry
     broken = start_job(client, ds, data={"format": "text"})

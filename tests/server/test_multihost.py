@@ -44,6 +44,8 @@ pytestmark = pytest.mark.slow
 
 HOSTS = ("host-a", "host-b")
 TIMEOUT_S = 150
+# a job killed once it reached step 5 runs this long: long enough that it cannot end first
+KILL_STEPS = 120
 LEASE_S = 3.0
 # what a test host may see of the main host: run in each host's namespaces (argv: the services'
 # port on 127.0.0.1, then the folders it must not see)
@@ -276,7 +278,7 @@ def test_jobs_run_on_both_hosts_and_a_killed_host_s_job_resumes_on_the_other(
     assert all(grouped[name]["online"] for name in HOSTS), grouped
 
     # a job for any host: its worker is SIGKILLed after its first checkpoint was stored
-    job_id = c.start_job(dataset, steps=40, every=4)
+    job_id = c.start_job(dataset, steps=KILL_STEPS, every=4)
     job = c.wait(job_id, lambda j: j["status"] == "running" and j["step"] >= 5)
     assert c.objects(f"runs/{job_id}/checkpoints/step_000004"), "no stored checkpoint"
     ((_, first),) = c.claims(job_id)
@@ -289,7 +291,7 @@ def test_jobs_run_on_both_hosts_and_a_killed_host_s_job_resumes_on_the_other(
     assert alive == [], f"{alive} outlived their worker"
     killed_at = c.job(job_id)["step"]
     stored = [x["step"] for x in c.api.get(f"/api/jobs/{job_id}/checkpoints").json()["data"]]
-    assert killed_at < 40, "the job finished before its worker was killed"
+    assert killed_at < KILL_STEPS, "the job finished before its worker was killed"
     job = c.wait(job_id, lambda j: j["status"] in ("succeeded", "failed"))
     assert job["status"] == "succeeded", (job["error"], c.logs())
     assert c.claims(job_id) == [("queued", doomed.process_name), ("interrupted", survivor.process_name)]
@@ -307,13 +309,14 @@ def test_jobs_run_on_both_hosts_and_a_killed_host_s_job_resumes_on_the_other(
 
     # its final adapter, downloaded through the API, is bitwise the one of the same config trained
     # without a stop (here, from the store's dataset and the API's base model)
-    c.download(job_id, 40, tmp_path / "resumed")
+    c.download(job_id, KILL_STEPS, tmp_path / "resumed")
     reference_home = tmp_path / "reference"
     settings = c.api_settings.model_copy(update={"home": reference_home})
     raw = files.local_config(settings, open_storage(settings), config=job["config"], base_model="tiny")
     train(TrainConfig.model_validate(raw), models_dir=c.api_settings.models_dir)
     ours = load_file(tmp_path / "resumed" / "adapter_model.safetensors")
-    theirs = load_file(Path(raw["output_dir"]) / "checkpoints" / "step_000040" / "adapter_model.safetensors")
+    final = Path(raw["output_dir"]) / "checkpoints" / f"step_{KILL_STEPS:06d}"
+    theirs = load_file(final / "adapter_model.safetensors")
     assert ours.keys() == theirs.keys()
     for key in ours:
         assert torch.equal(ours[key], theirs[key]), key

@@ -28,6 +28,8 @@ ROWS = [
     for i in range(48)
 ]
 TIMEOUT_S = 180
+# a job killed once it reached step 5 runs this long: long enough that it cannot end first
+KILL_STEPS = 120
 
 
 def dataset(client: TestClient) -> str:
@@ -157,11 +159,11 @@ def test_a_killed_worker_s_job_is_requeued_and_resumes_to_the_same_weights(
     client = worker_client
     first = WorkerProcess(worker_settings, tmp_path / "worker-1.log").start()
     workers.append(first)
-    job = start_job(client, dataset(client), hyper={"max_steps": 40}, checkpoint={"every_steps": 4})
+    job = start_job(client, dataset(client), hyper={"max_steps": KILL_STEPS}, checkpoint={"every_steps": 4})
     wait_for_job(client, job["id"], lambda j: j["step"] >= 6, timeout=TIMEOUT_S, logs=workers)
     first.kill()  # SIGKILL: no warm shutdown, no outcome recorded
     killed_at = client.get(f"/api/jobs/{job['id']}").json()["step"]
-    assert killed_at < 40, "the job finished before the worker was killed"
+    assert killed_at < KILL_STEPS, "the job finished before the worker was killed"
     second = WorkerProcess(worker_settings, tmp_path / "worker-2.log").start()
     workers.append(second)
     job = wait_for_job(client, job["id"], {"succeeded", "failed"}, timeout=TIMEOUT_S, logs=workers)
@@ -182,7 +184,7 @@ def test_a_killed_worker_s_job_is_requeued_and_resumes_to_the_same_weights(
     # the same config trained without interruption ends with bitwise the same adapter
     reference = TrainConfig.model_validate(job["config"] | {"output_dir": str(tmp_path / "reference")})
     train(reference, models_dir=worker_settings.models_dir)
-    name = "step_000040/adapter_model.safetensors"
+    name = f"step_{KILL_STEPS:06d}/adapter_model.safetensors"
     ours = load_file(Path(job["config"]["output_dir"]) / "checkpoints" / name)
     theirs = load_file(tmp_path / "reference" / "checkpoints" / name)
     assert ours.keys() == theirs.keys()
