@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +51,22 @@ def base_model_name(name: str | None, folder: str | Path) -> str:
     return folder.name
 
 
+def _targets_embeddings(model: Any, targets: Any) -> bool:
+    """Whether LoRA ``targets`` (peft's ``target_modules``: names, or one pattern) include the
+    token embeddings or the output layer, as peft decides it for ``save_embedding_layers="auto"``
+    (before it looks anything up)."""
+    from peft.utils.constants import EMBEDDING_LAYER_NAMES, INCLUDE_LINEAR_LAYERS_SHORTHAND
+    from peft.utils.other import match_target_against_key
+
+    if not targets or targets == INCLUDE_LINEAR_LAYERS_SHORTHAND:
+        return False
+    if isinstance(targets, str):
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        names = [n for n, _ in base.named_modules() if n.rsplit(".", 1)[-1] in EMBEDDING_LAYER_NAMES]
+        return any(match_target_against_key(targets, n) for n in names)
+    return any(t in targets for t in EMBEDDING_LAYER_NAMES)
+
+
 def is_adapter(folder: str | Path) -> bool:
     return (Path(folder) / "adapter_config.json").is_file()
 
@@ -68,10 +83,11 @@ def save_export(
     if hasattr(model, "peft_config"):
         for cfg in model.peft_config.values():
             cfg.base_model_name_or_path = base_name
-        with warnings.catch_warnings():
-            # peft looks the base name up to see whether the vocabulary changed; it did not
-            warnings.filterwarnings("ignore", message="Could not find a config file")
-            model.save_pretrained(folder, state_dict=weights)
+        # said, not left to peft's "auto": that looks the base name up on the model hub (and
+        # fetches its config.json) at every save to see whether the vocabulary was resized, which
+        # the engine never does; the embeddings are saved when an adapter trains them
+        embeddings = any(_targets_embeddings(model, cfg.target_modules) for cfg in model.peft_config.values())
+        model.save_pretrained(folder, state_dict=weights, save_embedding_layers=embeddings)
     else:
         model.config._name_or_path = base_name
         model.save_pretrained(folder, state_dict=weights)
