@@ -82,7 +82,6 @@ class Writes:
                 except DBAPIError as exc:
                     if not unavailable(exc):
                         raise
-                    self._tried([write])
                     print(f"database unavailable ({_first_line(exc)}): keeping the run's writes", flush=True)
             self.kept.append(write)
             if self.flusher is None:
@@ -104,7 +103,12 @@ class Writes:
     def _commit(self, batch: list[Write]) -> int:
         """Make ``batch`` in one transaction. Returns how many of its first writes are now in the
         database: all, or those of an earlier try that went through after all (found by their
-        first event), which are not made again."""
+        first event), which are not made again.
+
+        Only a failed commit marks the batch as tried (its outcome unknown, every write of it in
+        or out together); a try that failed before its commit (the lookup, a write's own query)
+        changed nothing, and marking it would join writes whose earlier tries differ: the first
+        found would then take the others, never written, with it."""
         first = batch[0]
         with self.sessions() as session:
             if first.tried is not None and self._found(session, first):
@@ -112,7 +116,12 @@ class Writes:
             for write in batch:
                 assert write.at is not None
                 write.apply(session, write.at)
-            session.commit()
+            try:
+                session.commit()
+            except DBAPIError as exc:
+                if unavailable(exc):
+                    self._tried(batch)
+                raise
         return len(batch)
 
     def _found(self, session: Session, write: Write) -> bool:
@@ -150,7 +159,6 @@ class Writes:
                 done = self._commit(batch)
             except DBAPIError as exc:
                 if unavailable(exc):
-                    self._tried(batch)
                     time.sleep(delay)
                     delay = min(2 * delay, MAX_RETRY_S)
                     continue

@@ -316,6 +316,7 @@ class _Cut:
 
     def __init__(self, sessions: Any) -> None:
         self.sessions, self.down, self.lose = sessions, False, 0
+        self.refused = 0  # queries and commits refused while down
 
     def __call__(self) -> Any:
         session = self.sessions()
@@ -323,6 +324,7 @@ class _Cut:
 
         def cut_commit() -> None:
             if self.down:
+                self.refused += 1
                 session.rollback()
                 raise _disconnect()
             commit()
@@ -333,6 +335,7 @@ class _Cut:
 
         def cut_scalar(*args: Any, **kwargs: Any) -> Any:
             if self.down:
+                self.refused += 1
                 raise _disconnect()
             return scalar(*args, **kwargs)
 
@@ -389,6 +392,32 @@ def test_writes_whose_commit_answer_was_lost_are_not_written_again(
     assert [p["step"] for p in series["loss/train"]] == [1, 2, 3, 4, 5, 6]
     times = [datetime.fromisoformat(p["time"]) for p in series["loss/train"]]
     assert times == sorted(set(times))  # each dated when it was made, in order
+
+
+def test_a_write_kept_behind_one_whose_commit_answer_was_lost_is_written(
+    app_and_key: tuple[Any, str], client: Any
+) -> None:
+    """Write 2's commit went through, its answer lost; 3 is kept behind it. The thread's tries
+    while the server is down fail at the lookup of 2, before any commit: they must not make 3 one
+    with 2, or 2 found would take 3 (never written) with it."""
+    from server.worker.writes import Writes
+    from tests.server.test_worker import dataset
+
+    app, _ = app_and_key
+    job_id = start_job(client, dataset(client))["id"]
+    cut = _Cut(app.state.sessions)
+    writes = Writes(cut, job_id)
+    writes.write(_metrics(job_id, 1))
+    cut.lose = 1
+    writes.write(_metrics(job_id, 2))  # committed, its answer lost: kept, the server down
+    writes.write(_metrics(job_id, 3))  # kept behind it
+    refused = cut.refused
+    # two tries while the server is down: the second at least began with 2 and 3 kept
+    wait_for(lambda: cut.refused, until=lambda n: n > refused + 1, timeout=30, what="two tries while down")
+    cut.down = False
+    assert writes.drain(timeout=60) == 0
+    series = client.get(f"/api/jobs/{job_id}/metrics", params={"keys": ["loss/train"]}).json()["data"]
+    assert [p["step"] for p in series["loss/train"]] == [1, 2, 3]
 
 
 def test_a_write_that_fails_for_another_reason_is_raised_not_kept(
