@@ -117,7 +117,7 @@ class FamilySpec:
             dtype (GPT-OSS's ``_keep_in_fp32_modules``, which the engine's host state follows).
         fp32_router: a mixture-of-experts block's router weight stays in fp32 (DeepSeek-V3's
             ``_keep_in_fp32_modules_strict``). The planner counts both at 4 bytes a value;
-            ``tests/engine/test_planner.py`` checks them against what the host state keeps.
+            ``tests/engine/test_planner_quantized.py`` checks them against what the host keeps.
         tiny_config: the config values of the family's tiny test model on top of the shared tiny
             sizes (``tests/engine/tiny.py``): what its ``*Config`` needs to be small and valid and
             to exercise what the family does differently.
