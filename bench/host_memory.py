@@ -260,8 +260,9 @@ def decoded_demo_model(folder: Path, part: str = "all") -> Path:
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            packs = ".layers." in name and "norm" not in name and p.dim() >= 2 and quant.quantizable(p)
-            if packs and CONTROL_PARTS[part] in name:
+            # a block's matrices (quantizable: a floating matrix, so never a norm); the demo model
+            # (Llama) has no biases or router, which the engine would leave unpacked
+            if ".layers." in name and CONTROL_PARTS[part] in name and quant.quantizable(p):
                 p.copy_(quant.dequantized(p.to(torch.bfloat16), torch.bfloat16).float())
     model.save_pretrained(folder)
     AutoTokenizer.from_pretrained(source).save_pretrained(folder)

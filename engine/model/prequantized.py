@@ -331,8 +331,10 @@ class _Reader:
         self.dtype_of = dtype_of
         # each quantized weight's name and the entries it is stored in
         self.groups: dict[str, set[str]] = {}
+        self.states: dict[str, str] = {}  # a bitsandbytes weight's quantization state entry
         for key in self.keys:
             if method == "bitsandbytes" and (state := self._bnb_state_key(key)) is not None:
+                self.states[key] = state
                 self.groups[key] = {key, state, *(f"{key}.{p}" for p in _BNB_PARTS)}
             elif method == "mxfp4" and key.endswith("_blocks"):
                 name = key.removesuffix("_blocks")
@@ -357,9 +359,7 @@ class _Reader:
 
     def _bnb(self, key: str) -> tuple[torch.Tensor, BnbLayout]:
         f = self.f
-        state_key = self._bnb_state_key(key)
-        assert state_key is not None
-        state = _bnb_state(f.get_tensor(state_key))
+        state = _bnb_state(f.get_tensor(self.states[key]))
         nested = f"{key}.nested_absmax" in self.keys
         # the codes' bytes, whatever dtype they are stored as (``bnb_4bit_quant_storage``)
         codes = f.get_tensor(key).contiguous().reshape(-1).view(torch.uint8)

@@ -59,7 +59,7 @@ class Writes:
         self.flusher: threading.Thread | None = None
         self.failed: BaseException | None = None
         self.last_at: datetime | None = None
-        self.tries = 0  # failed tries of the kept writes
+        self.tries = 0  # failed commits of writes (each a try whose outcome is unknown)
         self.late = 0  # writes kept and since written, in this outage
 
     def write(self, write: Write) -> None:
