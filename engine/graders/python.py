@@ -18,22 +18,22 @@ import contextlib
 import json
 import math
 import os
+import secrets
 import select
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import IO, Any
 
 from engine.errors import ConfigError
+from engine.graders import sandbox
 from engine.graders.base import MAX_TEXT, ErrorKind, Fields, Grader, Scores, short
+from engine.graders.sandbox import Confinement
 
-CHILD = Path(__file__).with_name("python_child.py")
 DEFAULT_TIMEOUT_S, MAX_TIMEOUT_S = 5.0, 60.0
 DEFAULT_MEMORY_MB, MIN_MEMORY_MB, MAX_MEMORY_MB = 1024, 128, 16384
 STARTUP_S = 10.0  # a child's start, on top of the time its source's top level may take
@@ -50,21 +50,25 @@ class _Gone(Exception):
 
 
 class _Child:
-    """One child process and the pipes to it."""
+    """One child process and the pipes to it, confined as ``confinement`` says."""
 
-    def __init__(self, memory_bytes: int, cpu_seconds: int) -> None:
+    def __init__(
+        self, memory_bytes: int, cpu_seconds: int, confinement: Confinement, audit: bool = True
+    ) -> None:
         self.workdir = tempfile.mkdtemp(prefix="roundhouse-grader-")
         # what the child writes to stderr (and what user code prints): read when it dies
         self.log: IO[bytes] = tempfile.TemporaryFile()  # noqa: SIM115 - closed by cleanup()
         self.buffer = bytearray()
+        self.in_namespaces = confinement.bwrap is not None  # bubblewrap reports a signal as 128 + it
+        arguments = [str(memory_bytes), str(cpu_seconds)]
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-I", str(CHILD), str(memory_bytes), str(cpu_seconds)],
+                sandbox.command(confinement, self.workdir, arguments, audit=audit),
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=self.log,
                 cwd=self.workdir,
-                env={},
+                env=dict(sandbox.CHILD_ENV),
                 close_fds=True,
                 start_new_session=True,
             )
@@ -119,6 +123,8 @@ class _Child:
             code = self.process.wait(timeout=2.0)
         except subprocess.TimeoutExpired:
             return f"the grader's process {what}"
+        if self.in_namespaces and code > 128 and code - 128 in signal.valid_signals():
+            code = 128 - code  # bubblewrap's exit status for a child killed by a signal
         if code < 0:
             name = signal.Signals(-code).name if -code in signal.valid_signals() else str(-code)
             how = {
@@ -181,9 +187,12 @@ class PythonGrader(Grader):
         timeout_s: float = DEFAULT_TIMEOUT_S,
         memory_mb: int = DEFAULT_MEMORY_MB,
         image_tag: str | None = None,
+        audit_hook: bool = True,
     ) -> None:
         super().__init__(name)
         self.source, self.timeout_s, self.memory_mb, self.image_tag = source, timeout_s, memory_mb, image_tag
+        # False only in the tests that show the kernel's layers hold without the Python one
+        self.audit_hook = audit_hook
         self._lock = threading.Lock()  # one batch at a time
         self._child: _Child | None = None
         self._closed = 0  # close() calls: a batch stops starting children when it changes
@@ -198,6 +207,9 @@ class PythonGrader(Grader):
             "memory_mb", DEFAULT_MEMORY_MB, minimum=MIN_MEMORY_MB, maximum=MAX_MEMORY_MB, integer=True
         )
         fields.done(cls.type)
+        refused = sandbox.refusal(sandbox.detect())
+        if refused is not None:
+            raise ConfigError(fields.at("type"), f"{fields.at('type')}: {refused}", value="python")
         grader = cls(name, source, timeout_s=float(timeout_s), memory_mb=memory_mb, image_tag=image_tag)
         error = grader.check()
         if error is not None:
@@ -256,14 +268,19 @@ class PythonGrader(Grader):
 
     def _start(self, remaining: int) -> tuple[_Child | None, str | None, ErrorKind | None]:
         """A child with the source loaded, for ``remaining`` samples; or (None, why, kind)."""
+        confinement = sandbox.detect()
+        refused = sandbox.refusal(confinement)
+        if refused is not None:
+            return None, refused, "other"
         cpu = math.ceil(STARTUP_S + (remaining + 1) * (self.timeout_s + GRACE_S))
         try:
-            child = _Child(self.memory_mb << 20, cpu)
+            child = _Child(self.memory_mb << 20, cpu, confinement, audit=self.audit_hook)
         except OSError as exc:
             return None, f"could not start the grader's process: {exc}", "crashed"
         self._child = child
         deadline = time.monotonic() + STARTUP_S + self.timeout_s + GRACE_S
-        message = {"op": "load", "source": self.source, "timeout": self.timeout_s}
+        token = secrets.token_hex(8)
+        message = {"op": "load", "id": token, "source": self.source, "timeout": self.timeout_s}
         late = f"loading the source took longer than {self.timeout_s:g} s"
         try:
             answer = child.request(message, deadline, late)
@@ -271,6 +288,14 @@ class PythonGrader(Grader):
             child.kill()
             self._child = None
             return None, short(str(exc)), exc.kind
+        if answer.get("id") != token:
+            child.kill()
+            self._child = None
+            return None, "the grader's process answered out of turn", "crashed"
+        if answer.get("confined") != confinement.layers():
+            child.kill()
+            self._child = None
+            return None, f"the grader's process is not confined ({answer.get('confined')!r})", "crashed"
         if answer.get("ok") is not True:
             child.stop()
             self._child = None
@@ -282,14 +307,15 @@ class PythonGrader(Grader):
     ) -> tuple[float, str | None, ErrorKind | None, bool]:
         """One sample: (score, error, kind, whether the child may grade the next one)."""
         deadline = time.monotonic() + self.timeout_s + GRACE_S
-        message = {"op": "grade", "id": index, "sample": sample, "item": item}
+        token = f"{index}-{secrets.token_hex(8)}"  # what user code writing to the pipe cannot know
+        message = {"op": "grade", "id": token, "sample": sample, "item": item}
         try:
             answer = child.request(message, deadline, f"timed out after {self.timeout_s:g} s")
         except _Gone as exc:
             return 0.0, short(str(exc)), exc.kind, False
         except (ValueError, TypeError, RecursionError) as exc:  # not sent: the child waits on
             return 0.0, short(f"the sample or its item is not JSON: {exc}"), "other", True
-        if answer.get("id") != index:
+        if answer.get("id") != token:
             return 0.0, "the grader's process answered out of turn", "crashed", False
         score = answer.get("score")
         if "error" in answer or isinstance(score, bool) or not isinstance(score, int | float):

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import decimal
+import importlib.util
 import inspect
 import json
 import math
@@ -251,7 +252,8 @@ def audit_hook(workdir: str, readable: tuple[str, ...]) -> Callable[[str, tuple[
         elif event == "import":
             name = str(args[0]) if args else ""
             if name in DENIED_MODULES or name.partition(".")[0] in DENIED_MODULES:
-                raise PermissionError(f"a grader may not import {name}")
+                # an ImportError, as for a module that is not there: numpy imports without ctypes
+                raise ImportError(f"a grader may not import {name}", name=name)
             if name in loaded:
                 raise PermissionError(f"a grader may not import {name} again")
             filename = os.fsdecode(args[1]) if len(args) > 1 and args[1] else ""
@@ -327,8 +329,10 @@ def as_score(value: Any) -> tuple[float | None, str | None]:
     return score, None
 
 
-def serve(inbox: BinaryIO, outbox: BinaryIO) -> None:
-    """Answer the parent's requests until it closes the pipe."""
+def serve(inbox: BinaryIO, outbox: BinaryIO, confined: list[str]) -> None:
+    """Answer the parent's requests until it closes the pipe. Each answer carries its request's
+    ``id``, a token the parent draws afresh for each request: a line that user code writes to the
+    answer pipe without it is no answer but a broken protocol (the parent kills the child)."""
     grade: Callable[..., Any] | None = None
     timeout = 1.0
 
@@ -338,12 +342,13 @@ def serve(inbox: BinaryIO, outbox: BinaryIO) -> None:
 
     for line in inbox:
         request = json.loads(line)
+        ident = request["id"]
         if request["op"] == "load":
             timeout = float(request["timeout"])
             grade, error = load(request["source"], timeout)
-            answer({"ok": True} if error is None else {"ok": False, "error": error})
+            loaded = {"ok": True} if error is None else {"ok": False, "error": error}
+            answer({"id": ident, "confined": confined} | loaded)
             continue
-        ident = request["id"]
         if grade is None:
             answer({"id": ident, "error": "no grader is loaded", "kind": "runtime"})
             continue
@@ -365,8 +370,37 @@ def serve(inbox: BinaryIO, outbox: BinaryIO) -> None:
             answer({"id": ident, "error": f"timed out after {timeout:g} s", "kind": "timeout"})
 
 
+def confine_self(layers: list[str], workdir: str, readable: tuple[str, ...]) -> list[str]:
+    """Apply the kernel's layers this box gives (``engine.graders.confine``, loaded by path: the
+    child imports nothing of the engine) and forget the modules they needed (``ctypes``); the
+    layers applied."""
+    if not layers:
+        return []
+    before = set(sys.modules)
+    path = os.path.join(os.path.dirname(os.path.realpath(__file__)), "confine.py")
+    spec = importlib.util.spec_from_file_location("_grader_confine", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    applied = []
+    module.no_new_privileges()
+    module.drop_capabilities()
+    if "landlock" in layers:
+        module.restrict_filesystem(module.landlock_abi(), (*readable, *module.SYSTEM_LIBRARIES), (workdir,))
+        applied.append("landlock")
+    if "seccomp" in layers:
+        module.filter_system_calls(os.getpid())
+        applied.append("seccomp")
+    del module, spec
+    for name in set(sys.modules) - before:  # ctypes and what it brought: imported again, each meets
+        del sys.modules[name]  # the audit hook
+    return applied
+
+
 def main() -> None:
     memory, cpu_seconds = int(sys.argv[1]), int(sys.argv[2])
+    layers = [] if sys.argv[3] == "-" else sys.argv[3].split(",")
+    audit = len(sys.argv) < 5 or sys.argv[4] != "no-audit-hook"
     workdir = os.path.realpath(os.getcwd())
     readable = readable_roots()
     limit(memory, cpu_seconds)
@@ -377,10 +411,16 @@ def main() -> None:
     os.dup2(null, 0)
     os.close(null)
     os.dup2(2, 1)
+    try:
+        applied = confine_self(layers, workdir, readable)
+    except OSError as exc:
+        print(f"the grader's confinement failed: {exc}", file=sys.stderr)
+        sys.exit(70)
     signal.signal(signal.SIGALRM, on_alarm)
     no_pidfd()
-    sys.addaudithook(audit_hook(workdir, readable))
-    serve(inbox, outbox)
+    if audit:
+        sys.addaudithook(audit_hook(workdir, readable))
+    serve(inbox, outbox, applied)
 
 
 if __name__ == "__main__":
