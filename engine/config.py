@@ -22,8 +22,11 @@ from pydantic_core import ErrorDetails, PydanticCustomError
 from engine.errors import ConfigError
 from engine.model.families import DEFAULT_LORA_TARGETS
 from engine.optimizers import choices, optimizer_names, optimizer_spec
+from engine.tracking import uris
 
 DEMO_MODEL = "demo"
+# a validator's error context key: the value as a message shows it (instead of the input)
+SHOWN = "shown"
 # the compute dtypes the engine supports (engine.parallel.host maps them to torch dtypes)
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -372,13 +375,9 @@ class MlflowSpec(_Strict):
     @field_validator("tracking_uri")
     @classmethod
     def _no_secrets(cls, uri: str) -> str:
-        scheme, _, rest = uri.partition("://")
-        if scheme not in ("http", "https", "file") and not uri.startswith("file:"):
-            raise PydanticCustomError("tracking_uri", "must start with http://, https:// or file:", {})
-        if "@" in rest.split("/", 1)[0]:
-            raise PydanticCustomError(
-                "tracking_uri", "must not carry credentials: MLflow's come from the settings", {}
-            )
+        wrong = uris.problem(uri)
+        if wrong is not None:  # shown redacted: the value may hold the secret it is refused for
+            raise PydanticCustomError("tracking_uri", wrong, {SHOWN: uris.redact_url(uri)})
         return uri
 
 
@@ -511,7 +510,7 @@ def describe_errors(exc: ValidationError) -> str:
     lines = []
     for err in exc.errors():
         field = ".".join(str(p) for p in err["loc"]) or "config"
-        given = err.get("input")
+        given = err.get("ctx", {}).get(SHOWN, err.get("input"))
         shown = json.dumps(given) if isinstance(given, int | float | str | bool) or given is None else None
         suffix = f" (got {shown})" if shown is not None and err["type"] != "missing" else ""
         lines.append(f"{field}: {err['msg']}{suffix}")

@@ -16,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from engine.tracking.uris import redact_urls
+
 Warn = Callable[[str, dict[str, Any]], None]
 
 
@@ -104,7 +106,8 @@ class Background:
             except Exception as exc:  # any failure of a tracker is its own, never the run's
                 if not self.failing:
                     self.failing = True
-                    self._warn(f"{what} failed ({type(exc).__name__}: {exc}); retrying in the background")
+                    said = redact_urls(str(exc))  # a URL in it may carry a token (a query, userinfo)
+                    self._warn(f"{what} failed ({type(exc).__name__}: {said}); retrying in the background")
                 if attempt == self.policy.attempts or self.disabled:
                     break
                 with self.wake:  # a close cuts the pause short but not the tries

@@ -16,7 +16,7 @@ from engine.config import TrainConfig
 from engine.errors import ConfigError
 from engine.methods import method_entry
 from server.kinds import METRIC_KINDS, EventKind, JobStatus
-from server.services import checkpoints, datasets, methods
+from server.services import checkpoints, datasets, methods, tracking
 from server.services.failures import Conflict
 from server.services.job_states import DELETABLE as DELETABLE
 from server.services.job_states import HELD as HELD
@@ -62,8 +62,11 @@ def build_config(
     train_path: str,
     validation_path: str | None,
     output_dir: Path | str,
+    home: Path,
 ) -> TrainConfig:
-    """The engine's TrainConfig for a job request. Raises ``ValueError`` naming the bad field."""
+    """The engine's TrainConfig for a job request, by the engine's rules and the service's (a
+    ``file:`` tracking URI inside ``home``: ``services.tracking``). Raises ``ValueError`` naming
+    the bad field."""
     data = dict(request.get("data") or {})
     data.update({"train": train_path, "validation": validation_path})
     raw = {
@@ -72,7 +75,9 @@ def build_config(
         "output_dir": str(output_dir),
         **{k: request[k] for k in SECTIONS if request.get(k)},
     }
-    return TrainConfig.parse(raw)
+    config = TrainConfig.parse(raw)
+    tracking.check(config, home=home)
+    return config
 
 
 # what a method of each data format needs, for the message refusing a dataset that is not one

@@ -69,11 +69,13 @@ def workload(
     on_gpu: bool = True,
     token_lengths: Sequence[int] | None = None,
     num_validation: int | None = None,
+    home: Path,
 ) -> Workload:
     """The workload of a job request, through the TrainConfig ``POST /api/jobs`` would build.
 
     Args:
         request: the request's fields (``JobBase`` and ``base_model``), as a dict.
+        home: the service's home (``jobs.build_config`` checks a ``file:`` tracking URI against it).
         num_sequences: the training dataset's rows (a DPO job's: pairs), when one is named (steps
             from ``hyper.epochs``; a DPO job's reference pass covers them).
         on_gpu: plan GPU workers (``compute_dtype: auto`` is bfloat16) or a CPU host (float32).
@@ -90,6 +92,7 @@ def workload(
         train_path=NOT_READ,
         validation_path=None,
         output_dir=Path(NOT_READ),
+        home=home,
     )
     return Workload.from_train_config(
         config,
@@ -253,6 +256,7 @@ def plan(session: Session, *, request: PlanRequest, settings: Settings, storage:
             on_gpu=box.device != "cpu",
             token_lengths=_token_lengths(dataset, request, settings=settings, storage=storage),
             num_validation=int(validation.rows) if validation is not None else None,
+            home=settings.home,
         )
     except ValueError as exc:
         field = exc.field if isinstance(exc, ConfigError) else None

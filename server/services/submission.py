@@ -69,6 +69,7 @@ def submit(session: Session, *, request: JobCreate, settings: Settings, storage:
             if validation
             else None,
             output_dir=jobs.config_path(storage, output_dir),
+            home=settings.home,
         )
         jobs.check_formats(config=config, train=train, validation=validation)  # dpo: preference data
     except ValueError as exc:

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from engine.errors import ConfigError
+from server.services import tracking
 
 if TYPE_CHECKING:
     from server.settings import Settings
@@ -144,7 +145,8 @@ def local_config(
 ) -> dict[str, Any]:
     """The job's TrainConfig (as stored: keys, or the API host's paths with the local store) with
     the local paths this host trains with; the run folder is ``run_folder`` of ``output_dir`` (the
-    job row's key; default: the config's)."""
+    job row's key; default: the config's); a ``file:`` MLflow tracking URI as its folder in this
+    host's home (``services.tracking.local_uri``; a ``ConfigError`` outside it)."""
     raw = dict(config)
     data = dict(raw.get("data") or {})
     data["train"] = fetch_file(settings, store, str(data["train"]), field="data.train")
@@ -154,6 +156,10 @@ def local_config(
     model["path"] = fetch_model(settings, store, path=str(model.get("path", "demo")), name=base_model)
     folder = run_folder(settings, output_dir or str(raw["output_dir"]))
     raw.update(data=data, model=model, output_dir=str(folder))
+    mlflow = (raw.get("tracking") or {}).get("mlflow")
+    if mlflow and isinstance(mlflow.get("tracking_uri"), str):  # a file: one in this host's home
+        uri = tracking.local_uri(mlflow["tracking_uri"], home=settings.home)
+        raw["tracking"] = {**raw["tracking"], "mlflow": {**mlflow, "tracking_uri": uri}}
     return raw
 
 

@@ -187,7 +187,7 @@ def main(argv: list[str]) -> int:
         raw = files.local_config(settings, store, config=stored, base_model=base_model, output_dir=output_dir)
         if files.pull_checkpoint(store, key=latest, folder=folder, output_dir=output_dir):
             print(f"pulled the stored checkpoint {latest}", flush=True)
-        config = TrainConfig.model_validate(raw)
+        config = TrainConfig.parse(raw)  # a ConfigError's message shows no secret a value held
         lora = config.method.lora
         keep = config.checkpoint.keep_last
         sink = DatabaseSink(

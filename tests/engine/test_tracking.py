@@ -263,15 +263,75 @@ def test_background_retries_are_bounded_and_ordered() -> None:
     assert any(m.startswith("y: gave up log after 4 tries") for m, _ in warnings)
 
 
+def mlflow_config(uri: str) -> TrainConfig:
+    return TrainConfig.parse({"data": {"train": "x.jsonl"}, "tracking": {"mlflow": {"tracking_uri": uri}}})
+
+
 @pytest.mark.parametrize(
     "uri",
-    ["http://user:pass@mlflow.local:5000", "ftp://mlflow.local", "databricks"],
+    [
+        "http://user:pass@mlflow.local:5000",
+        "ftp://mlflow.local",
+        "databricks",
+        "http://mlflow.local:5000/?token=abc",
+        "http://mlflow.local:5000/api?",
+        "https://mlflow.local/#abc",
+        "file:/srv/mlruns?token=abc",
+        "https://",
+        "https:///mlruns",
+        "http://:5000",
+        "http://mlflow.local:99999",
+        "http://mlflow local",
+        "file:",
+        "file://other-host/srv/mlruns",
+        "file:///srv/../etc",
+        "file:/srv/%2e%2e/etc",
+        "file:/srv/mlruns%00",
+    ],
 )
-def test_tracking_uris_with_credentials_or_other_schemes_are_refused(uri: str) -> None:
-    raw = {"data": {"train": "x.jsonl"}, "tracking": {"mlflow": {"tracking_uri": uri}}}
+def test_tracking_uris_with_credentials_queries_no_host_or_other_schemes_are_refused(uri: str) -> None:
     with pytest.raises(ConfigError) as err:
-        TrainConfig.parse(raw)
+        mlflow_config(uri)
     assert err.value.field == "tracking.mlflow.tracking_uri"
+
+
+@pytest.mark.parametrize(
+    "uri",
+    [
+        "http://127.0.0.1:5000",
+        "https://mlflow.example.com/prefix",
+        "http://[::1]:5000",
+        "file:/srv/mlruns",
+        "file:///srv/mlruns",
+        "file://localhost/srv/mlruns",
+        "file:mlruns",
+        "file:../mlruns",  # a run file's own business: the service bounds it to its home
+    ],
+)
+def test_http_uris_to_a_host_and_file_paths_are_tracking_uris(uri: str) -> None:
+    assert mlflow_config(uri).tracking.mlflow is not None
+
+
+def test_a_refused_tracking_uri_is_named_without_its_secret() -> None:
+    for uri, secret in [
+        ("http://mlflow.local:5000/?token=tok-s3cr3t", "tok-s3cr3t"),
+        ("http://user:pw-s3cr3t@mlflow.local:5000", "pw-s3cr3t"),
+    ]:
+        with pytest.raises(ConfigError) as err:
+            mlflow_config(uri)
+        assert secret not in str(err.value) and "mlflow.local" in str(err.value)
+
+
+def test_a_trackers_failure_is_told_without_the_secrets_in_its_urls() -> None:
+    warnings: list[tuple[str, dict]] = []
+    policy = RetryPolicy(attempts=1, first_pause_s=0.01, max_pause_s=0.01, close_s=5)
+    bg = Background("mlflow", warn=lambda m, d: warnings.append((m, d)), policy=policy)
+    said = "request to https://u:pw-s3cr3t@mlflow.local/api?token=tok-s3cr3t failed, url: /api/x?key=k-s3cr3t"
+    bg.submit("start", lambda: (_ for _ in ()).throw(ConnectionError(said)))
+    assert bg.close()
+    text = repr(warnings)
+    assert "start failed" in text and "https://***@mlflow.local/api?***" in text
+    assert "s3cr3t" not in text
 
 
 def test_the_engine_imports_no_tracker_until_a_run_asks() -> None:

@@ -1,6 +1,7 @@
-"""A job's ``tracking`` section: stored as given, refused naming the field, mapped from /v1's W&B
-integrations, and a real worker's run writing TensorBoard and W&B offline files with the job's
-and dataset's names, the credentials staying in the settings."""
+"""A job's ``tracking`` section: stored as given, refused naming the field (an MLflow URI with
+credentials, a query or no host, or a ``file:`` one outside the service's home, never repeating a
+secret), mapped from /v1's W&B integrations, and a real worker's run writing TensorBoard and W&B
+offline files with the job's and dataset's names, the credentials staying in the settings."""
 
 from __future__ import annotations
 
@@ -12,10 +13,12 @@ import pytest
 from fastapi.testclient import TestClient
 from pydantic import SecretStr
 
+from engine.errors import ConfigError
+from server.services.tracking import local_uri
 from server.settings import Settings
 from tests.engine.test_tracking import wandb_records
 from tests.server.conftest import WorkerProcess
-from tests.utils.jobs import start_job, wait_for_job
+from tests.utils.jobs import job_body, start_job, wait_for_job
 
 ROWS = [
     {
@@ -52,6 +55,78 @@ def test_tracking_is_stored_and_bad_sections_are_refused_by_field(client: TestCl
         r = client.post("/api/jobs", json={"base_model": "tiny", "dataset_id": ds["id"], "tracking": bad})
         assert r.status_code in (400, 422), r.text
         assert r.json()["error"]["param"] == field, r.text
+
+
+URI_FIELD = "tracking.mlflow.tracking_uri"
+
+
+def refused(client: TestClient, path: str, dataset_id: str, uri: str) -> tuple[dict, str]:
+    """POST a job body with this MLflow URI to ``path`` (checked: 422); its error and whole text."""
+    r = client.post(path, json=job_body(dataset_id, tracking={"mlflow": {"tracking_uri": uri}}))
+    assert r.status_code == 422, (uri, r.text)
+    return dict(r.json()["error"]), r.text
+
+
+def job_ids(client: TestClient) -> list[str]:
+    return [j["id"] for j in client.get("/api/jobs", params={"limit": 200}).json()["data"]]
+
+
+def test_a_file_tracking_uri_must_resolve_inside_the_services_home(
+    client: TestClient, settings: Settings, tmp_path: Path
+) -> None:
+    ds = dataset(client)
+    home = settings.home.resolve()
+    (tmp_path / "outside").mkdir()
+    (home / "link").symlink_to(tmp_path / "outside")
+    for uri in ["file:/etc", "file:///etc", "file:../", "file:mlruns/../../x", "file:link/mlruns"]:
+        error, _ = refused(client, "/api/jobs", ds["id"], uri)
+        assert error["param"] == URI_FIELD and "inside the service's home" in error["message"], error
+    assert job_ids(client) == []
+
+    for uri in [f"file:{home / 'mlruns'}", (home / "mlruns").as_uri(), "file:mlruns"]:
+        job = start_job(client, ds["id"], tracking={"mlflow": {"tracking_uri": uri}})
+        assert job["config"]["tracking"]["mlflow"]["tracking_uri"] == uri
+        client.post(f"/api/jobs/{job['id']}/cancel")
+
+    # a sweep is refused before it is stored
+    sweep = {
+        "job": job_body(ds["id"], tracking={"mlflow": {"tracking_uri": "file:/etc"}}),
+        "parameters": {"learning_rate": [0.01, 0.1]},
+    }
+    r = client.post("/api/sweeps", json=sweep)
+    assert r.status_code == 422 and r.json()["error"]["param"] == f"job.{URI_FIELD}", r.text
+    assert client.get("/api/sweeps").json()["data"] == []
+
+
+def test_tracking_uris_with_secrets_hostless_or_of_other_schemes_are_refused_unrepeated(
+    client: TestClient,
+) -> None:
+    ds = dataset(client)
+    for uri, secret in [
+        ("http://mlflow.local:5000/?token=tok-s3cr3t", "tok-s3cr3t"),
+        ("https://mlflow.local/#tok-s3cr3t", "tok-s3cr3t"),
+        ("http://user:pw-s3cr3t@mlflow.local:5000", "pw-s3cr3t"),
+        ("ftp://mlflow.local", None),
+        ("https://", None),
+        ("https:///path", None),
+        ("file://other-host/srv", None),
+    ]:
+        error, text = refused(client, "/api/jobs", ds["id"], uri)
+        assert error["param"] == URI_FIELD, text
+        if secret is not None:
+            assert secret not in text, text
+            error, text = refused(client, "/api/plan", ds["id"], uri)
+            assert error["param"] == URI_FIELD and secret not in text, text
+    assert job_ids(client) == []
+
+
+def test_a_worker_logs_to_a_relative_file_uri_in_its_home_and_refuses_one_outside(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    assert local_uri("file:mlruns", home=home) == (home / "mlruns").resolve().as_uri()
+    assert local_uri("http://mlflow.local:5000", home=home) == "http://mlflow.local:5000"
+    with pytest.raises(ConfigError) as err:  # a job stored before the rule
+        local_uri("file:/etc", home=home)
+    assert err.value.field == URI_FIELD
 
 
 def test_v1_maps_wandb_integrations_and_refuses_others(client: TestClient) -> None:
