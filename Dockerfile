@@ -60,6 +60,14 @@ ENV PATH=/opt/venv/bin:$PATH \
     ROUNDHOUSE_PORT=8000 \
     ROUNDHOUSE_WEB_DIR=/opt/roundhouse/web
 
+# python graders' confinement (engine/graders/sandbox.py): a seccomp filter through libseccomp,
+# and Landlock from the kernel. bubblewrap's namespaces need user namespaces, which Docker's default
+# seccomp profile refuses: inside a container the child has Landlock and seccomp, and
+# `roundhouse serve` and `roundhouse worker` print which layers this box gives.
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends bubblewrap libseccomp2 \
+ && rm -rf /var/lib/apt/lists/*
+
 # A non-root user. The folders exist in the image, owned by it, so that a new named volume
 # mounted on them starts with the same owner.
 RUN groupadd --gid "${GID}" roundhouse \

@@ -9,7 +9,7 @@ PRETTIER := node_modules/.bin/prettier
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: mlflow-server install services test lint lint-js fmt-js types unit bench gpu-check gpu-bundle run demo demo-dpo demo-grpo plan clean
+.PHONY: mlflow-server install services test lint lint-js fmt-js types unit bench gpu-check gpu-bundle run sandbox demo demo-dpo demo-grpo plan clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -48,7 +48,7 @@ types: install
 	$(VENV)/bin/mypy
 
 # the service tests use a real Redis (and PostgreSQL where one answers on 127.0.0.1:5432)
-services:
+services: sandbox
 	@if ! (exec 3<>/dev/tcp/127.0.0.1/6379) 2>/dev/null; then \
 		command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server); \
 		redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no; \
@@ -56,6 +56,18 @@ services:
 	fi
 	@# the browser tests drive Debian's Chromium (never a downloaded browser)
 	@test -x /usr/bin/chromium || (apt-get update -qq && apt-get install -y -qq chromium)
+
+# python graders' confinement (engine/graders/sandbox.py): Debian's bubblewrap (namespaces) and
+# libseccomp (the system call filter); Landlock needs only the kernel
+sandbox:
+	@if ! command -v bwrap >/dev/null || ! ldconfig -p 2>/dev/null | grep -q 'libseccomp.so.2 '; then \
+		if [ "$$(id -u)" = 0 ]; then \
+			apt-get update -qq && apt-get install -y -qq bubblewrap libseccomp2; \
+		else \
+			echo "bubblewrap or libseccomp2 missing (apt-get install bubblewrap libseccomp2 as root):" \
+				"python graders run with what the kernel offers, or are refused"; \
+		fi; \
+	fi
 
 unit: install services mlflow-server
 	$(PY) -m pytest
@@ -84,7 +96,7 @@ gpu-bundle: install
 
 # the service on this machine: API + worker on SQLite and the no-server broker, demo model and
 # datasets prepared once, a login URL printed
-run: install
+run: install sandbox
 	$(VENV)/bin/roundhouse serve --with-worker --demo --new-login-key
 
 # the command-line demo: accuracy of the demo model before and after a short LoRA fine-tune

@@ -83,6 +83,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _stopped)
     settings = get_settings().model_copy(update={"host": args.host, "port": args.port})
     app = create_app(settings)
+    _say_confinement(settings)
     if args.demo:
         _prepare_demo(settings, app.state.sessions)
     with app.state.sessions() as session:
@@ -128,6 +129,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _say_confinement(settings: Settings) -> None:
+    """Print which confinement this box gives python graders (stderr when they are refused)."""
+    from engine.graders import sandbox
+
+    if settings.allow_unconfined_graders:
+        os.environ[sandbox.UNCONFINED_SETTING] = "1"
+    confinement = sandbox.detect()
+    refused = sandbox.refusal(confinement) is not None
+    print(confinement.describe(), file=sys.stderr if refused else sys.stdout, flush=True)
+
+
 def cmd_worker(args: argparse.Namespace) -> int:
     from server.db import make_engine, migrate
     from server.services.placement import worker_queues
@@ -140,6 +152,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     gpus = settings.worker_gpus if settings.worker_gpus is not None else count_gpus()
     queues = worker_queues(settings.queue, host=host, gpus=gpus)
     print(f"worker {name} on host {host}: {gpus} GPU(s); queues {', '.join(queues)}", flush=True)
+    _say_confinement(settings)
     if settings.storage_url and not (settings.database_url and settings.redis_url):
         # a remote store means a worker on another host: it must share the API's database and broker
         unset = [

@@ -100,6 +100,13 @@ class Settings(BaseSettings):
     )
     mlflow_tracking_username: str | None = Field(None, description="MLflow basic auth user")
     mlflow_tracking_password: SecretStr | None = Field(None, description="MLflow basic auth password")
+    allow_unconfined_graders: bool = Field(
+        False,
+        description=(
+            "run python graders on a box whose kernel gives them no confinement (no seccomp, or neither"
+            " bubblewrap's namespaces nor Landlock), guarded by Python audit hooks alone; off: refused"
+        ),
+    )
     hub_xet: bool = Field(
         True, description="pushes upload weights through Xet (hf-xet); off: Git LFS, for a Hub without Xet"
     )
@@ -153,6 +160,7 @@ class Settings(BaseSettings):
         env["ROUNDHOUSE_HUB_KEEP_FREE_BYTES"] = str(self.hub_keep_free_bytes)
         env["ROUNDHOUSE_HUB_XET"] = "1" if self.hub_xet else "0"
         env["ROUNDHOUSE_CHECKPOINT_RESERVE_BYTES"] = str(self.checkpoint_reserve_bytes)
+        env["ROUNDHOUSE_ALLOW_UNCONFINED_GRADERS"] = "1" if self.allow_unconfined_graders else "0"
         if self.hub_token is not None:
             env["ROUNDHOUSE_HUB_TOKEN"] = self.hub_token.get_secret_value()
         secrets = {

@@ -97,6 +97,8 @@ DENIED_MODULES = frozenset(
         "_interpqueues",
         "_ctypes",
         "ctypes",
+        "_cffi_backend",
+        "cffi",
         "_testcapi",
         "_testinternalcapi",
         "_testbuffer",

@@ -30,6 +30,9 @@ def test_serve_with_worker_prints_a_login_url_and_runs_a_job(tmp_path: Path, pro
         url = found.group(1)  # a one-time login link: the client goes on with its session cookie
         before = serve.log.read_text().split("Open: ", 1)[0]  # the link comes last, boxed
         assert " ready." in before and before.endswith("+\n|  Roundhouse is up. "), serve.tail(3000)
+        # the API and the worker each say which confinement this box gives python graders
+        said = [line for line in before.splitlines() if line.startswith("python graders: ")]
+        assert len(said) == 2 and all(line.endswith("; confined") for line in said), serve.tail(3000)
         serve.wait_for_http(f"http://127.0.0.1:{port}/api/health", timeout=60)
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
             r = client.get(url, follow_redirects=False)
