@@ -97,8 +97,9 @@ class MethodSpec(_Strict):
         le=100,
         description=(
             "dpo: how far the policy may move from the reference (the DPO beta, > 0); orpo: the weight of "
-            "the odds-ratio loss (the paper's lambda, > 0); grpo: the weight of the KL term to the base "
-            "model (0, its default: none; a full fine-tune takes 0)"
+            "the odds-ratio loss (the paper's lambda, > 0); grpo: the weight of the KL term to the reference "
+            "(0, its default: none): a LoRA run's base with the adapter off, a full fine-tune's frozen "
+            "copy of its initial weights in host memory"
         ),
     )
     dpo_tuning: Literal["lora", "full"] = Field(
@@ -160,6 +161,17 @@ class MethodSpec(_Strict):
     )
     scale_rewards: bool = Field(
         True, description="grpo: divide each group's advantages by its rewards' std (Dr. GRPO: false)"
+    )
+    num_iterations: int = Field(
+        1,
+        ge=1,
+        le=16,
+        description=(
+            "grpo: optimizer steps on each batch of completions (the paper's mu, TRL's num_iterations): "
+            "the batch's prompts, completions, rewards and the policy's log-probabilities from before "
+            "the first of them are reused, so the clipped ratio bounds how far the later steps move; "
+            "1: one step per batch (the ratio is 1)"
+        ),
     )
 
     @field_validator("target_parameters")
@@ -227,13 +239,6 @@ class MethodSpec(_Strict):
         if self.objective == "grpo":
             if "beta" not in self.model_fields_set:
                 self.beta = 0.0  # GRPO's default: no KL term (DAPO, Dr. GRPO), no reference pass
-            if self.beta and not self.lora:
-                raise ConfigError(
-                    "beta",
-                    f"method.beta={self.beta}: the KL term's reference is the base model, which a full "
-                    "fine-tune does not keep; set method.beta to 0, or train a LoRA adapter",
-                    value=self.beta,
-                )
             if self.base_bits == 4:
                 raise ConfigError(
                     "base_bits",
@@ -316,6 +321,15 @@ class HyperSpec(_Strict):
         None, ge=0, le=1000, description="its weight (default: the model config's router_aux_loss_coef)"
     )
     seed: int = Field(0, ge=0, le=MAX_SEED)
+    max_nonfinite_steps: int = Field(
+        3,
+        ge=1,
+        le=1000,
+        description=(
+            "a step whose loss or gradient norm is not finite is skipped (no weight changes); the job "
+            "fails after this many in a row"
+        ),
+    )
 
     @field_validator("optimizer", mode="before")
     @classmethod
@@ -548,6 +562,10 @@ class EngineConfig:
             ``router_aux_loss_coef``).
         max_skipped_steps: float16 compute only: fail after this many consecutive steps
             skipped for overflowing gradients (the loss scale cannot recover).
+        max_nonfinite_steps: fail after this many consecutive steps skipped because their loss or
+            gradient norm was not finite (every dtype; float16's overflows, which the loss scale
+            answers, count under ``max_skipped_steps`` instead). A skipped step changes no weight,
+            optimizer moment or optimizer step count.
         tf32: float32 compute on GPUs with TensorFloat-32 lets matmuls and convolutions use it
             (about 10 mantissa bits in the products; off gives exact fp32 arithmetic).
         base_bits: 16, or 4: the frozen weights of the decoder blocks (a LoRA base) are kept in
@@ -579,6 +597,7 @@ class EngineConfig:
     router_aux_loss: bool = False
     router_aux_loss_coef: float | None = None
     max_skipped_steps: int = 50
+    max_nonfinite_steps: int = 3
     tf32: bool = True
     optimizer_threads: int | None = None
     base_bits: int = 16
@@ -616,6 +635,10 @@ class EngineConfig:
             isinstance(self.max_skipped_steps, int) and self.max_skipped_steps >= 1
         ):
             raise bad("max_skipped_steps", self.max_skipped_steps, "must be an integer >= 1")
+        if isinstance(self.max_nonfinite_steps, bool) or not (
+            isinstance(self.max_nonfinite_steps, int) and self.max_nonfinite_steps >= 1
+        ):
+            raise bad("max_nonfinite_steps", self.max_nonfinite_steps, "must be an integer >= 1")
         if isinstance(self.loss_chunk_tokens, bool) or not (
             isinstance(self.loss_chunk_tokens, int) and self.loss_chunk_tokens >= 1
         ):

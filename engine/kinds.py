@@ -24,6 +24,7 @@ class EngineEvent(StrEnum):
     REPARTITION = "repartition"  # the partition recomputed from measured layer times
     REFERENCE = "reference"  # a method's reference pass (DPO's log-probabilities), computed or read back
     TRACKER = "tracker"  # an experiment tracker's problem or recovery: data {"tracker", "level"}
+    SKIPPED = "skipped"  # a step not applied: its loss or gradient norm was not finite: data {"step", "what"}
 
 
 class RunStatus(StrEnum):

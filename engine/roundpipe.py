@@ -515,6 +515,14 @@ class RoundPipe(SequenceMethods):
         metrics = job.metrics(loss_scale=self.optimizer.loss_scale, num_workers=len(self.devices))
         with self._sink_lock:
             self.sink.log(metrics, job.index)
+        if job.nonfinite:
+            what = " and ".join(job.nonfinite)
+            message = (
+                f"step {job.index} skipped: its {what} was not finite (no weight changed; "
+                f"{job.nonfinite_in_a_row} in a row, the run fails at {self.config.max_nonfinite_steps})"
+            )
+            data = {"step": job.index, "what": list(job.nonfinite), "in_a_row": job.nonfinite_in_a_row}
+            self._event(EngineEvent.SKIPPED, message, data)
 
 
 def _finished(it: Iteration) -> Callable[[], bool]:

@@ -41,6 +41,8 @@ class EventKind(StrEnum):
     REPARTITION = EngineEvent.REPARTITION.value  # the partition recomputed from measured layer times
     REFERENCE = EngineEvent.REFERENCE.value  # a reference pass (DPO's log-probabilities), computed or read
     TRACKER = EngineEvent.TRACKER.value  # a tracker (MLflow, W&B) failing or back: data {"tracker"}
+    # a step not applied (a non-finite loss or gradient norm): data {"step", "what", "in_a_row"}
+    SKIPPED = EngineEvent.SKIPPED.value
     # a GRPO step's sampled completions, graded (``engine.methods.grpo.SAMPLES_EVENT``): data
     # {"step", "samples": [{"prompt", "completion", "reward", "error"}]}
     SAMPLES = "samples"

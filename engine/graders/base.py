@@ -16,6 +16,19 @@ from engine.errors import ConfigError
 
 # what went wrong with one sample, for a program: the service maps each to OpenAI's error flags
 ErrorKind = Literal["runtime", "timeout", "crashed", "formula", "template", "other"]
+# the largest float32: a reward becomes a float32 tensor, where anything beyond is inf
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def unscorable(value: float) -> str | None:
+    """Why ``value`` cannot be a score (not finite, or beyond float32's range), or None."""
+    if not math.isfinite(value):
+        return f"the score is {value}, not a finite number"
+    if abs(value) > FLOAT32_MAX:
+        return f"the score {value:g} is beyond float32's range (+-{FLOAT32_MAX:.4g}): it would be inf"
+    return None
+
+
 MAX_NAME = 256
 MAX_TEXT = 100_000  # characters of a template, a pattern or a Python grader's source
 _NAME = re.compile(r"^[^\x00-\x1f\x7f]+$")
@@ -130,8 +143,13 @@ class Grader(ABC):
             outcome = self.scores(made, items)
         except Exception as exc:  # a fault of the grader itself: every sample fails, nothing raises
             outcome = Scores.failed(len(samples), short(f"{type(exc).__name__}: {exc}"), "other")
+        values, errors, kinds = list(outcome.values), list(outcome.errors), list(outcome.kinds)
+        for i, value in enumerate(values):  # whatever the grader, a reward is a float32
+            problem = unscorable(value) if errors[i] is None else None
+            if problem is not None:
+                values[i], errors[i], kinds[i] = 0.0, problem, "other"
         sub = outcome.sub or {self.name: list(outcome.values)}
-        return GradeResult(list(outcome.values), sub, list(outcome.errors), list(outcome.kinds))
+        return GradeResult(values, sub, errors, kinds)
 
     def grade(self, sample: str, item: dict[str, Any]) -> tuple[float, str | None]:
         """One answer's score and error (None when it was graded)."""
@@ -162,8 +180,9 @@ class LocalGrader(Grader):
             kind: ErrorKind | None = None
             try:
                 value = float(self.score(sample, item))
-                if not math.isfinite(value):
-                    value, error, kind = 0.0, f"the score is {value}, not a finite number", "other"
+                error = unscorable(value)
+                if error is not None:
+                    value, kind = 0.0, "other"
             except GradeFailure as exc:
                 error, kind = short(str(exc)), exc.kind
             except Exception as exc:

@@ -31,7 +31,7 @@ from typing import IO, Any
 
 from engine.errors import ConfigError
 from engine.graders import sandbox
-from engine.graders.base import MAX_TEXT, ErrorKind, Fields, Grader, Scores, short
+from engine.graders.base import MAX_TEXT, ErrorKind, Fields, Grader, Scores, short, unscorable
 from engine.graders.sandbox import Confinement
 
 DEFAULT_TIMEOUT_S, MAX_TIMEOUT_S = 5.0, 60.0
@@ -321,8 +321,9 @@ class PythonGrader(Grader):
         if "error" in answer or isinstance(score, bool) or not isinstance(score, int | float):
             kind: ErrorKind = "timeout" if answer.get("kind") == "timeout" else "runtime"
             return 0.0, short(str(answer.get("error") or "grade returned no number")), kind, True
-        if not math.isfinite(score):
-            return 0.0, f"grade returned {score}, not a finite number", "runtime", True
+        problem = unscorable(float(score))
+        if problem is not None:
+            return 0.0, f"grade returned {score!r}: {problem}", "runtime", True
         return float(score), None, None, True
 
 

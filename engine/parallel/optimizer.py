@@ -47,6 +47,10 @@ class StepJob:
     grad_norm: float = float("nan")
     seconds: float = 0.0
     skipped: bool = False
+    # what was not finite when the step was skipped for it ("loss", "gradient norm"); empty for a
+    # step applied, or skipped by float16's loss scaling
+    nonfinite: list[str] = field(default_factory=list)
+    nonfinite_in_a_row: int = 0
     # the optimizer thread's seconds per phase: fold (adding the iterations' gradients into the
     # fp32 buffers, during the iterations), norm (the global norm and the clipping), update (the
     # optimizer's update and zeroing the gradients), copy (writing the compute copies)
@@ -136,6 +140,7 @@ class OptimizerWorker:
         self.loss_scale = float(cfg.initial_loss_scale) if self.dynamic_scaling else 1.0
         self._good_steps = 0
         self._skipped_in_a_row = 0
+        self._nonfinite_in_a_row = 0
         self._last_step_end: float | None = None
         board.loss_scales[0] = self.loss_scale
         self.jobs: queue.Queue[Any] = queue.Queue()
@@ -232,9 +237,21 @@ class OptimizerWorker:
             coef = self.cfg.max_grad_norm / (job.grad_norm + 1e-6)
             divisor = 1.0 / coef if coef < 1.0 else 1.0
         norm_s = time.perf_counter() - t0
-        skip = self.dynamic_scaling and not math.isfinite(job.grad_norm)
-        if self.dynamic_scaling:
-            self._rescale(overflow=skip)
+        # never apply a non-finite update: a step whose loss or gradient norm is not finite changes
+        # no weight, moment or optimizer step count. float16's overflowing gradients (a finite
+        # loss) are the loss scale's to answer; anything else counts towards max_nonfinite_steps.
+        loss_finite = all(math.isfinite(it.loss_sum()) for it in job.iterations)
+        grad_finite = math.isfinite(job.grad_norm)
+        overflow = self.dynamic_scaling and loss_finite and not grad_finite
+        if not loss_finite:
+            job.nonfinite.append("loss")
+        if not grad_finite and not overflow:
+            job.nonfinite.append("gradient norm")
+        skip = overflow or bool(job.nonfinite)
+        if self.dynamic_scaling and not job.nonfinite:
+            self._rescale(overflow=overflow)
+        self._nonfinite_in_a_row = self._nonfinite_in_a_row + 1 if job.nonfinite else 0
+        job.nonfinite_in_a_row = self._nonfinite_in_a_row
         job.skipped = skip
         with self.board.cv:
             self.board.loss_scales[job.index] = self.loss_scale
@@ -266,6 +283,14 @@ class OptimizerWorker:
             job.period = end - self._last_step_end
         self._last_step_end = end
         self.on_step(job)
+        if self._nonfinite_in_a_row >= self.cfg.max_nonfinite_steps:
+            raise EngineError(
+                f"{self._nonfinite_in_a_row} steps in a row (the last: step {job.index}) had a "
+                f"non-finite {' and '.join(job.nonfinite)} and were skipped, changing no weight: the "
+                "training diverged or a reward or input is not finite; lower the learning rate, check "
+                "the data and rewards, and resume from the last checkpoint",
+                stage="optimizer",
+            )
 
     def _rescale(self, *, overflow: bool) -> None:
         """float16 dynamic loss scaling: halve on overflow, double after a run of good steps."""

@@ -33,7 +33,13 @@ from engine.model.loading import checkpoint_dtype, load_model, load_tokenizer, r
 from engine.roundpipe import RoundPipe
 from engine.tracking import TrackingOptions, warn_into
 from engine.tracking import start as start_trackers
-from engine.training.checkpoint import load_state, save_state, tensor_bytes, write_checkpoint
+from engine.training.checkpoint import (
+    load_method_state,
+    load_state,
+    save_state,
+    tensor_bytes,
+    write_checkpoint,
+)
 from engine.training.folders import latest, list_checkpoints
 
 T = TypeVar("T")
@@ -161,6 +167,7 @@ class Run:
                 lr=h.learning_rate,
                 weight_decay=h.weight_decay,
                 max_grad_norm=h.max_grad_norm,
+                max_nonfinite_steps=h.max_nonfinite_steps,
                 async_optimizer=config.engine.async_optimizer,
                 compute_dtype=dtype,
                 partition=config.engine.partition,
@@ -174,7 +181,8 @@ class Run:
             cancel=cancel,
         )
         self.pad_id = int(self.tokenizer.pad_token_id)
-        self.batcher = Batcher(train, h.batch_size, h.seed, self.pad_id)
+        # a method that trains each batch several steps (GRPO's num_iterations) is served it as often
+        self.batcher = Batcher(train, h.batch_size, h.seed, self.pad_id, repeat=self.method.steps_per_batch)
         if h.max_steps is not None:
             self.total = h.max_steps
         else:
@@ -236,6 +244,7 @@ class Run:
         engine_state, trainer_state = load_state(found[1])
         self.engine.load_state_dict(engine_state)
         self.batcher.load_state_dict(trainer_state["batcher"])
+        self.method.load_state_dict(load_method_state(found[1]))
         self.step = int(trainer_state["step"])
         self.sink.event(EngineEvent.RESUME, f"resumed from {found[1].name}", {"step": self.step})
 
@@ -245,6 +254,7 @@ class Run:
         lora = self.config.method.lora
         weights = engine.master_state_dict(trainable_only=lora)
         state = engine.state_dict()
+        method_state = self.method.state_dict()  # e.g. a GRPO batch the next steps train on
 
         def fill(tmp: Path) -> None:
             save_export(self.model, weights, self.tokenizer, tmp, base_name=self.base_name)
@@ -257,14 +267,14 @@ class Run:
                 "method": self.config.method.kind,
                 "config": self.config.model_dump(mode="json"),
             }
-            save_state(tmp, state, trainer_state)
+            save_state(tmp, state, trainer_state, method_state)
 
         path = write_checkpoint(
             self.checkpoints,
             self.step,
             fill,
             keep_last=self.config.checkpoint.keep_last,
-            needed_bytes=tensor_bytes(weights) + tensor_bytes(state),
+            needed_bytes=tensor_bytes(weights) + tensor_bytes(state) + tensor_bytes(method_state),
             reserve_bytes=self.reserve_bytes,
         )
         self.sink.event(EngineEvent.CHECKPOINT, f"saved {path.name}", {"step": self.step, "path": str(path)})

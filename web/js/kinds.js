@@ -29,6 +29,7 @@ export const EVENT_KINDS = {
   repartition: { label: "repartition", chart: false },
   reference: { label: "reference", chart: false },
   tracker: { label: "tracker", chart: false },
+  skipped: { label: "skipped step", chart: false },
   samples: { label: "samples", chart: false },
   rollouts: { label: "rollouts", chart: false },
 };

@@ -307,3 +307,24 @@ def test_an_error_message_is_always_unicode_text() -> None:
     assert score == 0.0
     assert error == "ValueError: \\ud800 caf\u00e9 (line 2)"
     assert error is not None and error.encode()
+
+
+def test_a_score_beyond_float32_is_an_error_and_the_rest_is_scored() -> None:
+    """A reward becomes a float32: 1e300 would be inf there, and the advantages NaN."""
+    source = "def grade(sample, item):\n    return float(sample['output_text'])\n"
+    with validate_grader({"type": "python", "source": source}) as grader:
+        result = grader.grade_batch(["1e300", "3e38", "-1e39", "0.5"], [{}] * 4)
+    assert result.rewards == [0.0, 3e38, 0.0, 0.5]
+    assert result.errors[0] is not None and "beyond float32's range" in result.errors[0]
+    assert result.errors[2] is not None and "beyond float32's range" in result.errors[2]
+    assert result.error_kinds[:3] == ["runtime", None, "runtime"] and result.errors[3] is None
+    # a combination of finite scores that overflows float32 is an error of the combined reward
+    multi = {
+        "type": "multi",
+        "graders": {"big": {"type": "python", "source": source}},
+        "calculate_output": "big * 1e10",
+    }
+    with validate_grader(multi) as combined:
+        scores = combined.grade_batch(["1e30", "2"], [{}, {}])
+    assert scores.rewards == [0.0, 2e10]
+    assert scores.errors[0] is not None and "beyond float32's range" in scores.errors[0]
