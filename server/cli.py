@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.commands.cli import build_parser as engine_parser
 from engine.commands.cli import main as engine_main
-from server import sweep_commands
+from server import hub_commands, sweep_commands
 from server.settings import Settings, get_settings
 
 if TYPE_CHECKING:
@@ -213,85 +213,6 @@ def cmd_models_push(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_models_pull(args: argparse.Namespace) -> int:
-    """Pull a model from the Hub (``POST /api/models/pulls`` does the same): checked here, downloaded
-    by a worker; prints the progress until it is done (Ctrl-C stops following, not the pull)."""
-    from server.hf_hub.child import HubError
-    from server.services import hub
-    from server.services.failures import Refusal
-
-    settings = get_settings()
-    sessions = _database(settings)
-    with sessions() as session:
-        try:
-            row, created = hub.request_pull(session, settings, repo_id=args.repo_id, revision=args.revision)
-        except (HubError, Refusal) as exc:
-            print(f"{args.repo_id}: {getattr(exc, 'message', exc)}", file=sys.stderr)
-            return 1
-        transfer_id = row.id
-    doing = "pulling" if created else "already pulling"
-    print(f"{doing} {args.repo_id} ({row.bytes_total:,} bytes): {transfer_id}")
-    return 0 if args.no_wait else _follow(sessions, transfer_id, label=args.repo_id)
-
-
-def cmd_checkpoints_push(args: argparse.Namespace) -> int:
-    """Push a checkpoint to a Hub repo (``POST /api/jobs/{id}/checkpoints/{step}/push`` does the
-    same): queued here, uploaded by a worker; prints the progress until it is done."""
-    from server.hf_hub.child import HubError
-    from server.services import hub, jobs
-    from server.services.failures import Refusal
-    from server.storage import open_storage
-
-    settings = get_settings()
-    sessions = _database(settings)
-    with sessions() as session:
-        job = jobs.get_job(session, job_id=args.job_id)
-        if job is None:
-            print(f"JOB: no job {args.job_id!r}", file=sys.stderr)
-            return 1
-        try:
-            row, created = hub.request_push(
-                session,
-                settings,
-                open_storage(settings),
-                job=job,
-                step=args.step,
-                repo_id=args.repo_id,
-                private=args.private,
-                merged=args.merged,
-            )
-        except (HubError, Refusal) as exc:
-            print(f"{args.repo_id}: {getattr(exc, 'message', exc)}", file=sys.stderr)
-            return 1
-        transfer_id, target = row.id, row.target
-    doing = "pushing" if created else "already pushing"
-    print(f"{doing} step {args.step} of job {args.job_id} to {target}: {transfer_id}")
-    return 0 if args.no_wait else _follow(sessions, transfer_id, label=args.repo_id)
-
-
-def _follow(sessions: sessionmaker[Session], transfer_id: str, *, label: str) -> int:
-    """Print a transfer's progress every 2 s until it ends (Ctrl-C stops following, not it)."""
-    from server.hf_hub.runner import transfer_payload
-    from server.services import transfers
-
-    while True:
-        with sessions() as session:
-            found = transfers.get(session, transfer_id=transfer_id)
-            if found is None:
-                print(f"{label}: the transfer {transfer_id} is gone", file=sys.stderr)
-                return 1
-            now = transfer_payload(found)
-        speed = f", {now['bytes_per_s'] / 1e6:.1f} MB/s" if now["bytes_per_s"] else ""
-        print(f"  {now['status']}: {now['bytes_done']:,} of {now['bytes_total']:,} bytes{speed}", flush=True)
-        if now["status"] in transfers.TERMINAL:
-            if now["error"]:
-                print(f"{label}: {now['error']}", file=sys.stderr)
-            elif now["kind"] == transfers.PUSH:
-                print(f"{label}: {now['target']} (commit {now['commit']})")
-            return 0 if now["status"] == transfers.SUCCEEDED else 1
-        time.sleep(2)
-
-
 def _database(settings: Settings) -> sessionmaker[Session]:
     """The sessions of the settings' database, migrated first."""
     from server.db import make_engine, migrate, session_factory
@@ -473,25 +394,9 @@ def build_parser() -> argparse.ArgumentParser:
     mp.add_argument("name", metavar="NAME", help='the base_model name jobs use, e.g. "Qwen/Qwen3-0.6B"')
     mp.add_argument("folder", metavar="FOLDER", help="a Hugging Face model folder (config.json, weights)")
     mp.set_defaults(func=cmd_models_push)
-    mpl = ms.add_parser(
-        "pull", help="pull a model from the Hugging Face Hub into the models folder (a worker downloads it)"
-    )
-    mpl.add_argument("repo_id", metavar="ORG/NAME", help="the Hub repo, e.g. Qwen/Qwen3-0.6B")
-    mpl.add_argument("--revision", help="a branch, tag or commit (default: main)")
-    mpl.add_argument("--no-wait", action="store_true", help="queue it and return")
-    mpl.set_defaults(func=cmd_models_pull)
     c = sub.add_parser("checkpoints", help="a job's checkpoints")
     cs = c.add_subparsers(dest="checkpoints_command", required=True)
-    cp = cs.add_parser(
-        "push", help="push a checkpoint to a Hugging Face Hub repo with a model card (a worker uploads it)"
-    )
-    cp.add_argument("job_id", metavar="JOB", help="the job's id")
-    cp.add_argument("step", metavar="STEP", type=int, help="the checkpoint's step")
-    cp.add_argument("repo_id", metavar="ORG/NAME", help="the Hub repo, created if needed")
-    cp.add_argument("--private", action="store_true", help="create the repo private")
-    cp.add_argument("--merged", action="store_true", help="push the LoRA adapter merged into its base")
-    cp.add_argument("--no-wait", action="store_true", help="queue it and return")
-    cp.set_defaults(func=cmd_checkpoints_push)
+    hub_commands.add_parsers(sub, models=ms, checkpoints=cs)  # models pull, datasets pull, checkpoints push
     k = sub.add_parser("keys", help="API keys")
     ks = k.add_subparsers(dest="keys_command", required=True)
     kc = ks.add_parser("create", help="create an API key and print it with its login URL")

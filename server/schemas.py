@@ -643,20 +643,31 @@ class PushCreate(BaseModel):
     merged: bool = Field(False, description="push the adapter merged into its base model")
 
 
+TransferKind = Literal["pull", "push", "dataset_pull"]  # transfers.KINDS: a model pull is a "pull"
+
+
 class TransferPublic(BaseModel):
     id: str
-    kind: Literal["pull", "push"]
+    kind: TransferKind
     repo_id: str
     revision: str | None
     status: Literal["queued", "running", "cancelling", "succeeded", "failed", "cancelled"]
-    target: str = Field(description="a pull's model name; a push's repo URL")
+    target: str = Field(
+        description="a model pull's model name; a push's repo URL; a dataset pull's dataset name"
+    )
     bytes_total: int
     bytes_done: int
     bytes_per_s: float | None
     eta_s: float | None
     files: list[Any]
     commit: str | None
-    options: dict[str, Any]
+    options: dict[str, Any] = Field(
+        description="a push's job_id, step, private, merged; a dataset pull's split, config, name"
+    )
+    dataset_id: str | None = Field(description="a dataset pull's stored dataset, once it succeeded")
+    details: list[dict[str, Any]] = Field(
+        description="a dataset pull that failed on invalid rows: the first ones, by line, as an upload's"
+    )
     error: str | None
     error_code: str | None
     attempts: int

@@ -1,11 +1,11 @@
 """The Hugging Face Hub: model pulls (``/api/models/pulls``), dataset pulls (``/api/datasets/pulls``),
-checkpoint pushes, and the transfers they make (``/api/transfers``: progress, events, cancel)."""
+checkpoint pushes, and the transfers they all are (``/api/transfers``: progress, events, cancel)."""
 
 from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Path, Query, Request, Response
+from fastapi import APIRouter, Depends, Path, Request, Response
 from fastapi.responses import StreamingResponse
 
 from server.deps import IdPath, JobDep, SessionDep, SettingsDep, StorageDep, current_key
@@ -15,11 +15,11 @@ from server.hf_hub.runner import transfer_payload
 from server.schemas import (
     EVENT_STREAM,
     MAX_INT,
-    DatasetPublic,
     DatasetPullCreate,
     ModelDeleted,
     ModelPullCreate,
     PushCreate,
+    TransferKind,
     TransferPublic,
     TransfersPublic,
 )
@@ -71,8 +71,6 @@ def refused(
         return ApiError(422, "invalid_dataset", exc.message, param="split")
     if exc.kind == "no_config":
         return ApiError(422, "unsupported_model", exc.message, param=param)
-    if exc.kind == "disk_full":  # a dataset pull: its partial files are gone with its scratch folder
-        return ApiError(507, "disk_full", f"{exc.message}; free some space (GET /api/disk) and try again")
     if exc.kind == "unreachable":
         return ApiError(
             424,
@@ -127,19 +125,24 @@ def delete_model(
 
 @router.post(
     "/datasets/pulls",
-    response_model=DatasetPublic,
-    status_code=201,
+    response_model=TransferPublic,
+    status_code=202,
     responses=documented(400, 413, *HUB_ERRORS),
 )
 def pull_dataset(
-    session: SessionDep, settings: SettingsDep, storage: StorageDep, body: DatasetPullCreate
+    session: SessionDep, settings: SettingsDep, body: DatasetPullCreate, response: Response
 ) -> Any:
-    """Pull a dataset split from the Hub and store it like an upload (validated row by row)."""
+    """Pull a dataset split from the Hub and store it like an upload (a worker downloads it).
+
+    Only the file list is read here: a split over the upload limit, or one the disk cannot hold,
+    is refused before a byte of it moves. The worker validates every row as for an upload; a
+    split with invalid rows fails its transfer with them (``details``, by line). Its progress:
+    ``GET /api/transfers/{id}`` and its stream; dataset pulls: ``GET /api/transfers?kind=dataset_pull``.
+    A pull of the same split at the same commit under way is answered with that pull (200)."""
     try:
-        return hub.pull_dataset(
+        row, created = hub.request_dataset_pull(
             session,
             settings,
-            storage,
             repo_id=body.repo_id,
             split=body.split,
             config=body.config,
@@ -148,6 +151,9 @@ def pull_dataset(
         )
     except HubError as exc:
         raise refused(exc, settings, repo_id=body.repo_id, revision=body.revision) from exc
+    if not created:
+        response.status_code = 200
+    return transfer_payload(row)
 
 
 @router.post(
@@ -185,10 +191,8 @@ def push_checkpoint(
 
 
 @router.get("/transfers", response_model=TransfersPublic)
-def list_transfers(
-    session: SessionDep, kind: Annotated[str | None, Query(pattern=r"^(pull|push)$")] = None
-) -> Any:
-    """Pulls and pushes, newest first."""
+def list_transfers(session: SessionDep, kind: TransferKind | None = None) -> Any:
+    """Pulls and pushes, newest first (``kind``: only those)."""
     return {"data": [transfer_payload(r) for r in transfers.listing(session, kind=kind)]}
 
 

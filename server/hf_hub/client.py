@@ -221,8 +221,9 @@ def download(request: dict[str, Any]) -> dict[str, Any]:
     return {"done": _on_disk(dest, request["files"])}
 
 
-def pull_dataset(request: dict[str, Any]) -> dict[str, Any]:
-    """A split's files: the repo's own, else the Hub's Parquet conversion of it."""
+def inspect_dataset(request: dict[str, Any]) -> dict[str, Any]:
+    """A split's files with their sizes and the commit that holds them: the repo's own, else the
+    Hub's Parquet conversion of it. Nothing is downloaded."""
     api = _api(request)
     repo, split, config = request["repo_id"], request["split"], request.get("config")
     info = api.dataset_info(repo, revision=request.get("revision"), files_metadata=True)
@@ -246,10 +247,7 @@ def pull_dataset(request: dict[str, Any]) -> dict[str, Any]:
             f"{repo} has no split {shown!r} (no data file names it, and no Parquet conversion has it)",
             404,
         )
-    request = {**request, "repo_type": "dataset"}
-    listed = [f.as_dict() for f in files]
-    _download_all(request, repo_type="dataset", revision=revision, files=listed, dest=Path(request["dest"]))
-    return {"sha": revision, "files": listed, "origin": origin}
+    return {"sha": revision, "files": [f.as_dict() for f in files], "origin": origin}
 
 
 def push(request: dict[str, Any]) -> dict[str, Any]:
@@ -286,7 +284,12 @@ def push(request: dict[str, Any]) -> dict[str, Any]:
     return {"url": str(url), "commit": info.oid, "files": [p.relative_to(folder).as_posix() for p in files]}
 
 
-COMMANDS = {"inspect": inspect_model, "download": download, "dataset": pull_dataset, "push": push}
+COMMANDS = {
+    "inspect": inspect_model,
+    "inspect_dataset": inspect_dataset,
+    "download": download,
+    "push": push,
+}
 
 
 def _kind(exc: BaseException) -> tuple[str, int | None]:

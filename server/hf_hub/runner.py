@@ -1,5 +1,6 @@
 """The worker's side of Hub transfers: a thread that claims queued transfers (and those whose
-worker vanished: their lease expired) and runs them one at a time.
+worker vanished: their lease expired) and runs them one at a time: model pulls here, dataset pulls
+(``dataset_pull``) and pushes (``push``).
 
 A model pull downloads into ``models/.pulls/<org>--<name>@<commit>/`` (the models folder's own disk,
 so the last step is a rename), then renames that to ``models/<org>/<name>/``; with an S3 store the
@@ -23,7 +24,7 @@ from typing import Any
 from sqlalchemy.orm import Session, sessionmaker
 
 from engine.errors import DiskFull
-from server.hf_hub import child
+from server.hf_hub import child, dataset_pull
 from server.services import transfers
 from server.settings import Settings
 from server.storage import Storage, open_storage
@@ -37,10 +38,31 @@ STAGING = ".pulls"
 SOURCE_FILE = ".hub-source.json"  # in a pulled model's folder: where it came from
 DISK_FULL = "disk_full"  # the error code of a pull the disk could not hold
 FULL = (errno.ENOSPC, errno.EDQUOT)
+# what a transfer was asked to do besides its repo and revision: a push's, a dataset pull's
+OPTIONS = ("job_id", "step", "private", "merged", "split", "config", "name")
 
 
 def staging_folder(settings: Settings, *, repo_id: str, sha: str) -> Path:
     return settings.models_dir / STAGING / f"{repo_id.replace('/', '--')}@{sha}"
+
+
+def staging_of(settings: Settings, row: HubTransfer) -> Path | None:
+    """Where a pull's files arrive (None: a push, or a pull with no commit in its plan)."""
+    if row.kind == transfers.DATASET_PULL:
+        return dataset_pull.staging_of(settings, row)
+    if row.kind == transfers.PULL and row.plan.get("sha"):
+        return staging_folder(settings, repo_id=row.repo_id, sha=row.plan["sha"])
+    return None
+
+
+def remove_staging(settings: Settings, row: HubTransfer) -> None:
+    """A cancelled pull's files gone."""
+    if row.kind == transfers.DATASET_PULL:
+        dataset_pull.remove_staging(settings, row)
+        return
+    staging = staging_of(settings, row)
+    if staging is not None:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def model_folder(settings: Settings, name: str) -> Path:
@@ -231,6 +253,8 @@ def run_one(settings: Settings, sessions: sessionmaker[Session], row: HubTransfe
     try:
         if row.kind == transfers.PULL:
             return run_pull(settings, sessions, row, worker_id)
+        if row.kind == transfers.DATASET_PULL:
+            return dataset_pull.run(settings, sessions, row, Reporter(settings, sessions, row, worker_id))
         from server.hf_hub.push import run_push
 
         return run_push(settings, sessions, row, worker_id)
@@ -269,10 +293,7 @@ def loop(
             if row is None:
                 continue
             if row.status == transfers.CANCELLING:  # asked to stop while its worker was gone
-                if row.kind == transfers.PULL and row.plan.get("sha"):
-                    shutil.rmtree(
-                        staging_folder(settings, repo_id=row.repo_id, sha=row.plan["sha"]), ignore_errors=True
-                    )
+                remove_staging(settings, row)
                 with sessions() as session:
                     transfers.finish(
                         session,
@@ -325,7 +346,9 @@ def transfer_payload(row: HubTransfer) -> dict[str, Any]:
         "eta_s": eta,
         "files": row.plan.get("files", []),
         "commit": row.plan.get("sha") or row.plan.get("commit"),
-        "options": {k: row.plan[k] for k in ("job_id", "step", "private", "merged") if k in row.plan},
+        "options": {k: row.plan[k] for k in OPTIONS if k in row.plan},
+        "dataset_id": row.plan.get("dataset_id"),
+        "details": row.plan.get("errors", []),
         "error": row.error,
         "error_code": row.error_code,
         "attempts": row.attempts,

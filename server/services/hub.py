@@ -1,10 +1,9 @@
-"""Hub requests as the API takes them: a model pull checked and queued, a dataset split pulled and
-stored like an upload, a checkpoint push queued. The Hub's refusals come back as
+"""Hub requests as the API takes them: a model pull or a dataset pull checked against the Hub's file
+list and queued (a worker downloads it), a checkpoint push queued. The Hub's refusals come back as
 ``child.HubError``; the router gives them their HTTP status."""
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 import tempfile
@@ -14,14 +13,14 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from server.hf_hub import child
+from server.hf_hub import child, dataset_pull
 from server.hf_hub.files import RemoteFile, has_weights, total
-from server.hf_hub.runner import staging_folder
-from server.services import checkpoints, jobs, models, transfers, uploads
-from server.services.failures import Conflict, Invalid, NotFound
+from server.hf_hub.runner import remove_staging, staging_folder
+from server.services import checkpoints, jobs, models, transfers
+from server.services.failures import Conflict, Invalid, NotFound, TooLarge
 from server.settings import Settings
 from server.storage import Storage
-from server.tables import Dataset, HubTransfer, Job
+from server.tables import HubTransfer, Job
 
 REPO_ID = re.compile(r"^(?:[A-Za-z0-9][A-Za-z0-9._-]{0,95}/)?[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
 
@@ -48,8 +47,8 @@ def _on_disk(folder: Path) -> int:
 def request_pull(
     session: Session, settings: Settings, *, repo_id: str, revision: str | None
 ) -> tuple[HubTransfer, bool]:
-    """Check a model repo and queue its pull; a pull of the same repo under way is returned as is
-    (False: not new).
+    """Check a model repo and queue its pull; a pull of the same repo at the same commit under way
+    is returned as is (False: not new).
 
     Its ``config.json`` (and the safetensors index) is all that is fetched here: an architecture
     the engine cannot train is refused before any weight moves, and so is a download the disk
@@ -58,22 +57,38 @@ def request_pull(
     Raises:
         child.HubError: the Hub refused (gated, unknown repo or revision, offline, unreachable).
         Invalid: the model is not one the engine trains, or has no weights (``repo_id``).
-        Conflict: the disk lacks the space (``repo_id``).
+        Conflict: the disk lacks the space (``repo_id``); the repo is being pulled at another
+            commit (``revision``): both would become the same model folder.
     """
     check_repo_id(repo_id)
-    key = f"pull:{repo_id}"
-    running = transfers.active(session, active_key=key)
-    if running is not None:
-        return running, False
+    key = f"pull:{repo_id}"  # one active pull per model folder
     scratch = Path(tempfile.mkdtemp(prefix="inspect-", dir=_scratch(settings)))
     try:
         found = child.run(settings, "inspect", repo_id=repo_id, revision=revision, scratch=str(scratch))
-        row = _accept(
+        running = transfers.active(session, active_key=key)
+        if running is not None:
+            return _same_commit(running, revision=revision, sha=found["sha"]), False
+        row, created = _accept(
             session, settings, repo_id=repo_id, revision=revision, found=found, key=key, scratch=scratch
         )
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    return row
+    return (row, True) if created else (_same_commit(row, revision=revision, sha=found["sha"]), False)
+
+
+def _same_commit(running: HubTransfer, *, revision: str | None, sha: str) -> HubTransfer:
+    """The pull under way when it fetches commit ``sha``; else why a second one cannot start."""
+    if running.plan.get("sha") == sha:
+        return running
+    theirs = running.plan.get("sha") or "?"
+    raise Conflict(
+        "pull_in_progress",
+        f"{running.repo_id} at revision {revision or 'main'!r} is commit {sha[:12]}, but the pull"
+        f" {running.id} of the same repo is fetching commit {theirs[:12]} (revision"
+        f" {running.revision or 'main'!r}) into the same model folder {running.target!r}: wait for it"
+        f" or cancel it (POST /api/transfers/{running.id}/cancel), then pull again",
+        param="revision",
+    )
 
 
 def _accept(
@@ -134,89 +149,74 @@ def _scratch(settings: Settings) -> Path:
     return folder
 
 
-def _combine(files: list[Path], out: Path) -> None:
-    """A split's files as one file of their kind (the validator then numbers its rows)."""
-    suffix = out.suffix
-    if len(files) == 1:
-        shutil.move(files[0], out)
-        return
-    if suffix == ".parquet":
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        pq.write_table(pa.concat_tables([pq.read_table(f) for f in files], promote_options="default"), out)
-        return
-    with out.open("wb") as sink:
-        for i, f in enumerate(files):
-            with f.open("rb") as fh:
-                if suffix == ".csv" and i > 0:
-                    fh.readline()  # one header only
-                data = fh.read()
-            sink.write(data)
-            if data and not data.endswith(b"\n"):
-                sink.write(b"\n")
-
-
-def pull_dataset(
+def request_dataset_pull(
     session: Session,
     settings: Settings,
-    storage: Storage,
     *,
     repo_id: str,
     split: str,
     config: str | None,
     revision: str | None,
     name: str | None,
-) -> Dataset:
-    """Fetch a dataset split's files (the repo's own JSONL/Parquet/CSV, else the Hub's Parquet
-    conversion) and store them exactly like an upload (``uploads.upload``: every row validated,
-    the same errors by line or row), with the source recorded.
+) -> tuple[HubTransfer, bool]:
+    """Find a dataset split's files (the repo's own JSONL/Parquet/CSV, else the Hub's Parquet
+    conversion) and queue their pull: a worker downloads them and stores them like an upload
+    (``hf_hub.dataset_pull``). A pull of the same split at the same commit under way is returned as
+    is (False: not new); the same split at another commit is a pull of its own.
+
+    Only the file list is read here: a split over ``max_upload_bytes``, or one the cache folder's
+    disk cannot hold twice (the download, then its copy as an upload), is refused before a byte of
+    it moves.
 
     Raises:
         child.HubError: the Hub refused, or the split is not there (``split_not_found``).
-        Invalid, TooLarge: as for an upload.
+        TooLarge: the split's files are over ``max_upload_bytes`` (``split``).
+        Conflict: the disk lacks the space (``split``).
     """
     check_repo_id(repo_id)
-    scratch = Path(tempfile.mkdtemp(prefix="dataset-", dir=_scratch(settings)))
-    try:
-        found = child.run(
-            settings,
-            "dataset",
-            repo_id=repo_id,
-            split=split,
-            config=config,
-            revision=revision,
-            dest=str(scratch / "files"),
+    found = child.run(
+        settings, "inspect_dataset", repo_id=repo_id, split=split, config=config, revision=revision
+    )
+    files = [RemoteFile(str(f["path"]), int(f["size"])) for f in found["files"]]
+    sha, need = str(found["sha"]), total(files)
+    shown = f"{repo_id} split {f'{config}/{split}' if config else split!r}"
+    if need > settings.max_upload_bytes:
+        raise TooLarge(
+            "too_large",
+            f"{shown} is {need:,} bytes ({len(files)} files), over the upload limit of"
+            f" {settings.max_upload_bytes:,} bytes (ROUNDHOUSE_MAX_UPLOAD_BYTES): nothing was downloaded",
+            param="split",
         )
-        paths = [scratch / "files" / f["path"] for f in found["files"]]
-        suffix = Path(found["files"][0]["path"]).suffix.lower()
-        stem = re.sub(
-            r"[^A-Za-z0-9._-]", "_", f"{repo_id.split('/')[-1]}-{config + '-' if config else ''}{split}"
+    staging = dataset_pull.staging_folder(settings, repo_id=repo_id, sha=sha, config=config, split=split)
+    more = 2 * need - _on_disk(staging)
+    free = _free_bytes(settings.cache_dir)
+    if free - settings.hub_keep_free_bytes < more:
+        raise Conflict(
+            "insufficient_disk",
+            f"{shown} needs {more:,} bytes more in the cache folder {settings.cache_dir} (its"
+            f" {need:,} bytes downloaded, then copied as an upload) but its disk has {free:,} bytes free,"
+            f" {settings.hub_keep_free_bytes:,} of which must stay free (ROUNDHOUSE_HUB_KEEP_FREE_BYTES):"
+            " nothing was downloaded",
+            param="split",
         )
-        combined = scratch / f"{stem}{suffix}"
-        _combine(paths, combined)
-        origin = {
-            "hub": repo_id,
-            "config": config,
-            "split": split,
-            "revision": revision,
-            "sha": found.get("sha"),
-            "from": found.get("origin"),
-            "files": [f["path"] for f in found["files"]],
-        }
-        with combined.open("rb") as fh:
-            return uploads.upload(
-                session,
-                source=fh,
-                filename=combined.name,
-                name=name or f"{repo_id} ({split})",
-                storage=storage,
-                scratch=settings.cache_dir / "incoming",
-                max_bytes=settings.max_upload_bytes,
-                origin=json.loads(json.dumps(origin)),
-            )
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+    plan: dict[str, Any] = {
+        "sha": sha,
+        "files": [f.as_dict() for f in files],
+        "origin": found.get("origin"),
+        "split": split,
+        "config": config,
+        "name": name,
+    }
+    return transfers.create(
+        session,
+        kind=transfers.DATASET_PULL,
+        repo_id=repo_id,
+        revision=revision,
+        active_key=f"dataset:{repo_id}@{sha}:{config or 'default'}/{split}",
+        target=name or f"{repo_id} ({split})",
+        plan=plan,
+        bytes_total=need,
+    )
 
 
 def request_push(
@@ -306,7 +306,8 @@ def delete_model(session: Session, settings: Settings, storage: Storage, *, name
 def cancel(session: Session, settings: Settings, *, transfer: HubTransfer) -> HubTransfer:
     """Cancel a transfer (``transfers.cancel``); a pull cancelled before a worker took it leaves no
     staging folder behind (a running one's worker removes its own)."""
+    was = transfer.status
     row = transfers.cancel(session, transfer_id=transfer.id) or transfer
-    if row.kind == transfers.PULL and row.status == transfers.CANCELLED and row.plan.get("sha"):
-        shutil.rmtree(staging_folder(settings, repo_id=row.repo_id, sha=row.plan["sha"]), ignore_errors=True)
+    if was == transfers.QUEUED and row.status == transfers.CANCELLED:
+        remove_staging(settings, row)
     return row

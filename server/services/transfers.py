@@ -1,6 +1,7 @@
-"""Hub transfers in the database (``HubTransfer``): created once per target (a second pull of the
-same repo while one is active returns that one), claimed by one worker at a time with a lease,
-their progress recorded, cancelled, listed."""
+"""Hub transfers in the database (``HubTransfer``): a model pull, a checkpoint push or a dataset
+pull, created once per ``active_key`` (a second request for what an active transfer already does
+returns that one), claimed by one worker at a time with a lease, their progress recorded,
+cancelled, listed."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ QUEUED, RUNNING, CANCELLING = "queued", "running", "cancelling"
 SUCCEEDED, FAILED, CANCELLED = "succeeded", "failed", "cancelled"
 ACTIVE = (QUEUED, RUNNING, CANCELLING)
 TERMINAL = (SUCCEEDED, FAILED, CANCELLED)
-PULL, PUSH = "pull", "push"
+PULL, PUSH, DATASET_PULL = "pull", "push", "dataset_pull"  # a model pull is a "pull"
+KINDS = (PULL, PUSH, DATASET_PULL)
 
 
 def create(

@@ -1,14 +1,16 @@
 """Model pulls from a local server that speaks the Hub's API (``tests/utils/fake_hub.py``), through
 the real ``huggingface_hub`` client: refusals before any weight moves (gated, unknown repo or
-revision, an architecture the engine cannot train, not enough disk, offline), a sharded model
-pulled by a real worker with monotone progress, then trained; a cancel that leaves nothing, and a
-worker killed mid-download whose pull resumes without fetching a byte twice."""
+revision, an architecture the engine cannot train, not enough disk, offline, a Hub that cannot be
+reached, from the API and the CLI), one pull per repo and commit, a sharded model pulled by a real
+worker with monotone progress, then trained; a cancel that leaves nothing, and a worker killed
+mid-download whose pull resumes without fetching a byte twice."""
 
 from __future__ import annotations
 
 import errno
 import json
 import signal
+import subprocess
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +24,7 @@ from server.settings import Settings
 from tests.engine.tiny import tiny_model, tiny_tokenizer
 from tests.server.conftest import WorkerProcess
 from tests.server.test_worker import dataset
-from tests.utils import free_port
+from tests.utils import child_env, free_port, roundhouse
 from tests.utils.fake_hub import FakeHub
 from tests.utils.filesystems import small_disk
 from tests.utils.jobs import start_job, wait_for, wait_for_job
@@ -151,6 +153,63 @@ def test_two_pulls_become_one_and_a_queued_cancel_leaves_nothing(tmp_path: Path,
         assert "org/tiny" not in {m["name"] for m in client.get("/api/models").json()["data"]}
 
 
+def test_a_pull_at_another_commit_is_refused_while_one_runs_and_the_same_commit_is_that_pull(
+    tmp_path: Path, hub: FakeHub
+) -> None:
+    """Both commits would become the one folder ``models/org/revised``: a pull of another revision
+    is a 409 naming both commits and the running pull; the same commit, by any name, is that pull;
+    once it is cancelled the other revision is a pull of its own."""
+    repo = hub.add_folder("org/revised", _repo_folder(hub, "org/tiny", tmp_path))
+    config = json.loads(repo.files["config.json"])
+    repo.revisions["v1"] = {
+        **repo.files,
+        "config.json": json.dumps({**config, "torch_dtype": "float32"}).encode(),
+    }
+    repo.revisions["refs/pr/1"] = repo.revisions["v1"]
+    with api(settings_for(tmp_path, hub)) as client:
+        first = client.post("/api/models/pulls", json={"repo_id": "org/revised"})
+        assert first.status_code == 201, first.text
+        main, v1 = repo.sha("main"), repo.sha("v1")
+        assert first.json()["commit"] == main and first.json()["revision"] is None
+        for revision in ("v1", "refs/pr/1"):
+            r = client.post("/api/models/pulls", json={"repo_id": "org/revised", "revision": revision})
+            assert r.status_code == 409, r.text
+            error = r.json()["error"]
+            assert error["code"] == "pull_in_progress" and error["param"] == "revision", error
+            assert f"revision {revision!r} is commit {repo.sha(revision)[:12]}" in error["message"], error
+            assert (
+                f"pull {first.json()['id']} of the same repo is fetching commit {main[:12]}"
+                in error["message"]
+            )
+        for revision in ("main", main):
+            r = client.post("/api/models/pulls", json={"repo_id": "org/revised", "revision": revision})
+            assert r.status_code == 200 and r.json()["id"] == first.json()["id"], r.text
+        assert client.post(f"/api/transfers/{first.json()['id']}/cancel").json()["status"] == "cancelled"
+        r = client.post("/api/models/pulls", json={"repo_id": "org/revised", "revision": "v1"})
+        assert r.status_code == 201, r.text
+        assert (
+            r.json()["commit"] == v1 and r.json()["revision"] == "v1" and r.json()["id"] != first.json()["id"]
+        )
+
+
+def test_the_cli_pull_names_the_endpoint_setting_when_the_hub_cannot_be_reached(
+    tmp_path: Path, hub: FakeHub
+) -> None:
+    settings = settings_for(tmp_path, hub, hub_endpoint=f"http://127.0.0.1:{free_port()}")
+    done = subprocess.run(
+        roundhouse("models", "pull", "org/tiny"),
+        env=child_env(**settings.child_environment()),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    assert done.stderr.startswith(f"org/tiny: the Hub at {settings.hub_endpoint} cannot be reached"), (
+        done.stderr
+    )
+    assert "ROUNDHOUSE_HUB_ENDPOINT" in done.stderr and "Connection refused" in done.stderr, done.stderr
+
+
 def progress_events(client: TestClient, transfer_id: str) -> list[dict[str, Any]]:
     events = []
     with client.stream("GET", f"/api/transfers/{transfer_id}/stream") as r:
@@ -261,7 +320,7 @@ def _repo_folder(hub: FakeHub, repo: str, tmp_path: Path) -> Path:
     return folder
 
 
-def _fill_up(folder: Path) -> Path:
+def fill_up(folder: Path) -> Path:
     """A file in ``folder`` written until its disk has no space left (real blocks); its removal
     gives the space back."""
     path = folder / "ballast"
@@ -291,7 +350,7 @@ def test_a_disk_that_fills_mid_pull_fails_it_naming_the_disk_and_leaves_nothing(
                 pull = client.post("/api/models/pulls", json={"repo_id": "org/roomy"}).json()
                 get = lambda: client.get(f"/api/transfers/{pull['id']}").json()  # noqa: E731
                 wait_for(get, until=lambda t: t["bytes_done"] > 0, timeout=60, details=worker.tail)
-                ballast = _fill_up(disk)  # the disk fills while the weights arrive
+                ballast = fill_up(disk)  # the disk fills while the weights arrive
                 failed = wait_for(
                     get, until={"failed"}, fail_on={"succeeded"}, timeout=60, details=worker.tail
                 )
