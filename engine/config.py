@@ -438,6 +438,10 @@ class TrainConfig(_Strict):
         grpo = self.method.objective == "grpo"
         # GRPO's batch is its prompts, each sampled group_size times: micro-batches cut the rows
         rows = self.hyper.batch_size * (self.method.group_size if grpo else 1)
+        if self.engine.num_microbatches > rows and "num_microbatches" not in self.engine.model_fields_set:
+            # the default does not fit a small batch: as many micro-batches as it has sequences
+            # (a refusal names only what the caller set)
+            self.engine.num_microbatches = rows
         if self.engine.num_microbatches > rows:
             what = f"hyper.batch_size={self.hyper.batch_size}"
             if grpo:

@@ -187,6 +187,10 @@ def test_config_errors_name_the_field_and_value(tmp_path: Path) -> None:
         TrainConfig.parse(
             {"data": {"train": "x.jsonl"}, "hyper": {"batch_size": 4}, "engine": {"num_microbatches": 8}}
         )
+    # the default micro-batch count fits a batch smaller than it; one the caller set does not
+    small = TrainConfig.parse({"data": {"train": "x.jsonl"}, "hyper": {"batch_size": 2}})
+    assert small.engine.num_microbatches == 2
+    assert TrainConfig.parse(small.model_dump()).engine.num_microbatches == 2
     kinds = r"method.kind: Input should be 'lora', 'full', 'dpo', 'orpo' or 'grpo' \(got \"qlora\"\)"
     with pytest.raises(ValueError, match=kinds):
         TrainConfig.parse({"data": {"train": "x.jsonl"}, "method": {"kind": "qlora"}})

@@ -231,6 +231,23 @@ def test_create_maps_the_request_and_refuses_bad_files(idle: LiveServer) -> None
             model="tiny", training_file=file_id, extra_body={"roundhouse": {"hyper": {"warmup_steps": -1}}}
         )
     assert bad.value.param == "roundhouse.hyper.warmup_steps"
+    # OpenAI's own batch_size below our default micro-batch count: the service fits the count to it
+    small = client.fine_tuning.jobs.create(
+        model="tiny",
+        training_file=file_id,
+        method={"type": "supervised", "supervised": {"hyperparameters": {"batch_size": 2}}},
+    )
+    config = idle.http().get(f"/api/jobs/{small.to_dict()['roundhouse']['job_id']}").json()["config"]
+    assert config["hyper"]["batch_size"] == 2 and config["engine"]["num_microbatches"] == 2
+    # a micro-batch count the caller set that does not fit is refused naming that field
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.fine_tuning.jobs.create(
+            model="tiny",
+            training_file=file_id,
+            hyperparameters={"batch_size": 2},
+            extra_body={"roundhouse": {"engine": {"num_microbatches": 4}}},
+        )
+    assert bad.value.param == "roundhouse.engine.num_microbatches"
 
 
 def test_dpo_jobs_take_preference_files(idle: LiveServer) -> None:

@@ -10,7 +10,14 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationInfo,
+    field_validator,
+)
 
 from server.schemas import LINE_PATTERN
 
@@ -75,11 +82,13 @@ class ChatCompletionCreate(_Sampling):
     logprobs: bool | None = Field(None, description="each answer token's log-probability")
     top_logprobs: int | None = Field(None, ge=0, le=20, description="with logprobs: the likeliest tokens")
 
-    @model_validator(mode="after")
-    def _top_needs_logprobs(self) -> ChatCompletionCreate:
-        if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs: needs logprobs set to true")
-        return self
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, top: int | None, info: ValidationInfo) -> int | None:
+        # a field's validator (logprobs, declared before it, is in info.data): the error is the field's
+        if top is not None and not info.data.get("logprobs"):
+            raise ValueError("needs logprobs set to true")
+        return top
 
 
 class CompletionCreate(_Sampling):
