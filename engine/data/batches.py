@@ -41,6 +41,9 @@ class Batcher:
     The last incomplete batch of an epoch is dropped. ``state_dict()`` records the position,
     so a resumed run sees exactly the batches it would have seen. Given preference pairs,
     ``batch_size`` counts pairs and each batch is ``collate_pairs``'s (2 × batch_size rows).
+    With ``repeat`` each batch is served that many times in a row (GRPO's ``num_iterations``:
+    the steps that train on one batch of completions); an epoch is then ``repeat`` times as many
+    steps, and ``position`` counts the steps served.
     """
 
     examples: list[Encoded] | list[EncodedPair] | list[PromptItem]
@@ -49,8 +52,11 @@ class Batcher:
     pad_id: int
     epoch: int = 0
     position: int = 0
+    repeat: int = 1
 
     def __post_init__(self) -> None:
+        if isinstance(self.repeat, bool) or not isinstance(self.repeat, int) or self.repeat < 1:
+            raise ValueError(f"Batcher: repeat={self.repeat!r} must be an integer >= 1")
         pairs = sum(isinstance(e, EncodedPair) for e in self.examples)
         if pairs not in (0, len(self.examples)):
             raise ValueError(
@@ -67,7 +73,7 @@ class Batcher:
 
     @property
     def steps_per_epoch(self) -> int:
-        return len(self.examples) // self.batch_size
+        return len(self.examples) // self.batch_size * self.repeat
 
     def _order(self, epoch: int) -> list[int]:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
@@ -78,14 +84,12 @@ class Batcher:
             self.epoch += 1
             self.position = 0
         order = self._order(self.epoch)
-        rows = [
-            self.examples[i]
-            for i in order[self.position * self.batch_size : (self.position + 1) * self.batch_size]
-        ]
+        index = self.position // self.repeat  # the batch's index in the epoch
+        picked = order[index * self.batch_size : (index + 1) * self.batch_size]
+        rows = [self.examples[i] for i in picked]
         self.position += 1
         prompts = [r for r in rows if isinstance(r, PromptItem)]
         if prompts:
-            picked = order[(self.position - 1) * self.batch_size : self.position * self.batch_size]
             return collate_prompts(prompts, self.pad_id, picked)
         pairs = [r for r in rows if isinstance(r, EncodedPair)]
         if pairs:

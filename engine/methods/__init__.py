@@ -163,11 +163,18 @@ METHODS: dict[str, MethodEntry] = {
             "max_completion_tokens": "the longest completion sampled",
             "temperature": "the sampling temperature (1.0 is usual)",
             "top_p": "nucleus sampling's probability mass (1: off)",
-            "beta": "the weight of the KL term to the base model (0: none; LoRA only)",
+            "beta": (
+                "the weight of the KL term to the reference (0: none): the base model for LoRA, a frozen "
+                "copy of the initial weights in host memory for a full fine-tune"
+            ),
             "epsilon": "the clip of the policy ratio (0.2 is usual)",
             "epsilon_high": "the clip above 1 when it differs (DAPO's clip-higher, e.g. 0.28)",
             "loss_type": "grpo (per completion), dapo (per token) or dr_grpo (no length bias)",
             "scale_rewards": "divide each group's advantages by its rewards' spread",
+            "num_iterations": (
+                "optimizer steps on each batch of completions (the paper's mu; 1 is usual, 2-4 reuse "
+                "expensive rollouts, the clipped ratio bounding the later steps)"
+            ),
         },
         metric_keys=(
             "reward/mean",

@@ -20,9 +20,12 @@ class MethodRun:
 
     Attributes:
         train: what the batcher draws from (encoded examples or pairs).
+        steps_per_batch: the optimizer steps each batch trains (GRPO's ``num_iterations``): the
+            batcher serves every batch that many times in a row.
     """
 
     train: list[Any]
+    steps_per_batch: int = 1
 
     def __init__(self, config: Any, tokenizer: Any) -> None:
         self.config = config
@@ -50,6 +53,14 @@ class MethodRun:
     def validate(self, engine: RoundPipe, batch_size: int, pad_id: int) -> dict[str, float] | None:
         """``loss/val`` and the method's validation metrics (None: nothing to validate on)."""
         raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs of the method besides the engine and the batcher (a batch
+        reused by the next steps); tensors and plain values. Nothing here."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take back what ``state_dict`` gave (called after ``prepare``, when a run resumes)."""
 
     def close(self) -> None:
         """Stop what the method started (a grader's process); none here."""

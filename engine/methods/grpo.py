@@ -12,10 +12,16 @@ completion token, ``old`` the sampling policy's and ``ref`` the reference's::
     kl      = exp(ref - pi) - (ref - pi) - 1          (the k3 estimator; beta = 0: none)
     token   = policy + beta * kl
 
-The policy samples the completions it trains on at the start of the step, so ``old`` is the
-policy's own log-probability, detached (the ratio is 1 and its gradient the policy gradient);
-the clip bounds the update of a ratio that moved. The reference is the base model: a LoRA run's
-model with its adapters off (a full fine-tune has no frozen copy: it takes ``beta`` 0).
+With ``num_iterations`` 1 the policy samples the completions it trains on at the start of the
+step, so ``old`` is the policy's own log-probability, detached (the ratio is 1 and its gradient
+the policy gradient). With ``num_iterations`` mu > 1 (the paper's mu, TRL's ``num_iterations``) a
+batch's completions, rewards and advantages train mu steps in a row (the batcher serves its
+prompts mu times), and ``old`` is the sampling policy's log-probability, measured once before the
+first of them: the later steps' ratios move, and the clip bounds them. The reference is what the
+run started from: a LoRA run's model with its adapters off, a full fine-tune's frozen copy of its
+initial weights, kept in host memory in the compute dtype (``RoundPipe.keep_initial_weights``,
+when ``beta`` > 0) and uploaded to the stages for the reference pass as the weights are. Both
+are measured through the pipeline, once a batch.
 
 How token losses become the batch's loss (``loss_type``):
 
@@ -40,8 +46,16 @@ import torch
 from engine.data.batches import split_validation
 from engine.data.prompts import PromptItem, load_prompts
 from engine.errors import ConfigError
+from engine.kinds import EngineEvent
 from engine.methods.base import MethodRun
-from engine.methods.rollouts import Rollout, Sampling, policy_model, rollout_device, sample
+from engine.methods.rollouts import (
+    Rollout,
+    RolloutBatch,
+    Sampling,
+    policy_model,
+    rollout_device,
+    sample,
+)
 from engine.metrics import Sink
 from engine.parallel.objective import Upload
 from engine.parallel.tokens import TokenScores, reported
@@ -227,9 +241,10 @@ class GRPORun(MethodRun):
 
     def __init__(self, config: Any, tokenizer: Any) -> None:
         super().__init__(config, tokenizer)
-        # the config refused what GRPO cannot train with (packing, the router loss, a 4-bit base,
-        # a KL term without a reference): ``engine.config``
+        # the config refused what GRPO cannot train with (packing, the router loss, a 4-bit base):
+        # ``engine.config``
         m, data = config.method, config.data
+        self.steps_per_batch = m.num_iterations
         budget = data.max_length - m.max_completion_tokens
         if budget < 1:
             raise ConfigError(
@@ -253,7 +268,7 @@ class GRPORun(MethodRun):
         self.grader = _grader(config)
         self.sink: Sink | None = None
         self.pad_id = 0
-        self.last: Rollout | None = None
+        self.current: RolloutBatch | None = None  # the batch the next steps train on
         self.device: torch.device | None = None  # where the rollouts run, chosen at the first
 
     def prepare(
@@ -267,7 +282,28 @@ class GRPORun(MethodRun):
         pad_id: int,
         sink: Sink,
     ) -> None:
+        """Keep a full fine-tune's reference, its initial weights, when the KL term needs it."""
         self.sink, self.pad_id = sink, pad_id
+        m = self.config.method
+        if m.beta and not m.lora:
+            size = engine.keep_initial_weights()
+            sink.event(
+                EngineEvent.REFERENCE,
+                f"the KL term's reference: a frozen copy of the initial weights, {size / 2**30:.2f} GiB "
+                f"of host memory in {compute_dtype}",
+                {"bytes": size},
+            )
+
+    def state_dict(self) -> dict[str, Any]:
+        """The batch the next steps train on, when a step before its last is checkpointed."""
+        current = self.current
+        if current is None or current.used >= self.steps_per_batch:
+            return {}
+        return {"rollout_batch": current.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = state.get("rollout_batch")
+        self.current = None if saved is None else RolloutBatch.from_state(saved, self.train)
 
     def close(self) -> None:
         self.grader.close()
@@ -289,34 +325,60 @@ class GRPORun(MethodRun):
         rewards = torch.tensor([float(r) for r in result.rewards], dtype=torch.float32)
         return rewards, dict(result.sub_rewards), list(result.errors)
 
+    def collect(self, engine: RoundPipe, prompts: list[int]) -> RolloutBatch:
+        """A new batch to train on: the prompts' completions sampled and graded, their
+        advantages, and the log-probabilities the steps on it compare with (the reference's when
+        ``beta`` > 0, the sampling policy's when ``num_iterations`` > 1), all measured before the
+        first step on it."""
+        m = self.config.method
+        rollout = self.rollout(engine, [self.train[i] for i in prompts])
+        rewards, graded, errors = self.grade(rollout)
+        advantages = group_advantages(rewards, m.group_size, scale=m.scale_rewards)
+        rows = rollout.batch(self.pad_id)
+        ids, labels, mask = rows["input_ids"], rows["labels"], rows["attention_mask"]
+        reference = old = None
+        if m.beta and m.lora:  # the base model: the adapters off
+            reference = engine.token_logps(input_ids=ids, labels=labels, attention_mask=mask, adapters=False)
+        elif m.beta:  # a full fine-tune's frozen copy of its initial weights
+            reference = engine.token_logps(input_ids=ids, labels=labels, attention_mask=mask, initial=True)
+        if m.num_iterations > 1:  # the sampling policy's, fixed before the first step on the batch
+            old = engine.token_logps(input_ids=ids, labels=labels, attention_mask=mask)
+        metrics = step_metrics(rollout, rewards, graded, errors)
+        return RolloutBatch(prompts, rollout, rows, rewards, errors, advantages, reference, old, metrics)
+
     def forward_backward(
         self, engine: RoundPipe, batch: dict[str, torch.Tensor]
     ) -> tuple[float, dict[str, float]]:
         m = self.config.method
-        items = [self.train[i] for i in batch["rows"].tolist()]
-        rollout = self.rollout(engine, items)
-        rewards, graded, errors = self.grade(rollout)
-        advantages = group_advantages(rewards, m.group_size, scale=m.scale_rewards)
-        rows = rollout.batch(self.pad_id)
-        reference = engine.token_logps(**rows, adapters=False) if m.beta else None
+        prompts = [int(i) for i in batch["rows"].tolist()]
+        current = self.current
+        if current is None or current.used >= m.num_iterations:
+            current = self.current = self.collect(engine, prompts)
+        elif current.prompts != prompts:  # the batcher serves each batch num_iterations times
+            raise RuntimeError(
+                f"GRPO: step {engine.steps + 1} got prompts {prompts[:4]}... while the completions "
+                f"trained on {current.used} of {m.num_iterations} times are of {current.prompts[:4]}..."
+            )
         objective = GRPOObjective(
-            advantages,
-            reference=reference,
+            current.advantages,
+            reference=current.reference,
+            old=current.old,
             loss_type=m.loss_type,
             epsilon=m.epsilon,
             epsilon_high=m.epsilon_high,
             beta=m.beta,
         )
+        rows = current.rows
         it = engine.forward_backward_tokens(
             objective, **rows, divisor=divisor(m.loss_type, rows["labels"], m.max_completion_tokens)
         )
         loss = it.loss_sum() / it.total_tokens
-        metrics = step_metrics(rollout, rewards, graded, errors)
-        if self.sink is not None:  # host-side numbers: the engine logs only its objective's
-            self.sink.log(metrics, engine.steps + 1)
-        self._show(engine.steps + 1, rollout, rewards, errors)
-        self.last = rollout
-        return loss, metrics
+        if current.used == 0:  # a batch's first step: its host-side numbers (the engine logs its own)
+            if self.sink is not None:
+                self.sink.log(current.metrics, engine.steps + 1)
+            self._show(engine.steps + 1, current.rollout, current.rewards, current.errors)
+        current.used += 1
+        return loss, dict(current.metrics)
 
     def _show(self, step: int, rollout: Rollout, rewards: torch.Tensor, errors: list[str | None]) -> None:
         """A few of the step's completions with their rewards, as an event for the job page."""

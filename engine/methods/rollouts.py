@@ -13,6 +13,11 @@ host's CPU (``rollout_device``; the run's ``rollouts`` event says which and why)
 
 A completion ends at the first stop token (kept: the policy learns to stop) or after
 ``max_new_tokens``; each becomes one training row, its prompt's tokens unlabelled.
+
+A ``RolloutBatch`` is a batch's completions with what GRPO's updates read from them (rewards,
+advantages, the reference's and the sampling policy's log-probabilities), kept for the
+``num_iterations`` steps that train on it; a checkpoint taken between them keeps it too
+(``state_dict``), so a resumed run trains on the completions an uninterrupted one would.
 """
 
 from __future__ import annotations
@@ -84,6 +89,73 @@ class Rollout:
             labels = [-100] * len(prompt) + list(completion)
             rows.append(Encoded(r, ids, labels, len(ids), False))
         return collate(rows, pad_id)
+
+
+@dataclass
+class RolloutBatch:
+    """A batch's completions and what the steps that train on them read.
+
+    Attributes:
+        prompts: the prompts' indices among the run's training prompts (the batch's ``rows``).
+        rollout: the completions, group by group.
+        rows: ``rollout.batch``'s training rows (``input_ids``, ``labels``, ``attention_mask``).
+        rewards: ``[rows]`` each completion's reward.
+        errors: each completion's grader error (None: graded).
+        advantages: ``[rows]`` each completion's advantage.
+        reference: ``[rows, T]`` the reference's token log-probabilities (None: no KL term).
+        old: ``[rows, T]`` the sampling policy's, taken before the first update (None: one
+            update a batch, whose ratio is 1).
+        metrics: the rollout's metrics (rewards, lengths, grader errors).
+        used: the steps that trained on it so far.
+    """
+
+    prompts: list[int]
+    rollout: Rollout
+    rows: dict[str, torch.Tensor]
+    rewards: torch.Tensor
+    errors: list[str | None]
+    advantages: torch.Tensor
+    reference: torch.Tensor | None
+    old: torch.Tensor | None
+    metrics: dict[str, float]
+    used: int = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything but the prompts' items (the run's own), as ``torch.load(weights_only=True)``
+        reads it back."""
+        r = self.rollout
+        return {
+            "prompts": list(self.prompts),
+            "completions": [list(c) for c in r.completions],
+            "texts": list(r.texts),
+            "finished": list(r.finished),
+            "rows": dict(self.rows),
+            "rewards": self.rewards,
+            "errors": list(self.errors),
+            "advantages": self.advantages,
+            "reference": self.reference,
+            "old": self.old,
+            "metrics": dict(self.metrics),
+            "used": self.used,
+        }
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any], prompts: Sequence[PromptItem]) -> RolloutBatch:
+        """The batch ``state_dict`` saved, its prompts' items taken from the run's ``prompts``."""
+        items = [prompts[i] for i in state["prompts"]]
+        rollout = Rollout(items, state["completions"], state["texts"], state["finished"])
+        return cls(
+            prompts=list(state["prompts"]),
+            rollout=rollout,
+            rows=dict(state["rows"]),
+            rewards=state["rewards"],
+            errors=list(state["errors"]),
+            advantages=state["advantages"],
+            reference=state["reference"],
+            old=state["old"],
+            metrics=dict(state["metrics"]),
+            used=int(state["used"]),
+        )
 
 
 def model_bytes(model: Any) -> int:

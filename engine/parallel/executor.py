@@ -149,18 +149,23 @@ class Worker:
                     sizes.append(((i, local), host.tensors[k].compute.numel()))
         return params, sizes
 
+    def _source(self, it: Iteration, layer: int, local: str) -> torch.Tensor:
+        """The host tensor an iteration uploads for a layer's tensor: the compute copy of its
+        version, or the frozen initial weights for an objective that asks for them (a full
+        fine-tune's reference model)."""
+        key = self.host.layer_keys[layer][local]
+        return self.host.upload_source(key, it.version, initial=it.objective.initial)
+
     def _pieces(
-        self, params: Params, window: list[Any], version: int
+        self, params: Params, window: list[Any], it: Iteration
     ) -> list[tuple[torch.Tensor, torch.Tensor, int, int]]:
-        host = self.host
         out = []
         for piece in window:
             i, local = piece.key
-            src = host.tensors[host.layer_keys[i][local]].source(version)
-            out.append((src, params[i][local], piece.start, piece.stop))
+            out.append((self._source(it, i, local), params[i][local], piece.start, piece.stop))
         return out
 
-    def _start_prefetch(self, num_windows: int) -> tuple[Any, Params, list[list[Any]], int] | None:
+    def _start_prefetch(self, num_windows: int) -> tuple[Any, Params, list[list[Any]], Iteration] | None:
         """Plan the next queued stage's upload if its weights are ready (never blocks).
 
         Out of device memory for it, the next stage is uploaded when it starts instead.
@@ -179,7 +184,7 @@ class Worker:
         except torch.OutOfMemoryError:
             self.prefetch_oom += 1
             return None
-        return run, params, plan_windows(sizes, num_windows), it.version
+        return run, params, plan_windows(sizes, num_windows), it
 
     def _weights(
         self, it: Iteration, run: SlotRun, stage: Stage, owners: set[int], released: list[bool]
@@ -195,10 +200,7 @@ class Worker:
             event = None
             for i in stage.layers:
                 board.wait_for(board.published(self.host.layer_owners[i], it.version), it)
-                pieces = [
-                    (self.host.tensors[self.host.layer_keys[i][local]].source(it.version), t, 0, t.numel())
-                    for local, t in params[i].items()
-                ]
+                pieces = [(self._source(it, i, local), t, 0, t.numel()) for local, t in params[i].items()]
                 event = self.link.copy_pieces(pieces, None)
         self.link.wait(self.link.compute, event)
         # the host copy may change once the upload finished: the optimizer waits for ``event``

@@ -221,6 +221,8 @@ class HostState:
             {self.tensors[k].owner for k in keys.values() if self.tensors[k].trainable}
             for keys in self.layer_keys
         ]
+        # a frozen copy of the trainable tensors' first weights (``keep_initial``), by key
+        self.initial: dict[int, torch.Tensor] = {}
 
     @staticmethod
     def _adopt(
@@ -372,6 +374,29 @@ class HostState:
         """The compute buffers of ``version`` of one unit's tensors, in the unit's block order."""
         return [self.tensors[k].source(version) for k in self.unit_keys(owner)]
 
+    def keep_initial(self, version: int) -> int:
+        """Keep a frozen copy of the trainable tensors' compute buffers of ``version`` (in the
+        compute dtype; pinned, one block per dtype, when the compute copies are): the weights a
+        full fine-tune started from, which training no longer changes (its reference model).
+        Kept once: a second call keeps the first copy.
+
+        Returns:
+            The copy's bytes.
+        """
+        if not self.initial:
+            keys = [t.key for t in self.trainable]
+            views, _ = self._blocks([self.tensors[k].source(version) for k in keys], pin=self.pinned)
+            self.initial = dict(zip(keys, views, strict=True))
+        return sum(t.numel() * t.element_size() for t in self.initial.values())
+
+    def upload_source(self, key: int, version: int, *, initial: bool = False) -> torch.Tensor:
+        """The host tensor a stage uploads for tensor ``key``: its compute buffer of
+        ``version``, or with ``initial`` its frozen first weights (``keep_initial``; a frozen
+        tensor's compute copy is its first weights)."""
+        if initial and key in self.initial:
+            return self.initial[key]
+        return self.tensors[key].source(version)
+
     def param_bytes(self, layer: int) -> int:
         """Bytes of the compute copy a layer uploads."""
         return sum(
@@ -400,6 +425,7 @@ class HostState:
         self.unit_masters.clear()
         self.unit_grads.clear()
         self.grad_buffers.clear()
+        self.initial.clear()
         self.tensors.clear()
         self.layer_keys.clear()
         self.owned.clear()

@@ -4,7 +4,8 @@ Every iteration carries one ``Objective``. The executor asks it three things and
 about the training method: whether the output layer scores whole sequences (``per_sequence``:
 each row's summed log-probability), each label token (``per_token``: its log-probability) or
 returns the micro-batch's token loss sum, whether the
-LoRA layers run with their adapters on (``adapters``), and, in the fused stage, which loss sum to
+LoRA layers run with their adapters on (``adapters``), whether the stages upload the frozen copy
+of the initial weights instead of the current ones (``initial``), and, in the fused stage, which loss sum to
 back-propagate and which report to send to the host (``fused_loss``). After a step, the
 optimizer asks the objective of the step's iterations for its metrics (``step_metrics``).
 
@@ -34,11 +35,14 @@ class Objective:
         per_token: the output layer returns ``[rows, seq - 1]`` the log-probability of every
             label token (0 elsewhere) instead of the token loss sum.
         adapters: run the LoRA layers with their adapters on (False: the base model).
+        initial: compute with the frozen copy of the trained weights as they were at the start
+            (``RoundPipe.keep_initial_weights``: a full fine-tune's reference model).
     """
 
     per_sequence: bool = False
     per_token: bool = False
     adapters: bool = True
+    initial: bool = False
 
     @property
     def scores(self) -> bool:

@@ -6,8 +6,9 @@ run them through the engine's own iterations under a method's objective:
 measures each row's log-probability (a reference's, before training; a LoRA model's with its
 adapters off). Their per-token counterparts (``engine.parallel.tokens``) score every label token:
 ``forward_backward_tokens`` trains under a per-token objective (GRPO's), ``token_logps``
-measures each token's log-probability. The methods (``engine.methods.dpo``, ``engine.methods.orpo``,
-``engine.methods.grpo``) build on these.
+measures each token's log-probability (with ``initial``, on the frozen copy of the first weights
+that ``keep_initial_weights`` keeps: a full fine-tune's reference model). The methods
+(``engine.methods.dpo``, ``engine.methods.orpo``, ``engine.methods.grpo``) build on these.
 """
 
 from __future__ import annotations
@@ -39,6 +40,12 @@ class SequenceMethods:
     board: Board
 
     def _check_open(self) -> None:
+        raise NotImplementedError
+
+    def synchronize(self) -> None:
+        raise NotImplementedError
+
+    def next_version(self) -> int:
         raise NotImplementedError
 
     def _train(self, mbs: list[MicroBatch], total: int, objective: Objective | None = None) -> Iteration:
@@ -171,6 +178,8 @@ class SequenceMethods:
         self._check_open()
         if not objective.adapters and not lora_layers(layer.module for layer in self.adapted.layers):
             raise ValueError(f"{caller}(adapters=False): the model has no LoRA adapter to turn off")
+        if objective.initial and not self.host.initial:
+            raise ValueError(f"{caller}(initial=True): no initial weights kept (keep_initial_weights)")
         m = min(self.config.num_microbatches, int(input_ids.shape[0])) if input_ids.dim() == 2 else 1
         mbs, total = split_batch(
             input_ids, labels, attention_mask, m or self.config.num_microbatches, pin=self.host.pinned
@@ -218,6 +227,19 @@ class SequenceMethods:
         objective.bind(mbs, pin=self.host.pinned)
         return self._train(mbs, divisor, objective)
 
+    def keep_initial_weights(self) -> int:
+        """Keep a frozen copy of the trained weights as they are now, in the compute dtype, in
+        host memory (pinned for GPU workers): ``token_logps(initial=True)`` computes with it. A
+        full fine-tune's reference model (GRPO's KL term); call it before the first step. The
+        frozen weights of a LoRA base are not copied (they never change).
+
+        Returns:
+            The copy's bytes.
+        """
+        self._check_open()
+        self.synchronize()  # no optimizer step is still writing the compute buffers
+        return self.host.keep_initial(self.next_version())
+
     def token_logps(
         self,
         *,
@@ -225,16 +247,22 @@ class SequenceMethods:
         labels: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         adapters: bool = True,
+        initial: bool = False,
     ) -> torch.Tensor:
         """Every label token's log-probability, without training (the weights the next
         ``forward_backward`` would use, dropout off).
 
-        Args: as ``sequence_logps``'s.
+        Args: as ``sequence_logps``'s, and
+            initial: compute with the weights ``keep_initial_weights`` kept (the stages upload
+                that copy instead of the current weights).
 
         Returns:
             ``[rows, seq - 1]`` fp32 on the CPU: position ``t`` the log-probability of
             ``labels[:, t + 1]``, 0 where that label is -100.
+
+        Raises:
+            ValueError: as ``sequence_logps``'s, or ``initial`` without a kept copy.
         """
-        return reported_token_logps(
-            self._measure("token_logps", TokenLogps(adapters=adapters), input_ids, labels, attention_mask)
-        )
+        objective = TokenLogps(adapters=adapters, initial=initial)
+        it = self._measure("token_logps", objective, input_ids, labels, attention_mask)
+        return reported_token_logps(it)

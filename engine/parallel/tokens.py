@@ -37,8 +37,9 @@ class TokenScores(Objective):
     name = "tokens"
     stats_size = 0  # the statistics ``token_loss`` reports per micro-batch
 
-    def __init__(self, *, adapters: bool = True) -> None:
+    def __init__(self, *, adapters: bool = True, initial: bool = False) -> None:
         self.adapters = adapters
+        self.initial = initial
         self.rows: list[int] = []
 
     def bind(self, microbatches: list[MicroBatch], *, pin: bool) -> None:

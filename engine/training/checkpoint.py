@@ -26,6 +26,7 @@ from engine.training.folders import list_checkpoints, step_name
 
 FULL = (errno.ENOSPC, errno.EDQUOT)
 SLACK_BYTES = 1 << 20  # a checkpoint's files beside its tensors (tokenizer, configs, JSON)
+METHOD_FILE = "method.pt"  # in state/: the training method's own state, when it keeps some
 
 
 def _fsync_tree(folder: Path) -> None:
@@ -137,10 +138,19 @@ def write_checkpoint(
     return final
 
 
-def save_state(folder: Path, engine_state: dict[str, Any], trainer_state: dict[str, Any]) -> None:
+def save_state(
+    folder: Path,
+    engine_state: dict[str, Any],
+    trainer_state: dict[str, Any],
+    method_state: dict[str, Any] | None = None,
+) -> None:
+    """Write ``state/``: the engine's tensors, the trainer's JSON, and the method's own state when
+    it has some (``state/method.pt``: e.g. a GRPO batch the next steps train on)."""
     state = folder / "state"
     state.mkdir(parents=True, exist_ok=True)
     torch.save(engine_state, state / "engine.pt")
+    if method_state:
+        torch.save(method_state, state / METHOD_FILE)
     (state / "trainer.json").write_text(json.dumps(trainer_state, indent=2, sort_keys=True) + "\n")
 
 
@@ -149,3 +159,12 @@ def load_state(folder: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
     engine_state = torch.load(state / "engine.pt", weights_only=True)
     trainer_state = json.loads((state / "trainer.json").read_text())
     return engine_state, trainer_state
+
+
+def load_method_state(folder: str | Path) -> dict[str, Any]:
+    """The method's state a checkpoint holds (``save_state``'s ``method_state``); empty if none."""
+    path = Path(folder) / "state" / METHOD_FILE
+    if not path.is_file():
+        return {}
+    state: dict[str, Any] = torch.load(path, weights_only=True)
+    return state

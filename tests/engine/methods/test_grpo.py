@@ -1,5 +1,8 @@
 """GRPO through the engine equals a plain PyTorch GRPO loop on the unsplit model, given the same
-completions and rewards; the advantages and the per-token objective written out by hand."""
+completions and rewards; the advantages and the per-token objective written out by hand. The KL
+term's reference is the base (a LoRA run's adapters off) or a frozen copy of the initial weights (a
+full fine-tune's); with ``num_iterations`` each batch trains several steps against the
+log-probabilities the policy had before the first."""
 
 from __future__ import annotations
 
@@ -86,62 +89,88 @@ def direct_grpo_loss(logps, old, ref, advantages, labels, *, beta: float, loss_t
     return per.sum() / (labels.shape[0] * max_tokens)
 
 
-def reference_logps(model, batch) -> torch.Tensor:
-    with torch.no_grad(), model.disable_adapter():
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        return token_logps(logits, batch["labels"])
+def logps_of(model, batch) -> torch.Tensor:
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    return token_logps(logits, batch["labels"])
 
 
-def plain_grpo_loop(model, batches, olds, *, beta: float, loss_type: str, max_tokens: int = 8):
-    """GRPO the ordinary way: the unsplit model, the whole batch, torch SGD."""
+def reference_logps(model, batch, frozen=None) -> torch.Tensor:
+    """The base model's (a LoRA model's adapters off), or with ``frozen`` that model's: a full
+    fine-tune's copy of its initial weights."""
+    with torch.no_grad():
+        if frozen is not None:
+            return logps_of(frozen, batch)
+        with model.disable_adapter():
+            return logps_of(model, batch)
+
+
+def plain_grpo_loop(
+    model, batches, olds, *, beta: float, loss_type: str, max_tokens: int = 8, iterations: int = 1
+):
+    """GRPO the ordinary way: the unsplit model, the whole batch, torch SGD. A full fine-tune's
+    reference is a frozen copy of the initial model; with ``iterations`` (the paper's mu) each
+    batch trains that many steps, its old log-probabilities taken before the first."""
     policy = copy.deepcopy(model)
+    lora = any("lora_" in n for n, _ in policy.named_parameters())
+    frozen = None if lora else copy.deepcopy(model).requires_grad_(False)
     opt = torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=LR)
     losses = []
     for step, (batch, old) in enumerate(zip(batches, olds, strict=True)):
-        ref = reference_logps(policy, batch) if beta else None
-        logits = policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        logps = token_logps(logits, batch["labels"])
+        ref = reference_logps(policy, batch, frozen) if beta else None
+        if iterations > 1:
+            with torch.no_grad():
+                old = logps_of(policy, batch)
         adv = direct_advantages(rewards_for(step, batch["input_ids"].shape[0]))
-        loss = direct_grpo_loss(
-            logps,
-            logps.detach() if old is None else old,
-            ref,
-            adv,
-            batch["labels"],
-            beta=beta,
-            loss_type=loss_type,
-            max_tokens=max_tokens,
-        )
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+        for _ in range(iterations):
+            logps = logps_of(policy, batch)
+            loss = direct_grpo_loss(
+                logps,
+                logps.detach() if old is None else old,
+                ref,
+                adv,
+                batch["labels"],
+                beta=beta,
+                loss_type=loss_type,
+                max_tokens=max_tokens,
+            )
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
     return losses, {k: v.detach().float().clone() for k, v in policy.state_dict().items()}
 
 
 def engine_grpo_loop(
-    model, batches, olds, config: EngineConfig, *, beta: float, loss_type: str, max_tokens=8
+    model, batches, olds, config: EngineConfig, *, beta: float, loss_type: str, max_tokens=8, iterations=1
 ):
     with RoundPipe(copy.deepcopy(model), config) as rp:
+        lora = any("lora_" in n for n in rp.master_state_dict(trainable_only=True))
+        if beta and not lora:
+            rp.keep_initial_weights()
         losses, metrics = [], []
         for step, (batch, old) in enumerate(zip(batches, olds, strict=True)):
-            ref = rp.token_logps(**batch, adapters=False) if beta else None
+            ref = rp.token_logps(**batch, adapters=False) if beta and lora else None
+            if beta and not lora:
+                ref = rp.token_logps(**batch, initial=True)
+            if iterations > 1:
+                old = rp.token_logps(**batch)
             adv = group_advantages(rewards_for(step, batch["input_ids"].shape[0]), GROUP)
-            objective = GRPOObjective(
-                adv,
-                reference=ref,
-                old=old,
-                loss_type=loss_type,
-                epsilon=EPS,
-                epsilon_high=EPS_HIGH,
-                beta=beta,
-            )
-            it = rp.forward_backward_tokens(
-                objective, **batch, divisor=divisor(loss_type, batch["labels"], max_tokens)
-            )
-            losses.append(it.loss_sum() / it.total_tokens)
-            metrics.append(objective_metrics([it]))
-            rp.step()
+            for _ in range(iterations):
+                objective = GRPOObjective(
+                    adv,
+                    reference=ref,
+                    old=old,
+                    loss_type=loss_type,
+                    epsilon=EPS,
+                    epsilon_high=EPS_HIGH,
+                    beta=beta,
+                )
+                it = rp.forward_backward_tokens(
+                    objective, **batch, divisor=divisor(loss_type, batch["labels"], max_tokens)
+                )
+                losses.append(it.loss_sum() / it.total_tokens)
+                metrics.append(objective_metrics([it]))
+                rp.step()
         return losses, rp.master_state_dict(), metrics
 
 
@@ -220,6 +249,72 @@ def test_sync_grpo_equals_the_plain_grpo_loop(family, lora, beta, loss_type, rat
         if lora:
             for k, v in initial.items():
                 assert (not torch.equal(state[k], v)) == ("lora_" in k), k
+
+
+@pytest.mark.parametrize(
+    ("family", "lora", "beta", "loss_type", "iterations"),
+    [
+        ("llama", False, 0.1, "grpo", 1),
+        ("llama", False, 0.05, "dapo", 2),
+        ("llama", False, 0.0, "dr_grpo", 2),
+        ("llama", True, 0.1, "grpo", 2),
+        ("qwen3_moe", False, 0.1, "grpo", 2),
+    ],
+    ids=["llama-full-kl", "llama-full-kl-mu2", "llama-full-mu2", "llama-lora-kl-mu2", "moe-full-kl-mu2"],
+)
+@pytest.mark.parametrize("workers", [1, 3])
+def test_sync_grpo_with_a_full_reference_or_iterations_equals_the_plain_grpo_loop(
+    family, lora, beta, loss_type, iterations, workers, batches
+) -> None:
+    # a full fine-tune's KL term against a frozen copy of its initial weights, and num_iterations
+    # (mu): each batch trains mu steps against the log-probabilities from before the first
+    model = lora_model(family) if lora else tiny_model(family)
+    olds = [None] * len(batches)
+    kw = {"beta": beta, "loss_type": loss_type, "iterations": iterations}
+    ref_losses, ref_state = plain_grpo_loop(model, batches, olds, **kw)
+    assert len(ref_losses) == iterations * len(batches)
+    initial = {k: v.detach().float() for k, v in model.state_dict().items()}
+    assert max_diff(ref_state, initial) > 1e-3  # the loop really trained
+    plans = ((workers, None), (min(workers + 2, 5), SPLIT_PLAN))
+    for m, plan in plans if family == "llama" else plans[:1]:
+        config = EngineConfig(
+            devices=["cpu"] * workers, num_microbatches=m, optimizer="sgd", lr=LR, partition=plan
+        )
+        losses, state, metrics = engine_grpo_loop(model, batches, olds, config, **kw)
+        assert max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)) < SGD_TOL, (
+            losses,
+            ref_losses,
+        )
+        assert max_diff(state, ref_state) < SGD_TOL, (m, max_diff(state, ref_state))
+        clipped = [x["grpo/clip_fraction"] for x in metrics]
+        # a batch's first step is on-policy (ratio 1); a full fine-tune's later ones moved enough
+        assert all(c == 0 for c in clipped[::iterations]), clipped
+        if iterations > 1 and not lora:
+            assert max(clipped) > 0, clipped
+        kl = [x["grpo/kl"] for x in metrics]
+        # a full fine-tune's first step is its reference: no KL yet; later steps moved away
+        assert (max(kl) > 0) == bool(beta) and (lora or kl[0] == 0), kl
+
+
+def test_the_initial_weights_stay_what_they_were(batches) -> None:
+    # the copy is the reference model: the policy trains, the copy scores as the initial model
+    model = tiny_model("llama")
+    batch = batches[0]
+    expected = initial_olds(model, [batch])[0]
+    config = EngineConfig(devices=["cpu", "cpu"], num_microbatches=3, optimizer="sgd", lr=LR)
+    with RoundPipe(copy.deepcopy(model), config) as rp:
+        with pytest.raises(ValueError, match=r"initial=True\): no initial weights kept"):
+            rp.token_logps(**batch, initial=True)
+        size = rp.keep_initial_weights()
+        assert size == sum(p.numel() * 4 for p in model.parameters())  # fp32 compute on the CPU
+        assert rp.keep_initial_weights() == size  # kept once
+        for _ in range(2):
+            rp.forward_backward(**batch)
+            rp.step()
+        moved = rp.token_logps(**batch)
+        kept = rp.token_logps(**batch, initial=True)
+        assert (kept - expected).abs().max() < 1e-6
+        assert (moved - expected).abs().max() > 1e-3
 
 
 def test_grpo_is_bitwise_identical_for_any_worker_count_and_partition(batches) -> None:

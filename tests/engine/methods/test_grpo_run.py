@@ -134,8 +134,8 @@ def test_config_errors_name_the_field(workspace: Path) -> None:
     assert bad.value.field == "method.grader.operation" and "'equals'" in str(bad.value), bad.value
     with pytest.raises(ConfigError, match="only GRPO uses a grader"):
         config(workspace, "x", method={"objective": "sft", "grader": GRADER, "beta": 0.1})
-    with pytest.raises(ConfigError, match=r"method.beta=0.1: the KL term's reference is the base model"):
-        config(workspace, "x", method={"tuning": "full", "beta": 0.1})
+    # a full fine-tune's KL term: its reference is a frozen copy of its initial weights
+    assert config(workspace, "x", method={"tuning": "full", "beta": 0.1}).method.beta == 0.1
     # GRPO's default beta is 0 (no KL term, no reference pass), whatever trains
     assert MethodSpec(objective="grpo", tuning="full", grader=GRADER).beta == 0
     assert MethodSpec(objective="grpo", grader=GRADER).beta == 0 and MethodSpec().beta == 0.1
