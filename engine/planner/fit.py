@@ -106,14 +106,18 @@ def host_ram(
 ) -> dict[str, float]:
     """Host RAM by term (GB): the compute copy of the weights (``weights``: each layer's upload
     bytes, a 4-bit base's packed), the trainable weights' fp32 masters, gradients and optimizer
-    state (and a second copy in async mode), and the inputs of the stages that recompute
-    (``boundaries`` of them) for every sequence of the batch (both of each DPO pair)."""
+    state (and a second copy in async mode), a full fine-tune's frozen copy of its initial
+    weights in the compute dtype when GRPO's KL term needs a reference (``kl_reference``; a LoRA
+    run's reference is its base), and the inputs of the stages that recompute (``boundaries`` of
+    them) for every sequence of the batch (both of each DPO pair)."""
     w = workload
     dtype = DTYPE_BYTES[w.compute_dtype]
+    frozen_reference = w.kl_reference and w.tuning == "full"
     host = {
         "weights_gb": sum(weights) / GB,
         "optimizer_gb": trainable * bytes_per_trainable_param(w.optimizer) / GB,
         "second_weights_buffer_gb": (trainable * dtype / GB) if w.async_optimizer else 0.0,
+        "reference_weights_gb": (trainable * dtype / GB) if frozen_reference else 0.0,
         "stage_inputs_gb": boundaries * w.sequences * w.seq_len * shape.hidden * dtype / GB,
     }
     host["total_gb"] = sum(host.values())

@@ -35,8 +35,9 @@ class PlanReport:
     A GRPO job's step first samples its completions (on the first GPU when the model fits there,
     else on the host's CPU: ``rollout``, by term, ``engine.planner.rollouts``) and trains on
     ``batch_size * group_size`` sequences: ``step_s`` is ``iteration_s`` plus ``rollout_s`` (the
-    sampling, the model's copy to the GPU and, with beta > 0, the reference log-probabilities),
-    ``rollout_share`` the part of a step they take; the ETA counts both.
+    sampling, the model's copy to the GPU and, with beta > 0, the reference log-probabilities;
+    with ``num_iterations`` mu > 1, the policy's too, the whole over the mu steps that train on
+    a batch), ``rollout_share`` the part of a step they take; the ETA counts both.
     ``tokens_per_s`` is the training iteration's. For every other method ``step_s`` is
     ``iteration_s`` and ``rollout_s`` None.
 
@@ -138,11 +139,17 @@ class PlanReport:
         if self.rollout is not None and self.rollout_s is not None:
             r = self.rollout
             lines.append(
-                f"GRPO: {r['rows']:,} completions of up to {r['completion_tokens']:,} tokens a step, "
-                f"sampled in {r['generation_s']:.2f} s (~{r['tokens_per_s']:,.0f} tokens/s, "
+                f"GRPO: {r['rows']:,} completions of up to {r['completion_tokens']:,} tokens "
+                + ("a batch, " if r["iterations"] > 1 else "a step, ")
+                + f"sampled in {r['generation_s']:.2f} s (~{r['tokens_per_s']:,.0f} tokens/s, "
                 f"{r['bound']}-bound) on {r['reason']}"
                 + (f", the model copied there {r['upload_s']:.2f} s" if r["upload_s"] else "")
                 + (f", reference log-probabilities {r['reference_s']:.2f} s" if r["reference_s"] else "")
+                + (
+                    f", the policy's {r['old_s']:.2f} s; each batch trains {r['iterations']} steps"
+                    if r["iterations"] > 1
+                    else ""
+                )
                 + f"; a step {self.step_s:.2f} s, {100 * (self.rollout_share or 0):.0f}% of it rollouts"
             )
         if self.eta_s is not None:
@@ -255,7 +262,7 @@ def _report(shape: Shape, hardware: Hardware, workload: Workload) -> PlanReport:
     worker = max((s["gpu_memory_gb"] for s in stages), default=(memory.largest_layer() + overhead) / GB)
     reference = reference_seconds(shape, w, h, plan, memory.weights) if plan is not None else None
     rollout = rollout_time(shape, w, h, plan, memory.weights, a.trainable)
-    step = iteration + (rollout.total_s if rollout is not None and iteration else 0.0)
+    step = iteration + (rollout.per_step_s if rollout is not None and iteration else 0.0)
     eta = step * w.steps + (reference or 0.0) if (w.steps and iteration) else None
     return PlanReport(
         fits=not problems,
@@ -281,8 +288,8 @@ def _report(shape: Shape, hardware: Hardware, workload: Workload) -> PlanReport:
         pcie=pcie_traffic(shape, w, a),
         base_variants=variants,
         step_s=step,
-        rollout_s=rollout.total_s if rollout is not None else None,
-        rollout_share=rollout.total_s / step if rollout is not None and step > 0 else None,
+        rollout_s=rollout.per_step_s if rollout is not None else None,
+        rollout_share=rollout.per_step_s / step if rollout is not None and step > 0 else None,
         rollout=rollout.to_dict() if rollout is not None else None,
         assumptions={
             "device": h.device,

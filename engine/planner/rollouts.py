@@ -22,9 +22,12 @@ job); a GPU box's host CPU has ``host_cores`` (as its worker reports them, else
 Attention's own FLOPs, the sampler and ``generate``'s Python overhead per token (which bounds a
 small model on a GPU) are left out; completions that stop early make the real step shorter.
 
-With ``beta`` > 0 each step also computes the base model's log-probabilities of the completions
-(``RoundPipe.token_logps`` with the adapters off): one forward-only pass through the pipeline over
-the step's rows, priced as the DPO reference pass prices one batch (``reference.forward_seconds``).
+With ``beta`` > 0 each batch of completions also gets the reference's log-probabilities
+(``RoundPipe.token_logps``: a LoRA run's base with the adapters off, a full fine-tune's frozen
+copy of its initial weights): one forward-only pass through the pipeline over the step's rows,
+priced as the DPO reference pass prices one batch (``reference.forward_seconds``). With
+``num_iterations`` mu > 1 a batch also gets the policy's own log-probabilities before its first
+step (another such pass), and trains mu steps: a step's share of the sampling is 1/mu of it.
 """
 
 from __future__ import annotations
@@ -60,8 +63,11 @@ class RolloutTime:
         reason: where, and why there, in words.
         generation_s: sampling the step's completions (prefill and decode).
         upload_s: copying the model to the GPU that samples (0 on the CPU).
-        reference_s: the base model's log-probabilities of the completions (0 when ``beta`` is 0).
-        rows: completions sampled a step (``batch_size * group_size``).
+        reference_s: the reference's log-probabilities of the completions (0 when ``beta`` is 0).
+        old_s: the policy's log-probabilities of the completions before the first step on them
+            (0 when ``num_iterations`` is 1).
+        iterations: the steps each batch of completions trains (``num_iterations``).
+        rows: completions sampled a batch (``batch_size * group_size``).
         completion_tokens: tokens each is priced at (``max_completion_tokens``).
         tokens_per_s: completion tokens sampled per second (every row's, over the decode).
         gflops: the sampling device's assumed rate (GFLOP/s).
@@ -74,6 +80,8 @@ class RolloutTime:
     generation_s: float
     upload_s: float
     reference_s: float
+    old_s: float
+    iterations: int
     rows: int
     completion_tokens: int
     tokens_per_s: float
@@ -83,7 +91,13 @@ class RolloutTime:
 
     @property
     def total_s(self) -> float:
-        return self.generation_s + self.upload_s + self.reference_s
+        """A batch of completions: sampled, and its log-probabilities measured."""
+        return self.generation_s + self.upload_s + self.reference_s + self.old_s
+
+    @property
+    def per_step_s(self) -> float:
+        """A step's share: the batch's time over the steps that train on it."""
+        return self.total_s / self.iterations
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -126,7 +140,8 @@ def rollout_time(
     weights: Sequence[float],
     trainable: int = 0,
 ) -> RolloutTime | None:
-    """A GRPO step's sampling (and KL reference pass) time; None for a method that samples none.
+    """A GRPO batch's sampling time (and its reference's and old log-probabilities' passes);
+    None for a method that samples none.
 
     Args:
         shape: the model's sizes.
@@ -153,15 +168,19 @@ def rollout_time(
     compute = 2.0 * active * rows / flops
     memory = stored / (read * GB)
     decode = max(compute, memory)
-    reference = 0.0
-    if w.kl_reference and plan is not None:
-        reference = forward_seconds(shape, w, hardware, plan, weights)
+    reference = old = 0.0
+    if plan is not None and (w.kl_reference or w.num_iterations > 1):
+        forward = forward_seconds(shape, w, hardware, plan, weights)
+        reference = forward if w.kl_reference else 0.0
+        old = forward if w.num_iterations > 1 else 0.0
     return RolloutTime(
         device=device,
         reason=reason,
         generation_s=prefill + tokens * decode,
         upload_s=upload,
         reference_s=reference,
+        old_s=old,
+        iterations=w.num_iterations,
         rows=rows,
         completion_tokens=tokens,
         tokens_per_s=rows / decode if decode > 0 else 0.0,

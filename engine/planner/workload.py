@@ -117,7 +117,10 @@ class Workload:
     first samples ``group_size`` completions of each (up to ``completion_tokens`` tokens) on the
     host, then trains on the ``batch_size * group_size`` sequences of prompt and completion
     (``engine.planner.rollouts`` prices the sampling; ``kl_reference``: a forward pass for the
-    base model's log-probabilities of the completions, when ``beta`` > 0).
+    reference's log-probabilities of the completions, when ``beta`` > 0: the base model's, or a
+    full fine-tune's frozen copy of its initial weights, which host RAM holds too). With
+    ``num_iterations`` mu > 1 a batch of completions trains mu steps: it is sampled (and its
+    log-probabilities measured) once every mu steps, and an epoch is mu times as many steps.
     """
 
     seq_len: int = 2048
@@ -140,7 +143,8 @@ class Workload:
     group_size: int | None = None  # GRPO: completions sampled per prompt (method.group_size)
     completion_tokens: int = 0  # GRPO: the longest completion sampled (method.max_completion_tokens)
     mean_prompt_len: float | None = None  # GRPO: tokens per prompt from the data, when known
-    kl_reference: bool = False  # GRPO with beta > 0: the base model's log-probabilities each step
+    kl_reference: bool = False  # GRPO with beta > 0: the reference's log-probabilities each batch
+    num_iterations: int = 1  # GRPO: optimizer steps on each batch of completions (method.num_iterations)
 
     @property
     def objective(self) -> str:
@@ -250,9 +254,11 @@ class Workload:
                 total = sum(min(n, d.max_length) for n in token_lengths) * rows / len(token_lengths)
                 num_sequences = max(1, math.ceil(total / d.max_length))
         steps = h.max_steps
+        iterations = m.num_iterations if prompts else 1
         if steps is None and num_sequences is not None:
-            # the run's own count (engine/training/run.py): whole batches per epoch, at least one step
-            steps = max(1, math.ceil((h.epochs or 1.0) * (num_sequences // h.batch_size)))
+            # the run's own count (engine/training/run.py): whole batches per epoch, each trained
+            # num_iterations steps (GRPO), at least one step
+            steps = max(1, math.ceil((h.epochs or 1.0) * (num_sequences // h.batch_size) * iterations))
         named = [] if e.devices == "auto" else list(e.devices)
         gpus = tuple("cuda:0" if d == "cuda" else d for d in named if d == "cuda" or _is_gpu(d))
         reference = None
@@ -279,6 +285,7 @@ class Workload:
             completion_tokens=m.max_completion_tokens if prompts else 0,
             mean_prompt_len=prompt_mean,
             kl_reference=prompts and m.beta > 0,
+            num_iterations=iterations,
         )
 
     def num_workers(self, hardware: Hardware) -> int:
@@ -367,6 +374,11 @@ def check(workload: Workload, hardware: Hardware) -> None:
                 "completion_tokens",
                 f"completion_tokens={tokens!r} must be an integer from 0 to seq_len - 1 ({w.seq_len - 1})",
                 value=tokens,
+            )
+        mu = w.num_iterations
+        if isinstance(mu, bool) or not isinstance(mu, int) or not 1 <= mu <= 16:
+            raise ConfigError(
+                "num_iterations", f"num_iterations={mu!r} must be an integer from 1 to 16", value=mu
             )
     if isinstance(w.base_bits, bool) or w.base_bits not in (16, 4):
         raise ConfigError("base_bits", f"base_bits={w.base_bits!r} must be 16 or 4", value=w.base_bits)
