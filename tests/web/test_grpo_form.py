@@ -102,6 +102,13 @@ def test_a_grpo_job_from_the_new_job_page(
     expect(rows.locator(".trial-reward")).to_have_text(["0", "0", "1", "0", "0"])
     expect(rows.locator(".trial-sample")).to_have_text(["4"] * 5)
 
+    # a full fine-tune takes a KL term too (its reference: a copy of its initial weights)
+    page.select_option("select#grpo-tuning", "full")
+    expect(page.locator("input#grpo-beta")).to_be_enabled()
+    expect(page.locator("input#grpo-beta")).to_have_value("0.04")
+    page.select_option("select#grpo-tuning", "lora")
+    expect(page.locator("input#grpo-num-iterations")).to_have_value("1")
+
     # the settings, and the plan of the job with its rollouts
     page.fill("input#grpo-group-size", "2")
     page.fill("input#grpo-max-completion-tokens", "8")
@@ -134,6 +141,7 @@ def test_a_grpo_job_from_the_new_job_page(
         "temperature": 0.7,
         "beta": 0.04,
         "loss_type": "dapo",
+        "num_iterations": 1,
         "lora_r": 4,
     }, body
     page.wait_for_url(re.compile(r"#/jobs/[0-9a-f]+$"), timeout=20_000)

@@ -2,7 +2,7 @@
 // the grader as JSON, checked as it is typed (POST /v1/fine_tuning/alpha/graders/validate), tried
 // on the first rows of the chosen prompts dataset (POST /v1/fine_tuning/alpha/graders/run), and
 // the sampling and loss settings (method.group_size, max_completion_tokens, temperature, beta,
-// loss_type) with what trains (method.tuning).
+// loss_type, num_iterations) with what trains (method.tuning).
 
 import { api } from "../api.js";
 import { el, field, number } from "../widgets.js";
@@ -43,12 +43,13 @@ export function grpoOptions(entry, context, changed) {
     "select",
     {},
     el("option", { value: "lora", text: "LoRA adapter" }),
-    el("option", { value: "full", text: "every weight (beta 0)" }),
+    el("option", { value: "full", text: "every weight" }),
   );
   const groupSize = num(4, { min: 2, max: 64 });
   const maxTokens = num(64, { min: 1, max: 32768 });
   const temperature = num(1.0, { min: 0.01, max: 10, step: "any" });
   const beta = num(0.04, { min: 0, max: 100, step: "any" });
+  const iterations = num(1, { min: 1, max: 16 });
   const lossType = el(
     "select",
     {},
@@ -91,12 +92,18 @@ export function grpoOptions(entry, context, changed) {
     el(
       "div",
       { class: "grid" },
-      field("grpo-tuning", "Trains", tuning, "a full fine-tune keeps no base model for the KL term"),
+      field(
+        "grpo-tuning",
+        "Trains",
+        tuning,
+        "the KL term's reference: LoRA's base, or a full fine-tune's initial weights (a copy in host RAM)",
+      ),
       field("grpo-group-size", "Group size", groupSize, help("group_size")),
       field("grpo-max-completion-tokens", "Max completion tokens", maxTokens, help("max_completion_tokens")),
       field("grpo-temperature", "Temperature", temperature, help("temperature")),
       field("grpo-beta", "Beta (KL)", beta, help("beta")),
       field("grpo-loss-type", "Loss", lossType, help("loss_type")),
+      field("grpo-num-iterations", "Steps per batch", iterations, help("num_iterations")),
     ),
     el(
       "div",
@@ -133,12 +140,7 @@ export function grpoOptions(entry, context, changed) {
     clearTimeout(timer);
     timer = setTimeout(validate, 300);
   });
-  // beta 0 for a full fine-tune: it keeps no base model to be the KL term's reference
-  tuning.addEventListener("change", () => {
-    beta.disabled = tuning.value === "full";
-    if (beta.disabled) beta.value = 0;
-    changed();
-  });
+  tuning.addEventListener("change", changed);
 
   // the first rows of the chosen dataset (their prompts and grader fields), each graded with the
   // sample answer (or its own reference answer when the box is empty)
@@ -211,6 +213,7 @@ export function grpoOptions(entry, context, changed) {
         temperature: Number(temperature.value),
         beta: Number(beta.value),
         loss_type: lossType.value,
+        num_iterations: Number(iterations.value),
       };
     },
     usesLora: () => tuning.value === "lora",

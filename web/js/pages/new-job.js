@@ -536,6 +536,7 @@ export async function render(main) {
           "max-completion-tokens": "grpo-max-completion-tokens",
           temperature: "grpo-temperature",
           "loss-type": "grpo-loss-type",
+          "num-iterations": "grpo-num-iterations",
           host: "placement-host",
           gpus: "placement-gpus",
         }[last] || last;

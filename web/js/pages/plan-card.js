@@ -29,15 +29,19 @@ function pairsNote(p) {
 
 // A GRPO job: each step first samples its completions, on the first GPU when the model fits there,
 // else on the host's CPU (POST /api/plan's rollout: the worst case, every completion
-// max_completion_tokens long), then trains on them; the ETA counts both.
+// max_completion_tokens long), then trains on them; the ETA counts both. With num_iterations > 1
+// a batch of completions trains that many steps, and a step counts that share of its sampling.
 function rolloutNote(p) {
   const r = p.rollout;
   const copy = r.upload_s ? `, plus ${duration(r.upload_s)} copying the model there` : "";
-  const kl = r.reference_s ? `, and ${duration(r.reference_s)} for the base model's log-probabilities (beta > 0)` : "";
+  const kl = r.reference_s ? `, and ${duration(r.reference_s)} for the reference's log-probabilities (beta > 0)` : "";
+  const reuse =
+    r.iterations > 1 ? `, and ${duration(r.old_s)} for the policy's; each batch trains ${r.iterations} steps` : "";
+  const when = r.iterations > 1 ? "a batch" : "a step";
   return (
-    `GRPO: ${r.rows} completions of up to ${r.completion_tokens.toLocaleString("en-US")} tokens a step, ` +
+    `GRPO: ${r.rows} completions of up to ${r.completion_tokens.toLocaleString("en-US")} tokens ${when}, ` +
     `sampled in ${duration(r.generation_s)} on ${r.reason} (~${number(r.tokens_per_s)} tokens/s, ${r.bound}-bound, ` +
-    `assuming ${number(r.gflops)} GFLOP/s and ${number(r.memory_gb_s)} GB/s)${copy}${kl}: ` +
+    `assuming ${number(r.gflops)} GFLOP/s and ${number(r.memory_gb_s)} GB/s)${copy}${kl}${reuse}: ` +
     `${number(100 * p.rollout_share)}% of a ${duration(p.step_s)} step, in the ETA.`
   );
 }
