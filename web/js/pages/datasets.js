@@ -1,9 +1,10 @@
-// Datasets: upload (drop or pick; progress; errors by line), list, preview through a model's
-// chat template with the trained tokens highlighted (preference rows: the prompt, then both
+// Datasets: upload (drop or pick; progress; errors by line), pull a split from the Hub
+// (dataset-pull.js), list, preview through a model's chat template with the trained tokens highlighted (preference rows: the prompt, then both
 // answers; prompt rows: the prompt, then the fields a grader reads), token-length histogram, delete.
 
 import { api, upload } from "../api.js";
 import { age, bytes, el, errorBox, number } from "../widgets.js";
+import { pullCard } from "./dataset-pull.js";
 
 function tokens(list) {
   return el(
@@ -85,6 +86,7 @@ export async function render(main) {
   );
   const body = el("tbody");
   const preview = el("section", { id: "preview", class: "card", hidden: true });
+  const pull = pullCard({ onStored: () => list() });
   main.append(
     el("h1", { text: "Datasets" }),
     el(
@@ -98,6 +100,7 @@ export async function render(main) {
       errors,
       moreErrors,
     ),
+    pull.node,
     el(
       "div",
       { class: "table-wrap" },
@@ -250,4 +253,6 @@ export async function render(main) {
     if (e.dataTransfer.files.length) send(e.dataTransfer.files[0]);
   });
   await list();
+  await pull.start();
+  return () => pull.close();
 }

@@ -1,5 +1,6 @@
-// One Hub transfer (a model pull or a checkpoint push) as a live line: status badge, progress bar,
-// bytes done of total, speed and ETA, a Cancel button while it runs, and its error when it fails.
+// One Hub transfer (a model pull, a dataset pull or a checkpoint push) as a live line: status badge,
+// progress bar, bytes done of total, speed and ETA, a Cancel button while it runs, and its error when
+// it fails (a dataset pull's invalid rows listed by line).
 // The line follows GET /api/transfers/{id}/stream until the transfer ends.
 
 import { api, stream } from "../api.js";
@@ -55,7 +56,8 @@ export function transferLine(t, { label, onEnd } = {}) {
     const eta = now.eta_s !== null && now.eta_s !== undefined ? ` · ${duration(now.eta_s)} left` : "";
     figures.textContent = `${bytes(now.bytes_done)} of ${total ? bytes(total) : "?"}${ACTIVE.has(now.status) ? speed + eta : ""}`;
     cancel.hidden = !ACTIVE.has(now.status) || now.status === "cancelling";
-    if (now.error && now.status === "failed") problem.replaceChildren(errorBox({ message: now.error }));
+    if (now.error && now.status === "failed")
+      problem.replaceChildren(errorBox({ message: now.error, details: now.details || [] }));
     if (!ACTIVE.has(now.status) && !ended) {
       ended = true;
       close();
