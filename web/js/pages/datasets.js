@@ -1,6 +1,7 @@
 // Datasets: upload (drop or pick; progress; errors by line), pull a split from the Hub
-// (dataset-pull.js), list, preview through a model's chat template with the trained tokens highlighted (preference rows: the prompt, then both
-// answers; prompt rows: the prompt, then the fields a grader reads), token-length histogram, delete.
+// (dataset-pull.js), list, preview through a model's chat template with the trained tokens
+// highlighted (preference rows: the prompt, then both answers; prompt rows: the prompt, then the
+// fields a grader reads), token-length histogram, delete.
 
 import { api, upload } from "../api.js";
 import { age, bytes, el, errorBox, number } from "../widgets.js";
