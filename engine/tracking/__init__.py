@@ -2,8 +2,10 @@
 
 ``start(config, ...)`` returns a ``Trackers`` sink (or None when the config's ``tracking`` asks
 for none) that ``engine.training.run.train`` puts beside the caller's sink, so the command line
-and the service's worker log the same way. Every tracker runs on a thread of its own with bounded
-retries (``background``): a tracker that is down never fails or slows the run; its problems reach
+and the service's worker log the same way. Every tracker runs on a thread of its own
+(``background``): a tracker that is down never fails or slows the run, and its metric points wait
+(in memory, then in a spool file under the run folder) until it is back, in order; the run's end
+waits a bounded time for them, and what is left is sent first by a resumed run. Problems reach
 the run's sink as ``tracker`` events. Credentials come in ``TrackerSecrets`` (the service's
 settings), never from the config, and are never logged.
 """
@@ -21,12 +23,22 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from engine.kinds import EngineEvent
 from engine.tracking.background import Background, RetryPolicy
+from engine.tracking.spool import SPOOL_DIR, Point
 
 if TYPE_CHECKING:
     from engine.config import TrainConfig
     from engine.metrics import Sink
 
-__all__ = ["RetryPolicy", "RunInfo", "TrackerSecrets", "Trackers", "TrackingOptions", "flat_params", "start"]
+__all__ = [
+    "Point",
+    "RetryPolicy",
+    "RunInfo",
+    "TrackerSecrets",
+    "Trackers",
+    "TrackingOptions",
+    "flat_params",
+    "start",
+]
 
 
 @dataclass(frozen=True)
@@ -87,10 +99,11 @@ def flat_params(config: TrainConfig) -> dict[str, str | int | float | bool]:
 
 class Tracker(Protocol):
     name: str
+    batch: int  # points per ``log`` call at most
 
     def start(self, info: RunInfo) -> None: ...
 
-    def log(self, metrics: dict[str, float], step: int) -> None: ...
+    def log(self, points: list[Point]) -> None: ...
 
     def finish(self, summary: dict[str, float], status: str, export: Path | None) -> None: ...
 
@@ -107,8 +120,15 @@ class Trackers:
         self.finished = False
         self.runs: list[tuple[Tracker, Background]] = []
         for tracker in trackers:
-            background = Background(tracker.name, warn=warn, policy=policy)
-            background.submit("start", functools.partial(tracker.start, info))
+            background = Background(
+                tracker.name,
+                start=functools.partial(tracker.start, info),
+                send=tracker.log,
+                spool=info.output_dir / SPOOL_DIR / f"{tracker.name}.jsonl",
+                warn=warn,
+                policy=policy,
+                batch=tracker.batch,
+            )
             self.runs.append((tracker, background))
 
     @property
@@ -117,8 +137,9 @@ class Trackers:
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         self.latest.update(metrics)
-        for tracker, background in self.runs:
-            background.submit("log", functools.partial(tracker.log, dict(metrics), step))
+        point = Point(step, dict(metrics), int(time.time() * 1000))
+        for _, background in self.runs:
+            background.log(point)
 
     def event(self, kind: str, message: str, data: dict[str, Any] | None = None) -> None:
         if kind == EngineEvent.CHECKPOINT and data and data.get("path"):
@@ -130,9 +151,12 @@ class Trackers:
             return
         self.finished = True
         summary = {k: v for k, v in self.latest.items() if not k.startswith(("time/", "transfer/"))}
-        for tracker, background in self.runs:
-            background.submit("finish", functools.partial(tracker.finish, summary, status, self.export))
-        closers = [threading.Thread(target=b.close, daemon=True) for _, b in self.runs]
+        closers = [
+            threading.Thread(
+                target=b.close, args=(functools.partial(t.finish, summary, status, self.export),), daemon=True
+            )
+            for t, b in self.runs
+        ]
         for closer in closers:  # side by side: the wait is the slowest tracker's, not their sum
             closer.start()
         for closer in closers:
@@ -152,7 +176,7 @@ class TrackingOptions:
         dataset, dataset_sha256: the training data's name and hash (default: the file's name
             and its hash, computed in the background).
         tags: more tags (MLflow) for the run.
-        policy: the retry policy (tests shorten it).
+        policy: the retry policy and the queue's bound (tests shorten them).
     """
 
     secrets: TrackerSecrets = field(default_factory=TrackerSecrets)

@@ -1,9 +1,11 @@
 """The trackers a run can log to: TensorBoard event files, an MLflow server, Weights & Biases.
 
-Each has ``start(info)``, ``log(metrics, step)`` and ``finish(summary, status, export)``; they run
-on a background thread (``engine.tracking.background``) and may raise: the caller retries. The
-ids of the runs they created are kept in ``output_dir/trackers.json``, so a resumed job logs to
-the same runs.
+Each has ``start(info)``, ``log(points)`` (``batch`` points at most) and ``finish(summary, status,
+export)``; they run on a background thread (``engine.tracking.background``) and may raise: the
+caller retries with the same points, so each delivers a point once: TensorBoard and W&B take one
+point per call, and MLflow keeps a repeated row (same key, value, step and time) once. The ids
+of the runs they created are kept in ``output_dir/trackers.json``, so a resumed job logs to the
+same runs.
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import threading
-import time
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from engine.config import MlflowSpec, WandbSpec
     from engine.tracking import RunInfo, TrackerSecrets
+    from engine.tracking.spool import Point
 
 IDS_FILE = "trackers.json"
 TENSORBOARD_DIR = "tensorboard"
@@ -58,6 +60,7 @@ class TensorBoardTracker:
     (TensorBoard's HParams), in ``output_dir/tensorboard``."""
 
     name = "tensorboard"
+    batch = 1
 
     def __init__(self) -> None:
         self.writer: Any = None
@@ -69,9 +72,10 @@ class TensorBoardTracker:
         self.params = info.params
         self.writer.add_text("run/config", "```\n" + json.dumps(info.described(), indent=1) + "\n```")
 
-    def log(self, metrics: dict[str, float], step: int) -> None:
-        for key, value in metrics.items():
-            self.writer.add_scalar(key, value, global_step=step)
+    def log(self, points: list[Point]) -> None:
+        for point in points:
+            for key, value in point.metrics.items():
+                self.writer.add_scalar(key, value, global_step=point.step, walltime=point.time_ms / 1000)
 
     def finish(self, summary: dict[str, float], status: str, export: Path | None) -> None:
         from torch.utils.tensorboard.summary import hparams
@@ -90,6 +94,7 @@ class MlflowTracker:
     metrics by step, the status, and optionally the final export as the ``adapter`` artifact."""
 
     name = "mlflow"
+    batch = 1_000  # and 1000 values: MLflow's log_batch limit
 
     def __init__(self, spec: MlflowSpec, secrets: TrackerSecrets) -> None:
         self.spec, self.secrets = spec, secrets
@@ -126,12 +131,14 @@ class MlflowTracker:
             client.log_batch(self.run_id, params=params, tags=[RunTag(k, v) for k, v in tags.items()])
         self.client = client
 
-    def log(self, metrics: dict[str, float], step: int) -> None:
+    def log(self, points: list[Point]) -> None:
         from mlflow.entities import Metric
 
-        stamp = int(time.time() * 1000)
-        batch = [Metric(k, float(v), stamp, step) for k, v in metrics.items()]
-        self.client.log_batch(self.run_id, metrics=batch)
+        # each point's own time: a batch sent again (a timeout the server did get, a spool
+        # replayed) repeats rows exactly, which MLflow's database stores keep once
+        batch = [Metric(k, float(v), p.time_ms, p.step) for p in points for k, v in p.metrics.items()]
+        for at in range(0, len(batch), 1000):
+            self.client.log_batch(self.run_id, metrics=batch[at : at + 1000])
 
     def finish(self, summary: dict[str, float], status: str, export: Path | None) -> None:
         if self.spec.log_adapter and export is not None and status == "succeeded":
@@ -148,6 +155,7 @@ class WandbTracker:
     run's step, the summary; ``mode: offline`` writes the run's files under output_dir/wandb."""
 
     name = "wandb"
+    batch = 1  # one run.log per call: a retried call never logs a step twice
 
     def __init__(self, spec: WandbSpec, secrets: TrackerSecrets) -> None:
         self.spec, self.secrets = spec, secrets
@@ -188,8 +196,9 @@ class WandbTracker:
         self.run.define_metric("trainer/step")
         self.run.define_metric("*", step_metric="trainer/step")
 
-    def log(self, metrics: dict[str, float], step: int) -> None:
-        self.run.log({"trainer/step": step, **metrics})
+    def log(self, points: list[Point]) -> None:
+        for point in points:
+            self.run.log({"trainer/step": point.step, **point.metrics})
 
     def finish(self, summary: dict[str, float], status: str, export: Path | None) -> None:
         self.run.summary.update({**summary, "status": status})

@@ -7,10 +7,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
-import os
 import re
-import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -23,13 +20,13 @@ import pytest
 from engine.config import TrainConfig
 from engine.errors import ConfigError
 from engine.metrics import ListSink
-from engine.tracking import RetryPolicy, TrackerSecrets, TrackingOptions
+from engine.tracking import Point, RetryPolicy, TrackerSecrets, TrackingOptions
 from engine.tracking.background import Background
 from engine.training.run import train
+from tests.engine.mlflow_server import MlflowServer, free_port
 from tests.engine.tiny import tiny_model_folder
 
 ROOT = Path(__file__).resolve().parents[2]
-MLFLOW_VENV = ROOT / ".venv-mlflow"
 
 
 @pytest.fixture(scope="module")
@@ -131,46 +128,16 @@ def test_tensorboard_and_wandb_offline_get_the_run(workspace: Path) -> None:
     assert summary["status"] == "succeeded" and summary["loss/train"] == pytest.approx(losses[4], rel=1e-6)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory):
-    """A real ``mlflow server`` on a local port, from its own venv (``make mlflow-server``; built
-    here when missing: the full mlflow package's pins conflict with the service's)."""
-    exe = MLFLOW_VENV / "bin" / "mlflow"
-    if not exe.exists():
-        subprocess.run(["make", "-C", str(ROOT), "mlflow-server"], check=True, timeout=900)
-    d = tmp_path_factory.mktemp("mlflow")
-    port = free_port()
-    command = [str(exe), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
-    command += ["--backend-store-uri", f"sqlite:///{d}/mlflow.db", "--artifacts-destination", str(d / "art")]
-    with open(d / "server.log", "wb") as log:
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    import httpx
-
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert proc.poll() is None, (d / "server.log").read_text()[-3000:]
-        time.sleep(0.5)
-    else:
-        raise AssertionError("mlflow server did not answer: " + (d / "server.log").read_text()[-3000:])
-    yield url
-    os.killpg(proc.pid, signal.SIGTERM)  # the server and its workers
+    """A real ``mlflow server`` on a local port (``tests.engine.mlflow_server``)."""
+    server = MlflowServer(tmp_path_factory.mktemp("mlflow"))
+    server.start()
     try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
+        server.wait()
+        yield server.url
+    finally:
+        server.stop()
 
 
 @pytest.mark.slow
@@ -212,7 +179,7 @@ def test_a_real_mlflow_server_gets_params_metrics_and_the_adapter(
 def test_a_tracker_that_is_down_neither_fails_nor_slows_the_run(workspace: Path) -> None:
     port = free_port()  # nothing listens there
     tracking = {"mlflow": {"tracking_uri": f"http://127.0.0.1:{port}"}}
-    policy = RetryPolicy(attempts=3, first_pause_s=0.05, max_pause_s=0.1, close_s=3.0)
+    policy = RetryPolicy(first_pause_s=0.05, max_pause_s=0.1, close_s=3.0)
     secrets = TrackerSecrets(mlflow_token="s3cr3t-token", wandb_api_key="k3y")
     sink = ListSink()
     started = time.monotonic()
@@ -224,43 +191,16 @@ def test_a_tracker_that_is_down_neither_fails_nor_slows_the_run(workspace: Path)
     warnings = [e for e in sink.events if e[0] == "tracker"]
     assert warnings and all(e[2]["tracker"] == "mlflow" and e[2]["level"] == "warning" for e in warnings)
     assert any("retrying in the background" in e[1] for e in warnings)
-    assert any("the tracker is off for this run" in e[1] for e in warnings)
+    # nothing lost: every point waits in the spool file for a resumed run
+    (kept,) = [e for e in warnings if "spooled" in e[2]]
+    assert kept[2]["spooled"] == len(sink.records) and kept[2]["steps"] == "1-2"
+    assert "not delivered by the run's end are kept in tracker-spool/mlflow.jsonl" in kept[1]
+    spool = workspace / "down" / "tracker-spool" / "mlflow.jsonl"
+    spooled = [json.loads(line)["step"] for line in spool.read_text().splitlines()]
+    assert spooled == [step for step, _ in sink.records]
     assert took < 60
     text = repr(sink.events) + repr(sink.records) + repr(secrets) + repr(TrainConfig.model_fields)
     assert "s3cr3t" not in text and "k3y" not in text
-
-
-def test_background_retries_are_bounded_and_ordered() -> None:
-    warnings: list[tuple[str, dict]] = []
-    done: list[int] = []
-    failures = {"n": 0}
-
-    def flaky(i: int) -> None:
-        if failures["n"] < 2:
-            failures["n"] += 1
-            raise ConnectionError("refused")
-        done.append(i)
-
-    policy = RetryPolicy(attempts=4, first_pause_s=0.01, max_pause_s=0.02, queue=3, close_s=5)
-    bg = Background("x", warn=lambda m, d: warnings.append((m, d)), policy=policy)
-    gate = threading.Event()
-    bg.submit("start", gate.wait)
-    while bg.calls:  # the thread holds the start call
-        time.sleep(0.01)
-    for i in range(5):  # the queue keeps 3: the two oldest logs are dropped
-        bg.submit("log", lambda i=i: flaky(i))
-    gate.set()
-    assert bg.close()
-    assert done == [2, 3, 4]
-    messages = [m for m, _ in warnings]
-    assert any("retrying in the background" in m for m in messages)
-    assert any("reachable again" in m for m in messages)
-    assert any("dropped 2 call(s)" in m for m in messages)
-
-    dead = Background("y", warn=lambda m, d: warnings.append((m, d)), policy=policy)
-    dead.submit("log", lambda: (_ for _ in ()).throw(TimeoutError("slow")))
-    assert dead.close()
-    assert any(m.startswith("y: gave up log after 4 tries") for m, _ in warnings)
 
 
 def mlflow_config(uri: str) -> TrainConfig:
@@ -322,13 +262,23 @@ def test_a_refused_tracking_uri_is_named_without_its_secret() -> None:
         assert secret not in str(err.value) and "mlflow.local" in str(err.value)
 
 
-def test_a_trackers_failure_is_told_without_the_secrets_in_its_urls() -> None:
+def test_a_trackers_failure_is_told_without_the_secrets_in_its_urls(tmp_path: Path) -> None:
     warnings: list[tuple[str, dict]] = []
-    policy = RetryPolicy(attempts=1, first_pause_s=0.01, max_pause_s=0.01, close_s=5)
-    bg = Background("mlflow", warn=lambda m, d: warnings.append((m, d)), policy=policy)
+    policy = RetryPolicy(first_pause_s=0.01, max_pause_s=0.01, close_s=0.2)
     said = "request to https://u:pw-s3cr3t@mlflow.local/api?token=tok-s3cr3t failed, url: /api/x?key=k-s3cr3t"
-    bg.submit("start", lambda: (_ for _ in ()).throw(ConnectionError(said)))
-    assert bg.close()
+
+    def refuse() -> None:
+        raise ConnectionError(said)
+
+    bg = Background(
+        "mlflow",
+        start=refuse,
+        send=lambda points: None,
+        spool=tmp_path / "mlflow.jsonl",
+        warn=lambda m, d: warnings.append((m, d)),
+        policy=policy,
+    )
+    assert bg.close() is False
     text = repr(warnings)
     assert "start failed" in text and "https://***@mlflow.local/api?***" in text
     assert "s3cr3t" not in text
@@ -340,19 +290,31 @@ def test_the_engine_imports_no_tracker_until_a_run_asks() -> None:
     assert out.stdout.strip() == "set()"
 
 
-def test_a_hung_tracker_costs_the_run_no_time_but_the_bounded_close() -> None:
+def test_a_hung_tracker_costs_the_run_no_time_but_the_bounded_close(tmp_path: Path) -> None:
     hang = threading.Event()
-    warnings: list[str] = []
-    policy = RetryPolicy(attempts=2, first_pause_s=0.01, queue=100, close_s=0.5)
-    bg = Background("slow", warn=lambda m, d: warnings.append(m), policy=policy)
+    warnings: list[tuple[str, dict]] = []
+    policy = RetryPolicy(first_pause_s=0.01, queue=100, close_s=0.5)
+    spool = tmp_path / "tracker-spool" / "slow.jsonl"
+    bg = Background(
+        "slow",
+        start=hang.wait,  # a server that never answers
+        send=lambda points: None,
+        spool=spool,
+        warn=lambda m, d: warnings.append((m, d)),
+        policy=policy,
+    )
     started = time.monotonic()
-    bg.submit("start", hang.wait)  # a server that never answers
-    for _ in range(1000):
-        bg.submit("log", lambda: None)
+    for step in range(1000):
+        bg.log(Point(step, {"loss/train": 1.0}, 1_700_000_000_000 + step))
     assert time.monotonic() - started < 0.5  # queued, never waited for
-    assert len(bg.calls) <= 101  # bounded: the oldest metrics were dropped, never the start
+    assert len(bg.spool.memory) == 100  # bounded: the other 900 wait in the file
     started = time.monotonic()
     assert bg.close() is False
     assert time.monotonic() - started < 1.5
-    assert any(re.search(r"gave up 10[01] call\(s\) still waiting when the run ended", m) for m in warnings)
+    messages = [m for m, _ in warnings]
+    spilled = "slow: 100 points wait in memory: from step 100 on they wait in tracker-spool/slow.jsonl"
+    assert messages[0].startswith(spilled)
+    assert re.search(r"1000 point\(s\) \(steps 0-999\) not delivered by the run's end", messages[-1])
+    lines = spool.read_text().splitlines()
+    assert [Point.parse(line).step for line in lines] == list(range(1000))
     hang.set()
