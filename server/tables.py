@@ -210,10 +210,11 @@ class HubTransfer(Base):
     __tablename__ = "hub_transfers"
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
-    kind: Mapped[str] = mapped_column(String(16))  # pull | push
+    kind: Mapped[str] = mapped_column(String(16))  # pull | push | dataset_pull
     repo_id: Mapped[str] = mapped_column(String(255), index=True)
     revision: Mapped[str | None] = mapped_column(String(255), nullable=True)
-    # "pull:<repo>@<revision>" while queued or running, else null: one active transfer per target
+    # while queued or running, else null: one active transfer per target ("pull:<repo>" for a model,
+    # "dataset:<repo>@<commit>:<config>/<split>" for a dataset's split)
     active_key: Mapped[str | None] = mapped_column(String(600), unique=True, nullable=True)
     status: Mapped[str] = mapped_column(String(16), index=True)  # queued|running|cancelling|succeeded|...
     # what to move: a pull's files [{path, size}] and commit; a push's job, step, private, merged
