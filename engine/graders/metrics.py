@@ -1,48 +1,44 @@
 """The ``text_similarity`` grader's metrics, each a score in [0, 1] of a text against a reference.
 
-- ``fuzzy_match``: the normalized Indel similarity of the two strings, character by character,
-  ``2 * LCS / (len(a) + len(b))`` (1.0 for two empty strings).
-- ``bleu``: sentence BLEU against one reference: the clipped n-gram precisions of orders 1 to 4,
-  their geometric mean times the brevity penalty ``exp(1 - r/c)`` when the text (``c`` tokens) is
-  shorter than the reference (``r``). Orders 2 to 4 are smoothed by adding one to their matches and
-  their count (Lin and Och's smoothing), so that a short answer without a matching 4-gram does not
-  score 0 and an answer equal to the reference scores 1; no unigram in common scores 0.
-- ``gleu``: Google's sentence GLEU: the n-grams of orders 1 to 4 of both texts together, the
-  smaller of their precision and their recall.
-- ``meteor``: METEOR on exact matches only (no stems, no synonyms): the harmonic mean of unigram
-  precision and recall weighted 9 to 1 towards recall, less the fragmentation penalty
-  ``0.5 * (chunks / matches) ** 3``; the alignment takes the longest run of matching words first.
-- ``rouge_1`` .. ``rouge_5``: the F1 of the clipped n-gram overlap of that order.
-- ``rouge_l``: the F1 of the longest common subsequence of words.
+Each is the maintained package that papers (and OpenAI's graders) report, called with these
+settings, so a grader ported from elsewhere gives the same rewards (pinned in requirements.txt;
+tests/engine/graders/test_metric_parity.py compares every metric with the package's own call):
 
-BLEU and GLEU read words and punctuation marks as they are written; ROUGE and METEOR read words
-(letters and digits) lowercased and leave punctuation out, as ROUGE's reference tokenizer does.
-Longest common subsequences are computed bit-parallel (one integer operation per element of one
-sequence over a bit mask of the other), so long answers stay fast.
+- ``fuzzy_match``: rapidfuzz's ``fuzz.ratio(text, reference) / 100``, the normalized Indel
+  similarity of the characters, ``2 * LCS / (len(text) + len(reference))``; two empty texts: 1.0.
+- ``bleu``: sacrebleu's ``sentence_bleu(text, [reference]).score / 100``: tokenizer ``13a``,
+  smoothing ``exp``, effective order, case kept.
+- ``gleu``: nltk's ``sentence_gleu([reference], text)`` (orders 1 to 4) over sacrebleu's ``13a``
+  tokens of each.
+- ``meteor``: METEOR without WordNet synonyms (exact and Porter-stem matches only): nltk's
+  ``single_meteor_score(reference, text, wordnet=...)`` over ``13a`` tokens, lowercased, with nltk's
+  Porter stemmer, alpha 0.9, beta 3, gamma 0.5, and a WordNet that knows no synonyms. nltk's full
+  METEOR reads WordNet from nltk_data, which no maintained package on PyPI ships and which is
+  never downloaded here: its third stage (synonyms) matches nothing, its first two are nltk's.
+- ``rouge_1`` .. ``rouge_5``: rouge-score's ``RougeScorer(["rougeN"], use_stemmer=False)``, the
+  F-measure of ``score(reference, text)``.
+- ``rouge_l``: the same for ``rougeL``: rouge-score's tokens and F-measure, with the longest common
+  subsequence computed here (rouge-score's table is quadratic in memory and time; this is
+  bit-parallel), equal to rouge-score's.
+
+rouge-score's tokenizer keeps only ``a-z`` and ``0-9`` after lowercasing: a text with no ASCII
+letter or digit (Chinese, punctuation only) has no words, and scores 0.0 under ROUGE. An empty
+text or reference scores 0.0 under every metric, but ``fuzzy_match`` of two empty texts: 1.0.
+The packages are imported on first use, not when this module is.
 """
 
 from __future__ import annotations
 
-import math
-import re
-from collections import Counter
+import functools
 from collections.abc import Callable, Hashable, Sequence
+from typing import Any
 
-_WORDS_AND_MARKS = re.compile(r"\w+|[^\w\s]")
-_WORDS = re.compile(r"[^\W_]+")
-BLEU_ORDER = 4
+ROUGE_ORDERS = range(1, 6)
 METEOR_ALPHA, METEOR_BETA, METEOR_GAMMA = 0.9, 3.0, 0.5
-_METEOR_CANDIDATES = 64  # reference positions tried per word when aligning
-
-
-def words_and_marks(text: str) -> list[str]:
-    """``"Hello, world!"`` -> ``["Hello", ",", "world", "!"]``: BLEU's and GLEU's tokens."""
-    return _WORDS_AND_MARKS.findall(text)
-
-
-def words(text: str) -> list[str]:
-    """``"Hello, World_2!"`` -> ``["hello", "world", "2"]``: ROUGE's and METEOR's tokens."""
-    return _WORDS.findall(text.lower())
+# sacrebleu's tokenizers remember the last 65,536 lines they saw (an lru_cache per class): long
+# answers scored for days would hold gigabytes; past this many, their caches are emptied
+TOKENIZER_CACHE_LINES = 4096
+STEM_CACHE_WORDS = 1 << 16
 
 
 def lcs_length(a: Sequence[Hashable], b: Sequence[Hashable]) -> int:
@@ -67,119 +63,135 @@ def lcs_length(a: Sequence[Hashable], b: Sequence[Hashable]) -> int:
     return len(a) - row.bit_count()
 
 
-def ngrams(tokens: Sequence[str], n: int) -> Counter[tuple[str, ...]]:
-    """The n-grams of ``tokens`` with their counts."""
-    return Counter(tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1))
+def tokens_13a(text: str) -> list[str]:
+    """sacrebleu's ``13a`` tokens of ``text`` (mteval-v13a's, WMT's): GLEU's and METEOR's."""
+    tokens = str(_tokenizer_13a()(text)).split()
+    _bound_tokenizer_caches()
+    return tokens
 
 
-def _overlap(a: Counter[tuple[str, ...]], b: Counter[tuple[str, ...]]) -> int:
-    """The clipped matches: each n-gram counted at most as often as the other side has it."""
-    return sum(min(count, b[gram]) for gram, count in a.items() if gram in b)
-
-
-def _f1(matches: float, predicted: int, expected: int) -> float:
-    if matches == 0 or predicted == 0 or expected == 0:
-        return 0.0
-    precision, recall = matches / predicted, matches / expected
-    return 2 * precision * recall / (precision + recall)
+def rouge_tokens(text: str) -> list[str]:
+    """rouge-score's tokens of ``text``: lowercased runs of ``a-z`` and ``0-9``, unstemmed."""
+    return list(_rouge_tokenizer().tokenize(text))
 
 
 def fuzzy_match(text: str, reference: str) -> float:
-    """``2 * LCS / (len(text) + len(reference))`` over characters; two empty strings: 1.0."""
-    total = len(text) + len(reference)
-    return 1.0 if total == 0 else 2 * lcs_length(text, reference) / total
+    """rapidfuzz's ``fuzz.ratio / 100``: ``2 * LCS / (len(text) + len(reference))``."""
+    from rapidfuzz import fuzz
+
+    return fuzz.ratio(text, reference) / 100
 
 
 def bleu(text: str, reference: str) -> float:
-    """Sentence BLEU (orders 1-4, orders 2-4 add-one smoothed, with the brevity penalty)."""
-    hyp, ref = words_and_marks(text), words_and_marks(reference)
-    if not hyp or not ref:
-        return 0.0
-    log_sum = 0.0
-    for n in range(1, BLEU_ORDER + 1):
-        matches = _overlap(ngrams(hyp, n), ngrams(ref, n))
-        total = max(len(hyp) - n + 1, 0)
-        if n == 1:
-            if matches == 0:
-                return 0.0
-            log_sum += math.log(matches / total)
-        else:
-            log_sum += math.log((matches + 1) / (total + 1))
-    brevity = 1.0 if len(hyp) > len(ref) else math.exp(1 - len(ref) / len(hyp))
-    return brevity * math.exp(log_sum / BLEU_ORDER)
+    """sacrebleu's sentence BLEU / 100 (``13a``, ``exp`` smoothing, effective order)."""
+    score = _bleu().sentence_score(text, [reference]).score / 100
+    _bound_tokenizer_caches()
+    return min(float(score), 1.0)  # identical texts score 100.00000000000004
 
 
 def gleu(text: str, reference: str) -> float:
-    """Sentence GLEU: min(precision, recall) of the n-grams of orders 1-4 taken together."""
-    hyp, ref = words_and_marks(text), words_and_marks(reference)
-    matches = predicted = expected = 0
-    for n in range(1, BLEU_ORDER + 1):
-        hyp_grams, ref_grams = ngrams(hyp, n), ngrams(ref, n)
-        matches += _overlap(hyp_grams, ref_grams)
-        predicted += sum(hyp_grams.values())
-        expected += sum(ref_grams.values())
-    if predicted == 0 or expected == 0:
-        return 0.0
-    return min(matches / predicted, matches / expected)
+    """nltk's sentence GLEU (orders 1 to 4) over ``13a`` tokens."""
+    from nltk.translate.gleu_score import sentence_gleu
 
-
-def rouge_n(text: str, reference: str, n: int) -> float:
-    """ROUGE-N: the F1 of the clipped overlap of n-grams of words."""
-    hyp, ref = ngrams(words(text), n), ngrams(words(reference), n)
-    return _f1(_overlap(hyp, ref), sum(hyp.values()), sum(ref.values()))
-
-
-def rouge_l(text: str, reference: str) -> float:
-    """ROUGE-L: the F1 of the longest common subsequence of words."""
-    hyp, ref = words(text), words(reference)
-    return _f1(lcs_length(hyp, ref), len(hyp), len(ref))
+    return float(sentence_gleu([tokens_13a(reference)], tokens_13a(text)))
 
 
 def meteor(text: str, reference: str) -> float:
-    """METEOR with exact matches only (alpha 0.9, beta 3, gamma 0.5)."""
-    hyp, ref = words(text), words(reference)
-    matches, chunks = _align(hyp, ref)
-    if matches == 0:
+    """nltk's METEOR over ``13a`` tokens with exact and Porter-stem matches, no WordNet synonyms."""
+    from nltk.translate.meteor_score import single_meteor_score
+
+    score = single_meteor_score(
+        tokens_13a(reference),
+        tokens_13a(text),
+        stemmer=_stemmer(),
+        wordnet=NO_SYNONYMS,
+        alpha=METEOR_ALPHA,
+        beta=METEOR_BETA,
+        gamma=METEOR_GAMMA,
+    )
+    return float(score)
+
+
+def rouge_n(text: str, reference: str, n: int) -> float:
+    """rouge-score's ROUGE-N F-measure (no stemming)."""
+    return float(_rouge_scorer(n).score(reference, text)[f"rouge{n}"].fmeasure)
+
+
+def rouge_l(text: str, reference: str) -> float:
+    """rouge-score's ROUGE-L F-measure (no stemming), its LCS computed bit-parallel."""
+    from rouge_score.scoring import fmeasure
+
+    hyp, ref = rouge_tokens(text), rouge_tokens(reference)
+    if not hyp or not ref:
         return 0.0
-    precision, recall = matches / len(hyp), matches / len(ref)
-    mean = precision * recall / (METEOR_ALPHA * precision + (1 - METEOR_ALPHA) * recall)
-    penalty = METEOR_GAMMA * (chunks / matches) ** METEOR_BETA
-    return mean * (1 - penalty)
+    lcs = lcs_length(ref, hyp)
+    return float(fmeasure(lcs / len(hyp), lcs / len(ref)))
 
 
-def _align(hyp: list[str], ref: list[str]) -> tuple[int, int]:
-    """Exact-match alignment of ``hyp`` to ``ref``: (matched words, chunks). From the left, each
-    word not yet aligned takes, among the unused reference positions holding it, the one that
-    starts the longest run of words matching in both, and the whole run is aligned at once; a
-    run is a chunk."""
-    where: dict[str, list[int]] = {}
-    for j, word in enumerate(ref):
-        where.setdefault(word, []).append(j)
-    used = [False] * len(ref)
-    matches = chunks = 0
-    i = 0
-    while i < len(hyp):
-        best_start, best_length = -1, 0
-        for j in [j for j in where.get(hyp[i], ()) if not used[j]][:_METEOR_CANDIDATES]:
-            length = 0
-            while (
-                i + length < len(hyp)
-                and j + length < len(ref)
-                and not used[j + length]
-                and hyp[i + length] == ref[j + length]
-            ):
-                length += 1
-            if length > best_length:
-                best_start, best_length = j, length
-        if best_length == 0:
-            i += 1
-            continue
-        for k in range(best_length):
-            used[best_start + k] = True
-        matches += best_length
-        chunks += 1
-        i += best_length
-    return matches, chunks
+class NoSynonyms:
+    """Stands for nltk's WordNet in its METEOR: no word has a synonym."""
+
+    def synsets(self, word: str) -> list[Any]:
+        return []
+
+
+NO_SYNONYMS = NoSynonyms()
+
+
+@functools.cache
+def _bleu() -> Any:
+    from sacrebleu.metrics import BLEU
+
+    # sacrebleu.sentence_bleu's defaults
+    return BLEU(tokenize="13a", smooth_method="exp", effective_order=True)
+
+
+@functools.cache
+def _tokenizer_13a() -> Any:
+    from sacrebleu.tokenizers.tokenizer_13a import Tokenizer13a
+
+    return Tokenizer13a()
+
+
+def _bound_tokenizer_caches() -> None:
+    from sacrebleu.tokenizers.tokenizer_13a import Tokenizer13a
+    from sacrebleu.tokenizers.tokenizer_re import TokenizerRegexp
+
+    for call in (Tokenizer13a.__call__, TokenizerRegexp.__call__):
+        if call.cache_info().currsize > TOKENIZER_CACHE_LINES:
+            call.cache_clear()
+
+
+@functools.cache
+def _rouge_tokenizer() -> Any:
+    from rouge_score.tokenizers import DefaultTokenizer
+
+    return DefaultTokenizer(use_stemmer=False)
+
+
+@functools.cache
+def _rouge_scorer(n: int) -> Any:
+    from rouge_score.rouge_scorer import RougeScorer
+
+    return RougeScorer([f"rouge{n}"], use_stemmer=False)
+
+
+class CachedStemmer:
+    """A stemmer that remembers its stems (``STEM_CACHE_WORDS`` words at most)."""
+
+    def __init__(self, stem: Callable[[str], str]) -> None:
+        self._stem = functools.lru_cache(maxsize=STEM_CACHE_WORDS)(stem)
+
+    def stem(self, word: str) -> str:
+        return self._stem(word)
+
+
+@functools.cache
+def _stemmer() -> CachedStemmer:
+    """nltk's Porter stemmer (METEOR's default), each word stemmed once."""
+    from nltk.stem.porter import PorterStemmer
+
+    return CachedStemmer(PorterStemmer().stem)
 
 
 def _rouge(n: int) -> Callable[[str, str], float]:
@@ -196,6 +208,6 @@ METRICS: dict[str, Callable[[str, str], float]] = {
     "bleu": bleu,
     "gleu": gleu,
     "meteor": meteor,
-    **{f"rouge_{n}": _rouge(n) for n in range(1, 6)},
+    **{f"rouge_{n}": _rouge(n) for n in ROUGE_ORDERS},
     "rouge_l": rouge_l,
 }

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from engine.graders.base import Fields, GradeFailure, LocalGrader, parse_json
-from engine.graders.metrics import METRICS, words_and_marks
+from engine.graders.metrics import METRICS
 from engine.graders.templates import Template
 
 OUTPUT_TEXT = "{{sample.output_text}}"
@@ -24,6 +24,7 @@ EVALUATION_METRICS = (
     "rouge_l",
 )
 LENGTH_UNITS = ("characters", "tokens")
+_WORDS_AND_MARKS = re.compile(r"\w+|[^\w\s]")  # the length grader's tokens
 MAX_PATTERN = 2000
 MAX_LENGTH = 10_000_000
 
@@ -70,7 +71,9 @@ class StringCheck(LocalGrader):
 
 class TextSimilarity(LocalGrader):
     """OpenAI's ``text_similarity``: ``evaluation_metric`` of ``input`` against ``reference``
-    (both templates), in [0, 1]; the metrics are those of ``engine.graders.metrics``."""
+    (both templates), in [0, 1], as the package that reports it computes it (rapidfuzz, sacrebleu,
+    nltk, rouge-score: ``engine.graders.metrics`` gives the settings). ``meteor`` is METEOR with
+    exact and stem matches only, without WordNet synonyms."""
 
     type = "text_similarity"
 
@@ -206,8 +209,8 @@ def _validator(schema: Mapping[str, Any]) -> Any:
 
 class Length(LocalGrader):
     """Ours, ``length``: a score from the length of ``input`` (a template, the answer by default)
-    in ``unit``s: ``characters``, or ``tokens`` (words and punctuation marks, as BLEU counts
-    them; not the model's tokenizer).
+    in ``unit``s: ``characters``, or ``tokens`` (runs of letters, digits and underscores, and each
+    other non-space character alone; not the model's tokenizer).
 
     With ``target_length``: 1.0 at the target, falling linearly to 0.0 at ``min_length`` (0 when
     not given) below it and at ``max_length`` (twice the target when not given) above it. Without:
@@ -272,7 +275,7 @@ class Length(LocalGrader):
 
     def measure(self, text: str) -> int:
         """The length of ``text`` in the grader's unit."""
-        return len(text) if self.unit == "characters" else len(words_and_marks(text))
+        return len(text) if self.unit == "characters" else len(_WORDS_AND_MARKS.findall(text))
 
     def score(self, sample: dict[str, Any], item: Mapping[str, Any]) -> float:
         length = self.measure(self.input.render(sample, item))
