@@ -90,7 +90,9 @@ def test_text_similarity_uses_the_metric() -> None:
         "evaluation_metric": "bleu",
     }
     items = [{"reference_answer": "the cat is on the mat"}]
-    assert grade(spec, ["the cat sat on the mat"], items).rewards == [pytest.approx((1 / 18) ** 0.25)]
+    assert grade(spec, ["the cat sat on the mat"], items).rewards == [
+        pytest.approx((1 / 48) ** 0.25)
+    ]  # sacrebleu: (5/6 * 3/5 * 1/4 * 1/6) ** (1/4)
     spec["evaluation_metric"] = "rouge_l"
     assert grade(spec, ["the cat sat on the mat"], items).rewards == [pytest.approx(5 / 6)]
     spec["evaluation_metric"] = "fuzzy_match"
