@@ -2,63 +2,92 @@
 
 Byte-level BPE tokenizers (GPT-2 style: SmolLM, Llama 3, Qwen) are written as llama.cpp's
 ``gpt2`` model: every token by id, its type (control for special added tokens), the merges and
-the pre-tokenizer, recognised from the structure of ``tokenizer.json``'s pre-tokenizer (llama.cpp
-names each regex set it implements). SentencePiece-style BPE tokenizers (byte fallback: Llama 2,
-Mistral, Gemma) are written as llama.cpp's ``llama`` model with their scores. Special token ids,
-whether BOS is added, and the chat template come from ``gguf.SpecialVocab``.
+the pre-tokenizer. The pre-tokenizer is named as llama.cpp's converter names it: by the
+tokenizer's check hash (``check_hash``) in llama.cpp's table
+(``engine.export.gguf_pre_tokenizers``). A hash in no table is refused, as the converter refuses
+it, unless the model folder's ``tokenizer_config.json`` names the pre-tokenizer itself
+(``"gguf_pre_tokenizer": "<name>"``, a name llama.cpp implements); the export's result says which
+named it. SentencePiece-style BPE tokenizers (byte fallback: Llama 2, Mistral, Gemma) are written
+as llama.cpp's ``llama`` model with their scores and the ``default`` pre-tokenizer, with no
+hash, as the converter writes them. Special token ids, whether BOS is added, and the chat
+template come from ``gguf.SpecialVocab``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# the pre-tokenizer regexes of the tokenizers llama.cpp implements, as tokenizer.json spells them
-LLAMA3_SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"  # noqa: E501
-QWEN2_SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"  # noqa: E501
+from engine.export.gguf_pre_tokenizers import CHECK_HASHES, CHECK_TEXT, LLAMA_CPP_COMMIT, LOADER_NAMES
+
+# the tokenizer_config.json key that names the pre-tokenizer of a tokenizer in no llama.cpp table
+DECLARED = "gguf_pre_tokenizer"
+TABLE = f"llama.cpp {LLAMA_CPP_COMMIT[:10]}"
 
 
-def _steps(pre: dict[str, Any] | None) -> list[dict[str, Any]]:
-    if not pre:
-        return []
-    if pre.get("type") == "Sequence":
-        return [s for step in pre.get("pretokenizers", []) for s in _steps(step)]
-    return [pre]
+@dataclass(frozen=True)
+class PreTokenizer:
+    """llama.cpp's pre-tokenizer of a byte-level BPE tokenizer, and who named it."""
+
+    name: str
+    check_hash: str
+    named_by: str  # TABLE, or f"tokenizer_config.json {DECLARED}"
 
 
-def _describe(step: dict[str, Any]) -> str:
-    if step.get("type") == "Split":
-        return f"Split({step.get('pattern', {}).get('Regex') or step.get('pattern', {}).get('String')!r})"
-    return str(step.get("type"))
+def check_hash(folder: Path) -> str:
+    """llama.cpp's ``chkhsh`` of the folder's tokenizer: the sha256 of the ``str()`` of the ids
+    its ``AutoTokenizer`` gives for ``CHECK_TEXT`` (special tokens included)."""
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(folder).encode(CHECK_TEXT)
+    return hashlib.sha256(str(list(ids)).encode()).hexdigest()
 
 
-def pre_tokenizer(tokenizer_json: dict[str, Any]) -> str:
-    """llama.cpp's name for a byte-level BPE tokenizer's pre-tokenizer.
+def _declared(folder: Path) -> str | None:
+    path = folder / "tokenizer_config.json"
+    if not path.is_file():
+        return None
+    value = json.loads(path.read_text(encoding="utf-8")).get(DECLARED)
+    if value is None:
+        return None
+    if not isinstance(value, str) or value not in LOADER_NAMES:
+        raise ValueError(
+            f"GGUF export: tokenizer_config.json {DECLARED}: {value!r} is not a pre-tokenizer "
+            "llama.cpp implements (e.g. llama-bpe, qwen2, smollm, gpt-2, tekken)"
+        )
+    return value
+
+
+def pre_tokenizer(folder: Path) -> PreTokenizer:
+    """llama.cpp's name for the pre-tokenizer of the byte-level BPE tokenizer in ``folder``.
 
     Raises:
-        ValueError: a pre-tokenizer llama.cpp has no implementation of (named by its steps).
+        ValueError: the tokenizer's check hash is in no llama.cpp table and the folder does not
+            name its pre-tokenizer (the message gives the hash and what to do), or the folder
+            names one llama.cpp does not implement or one the table contradicts.
     """
-    steps = _steps(tokenizer_json.get("pre_tokenizer"))
-    kinds = [s.get("type") for s in steps]
-    if kinds == ["ByteLevel"] and steps[0].get("use_regex", True) and not steps[0].get("add_prefix_space"):
-        return "gpt-2"
-    if (
-        kinds == ["Digits", "ByteLevel"]
-        and steps[0].get("individual_digits")
-        and steps[1].get("use_regex", True)
-    ):
-        return "smollm"
-    if kinds == ["Split", "ByteLevel"] and not steps[1].get("use_regex", True):
-        regex = steps[0].get("pattern", {}).get("Regex")
-        if regex == LLAMA3_SPLIT:
-            return "llama-bpe"
-        if regex == QWEN2_SPLIT:
-            return "qwen2"
+    digest = check_hash(folder)
+    declared = _declared(folder)
+    known = CHECK_HASHES.get(digest)
+    if known is not None:
+        if declared is not None and declared != known:
+            raise ValueError(
+                f"GGUF export: tokenizer_config.json {DECLARED} says {declared!r}, but llama.cpp's "
+                f"table ({TABLE}) names this tokenizer (chkhsh {digest}) {known!r}: remove or correct it"
+            )
+        return PreTokenizer(known, digest, TABLE)
+    if declared is not None:
+        return PreTokenizer(declared, digest, f"tokenizer_config.json {DECLARED}")
     raise ValueError(
-        "GGUF export: the tokenizer's pre-tokenizer "
-        f"[{', '.join(_describe(s) for s in steps)}] is not one llama.cpp implements "
-        "(known: GPT-2, SmolLM, Llama 3, Qwen2)"
+        f"GGUF export: the tokenizer's check hash (chkhsh) {digest} is in no llama.cpp pre-tokenizer "
+        f"table ({TABLE}); llama.cpp's convert_hf_to_gguf.py refuses it too. If you know which "
+        "pre-tokenizer llama.cpp implements for it (that of the model it comes from: llama-bpe for "
+        f'Llama 3, qwen2 for Qwen2 and Qwen3, ...), add "{DECLARED}": "<name>" to the model '
+        "folder's tokenizer_config.json (a LoRA checkpoint's own: its merge copies it); else the "
+        "tokenizer needs a newer llama.cpp table"
     )
 
 
@@ -72,11 +101,18 @@ def _is_byte_level(tokenizer_json: dict[str, Any]) -> bool:
 
 def add_vocab(writer: Any, folder: Path, *, vocab_size: int) -> dict[str, Any]:
     """Write the tokenizer of ``folder`` into ``writer``, padded to the model's ``vocab_size``
-    rows. Returns what the Ollama Modelfile needs: ``eos`` text, the chat template.
+    rows.
+
+    Returns:
+        What the Ollama Modelfile needs (``eos`` text, ``chat_template``) and the pre-tokenizer
+        written: ``pre_tokenizer``, ``pre_tokenizer_hash`` (the check hash; None for a
+        SentencePiece vocabulary) and ``pre_tokenizer_named_by`` (llama.cpp's table, the folder's
+        tokenizer_config.json, or a SentencePiece vocabulary).
 
     Raises:
-        ValueError: no tokenizer.json, a tokenizer kind llama.cpp cannot run, or more tokens
-            than the model has embedding rows.
+        ValueError: no tokenizer.json, a tokenizer kind llama.cpp cannot run, a byte-level
+            tokenizer whose pre-tokenizer llama.cpp does not name (``pre_tokenizer``), or more
+            tokens than the model has embedding rows.
     """
     import gguf
 
@@ -84,10 +120,12 @@ def add_vocab(writer: Any, folder: Path, *, vocab_size: int) -> dict[str, Any]:
     if not path.is_file():
         raise ValueError(f"GGUF export: {folder} has no tokenizer.json")
     tokenizer_json = json.loads(path.read_text(encoding="utf-8"))
+    pre: PreTokenizer | None = None
     if _is_byte_level(tokenizer_json):
         tokens, types = _byte_level_tokens(tokenizer_json, vocab_size)
+        pre = pre_tokenizer(folder)
         writer.add_tokenizer_model("gpt2")
-        writer.add_tokenizer_pre(pre_tokenizer(tokenizer_json))
+        writer.add_tokenizer_pre(pre.name)
         writer.add_token_list(tokens)
         writer.add_token_types(types)
     else:
@@ -123,7 +161,13 @@ def add_vocab(writer: Any, folder: Path, *, vocab_size: int) -> dict[str, Any]:
     by_id = {t["id"]: t["content"] for t in tokenizer_json.get("added_tokens", [])}
     eos = special.special_token_ids.get("eos")
     template = special.chat_template if isinstance(special.chat_template, str) else None
-    return {"eos": by_id.get(eos) if eos is not None else None, "chat_template": template}
+    return {
+        "eos": by_id.get(eos) if eos is not None else None,
+        "chat_template": template,
+        "pre_tokenizer": pre.name if pre else "default",
+        "pre_tokenizer_hash": pre.check_hash if pre else None,
+        "pre_tokenizer_named_by": pre.named_by if pre else "a SentencePiece vocabulary (no check hash)",
+    }
 
 
 def _byte_level_tokens(tokenizer_json: dict[str, Any], vocab_size: int) -> tuple[list[str], list[int]]:

@@ -18,6 +18,7 @@ def lora_checkpoint(root: Path) -> tuple[Path, Path]:
     from peft import LoraConfig, get_peft_model
 
     tokenizer = tiny_tokenizer()
+    tokenizer.init_kwargs["gguf_pre_tokenizer"] = "gpt-2"  # in no llama.cpp table: named (test_gguf.py)
     base = root / "base"
     model = tiny_model("llama", blocks=2, vocab_size=len(tokenizer))
     model.save_pretrained(base)

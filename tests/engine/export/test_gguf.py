@@ -10,6 +10,7 @@ refuses, the tensors go through the same pieces it uses (gguf's name maps revers
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import gguf
@@ -45,7 +46,15 @@ def model_folder(
     folder = root / f"tiny-{family}-ft"  # not "mistral": transformers reads that name as its own arch
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+    name_pre_tokenizer(folder)
     return folder, model
+
+
+def name_pre_tokenizer(folder: Path) -> None:
+    """The tiny tokenizer is in no llama.cpp table: its folder names its pre-tokenizer (GPT-2's
+    byte-level split, which it uses) as a user would (test_gguf_pre_tokenizer.py)."""
+    path = folder / "tokenizer_config.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | {"gguf_pre_tokenizer": "gpt-2"}))
 
 
 def logits(model: torch.nn.Module) -> torch.Tensor:
@@ -181,11 +190,12 @@ def test_metadata_of_gemma3_granite_and_glm4(tmp_path: Path) -> None:
 
 def test_tokenizer_metadata(tmp_path: Path) -> None:
     folder, _ = model_folder(tmp_path, "llama")
-    export_gguf(folder, folder / "model.gguf")
+    info = export_gguf(folder, folder / "model.gguf")
     meta = fields(folder / "model.gguf")
     tokenizer = tiny_tokenizer()
     assert meta["tokenizer.ggml.model"] == "gpt2"
     assert meta["tokenizer.ggml.pre"] == "gpt-2"
+    assert info["pre_tokenizer_named_by"] == "tokenizer_config.json gguf_pre_tokenizer"
     tokens = meta["tokenizer.ggml.tokens"]
     assert isinstance(tokens, list) and tokens[tokenizer.convert_tokens_to_ids("<|im_end|>")] == "<|im_end|>"
     types = meta["tokenizer.ggml.token_type"]
