@@ -76,8 +76,14 @@ def tokenizer() -> Any:
         vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
     tok.train_from_iterator(CORPUS * 20, trainer)
+    # in no llama.cpp pre-tokenizer table: named for the GGUF export (GPT-2's byte-level split)
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token=None
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token=None,
+        gguf_pre_tokenizer="gpt-2",
     )
 
 

@@ -4,6 +4,8 @@
   expects and the metadata it reads; what a family cannot express is refused by name.
 - ``gguf_vocab.py``: the tokenizer as GGUF metadata (tokens, merges, pre-tokenizer, special
   tokens, chat template).
+- ``gguf_pre_tokenizers.py``: llama.cpp's pre-tokenizer table (the check text, each known
+  tokenizer's hash and name, the names its loader accepts), with the llama.cpp commit it is from.
 - ``gguf_model.py``: a merged model folder -> one GGUF file (f16, bf16, q8_0, q4_k_m); a PEFT
   LoRA adapter -> a LoRA GGUF for use on a base GGUF.
 - ``kquants.py``: the Q4_K and Q6_K block formats, which the ``gguf`` library reads but does not

@@ -169,6 +169,8 @@ def tiny_tokenizer(with_template: bool = True):
 def tiny_model_folder(path, family: str = "llama", *, tied: bool | None = None):
     """Save a tiny model and tokenizer as a Hugging Face folder; returns the path."""
     tokenizer = tiny_tokenizer()
+    # in no llama.cpp pre-tokenizer table: the folder names it for GGUF exports (GPT-2's split)
+    tokenizer.init_kwargs["gguf_pre_tokenizer"] = "gpt-2"
     vocab = max(VOCAB, len(tokenizer))
     model = tiny_model(family, tied=tied, vocab_size=vocab)
     model.save_pretrained(path)
