@@ -7,12 +7,17 @@ other 1-D tensors stay float32, as llama.cpp expects; the matrices take the chos
 - ``f16``, ``bf16``: every matrix in that float type;
 - ``q8_0``: 8-bit blocks of 32 (a matrix whose rows are not a multiple of 32 stays f16);
 - ``q4_k_m``: llama.cpp's mix: Q6_K for the output matrix and for the value and down
-  projections of some blocks, Q4_K for the rest (rows not a multiple of 256: Q8_0, else f16).
+  projections of some blocks, Q4_K for the rest, with llama.cpp's fallbacks for rows that are
+  not a multiple of 256 (Q4_K -> Q5_0, Q6_K -> Q8_0; see ``engine.export.gguf_types``).
+
+The K-quant blocks are llama.cpp's, byte for byte (``engine.export.kquants``); Q8_0 and Q5_0
+come from ``gguf``'s own quantizers, which follow llama.cpp's reference code.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +26,9 @@ from typing import Any
 import numpy as np
 
 from engine.export.gguf_families import GgufFamily, family_for, head_dim, rope_parameters, sliding_layers
+from engine.export.gguf_types import tensor_type
+
+log = logging.getLogger(__name__)
 
 QUANTS = ("f16", "bf16", "q8_0", "q4_k_m")
 
@@ -51,30 +59,6 @@ def read_weights(folder: Path) -> Iterator[tuple[str, np.ndarray]]:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
                 yield name, f.get_tensor(name).to(torch.float32).numpy()
-
-
-def _quant_type(quant: str, gguf_name: str, array: np.ndarray, *, block: int | None, blocks: int) -> Any:
-    import gguf
-
-    q = gguf.GGMLQuantizationType
-    if array.ndim <= 1 or gguf_name.endswith("_norm.weight"):
-        return q.F32
-    cols = array.shape[-1]
-    if quant == "f16":
-        return q.F16
-    if quant == "bf16":
-        return q.BF16
-    if quant == "q8_0":
-        return q.Q8_0 if cols % 32 == 0 else q.F16
-    # q4_k_m: llama.cpp's rules for the "medium" mix
-    if cols % 256 != 0:
-        return q.Q8_0 if cols % 32 == 0 else q.F16
-    if gguf_name == "output.weight" or gguf_name.endswith("attn_qkv.weight"):
-        return q.Q6_K  # llama.cpp: Q6_K for the output; Q5_K (not written here) for a fused qkv
-    if block is not None and gguf_name.endswith(("attn_v.weight", "ffn_down.weight")):
-        more = block < blocks // 8 or block >= 7 * blocks // 8 or (block - blocks // 8) % 3 == 2
-        return q.Q6_K if more else q.Q4_K
-    return q.Q4_K
 
 
 def encode(array: np.ndarray, qtype: Any) -> np.ndarray:
@@ -209,7 +193,9 @@ def export_gguf(
 
     Returns:
         What the Modelfile needs and what was written: ``arch``, ``context_length``, ``eos``,
-        ``chat_template``, ``quant``, ``tensors``.
+        ``chat_template``, ``quant``, ``tensors``, and ``fallbacks``: one line per tensor whose
+        rows did not fit the mix's type and took llama.cpp's fallback type (also logged as a
+        warning).
 
     Raises:
         ValueError: a bad ``quant``, a family or config llama.cpp cannot run, a tokenizer it
@@ -234,11 +220,21 @@ def export_gguf(
         writer.add_file_type(_file_type(quant))
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
         tokenizer = _vocab(writer, folder, config.vocab_size)
-        count = 0
+        count, fallbacks = 0, []
+        tied = bool(getattr(config, "tie_word_embeddings", False))
         for gguf_name, array in _tensors(folder, config, family, tmap):
-            qtype = _quant_type(
-                quant, gguf_name, array, block=_block_of(gguf_name), blocks=config.num_hidden_layers
+            chosen = tensor_type(
+                quant,
+                gguf_name,
+                array.shape,
+                layer=_block_of(gguf_name),
+                layers=config.num_hidden_layers,
+                tied=tied,
             )
+            if chosen.wanted is not None:
+                fallbacks.append(chosen.describe(gguf_name, array.shape[-1]))
+                log.warning("GGUF export: %s", fallbacks[-1])
+            qtype = chosen.qtype
             data = encode(array, qtype)
             writer.add_tensor(gguf_name, data, raw_dtype=qtype if data.dtype == np.uint8 else None)
             count += 1
@@ -253,6 +249,7 @@ def export_gguf(
         "context_length": context,
         "quant": quant,
         "tensors": count,
+        "fallbacks": fallbacks,
         **tokenizer,
     }
 

