@@ -20,12 +20,11 @@ from typing import TYPE_CHECKING, Any
 
 from engine.commands.cli import build_parser as engine_parser
 from engine.commands.cli import main as engine_main
-from server import hub_commands, sweep_commands
-from server.settings import Settings, get_settings
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session, sessionmaker
 
+    from server.settings import Settings
     from server.tables import ApiKey
 
 DEMO_DATASETS = (  # (name, the engine.demo attribute holding the file's path)
@@ -77,6 +76,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from server.app import create_app
     from server.services import keys
+    from server.settings import get_settings
 
     # SIGTERM is a request to stop: uvicorn handles it while it serves, then raises it again once
     # it has stopped, which by default would kill this process before the worker below is stopped
@@ -190,6 +190,7 @@ def cmd_models_push(args: argparse.Namespace) -> int:
     folder of that name pulls it from there (``server.worker.files.fetch_model``)."""
     from pathlib import Path
 
+    from server.settings import get_settings
     from server.storage import check_key, open_storage
 
     folder = Path(args.folder)
@@ -279,6 +280,7 @@ def _one_key(session: Session, ref: str) -> ApiKey | None:
 
 def cmd_keys_create(args: argparse.Namespace) -> int:
     from server.services import keys
+    from server.settings import get_settings
 
     settings = get_settings()
     with _database(settings)() as session:
@@ -291,6 +293,7 @@ def cmd_keys_create(args: argparse.Namespace) -> int:
 
 def cmd_keys_list(args: argparse.Namespace) -> int:
     from server.services import keys
+    from server.settings import get_settings
 
     def when(stamp: Any) -> str:
         return stamp.strftime("%Y-%m-%d %H:%M UTC") if stamp else "never"
@@ -309,6 +312,7 @@ def cmd_keys_list(args: argparse.Namespace) -> int:
 
 def cmd_keys_revoke(args: argparse.Namespace) -> int:
     from server.services import keys
+    from server.settings import get_settings
 
     with _database(get_settings())() as session:
         row = _one_key(session, args.key)
@@ -323,6 +327,7 @@ def cmd_backup(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from server.services import backups
+    from server.settings import get_settings
 
     manifest = backups.backup(get_settings(), Path(args.folder))
     print(f"backed up the {manifest['database']} database and {manifest['files']} file(s) to {args.folder}")
@@ -333,6 +338,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from server.services import backups
+    from server.settings import get_settings
 
     try:
         manifest = backups.restore(get_settings(), Path(args.folder))
@@ -354,6 +360,8 @@ def cmd_restore(args: argparse.Namespace) -> int:
 
 
 def cmd_login_url(args: argparse.Namespace) -> int:
+    from server.settings import get_settings
+
     settings = get_settings()
     with _database(settings)() as session:
         key_id = None
@@ -368,9 +376,16 @@ def cmd_login_url(args: argparse.Namespace) -> int:
     return 0
 
 
+def _subcommands(parser: argparse.ArgumentParser) -> argparse._SubParsersAction[argparse.ArgumentParser]:
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from server import hub_commands, sweep_commands
+    from server.settings import get_settings
+
     parser = engine_parser()
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    sub = _subcommands(parser)
     settings = get_settings()
     s = sub.add_parser("serve", help="run the API (and, for one machine, a worker beside it)")
     s.add_argument("--host", default=settings.host)
@@ -421,7 +436,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return engine_main(argv, parser=build_parser())
+    words = sys.argv[1:] if argv is None else list(argv)
+    engine_commands = engine_parser()
+    if words and words[0] in _subcommands(engine_commands).choices:
+        # the engine's own commands (``plan`` answers in a fraction of a second) read none of the
+        # service's settings: not even their module is imported
+        return engine_main(words, parser=engine_commands)
+    return engine_main(words, parser=build_parser())
 
 
 if __name__ == "__main__":

@@ -32,38 +32,70 @@ from engine.commands.chat import add_chat_command
 from engine.commands.common import ProgressSink
 from engine.commands.demo import add_demo_command
 from engine.data.read import FORMATS
+from engine.errors import ConfigError
 from engine.methods import TUNINGS, method_entry, preference_methods
 
 if TYPE_CHECKING:
     from engine.config import TrainConfig
+    from engine.planner import Shape
 
 
 # --method: what trains (supervised), or a preference method of the registry
 METHOD_CHOICES = [*TUNINGS, *preference_methods()]
 
 
-def _meta_model(args: argparse.Namespace, model_path: str | None) -> Any:
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
+def model_config(args: argparse.Namespace, model_path: str | None) -> dict[str, Any]:
+    """The ``config.json`` a plan reads: the demo's, a model folder's (read as the service reads
+    it), or a Llama of the flags' sizes. Only shapes: no torch, no transformers.
+
+    Raises:
+        ConfigError: (``model.path``) no ``config.json`` in the folder, or an architecture the
+            engine cannot train (the message says why).
+    """
+    from engine.model.families import model_kind
+    from engine.model.loading import demo_config
 
     if model_path == "demo":
-        from engine.model.loading import demo_config
-
-        config = LlamaConfig(**demo_config())
+        config = demo_config()
     elif model_path:
-        config = AutoConfig.from_pretrained(model_path)
+        file = Path(model_path) / "config.json"
+        if not file.is_file():
+            raise ConfigError(
+                "model.path",
+                f"model.path: {model_path!r} is not a Hugging Face model folder (no config.json)",
+                value=model_path,
+            )
+        config = dict(json.loads(file.read_text()))
     else:
         heads = max(1, args.hidden // 64)
-        config = LlamaConfig(
-            vocab_size=args.vocab,
-            hidden_size=args.hidden,
-            intermediate_size=args.hidden * 8 // 3,
-            num_hidden_layers=args.blocks,
-            num_attention_heads=heads,
-            num_key_value_heads=heads,
-        )
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
+        config = {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": args.vocab,
+            "hidden_size": args.hidden,
+            "intermediate_size": args.hidden * 8 // 3,
+            "num_hidden_layers": args.blocks,
+            "num_attention_heads": heads,
+            "num_key_value_heads": heads,
+            "max_position_embeddings": 2048,  # transformers' LlamaConfig default
+            "tie_word_embeddings": False,
+        }
+    kind = model_kind(config)
+    if not kind.supported:
+        raise ConfigError("model.path", f"model.path: {kind.reason}", value=kind.architecture)
+    return config
+
+
+def layer_bytes(shape: Shape) -> list[float]:
+    """Bytes of each engine layer's parameters in 16 bits, as the engine's ``AdaptedModel`` holds
+    them: a tied head counts in the output layer too (the stage that computes the logits uploads
+    it), where ``Shape.layer_params`` counts it once. The few buffers a layer also holds (Gemma
+    3's embedding scale, DeepSeek-V3's router score correction: one element, or one an expert)
+    are left out."""
+    params = shape.layer_params()
+    if shape.tied:
+        params[-1] += shape.vocab * shape.hidden
+    return [float(2 * p) for p in params]
 
 
 def plan_config(args: argparse.Namespace) -> tuple[TrainConfig, int | None]:
@@ -105,26 +137,19 @@ def plan_config(args: argparse.Namespace) -> tuple[TrainConfig, int | None]:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from engine.model.adapter import AdaptedModel
+    from engine.planner import Shape
     from engine.scheduling.partition import LayerCost, auto_partition, objective, proxy_costs
     from engine.scheduling.schedule import build_schedule, render_grid
 
     config, rows = plan_config(args)
-    meta = _meta_model(args, args.model or (config.model.path if args.config else None))
-    adapted = AdaptedModel(meta)
-    param_bytes = [
-        float(sum(t.numel() * 2 for t in {id(t): t for t in layer.tensors.values()}.values()))
-        for layer in adapted.layers
-    ]
-    costs: list[LayerCost] = proxy_costs(param_bytes)
+    model = model_config(args, args.model or (config.model.path if args.config else None))
+    shape = Shape.from_config(model)
+    costs: list[LayerCost] = proxy_costs(layer_bytes(shape))
     budget = args.memory_budget_gb * 2**30 if args.memory_budget_gb else None
     n, m = args.workers, config.engine.num_microbatches
     plan = auto_partition(costs, num_workers=n, num_microbatches=m, memory_budget=budget)
     s = plan.num_slots
-    print(
-        f"{adapted.architecture}: {adapted.num_layers} layers "
-        f"(input, {adapted.num_layers - 2} blocks, output)"
-    )
+    print(f"{shape.architecture}: {shape.layers + 2} layers (input, {shape.layers} blocks, output)")
     print(f"plan: {plan.describe()}")
     print(f"counts: {plan.to_counts()}")
     print(
@@ -137,7 +162,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     names = [st.name for st in plan.slots]
     kinds = [st.kind for st in plan.slots]
     print(render_grid(runs, slot_names=names, kinds=kinds, num_workers=n))
-    print(_fit_report(args, meta.config.to_dict(), config, rows))
+    print(_fit_report(args, model, config, rows))
     return 0
 
 
@@ -145,13 +170,13 @@ def _fit_report(
     args: argparse.Namespace, model_config: dict[str, Any], config: TrainConfig, rows: int | None
 ) -> str:
     """The planner's answer for this model on the given box: memory, fit, tokens/s and ETA."""
-    import psutil
-
     from engine.planner import Hardware, Workload, plan_job
 
     detected = []
     host_ram = args.host_ram_gb
-    if host_ram is None:
+    if host_ram is None:  # psutil only when this machine is read (a tenth of the command's time)
+        import psutil
+
         host_ram = psutil.virtual_memory().total / 1e9
         detected.append("host RAM")
     hardware = Hardware(
@@ -164,6 +189,8 @@ def _fit_report(
         detected=tuple(detected),
     )
     if args.cpu:  # this machine's cores, as ``devices: auto`` runs without a GPU
+        import psutil
+
         cores = psutil.cpu_count() or 1
         hardware = Hardware.cpu_host(cores=cores, ram_gb=host_ram, detected=(*detected, "CPU cores"))
     workload = Workload.from_train_config(config, num_sequences=rows, on_gpu=not args.cpu)

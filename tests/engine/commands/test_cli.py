@@ -3,12 +3,32 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from dataclasses import replace
 
-from engine.commands.cli import main
+import pytest
+
+from engine.commands.cli import layer_bytes, main
 from engine.config import TrainConfig
-from engine.planner import Hardware, Workload, plan_job
-from tests.engine.tiny import tiny_model_folder
+from engine.model.adapter import AdaptedModel
+from engine.planner import Hardware, Shape, Workload, plan_job
+from tests.engine.tiny import FAMILIES, tiny_model, tiny_model_folder
+from tests.utils import ROOT, child_env
+
+QWEN3_32B = {  # its config.json's sizes
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "hidden_size": 5120,
+    "intermediate_size": 25600,
+    "num_hidden_layers": 64,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "max_position_embeddings": 40960,
+    "tie_word_embeddings": False,
+}
 
 
 def test_plan_prints_partition_and_grid(capsys) -> None:
@@ -93,3 +113,43 @@ def test_the_progress_line_shows_no_nan_before_the_first_loss() -> None:
     first, second = out.getvalue().splitlines()
     assert "loss - " in first and "nan" not in first
     assert "loss 0.5000" in second
+
+
+def test_plan_of_a_model_folder_reads_its_shapes_without_torch(tmp_path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_32B))
+    argv = ["plan", "--model", str(tmp_path), "--method", "full", "--workers", "8", "--host-ram-gb", "512"]
+    code = (
+        "import sys\n"
+        "from engine.commands.cli import main\n"
+        f"assert main({argv!r}) == 0\n"
+        "print(sorted({'torch', 'transformers'} & set(sys.modules)))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT, env=child_env()
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "Qwen3ForCausalLM: 66 layers (input, 64 blocks, output)" in out.stdout
+    assert out.stdout.splitlines()[-1] == "[]"
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_layer_bytes_a_plan_partitions_are_the_engine_s(family: str, tied: bool) -> None:
+    model = tiny_model(family, tied=tied)
+    layers = AdaptedModel(model).layers
+    engine = [float(sum(p.numel() * 2 for p in layer.module.parameters())) for layer in layers]
+    config = model.config.to_dict() | {"architectures": [type(model).__name__]}
+    assert layer_bytes(Shape.from_config(config)) == engine
+    # what the engine's layers hold besides: a buffer of a few elements (left out)
+    buffers = [sum(b.numel() for b in layer.module.buffers()) for layer in layers]
+    assert max(buffers) <= 4
+
+
+def test_plan_refuses_a_folder_without_a_config_or_of_an_unsupported_model(tmp_path, capsys) -> None:
+    assert main(["plan", "--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("roundhouse plan: model.path: ") and "(no config.json)" in err
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_32B | {"architectures": ["FooForCausalLM"]}))
+    assert main(["plan", "--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("roundhouse plan: model.path: unsupported architecture FooForCausalLM")
