@@ -27,8 +27,15 @@ control runs (seed 0): a 16-bit base on the demo model with its weights replaced
 NF4-decoded values (all of them, the attention's only, the MLP's only), and both bases trained
 ``--long-steps`` steps (does a gap close with more training?).
 
+Part three: packing one tensor to NF4 (``engine.model.quant.pack``), the fused expert weights
+of Qwen3-235B-A22B's MoE layers (``[experts, 3072, 4096]`` in bfloat16: gate and up of 128
+experts, 3.2 GB), an 8-expert slice and the whole tensor, each in its own process. Steady: the
+process's RSS once it holds the source tensor and its packed buffer (heap trimmed); peak: the
+most it held, packing included. Target: peak <= 1.15x steady.
+
     python bench/host_memory.py [--layers 24] [--hidden 2048] [--shard-size 500MB]
-                                [--part all|memory|demo] [--seeds 3] [--long-steps 40]
+                                [--part all|memory|demo|packing] [--seeds 3] [--long-steps 40]
+                                [--experts 8 128]
 
 Writes ``bench/results/host_memory.json``.
 """
@@ -48,6 +55,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+PARTS = ("memory", "demo", "packing")
 
 
 def _rss() -> int:
@@ -269,6 +277,66 @@ def decoded_demo_model(folder: Path, part: str = "all") -> Path:
     return folder
 
 
+EXPERT_SHAPE = (3072, 4096)  # Qwen3-235B-A22B: gate and up (2 x 1536) of hidden 4096, fused
+
+
+def pack_variant(experts: int) -> dict[str, Any]:
+    """Pack a ``[experts, 3072, 4096]`` bfloat16 tensor to NF4; the figures as a dict."""
+    import ctypes
+    import resource
+
+    import torch
+
+    from engine.model import quant
+
+    trim = ctypes.CDLL("libc.so.6").malloc_trim
+    quant._nf4()  # torchao imported before the first figure
+    start = _rss()
+    source = torch.empty(experts, *EXPERT_SHAPE, dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    for expert in source:  # filled in place: no float32 copy of it
+        expert.normal_(0, 0.02, generator=g)
+    trim(0)
+    with_source = _rss()
+    peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    t0 = time.perf_counter()
+    buffer, _ = quant.pack(source, torch.bfloat16)
+    pack_s = time.perf_counter() - t0
+    trim(0)
+    steady = _rss()  # the source and its packed buffer, held
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {
+        "shape": list(source.shape),
+        "source_bytes": source.nbytes,
+        "packed_bytes": buffer.nbytes,
+        "rss_start": start,
+        "rss_source": with_source,
+        "rss_steady": steady,
+        "peak_rss_before_packing": peak_before,
+        "peak_rss": peak,
+        "peak_over_steady": peak / steady,
+        # what packing held beyond its result, against what the process keeps of the tensor
+        "transient_bytes": peak - steady,
+        "transient_over_held": (peak - steady) / (steady - start),
+        "pack_s": pack_s,
+    }
+
+
+def packing_part(args: argparse.Namespace) -> dict[str, Any]:
+    """Part three: each tensor packed in a child process."""
+    variants = {}
+    for experts in args.experts:
+        child = [sys.executable, __file__, "--pack", str(experts)]
+        done = subprocess.run(child, check=True, capture_output=True, text=True)
+        variants[str(experts)] = json.loads(done.stdout.strip().splitlines()[-1])
+        print(f"{experts} experts: {json.dumps(variants[str(experts)])}", flush=True)
+    from engine.model import quant
+
+    chunk = getattr(quant, "CHUNK", None)  # None: the whole tensor at once (before chunking)
+    peaks = {name: v["peak_over_steady"] for name, v in variants.items()}
+    return {"chunk_values": chunk, "variants": variants, "peak_over_steady": peaks}
+
+
 def memory_part(args: argparse.Namespace) -> dict[str, Any]:
     """Part one: both variants, each in a child process, on one saved model."""
     variants = {}
@@ -385,10 +453,14 @@ def main() -> None:
     )
     parser.add_argument(
         "--part",
-        choices=("all", "memory", "demo"),
+        choices=("all", *PARTS),
         default="all",
         help="one part only: the other part's figures already in --out are kept, with their time",
     )
+    parser.add_argument(
+        "--experts", type=int, nargs="+", default=[8, 128], help="part three's tensors: experts in each"
+    )
+    parser.add_argument("--pack", type=int, help=argparse.SUPPRESS)  # a child: pack one tensor
     parser.add_argument("--bits", type=int, help=argparse.SUPPRESS)  # a child: one variant
     parser.add_argument("--folder", type=Path, help=argparse.SUPPRESS)  # ... of this saved model
     parser.add_argument("--save", type=Path, help=argparse.SUPPRESS)  # a child: save the model
@@ -401,6 +473,9 @@ def main() -> None:
     if args.save_bnb is not None:
         save_bnb(args)
         return
+    if args.pack is not None:
+        print(json.dumps(pack_variant(args.pack)))
+        return
     if args.bits is not None:
         print(json.dumps(one_variant(args)))
         return
@@ -409,7 +484,7 @@ def main() -> None:
     report: dict[str, Any] = {}
     if args.part != "all" and args.out.exists():
         kept = json.loads(args.out.read_text())
-        report = {part: kept[part] for part in ("memory", "demo") if part in kept}
+        report = {part: kept[part] for part in PARTS if part in kept}
     report.update(
         {
             "benchmark": "host_memory",
@@ -420,6 +495,7 @@ def main() -> None:
                 "h2d_bytes_per_iteration": 0.35,
                 "demo_loss_relative": 0.05,
                 "peak_over_steady_loading": 1.15,
+                "peak_over_steady_packing": 1.15,
             },
         }
     )
@@ -428,12 +504,14 @@ def main() -> None:
         report["memory"] = {"measured_at": now, **memory_part(args)}
     if args.part in ("all", "demo"):
         report["demo"] = {"measured_at": now, **demo_part(args)}
+    if args.part in ("all", "packing"):
+        report["packing"] = {"measured_at": now, **packing_part(args)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     summary = {k: v for k, v in report.get("memory", {}).items() if k != "variants"}
-    print(
-        json.dumps({"memory": summary, "demo": report.get("demo", {}).get("relative_difference")}, indent=2)
-    )
+    packing = report.get("packing", {}).get("peak_over_steady")
+    demo = report.get("demo", {}).get("relative_difference")
+    print(json.dumps({"memory": summary, "demo": demo, "packing": packing}, indent=2))
 
 
 if __name__ == "__main__":

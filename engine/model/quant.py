@@ -15,7 +15,10 @@ workers and on CUDA alike, with no compiled kernels to build. Two steps are our 
 and device memory, and tested against torchao's: the search for each value's code, and the
 decoding (``Packed.unpack``: the same arithmetic, bit for bit, without int64 indices). ``unpack``
 is deterministic, so an engine run with a 4-bit base equals a plain loop on the same model whose
-base weights were replaced by ``dequantized``.
+base weights were replaced by ``dequantized``. ``pack`` goes ``CHUNK`` values at a time (whole
+blocks), writing into the result as it goes: its scratch memory is one chunk's, about 40 MB, and
+the blocks' absmax (2 bytes a block in bfloat16), whatever the tensor; the bytes are those of
+packing the tensor whole.
 """
 
 from __future__ import annotations
@@ -34,7 +37,13 @@ from engine.planner.quantized import ALIGN, BASE_BITS, BLOCK, SCALER_BLOCK, pack
 
 __all__ = ["ALIGN", "BASE_BITS", "BLOCK", "SCALER_BLOCK", "Packed", "dequantized", "pack"]
 __all__ += ["Layout", "attach", "attached", "detach_packed", "lay_out", "packed_bytes", "quantizable"]
-__all__ += ["scaler_block", "view_part"]
+__all__ += ["CHUNK", "CHUNK_SCRATCH_BYTES", "offsets", "scaler_block", "view_part"]
+
+CHUNK = 1 << 22  # values packed at a time (4 Mi: whole blocks, whole groups of their scales)
+# the most scratch bytes a value of a chunk takes while it is packed (its float32 copy and the
+# scaled one, the int32 codes, ...): 9 in bfloat16, 11 cast from float32, 13 from bfloat16 to
+# float32 (measured: tests/engine/model/test_quant_chunks.py); 38-55 MB for a ``CHUNK``
+CHUNK_SCRATCH_BYTES = 13
 
 
 def _nf4() -> Any:
@@ -53,17 +62,40 @@ def _nf4() -> Any:
     return NF4Tensor, SubclassTensorArgs
 
 
-def _codes(matrix: torch.Tensor, book: torch.Tensor) -> torch.Tensor:
+def _codes(values: torch.Tensor, absmax: torch.Tensor, book: torch.Tensor) -> torch.Tensor:
     """Each value's nearest NF4 code, two to a byte (the first in the high nibble), as torchao
-    lays them out. Found by a search over the midpoints between the codes, not by torchao's
-    distance to all 16 codes, which takes about 50x longer on a CPU; the distances are exact
-    (float32), where torchao's are rounded to the weight's dtype, so a bfloat16 value within a
-    rounding of halfway between two codes may take the other one."""
-    flat = matrix.reshape(-1, BLOCK).float()
-    scaled = (flat / flat.abs().amax(dim=1, keepdim=True)).reshape(-1)
+    lays them out; ``values`` is ``[blocks, BLOCK]``, ``absmax`` each block's absolute maximum.
+    Found by a search over the midpoints between the codes, not by torchao's distance to all 16
+    codes, which takes about 50x longer on a CPU; the distances are exact (float32), where
+    torchao's are rounded to the weight's dtype, so a bfloat16 value within a rounding of halfway
+    between two codes may take the other one."""
+    # the float32 absmax of a block is its absmax in the weight's dtype, widened: exact
+    scaled = (values.float() / absmax.float().unsqueeze(1)).reshape(-1)
     book = book.float()
-    codes = torch.bucketize(scaled, (book[1:] + book[:-1]) / 2).to(torch.uint8)
+    codes = torch.bucketize(scaled, (book[1:] + book[:-1]) / 2, out_int32=True).to(torch.uint8)
     return codes[::2] << 4 | codes[1::2]
+
+
+def _double_quantize(
+    absmax: torch.Tensor, size: int, chunk: int, *, scales: torch.Tensor, factors: torch.Tensor
+) -> torch.Tensor:
+    """torchao's ``NF4Tensor.double_quantize_scalers`` given the blocks' absmax (``[blocks]``, in
+    the weight's dtype), written into ``scales`` (int8, ``[blocks]``) and ``factors`` (one a
+    group of ``size`` scales), ``chunk`` scales at a time (a multiple of ``size``): the same
+    arithmetic on the same values (tests compare them), without temporaries the size of all the
+    scales.
+
+    Returns:
+        The absmax's mean (a scalar in their dtype).
+    """
+    mean = absmax.mean()  # over the whole tensor, as torchao takes it: the same sum, bit for bit
+    for start in range(0, absmax.numel(), chunk):
+        groups = (absmax[start : start + chunk] - mean).view(-1, size)
+        factor = 256 / (2 * groups.abs().max(dim=1).values)
+        quantized = (groups * factor.unsqueeze(-1)).round().clamp(-128, 127)
+        scales[start : start + groups.numel()] = quantized.flatten()
+        factors[start // size : start // size + factor.numel()] = factor
+    return mean
 
 
 def quantizable(tensor: torch.Tensor) -> bool:
@@ -108,38 +140,74 @@ class Packed:
         return (values * per_block.unsqueeze(-1)).reshape(self.shape)
 
 
-def pack(tensor: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, Packed]:
-    """Quantize ``tensor`` (cast to ``dtype``, the compute dtype) to NF4.
+def pack(tensor: torch.Tensor, dtype: torch.dtype, *, chunk: int = CHUNK) -> tuple[torch.Tensor, Packed]:
+    """Quantize ``tensor`` (cast to ``dtype``, the compute dtype) to NF4, ``chunk`` values at a
+    time: the scratch memory is at most ``CHUNK_SCRATCH_BYTES`` a value of one chunk, and each
+    block's absmax in ``dtype``, whatever the tensor's size; the result is the same, bit for bit,
+    as packing it whole. A tensor that is not contiguous is first copied so, in its own dtype.
+
+    Args:
+        tensor: a floating tensor of a whole number of ``2 * BLOCK`` values (``quantizable``).
+        dtype: the compute dtype it decodes to.
+        chunk: values quantized at a time, a multiple of ``2 * BLOCK``.
 
     Returns:
         The packed ``uint8`` buffer (on the CPU) and its layout.
+
+    Raises:
+        ValueError: ``tensor``'s size or ``chunk`` is not a whole number of ``2 * BLOCK`` values.
     """
+    numel = tensor.numel()
+    if numel == 0 or numel % (2 * BLOCK):
+        raise ValueError(f"pack: a tensor of {numel} values is not a whole number of {2 * BLOCK} values")
+    if chunk <= 0 or chunk % (2 * BLOCK):
+        raise ValueError(f"pack: chunk={chunk} is not a whole number of {2 * BLOCK} values")
     nf4_cls, _ = _nf4()
-    shape = tensor.shape
-    matrix = tensor.detach().to("cpu", dtype).reshape(-1, shape[-1]).contiguous()
-    size = scaler_block(matrix.numel())
+    flat = tensor.detach().reshape(-1)  # a view of a contiguous tensor
+    blocks, size = numel // BLOCK, scaler_block(numel)
     # the code book as torchao builds it (from a block of zeros: nothing else to quantize)
     book = nf4_cls.from_tensor(torch.zeros(2 * BLOCK, dtype=dtype), BLOCK, 1).nf4
-    scales, factors, mean = nf4_cls.double_quantize_scalers(matrix.reshape(-1), BLOCK, size)
-    buffer, parts = lay_out([_codes(matrix, book), scales, factors, mean.reshape(1), book])
-    return buffer, Packed(shape, dtype, size, parts)
+    item = book.element_size()
+    parts, total = offsets([(numel // 2, 1), (blocks, 1), (blocks // size, item), (1, item), (16, item)])
+    buffer = torch.zeros(total, dtype=torch.uint8)
+    codes, scales = view_part(buffer, parts[0], torch.uint8), view_part(buffer, parts[1], torch.int8)
+    factors, mean = view_part(buffer, parts[2], dtype), view_part(buffer, parts[3], dtype)
+    absmax = torch.empty(blocks, dtype=dtype)  # [blocks]: torchao's ``get_block_absmax``, by chunks
+    for start in range(0, numel, chunk):
+        values = flat[start : start + chunk].to("cpu", dtype).view(-1, BLOCK)
+        block_max = absmax[start // BLOCK : start // BLOCK + values.shape[0]]
+        block_max.copy_(values.abs().max(dim=1).values)
+        codes[start // 2 : (start + values.numel()) // 2] = _codes(values, block_max, book)
+        del values  # before the next chunk's cast
+    step = max(size, chunk // BLOCK // size * size)  # the second level takes whole groups of scales
+    mean.copy_(_double_quantize(absmax, size, step, scales=scales, factors=factors))
+    view_part(buffer, parts[4], dtype).copy_(book)
+    return buffer, Packed(tensor.shape, dtype, size, parts)
+
+
+def offsets(sizes: list[tuple[int, int]]) -> tuple[tuple[tuple[int, int], ...], int]:
+    """Where pieces of ``(number of elements, bytes an element)`` lie one after the other, each
+    starting ``ALIGN``-byte aligned: each one's (byte offset, number of elements), and the bytes
+    of them all."""
+    parts, offset = [], 0
+    for n, itemsize in sizes:
+        parts.append((offset, n))
+        offset += (n * itemsize + ALIGN - 1) // ALIGN * ALIGN
+    return tuple(parts), offset
 
 
 def lay_out(pieces: list[torch.Tensor]) -> tuple[torch.Tensor, tuple[tuple[int, int], ...]]:
     """One ``uint8`` buffer holding ``pieces`` one after the other, each starting ``ALIGN``-byte
     aligned, and each part's (byte offset, number of elements)."""
-    parts, offset = [], 0
-    for p in pieces:
-        parts.append((offset, p.numel()))
-        offset += (p.numel() * p.element_size() + ALIGN - 1) // ALIGN * ALIGN
-    buffer = torch.zeros(offset, dtype=torch.uint8)
+    parts, total = offsets([(p.numel(), p.element_size()) for p in pieces])
+    buffer = torch.zeros(total, dtype=torch.uint8)
     for (start, _), p in zip(parts, pieces, strict=True):
         flat = p.detach().reshape(-1)
         if flat.stride(0) != 1:  # a one-element tensor keeps any stride, even when contiguous
             flat = torch.empty(flat.numel(), dtype=flat.dtype).copy_(flat)
         raw = flat.view(torch.uint8)
         buffer[start : start + raw.numel()].copy_(raw)
-    return buffer, tuple(parts)
+    return buffer, parts
 
 
 def view_part(buffer: torch.Tensor, part: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
