@@ -29,8 +29,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import IO, Any
 
+import engine.graders.sandbox as sandbox
 from engine.errors import ConfigError
-from engine.graders import sandbox
 from engine.graders.base import MAX_TEXT, ErrorKind, Fields, Grader, Scores, short, unscorable
 from engine.graders.sandbox import Confinement
 

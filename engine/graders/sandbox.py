@@ -35,7 +35,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.graders import confine
+import engine.graders.confine as confine
 
 CHILD = Path(__file__).with_name("python_child.py")
 UNCONFINED_SETTING = "ROUNDHOUSE_ALLOW_UNCONFINED_GRADERS"

@@ -4,7 +4,7 @@ error and never spoils the others."""
 
 from __future__ import annotations
 
-import tempfile
+import contextlib
 import time
 from pathlib import Path
 from typing import Any
@@ -12,6 +12,7 @@ from typing import Any
 import psutil
 import pytest
 
+import engine.graders.python as python_grader
 from engine.errors import ConfigError
 from engine.graders import GradeResult, validate_grader
 from engine.graders.python import GRACE_S, PythonGrader
@@ -189,15 +190,25 @@ def test_one_child_grades_a_whole_batch(grader: PythonGrader) -> None:
     assert len(set(second)) == 1 and second[0] != first[0]  # a child per batch
 
 
-def test_no_child_is_left_behind_and_its_directory_goes() -> None:
+def test_no_child_is_left_behind_and_its_directory_goes(monkeypatch: pytest.MonkeyPatch) -> None:
+    made: list[Any] = []
+
+    class Recorded(python_grader._Child):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(python_grader, "_Child", Recorded)
     source = "import os\ndef grade(sample, item):\n    return float(len(os.getcwd()))\n"
-    before = {p.pid for p in psutil.Process().children(recursive=True)}
-    folders = set(Path(tempfile.gettempdir()).glob("roundhouse-grader-*"))
     with validate_grader({"type": "python", "source": source}) as grader:
         assert grader.grade_batch(["a"], [{}]).rewards[0] > 0
-    left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
-    assert left == []
-    assert set(Path(tempfile.gettempdir()).glob("roundhouse-grader-*")) <= folders
+    assert made  # the check's child and the batch's
+    for child in made:
+        assert child.process.poll() is not None
+        for process in psutil.process_iter():  # nothing the child started is left either
+            with contextlib.suppress(psutil.Error):
+                assert child.workdir not in process.cwd()
+        assert not Path(child.workdir).exists()
 
 
 @pytest.mark.parametrize(
