@@ -474,8 +474,30 @@ class PlanPublic(BaseModel):
         "the GPU), reference_s, rows (completions a step), completion_tokens, tokens_per_s (sampled), "
         "gflops and memory_gb_s (assumed), bound (compute or memory)",
     )
+    overheads: dict[str, float] = Field(
+        default_factory=dict,
+        description="seconds the run spends besides its steps, by term: assumed (start_s, load_s, data_s, "
+        "warmup_s, validation_s, save_s) or measured (measured_s: calibrated_from's run less its steady "
+        "steps); and their total_s; empty when nothing fits",
+    )
+    total_s: float | None = Field(
+        None,
+        description="the run end to end: eta_s plus overheads.total_s (the new-job page's ETA; a sweep adds "
+        "its trials' up); null when eta_s is",
+    )
+    estimate: Literal["planner", "calibrated", "measured"] = Field(
+        "planner",
+        description="where total_s comes from: the planner's assumptions; the rate calibrated_from measured "
+        "with the overheads assumed; or the rate and overheads measured (by calibrate_job_id, else by the "
+        "latest 5 jobs of this base model, objective and tuning that ran to their end on the host planned: "
+        "their medians)",
+    )
     assumptions: dict[str, Any]
-    calibrated_from: str | None
+    calibrated_from: str | None = Field(
+        description="the job whose measured tokens/s scaled the rate: calibrate_job_id, else the latest of "
+        "the jobs of this base model, objective and tuning that ran to their end on the host planned (null: "
+        "none)"
+    )
 
 
 # -- the chat playground (POST /api/generate) -------------------------------------------------------
@@ -722,13 +744,28 @@ class SweepCreate(BaseModel):
 class SweepTrialPlan(BaseModel):
     params: dict[str, float]
     fits: bool
-    eta_s: float | None
+    eta_s: float | None = Field(description="the trial end to end: steps_s plus overhead_s")
+    steps_s: float | None = Field(None, description="its steps (its plan's eta_s)")
+    overhead_s: float | None = Field(
+        None,
+        description="what it costs besides its steps: the trainer's start, the model's load, the data's "
+        "preparation, the first step's warm-up, validation passes, checkpoints (its plan's overheads)",
+    )
     problems: list[str]
 
 
 class SweepPlanPublic(BaseModel):
-    eta_s: float | None = Field(description="every trial one after another (null: some trial has no ETA)")
+    eta_s: float | None = Field(
+        description="every trial end to end, one after another (null: some trial has no ETA)"
+    )
     fits: bool = Field(description="every trial fits the workers")
+    estimate: Literal["planner", "calibrated", "measured"] = Field(
+        "planner",
+        description="what priced the trials (the least measured of theirs): this box's measured times, a "
+        "job that ran this model here (measured: its rate and overheads; calibrated: its rate), or the "
+        "planner's assumptions",
+    )
+    calibrated_from: str | None = Field(None, description="the job whose measured times priced them")
     trials: list[SweepTrialPlan]
 
 

@@ -37,7 +37,9 @@ def print_plan(plan: dict[str, Any]) -> None:
         params = " ".join(f"{k}={_value(v)}" for k, v in trial["params"].items())
         fits = "fits" if trial["fits"] else "DOES NOT FIT: " + "; ".join(trial["problems"][:1])
         print(f"#{i:<3} {params:<40} ETA {_eta(trial['eta_s'])}  {fits}")
-    print(f"{len(plan['trials'])} trials, one after another: ETA {_eta(plan['eta_s'])}")
+    source = {"measured": "measured on this box", "calibrated": "rate measured on this box"}
+    priced = source.get(plan.get("estimate", "planner"), "the planner's estimate")
+    print(f"{len(plan['trials'])} trials, one after another: ETA {_eta(plan['eta_s'])} end to end ({priced})")
 
 
 def print_sweep(view: dict[str, Any]) -> None:

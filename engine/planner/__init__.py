@@ -26,12 +26,18 @@ own partition and longest sequence (``fit``).
 The estimates are first-order: activation sizes assume fused (flash) attention, the optimizer is
 assumed hidden behind the next iteration unless it is slower than it, and communication other than
 weight uploads and stage-boundary hops is ignored.
+
+An ETA counts the run end to end (``PlanReport.total_s``): the steps, and what a run costs besides
+them (``overheads``: the trainer's start, the model's load, the data's preparation, the first
+step's warm-up, validation passes, checkpoints), assumed, or measured from a run on the same box
+(``measured_overhead``, ``use_measured_overhead``).
 """
 
 from engine.methods.reference import reference_seconds
 from engine.planner.fit import SEQ_LEN_STEP, longest_sequence
 from engine.planner.memory import CUDA_OVERHEAD_BYTES, Memory, layer_times, memory_model
-from engine.planner.report import PlanReport, calibrate, hardware_label, plan_job
+from engine.planner.overheads import Overheads, measured_overhead, overheads
+from engine.planner.report import PlanReport, calibrate, hardware_label, plan_job, use_measured_overhead
 from engine.planner.shapes import SHAPE_LIMITS, Shape
 from engine.planner.workload import (
     CPU_GFLOPS_PER_CORE,
@@ -56,6 +62,7 @@ __all__ = [
     "WORKLOAD_LIMITS",
     "Hardware",
     "Memory",
+    "Overheads",
     "PlanReport",
     "Shape",
     "Workload",
@@ -65,7 +72,10 @@ __all__ = [
     "hardware_label",
     "layer_times",
     "longest_sequence",
+    "measured_overhead",
     "memory_model",
+    "overheads",
     "plan_job",
     "reference_seconds",
+    "use_measured_overhead",
 ]

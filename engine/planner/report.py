@@ -9,6 +9,7 @@ from engine.errors import ConfigError
 from engine.methods.reference import reference_seconds
 from engine.planner.fit import assess, base_variants, longest_sequence, pcie_traffic
 from engine.planner.memory import CUDA_OVERHEAD_BYTES
+from engine.planner.overheads import overheads
 from engine.planner.rollouts import rollout_time
 from engine.planner.shapes import Shape
 from engine.planner.workload import DTYPE_BYTES, GB, HARDWARE_RANGES, Hardware, Workload, check
@@ -40,6 +41,14 @@ class PlanReport:
     a batch), ``rollout_share`` the part of a step they take; the ETA counts both.
     ``tokens_per_s`` is the training iteration's. For every other method ``step_s`` is
     ``iteration_s`` and ``rollout_s`` None.
+
+    ``eta_s`` is the steps (and a DPO job's reference pass); ``total_s`` the run end to end: that
+    plus ``overheads``, what it costs besides its steps by term (``engine.planner.overheads``: the
+    trainer's start, the model's load, the data's preparation, the first step's warm-up, the
+    validation passes, the checkpoints; empty when nothing fits). ``estimate`` says where
+    ``total_s`` comes from: ``"planner"`` (the assumptions), ``"calibrated"`` (the rate scaled by a
+    measured job, the overheads assumed) or ``"measured"`` (the rate and the overheads of a job
+    that ran on the box; the service sets these two).
 
     ``pcie`` is what one iteration moves between host and GPUs, by term (None when nothing fits
     the GPUs). ``base_variants`` puts a LoRA job with a 16-bit and with a 4-bit base side by side
@@ -74,6 +83,9 @@ class PlanReport:
     rollout_s: float | None = None
     rollout_share: float | None = None
     rollout: dict[str, Any] | None = None
+    overheads: dict[str, float] = field(default_factory=dict)
+    total_s: float | None = None
+    estimate: str = "planner"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -154,6 +166,12 @@ class PlanReport:
             )
         if self.eta_s is not None:
             lines.append(f"ETA: {self.eta_s / 3600:.2f} h")
+        if self.total_s is not None:
+            besides = self.overheads.get("total_s", 0.0)
+            lines.append(
+                f"end to end: {self.total_s / 3600:.2f} h ({self.estimate}): the steps and {besides:.1f} s "
+                "besides them (start, model load, data, warm-up, validation, checkpoints)"
+            )
         rate = (
             f"{1000 * a['gpu_tflops']:g} GFLOP/s fp32 achieved on the CPU"
             if a["device"] == "cpu"
@@ -264,6 +282,11 @@ def _report(shape: Shape, hardware: Hardware, workload: Workload) -> PlanReport:
     rollout = rollout_time(shape, w, h, plan, memory.weights, a.trainable)
     step = iteration + (rollout.per_step_s if rollout is not None and iteration else 0.0)
     eta = step * w.steps + (reference or 0.0) if (w.steps and iteration) else None
+    besides = (
+        overheads(w, step_s=step, weights_bytes=host["weights_gb"] * GB, trainable=a.trainable)
+        if iteration
+        else None
+    )
     return PlanReport(
         fits=not problems,
         problems=problems,
@@ -291,6 +314,8 @@ def _report(shape: Shape, hardware: Hardware, workload: Workload) -> PlanReport:
         rollout_s=rollout.per_step_s if rollout is not None else None,
         rollout_share=rollout.per_step_s / step if rollout is not None and step > 0 else None,
         rollout=rollout.to_dict() if rollout is not None else None,
+        overheads=besides.to_dict() if besides is not None else {},
+        total_s=eta + besides.total_s if eta is not None and besides is not None else None,
         assumptions={
             "device": h.device,
             "hardware": hardware_label(h),
@@ -314,6 +339,20 @@ def _report(shape: Shape, hardware: Hardware, workload: Workload) -> PlanReport:
     )
 
 
+def use_measured_overhead(report: PlanReport, *, overhead_s: float) -> PlanReport:
+    """The report priced with the overhead a run measured on the box (``measured_overhead``)
+    instead of the assumed terms: ``total_s`` its steps plus that, ``estimate`` ``"measured"``.
+
+    Raises:
+        ValueError: a negative or non-finite overhead.
+    """
+    if not 0 <= overhead_s < float("inf"):
+        raise ValueError(f"overhead_s={overhead_s!r} must be a finite number of seconds >= 0")
+    total = report.eta_s + overhead_s if report.eta_s is not None and report.total_s is not None else None
+    besides = {"measured_s": overhead_s, "total_s": overhead_s}
+    return replace(report, overheads=besides, total_s=total, estimate="measured")
+
+
 def hardware_label(hardware: Hardware) -> str:
     """The box a plan is for, in words (the web's plan card shows it)."""
     h = hardware
@@ -324,7 +363,9 @@ def hardware_label(hardware: Hardware) -> str:
 
 def calibrate(hardware: Hardware, *, predicted_tokens_per_s: float, measured_tokens_per_s: float) -> Hardware:
     """The hardware with its efficiency scaled so a past job's prediction matches its measurement
-    (kept within ``HARDWARE_RANGES["efficiency"]``; past its top, the rate is scaled instead).
+    (kept within ``HARDWARE_RANGES["efficiency"]``; past either end, the rate is scaled instead,
+    within ``HARDWARE_RANGES["gpu_tflops"]``: a small model's steps are mostly fixed costs, far
+    slower than its FLOPs at any efficiency).
 
     Raises:
         ValueError: a non-positive throughput.
@@ -336,8 +377,11 @@ def calibrate(hardware: Hardware, *, predicted_tokens_per_s: float, measured_tok
         )
     scaled = hardware.efficiency * measured_tokens_per_s / predicted_tokens_per_s
     low, high = HARDWARE_RANGES["efficiency"]
+    if scaled < low:
+        tflops = max(HARDWARE_RANGES["gpu_tflops"][0], hardware.gpu_tflops * scaled / low)
+        return replace(hardware, efficiency=low, gpu_tflops=tflops)
     if scaled <= high:
-        return replace(hardware, efficiency=max(low, scaled))
+        return replace(hardware, efficiency=scaled)
     # faster than the peak assumed (a CPU host plans at efficiency 1): the rate itself goes up
     tflops = min(HARDWARE_RANGES["gpu_tflops"][1], hardware.gpu_tflops * scaled / high)
     return replace(hardware, efficiency=high, gpu_tflops=tflops)

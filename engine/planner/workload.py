@@ -145,6 +145,12 @@ class Workload:
     mean_prompt_len: float | None = None  # GRPO: tokens per prompt from the data, when known
     kl_reference: bool = False  # GRPO with beta > 0: the reference's log-probabilities each batch
     num_iterations: int = 1  # GRPO: optimizer steps on each batch of completions (method.num_iterations)
+    # what the run does besides its steps (``engine.planner.overheads``): the training rows it
+    # prepares, the held-out rows each validation pass covers, and how often it validates and saves
+    rows: int | None = None
+    validation_rows: int = 0
+    eval_every: int | None = None
+    checkpoint_every: int = 100
 
     @property
     def objective(self) -> str:
@@ -205,13 +211,15 @@ class Workload:
                 they give the packed sequence count. A DPO run's list each pair's chosen and
                 rejected sequence, one after the other.
             num_validation: rows of a separate validation file, when known: a DPO run's reference
-                pass covers them too (a held-out fraction is already among ``num_sequences``).
+                pass covers them too (a held-out fraction is already among ``num_sequences``), and
+                each validation pass (``validation_rows``; else the fraction held out).
 
         Returns:
             The workload; ``steps`` is None when neither ``max_steps`` nor ``num_sequences`` is known.
         """
         h, e, m, d = config.hyper, config.engine, config.method, config.data
         mean = prompt_mean = None
+        rows = num_sequences  # as given: packing below turns num_sequences into packed sequences
         entry = METHOD_TABLE[m.objective]
         per_example = entry.sequences_per_example
         if per_example == 2 and d.packing:  # as the run refuses it (engine.methods.preference)
@@ -264,6 +272,9 @@ class Workload:
         reference = None
         if entry.needs_reference and num_sequences is not None:
             reference = num_sequences + (num_validation or 0)
+        held = num_validation  # a validation file's rows, else the fraction held out (at least one)
+        if held is None and d.validation_fraction > 0 and rows is not None:
+            held = max(1, round(d.validation_fraction * rows))
         return cls(
             seq_len=config.data.max_length,
             batch_size=h.batch_size,
@@ -286,6 +297,10 @@ class Workload:
             mean_prompt_len=prompt_mean,
             kl_reference=prompts and m.beta > 0,
             num_iterations=iterations,
+            rows=rows,
+            validation_rows=held or 0,
+            eval_every=config.eval.every_steps,
+            checkpoint_every=config.checkpoint.every_steps,
         )
 
     def num_workers(self, hardware: Hardware) -> int:

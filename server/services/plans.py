@@ -1,5 +1,12 @@
 """Plans: a job request as the planner's workload, the training data's token counts, the hardware
-the workers report, and the whole plan of ``POST /api/plan``."""
+the workers report, the job that measured this box, and the whole plan of ``POST /api/plan``.
+
+A plan's ETA is the run end to end (``total_s``). Where jobs of the same base model, objective
+and tuning ran to their end (in one go) on the host planned, the latest ones' measured times price
+the plan (``estimate: "measured"``): the median of their steady tokens/s over their own plans'
+scales the rate (``calibrate``), and the median of their wall times less their steady steps is
+the overhead (start, load, data, warm-up, validation, checkpoints). Without any, the planner's
+assumptions do (``estimate: "planner"``)."""
 
 from __future__ import annotations
 
@@ -7,27 +14,44 @@ import json
 import statistics
 import threading
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from engine.config import TrainConfig
 from engine.errors import ConfigError
-from engine.planner import HARDWARE_RANGES, Hardware, Shape, Workload, calibrate, plan_job
+from engine.planner import (
+    HARDWARE_RANGES,
+    Hardware,
+    Shape,
+    Workload,
+    calibrate,
+    measured_overhead,
+    plan_job,
+    use_measured_overhead,
+)
+from server.kinds import JobStatus
 from server.schemas import PlanRequest
 from server.services import datasets, gpus, jobs, methods, models, tokenizers
 from server.services.failures import Conflict, Invalid, NotFound
 from server.settings import Settings
 from server.storage import Storage
-from server.tables import Dataset
+from server.tables import Dataset, Job, Worker
 
 NOT_READ = "(not read: planning only)"  # the training file and output folder a plan never touches
 TOKEN_COUNT_ROWS = 20_000  # rows a plan tokenizes (the first ones): their lengths stand for all
 _CACHE_SIZE = 16  # datasets x tokenizers whose counts are kept
 _lengths: dict[tuple[str, str, str], list[int]] = {}
 _counting = threading.Lock()  # one count at a time
+REFERENCE_CANDIDATES = 50  # the latest finished jobs of the host a plan looks through for its references
+REFERENCE_RUNS = (
+    5  # the latest runs of the job's kind on the box whose measured times (their medians) price it
+)
+_measured: dict[str, Measured] = {}  # finished jobs' measurements, by id
+_ratios: dict[tuple[str, Hardware], float] = {}  # finished jobs' measured over planned rates, by box
 
 
 def token_lengths(dataset: Dataset, *, tokenizer_folder: Path, file: Path | None = None) -> list[int]:
@@ -204,30 +228,120 @@ def _token_lengths(
         return None
 
 
-def _calibrated(session: Session, *, settings: Settings, job_id: str, hardware: Hardware) -> Hardware:
-    """Scale the assumed rate by what a finished or running job measured on this box."""
-    job = jobs.get_job(session, job_id=job_id)
-    if job is None:
-        raise NotFound(f"no job {job_id!r}", param="calibrate_job_id")
-    rates = jobs.measured_rates(session, job_id=job_id)
-    if not rates:
-        raise Conflict(
-            "not_measured", f"job {job_id!r} has no throughput measured yet", param="calibrate_job_id"
+def reference_jobs(session: Session, *, base_model: str, workload: Workload, host: str | None) -> list[Job]:
+    """The latest jobs (up to ``REFERENCE_RUNS``, newest first) of ``base_model`` with the
+    workload's objective and tuning that ran to their end in one go (one claim, no restart) on
+    ``host``: what such a run costs on this box. None when no host is planned (no worker online:
+    the box is unknown)."""
+    if host is None:
+        return []
+    q = (
+        select(Job)
+        .join(Worker, Worker.id == Job.worker_id)
+        .where(
+            Worker.hostname == host,
+            Job.base_model == base_model,
+            Job.status == JobStatus.SUCCEEDED,
+            Job.attempts == 1,
+            Job.retries == 0,
+            Job.started_at.is_not(None),
+            Job.finished_at.is_not(None),
         )
-    past = Workload.from_train_config(TrainConfig.model_validate(job.config), on_gpu=hardware.device != "cpu")
-    config = model_config(job.base_model, settings=settings)
+        .order_by(Job.finished_at.desc())
+        .limit(REFERENCE_CANDIDATES)
+    )
+    found = []
+    for job in session.scalars(q):
+        method = job.config.get("method") or {}
+        if (method.get("objective"), method.get("tuning")) == (workload.objective, workload.tuning):
+            found.append(job)
+        if len(found) == REFERENCE_RUNS:
+            break
+    return found
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What a job measured: each step's tokens/s and seconds, in the order logged, and the median
+    tokens (padded, as the engine counts them) of its steps after the first (None: not logged)."""
+
+    rates: list[float]
+    step_times: list[float]
+    tokens_per_step: float | None
+
+
+def _measurements(session: Session, job: Job) -> Measured:
+    """The job's measurements (a finished job's read once, then remembered by this process)."""
+    if job.id in _measured:
+        return _measured[job.id]
+    rate, wall = "throughput/tokens_per_s", "time/step_s"
+    series = jobs.metric_series(session, job_id=job.id, keys=[rate, wall])
+    rates, times = ([p["value"] for p in series.get(k, [])] for k in (rate, wall))
+    seconds = {p["step"]: p["value"] for p in series.get(wall, [])}
+    tokens = [p["value"] * seconds[p["step"]] for p in series.get(rate, []) if p["step"] in seconds]
+    measured = Measured(rates, times, statistics.median(tokens[1:] or tokens) if tokens else None)
+    if job.status in jobs.TERMINAL:
+        while len(_measured) >= _CACHE_SIZE:
+            _measured.pop(next(iter(_measured)))
+        _measured[job.id] = measured
+    return measured
+
+
+def _overhead(session: Session, job: Job) -> float | None:
+    """What the finished job spent besides its steady steps (None: not finished, or not measured)."""
+    if job.status != JobStatus.SUCCEEDED or job.started_at is None or job.finished_at is None:
+        return None
+    duration = (job.finished_at - job.started_at).total_seconds()
     try:
-        predicted = plan_job(config, hardware, past).tokens_per_s
-        return calibrate(
-            hardware, predicted_tokens_per_s=predicted, measured_tokens_per_s=statistics.median(rates)
+        step_times = _measurements(session, job).step_times
+        return measured_overhead(duration_s=duration, steps=job.step, step_times=step_times)
+    except ValueError:
+        return None
+
+
+def _rate_ratio(session: Session, *, settings: Settings, job: Job, hardware: Hardware) -> float:
+    """What a finished or running job measured on this box over what the plan of its own run
+    says on ``hardware``: the median of its tokens/s after the first step (whose warm-up is an
+    overhead), against the plan at the tokens a step of it measured (else at its ``max_length``).
+    A finished job's ratio is remembered by this process.
+
+    Raises:
+        Conflict: no throughput measured yet (``calibrate_job_id``).
+        Invalid: the job's own plan does not hold on this hardware.
+    """
+    key = (job.id, hardware)
+    if key in _ratios:
+        return _ratios[key]
+    measured = _measurements(session, job)
+    if not measured.rates:
+        raise Conflict(
+            "not_measured", f"job {job.id!r} has no throughput measured yet", param="calibrate_job_id"
         )
+    try:
+        past = Workload.from_train_config(
+            TrainConfig.model_validate(job.config), on_gpu=hardware.device != "cpu"
+        )
+        if measured.tokens_per_step is not None:
+            past = replace(past, mean_seq_len=measured.tokens_per_step / past.sequences)
+        predicted = plan_job(model_config(job.base_model, settings=settings), hardware, past).tokens_per_s
     except ValueError as exc:  # e.g. the past job does not fit the hardware given: nothing to scale
         raise Invalid("invalid_request", str(exc), param="calibrate_job_id") from exc
+    steady = statistics.median(measured.rates[1:] or measured.rates)
+    if not (predicted > 0 and steady > 0):
+        message = f"job {job.id!r}: no rate to scale by (measured {steady!r} tokens/s, planned {predicted!r})"
+        raise Invalid("invalid_request", message, param="calibrate_job_id")
+    ratio = steady / predicted
+    if job.status in jobs.TERMINAL:
+        while len(_ratios) >= _CACHE_SIZE * REFERENCE_RUNS:
+            _ratios.pop(next(iter(_ratios)))
+        _ratios[key] = ratio
+    return ratio
 
 
 def plan(session: Session, *, request: PlanRequest, settings: Settings, storage: Storage) -> dict[str, Any]:
     """The plan of a job request (``POST /api/plan``): fit (and what to change), memory by stage,
-    host RAM, longest sequence, tokens/s and ETA, and the job it was calibrated by.
+    host RAM, longest sequence, tokens/s, the ETA of its steps and of the run end to end, and the
+    job it was calibrated by (``calibrate_job_id``, else the latest of this box's reference jobs).
 
     Raises:
         NotFound: no such base model, dataset or job to calibrate by.
@@ -261,8 +375,29 @@ def plan(session: Session, *, request: PlanRequest, settings: Settings, storage:
     except ValueError as exc:
         field = exc.field if isinstance(exc, ConfigError) else None
         raise Invalid("invalid_config", str(exc), param=field) from exc
+    references: list[Job] = []  # the jobs whose measured times price the plan, newest first
+    ratios: list[float] = []
     if request.calibrate_job_id:
-        box = _calibrated(session, settings=settings, job_id=request.calibrate_job_id, hardware=box)
+        named = jobs.get_job(session, job_id=request.calibrate_job_id)
+        if named is None:
+            raise NotFound(f"no job {request.calibrate_job_id!r}", param="calibrate_job_id")
+        ratios.append(_rate_ratio(session, settings=settings, job=named, hardware=box))
+        references.append(named)
+    elif request.config is None and not given:  # the box itself, not hardware the caller names
+        planned = gpus.plan_host(session, stale_after=settings.telemetry_seconds * 5, host=host)
+        for past in reference_jobs(
+            session,
+            base_model=request.base_model or "demo",
+            workload=job,
+            host=planned["hostname"] if planned is not None else None,
+        ):
+            try:
+                ratios.append(_rate_ratio(session, settings=settings, job=past, hardware=box))
+                references.append(past)
+            except (Conflict, Invalid):  # nothing it measured scales this plan
+                continue
+    if references:
+        box = calibrate(box, predicted_tokens_per_s=1.0, measured_tokens_per_s=statistics.median(ratios))
     try:
         report = plan_job(config, box, job)
     except ValueError as exc:  # a ConfigError names the field; the partitioner's own checks do not
@@ -270,4 +405,9 @@ def plan(session: Session, *, request: PlanRequest, settings: Settings, storage:
         if param in HARDWARE_RANGES:  # given, detected on a worker, or calibrated
             param = f"hardware.{param}"
         raise Invalid("invalid_request", str(exc), param=param) from exc
-    return report.to_dict() | {"calibrated_from": request.calibrate_job_id}
+    if references:
+        report.estimate = "calibrated"
+        overheads = [o for o in (_overhead(session, past) for past in references) if o is not None]
+        if overheads:
+            report = use_measured_overhead(report, overhead_s=statistics.median(overheads))
+    return report.to_dict() | {"calibrated_from": references[0].id if references else None}

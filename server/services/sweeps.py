@@ -1,6 +1,8 @@
 """Sweeps: a job body searched over a few named hyperparameters (a grid, or random draws), priced
-by the planner as a whole, its trials queued as ordinary jobs that name the sweep; early stopping
-of a trial clearly worse than the others at the same step; cancel; the trials' table."""
+as a whole (each trial end to end: ``plans.plan``'s ``total_s``, from this box's measured times
+where it ran the model before, else the planner's), its trials queued as ordinary jobs that name
+the sweep; early stopping of a trial clearly worse than the others at the same step; cancel; the
+trials' table."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from engine.methods import METHODS
 from server.kinds import EventKind, JobStatus
 from server.schemas import JobCreate, PlanRequest, SweepCreate
 from server.services import jobs, plans, submission
@@ -38,6 +41,9 @@ FIELDS: dict[str, type] = {
 }
 ALIASES = {name.split(".", 1)[1]: name for name in FIELDS} | {"lora_rank": "method.lora_r"}
 MAX_TRIALS = 64
+# what the engine logs at every step, besides the method's metrics (engine.parallel.optimizer and
+# activity): a sweep may rank trials by these too (throughput/tokens_per_s over batch sizes)
+ENGINE_METRICS = ("throughput/tokens_per_s", "time/step_s", "optim/grad_norm", "pipeline/bubble_ratio")
 EARLY_STOP = "early_stopped"  # the data key of the event that stops a trial
 
 
@@ -56,13 +62,24 @@ def field_of(name: str) -> str:
     return full
 
 
-def _value(name: str, value: Any) -> Any:
-    kind = FIELDS[field_of(name)]
+def _value(name: str, value: Any, *, drawn: bool = False) -> Any:
+    """A value of the field ``name`` stands for: a whole number for an integer field (a random
+    draw rounded; a value given must be one), else a float.
+
+    Raises:
+        Invalid: not a finite number, or not a whole one for an integer field (naming both).
+    """
+    full = field_of(name)
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise Invalid(
             "invalid_request", f"parameters.{name}: {value!r} is not a number", param=f"parameters.{name}"
         )
-    return round(value) if kind is int else float(value)
+    if FIELDS[full] is not int:
+        return float(value)
+    if not drawn and value != int(value):
+        message = f"parameters.{name}: {value!r} is not a whole number ({full} is an integer)"
+        raise Invalid("invalid_request", message, param=f"parameters.{name}")
+    return round(value)
 
 
 def trial_params(request: SweepCreate) -> list[dict[str, Any]]:
@@ -71,7 +88,8 @@ def trial_params(request: SweepCreate) -> list[dict[str, Any]]:
     in ``[min, max]`` (log-uniform with ``log``).
 
     Raises:
-        Invalid: an unknown field, a value that is not a number, no value, or too many trials.
+        Invalid: an unknown field, a value that is not a number (or not a whole one for an integer
+            field), no value, an interval whose min is above its max, or too many trials.
     """
     if not request.parameters:
         raise Invalid("invalid_request", "parameters: name at least one field to search", param="parameters")
@@ -99,23 +117,33 @@ def trial_params(request: SweepCreate) -> list[dict[str, Any]]:
             raise Invalid(
                 "invalid_request", "trials: a random search needs a number of trials", param="trials"
             )
+        spaces: dict[str, list[Any] | tuple[float, float, bool]] = {}
+        for name in names:  # every value checked before the first draw
+            given = request.parameters[name]
+            if isinstance(given, list):
+                if not given:
+                    raise Invalid(
+                        "invalid_request", f"parameters.{name}: no values", param=f"parameters.{name}"
+                    )
+                spaces[name] = [_value(name, v) for v in given]
+            else:
+                low, high = _value(name, given.min), _value(name, given.max)
+                if low > high:
+                    message = f"parameters.{name}: min {given.min!r} is above max {given.max!r}"
+                    raise Invalid("invalid_request", message, param=f"parameters.{name}")
+                spaces[name] = (low, high, given.log)
         rng = random.Random(request.seed)
         for _ in range(request.trials):
             one = {}
-            for name in names:
-                given = request.parameters[name]
-                if isinstance(given, list):
-                    if not given:
-                        raise Invalid(
-                            "invalid_request", f"parameters.{name}: no values", param=f"parameters.{name}"
-                        )
-                    one[name] = _value(name, rng.choice(given))
-                else:
-                    low, high = _value(name, given.min), _value(name, given.max)
-                    if given.log:
-                        one[name] = _value(name, math.exp(rng.uniform(math.log(low), math.log(high))))
-                    else:
-                        one[name] = _value(name, rng.uniform(low, high))
+            for name, space in spaces.items():
+                if isinstance(space, list):
+                    one[name] = rng.choice(space)
+                    continue
+                low, high, log = space
+                drawn = (
+                    math.exp(rng.uniform(math.log(low), math.log(high))) if log else rng.uniform(low, high)
+                )
+                one[name] = _value(name, drawn, drawn=True)
             out.append(one)
     return out
 
@@ -134,14 +162,21 @@ def describe(params: dict[str, Any]) -> str:
 
 
 def price(session: Session, *, request: SweepCreate, settings: Settings, storage: Storage) -> dict[str, Any]:
-    """The planner's view of every trial and of the whole sweep: ``{"eta_s": total or None,
-    "fits": all fit, "trials": [{"params", "fits", "eta_s", "problems"}]}``.
+    """Every trial priced end to end and the whole sweep, one trial after another: ``{"eta_s":
+    total or None, "fits": all fit, "estimate", "calibrated_from", "trials": [{"params", "fits",
+    "eta_s", "steps_s", "overhead_s", "problems"}]}``. A trial's ``eta_s`` is its plan's
+    ``total_s`` (its steps, ``steps_s``, plus what it costs besides them, ``overhead_s``: the
+    trainer's start, the model's load, the data's preparation, warm-up, validation, checkpoints);
+    ``estimate`` says whether this box's measured times (``"measured"``, ``"calibrated"``: the
+    rate only) priced them, or the planner's assumptions (``"planner"``).
 
     Raises:
         Invalid, NotFound: a bad parameter or job body (the field named: ``job.<field>``, or
-            ``parameters.<name>`` for a value the trials set).
+            ``parameters.<name>`` for a value the trials set), or a ``metric`` no trial logs.
     """
     rows: list[dict[str, Any]] = []
+    sources: list[tuple[str, str | None]] = []
+    objective = "sft"
     for params in trial_params(request):
         body = trial_body(request.job, params)
         keep = set(PlanRequest.model_fields) & set(body)
@@ -154,17 +189,68 @@ def price(session: Session, *, request: SweepCreate, settings: Settings, storage
             )
         except Refusal as exc:
             raise _named(exc, params) from exc
+        objective = plan["assumptions"]["objective"]
+        sources.append((plan["estimate"], plan["calibrated_from"]))
         rows.append(
             {
                 "params": params,
                 "fits": bool(plan["fits"]),
-                "eta_s": plan.get("eta_s"),
+                "eta_s": plan.get("total_s"),
+                "steps_s": plan.get("eta_s"),
+                "overhead_s": (plan.get("overheads") or {}).get("total_s"),
                 "problems": list(plan.get("problems") or []),
             }
         )
+    check_metric(request, objective=objective)
     etas = [r["eta_s"] for r in rows]
     total = sum(float(e) for e in etas if e is not None) if None not in etas else None
-    return {"eta_s": total, "fits": all(r["fits"] for r in rows), "trials": rows}
+    estimate, reference = min(sources, key=lambda s: ESTIMATES.index(s[0]))  # the least measured
+    return {
+        "eta_s": total,
+        "fits": all(r["fits"] for r in rows),
+        "estimate": estimate,
+        "calibrated_from": reference,
+        "trials": rows,
+    }
+
+
+# a plan's ``estimate``, from the least measured to the most
+ESTIMATES = ("planner", "calibrated", "measured")
+
+
+def _validation_metric(key: str) -> bool:
+    """Whether a run logs ``key`` only when it validates (``loss/val``, ``dpo/val_reward_margin``)."""
+    tail = key.split("/", 1)[-1]
+    return tail == "val" or tail.startswith("val_")
+
+
+def check_metric(request: SweepCreate, *, objective: str) -> None:
+    """The sweep ranks its trials by a metric they log: ``loss/train``, ``loss/val`` and the
+    method's own (``engine.methods``: its ``metric_keys``, and others in their namespaces, e.g. a
+    grader's ``reward/<name>``, ``orpo/val_nll``), or the engine's (``ENGINE_METRICS``); one a run
+    logs when it validates needs validation data (a ``validation_dataset_id`` or a
+    ``data.validation_fraction``).
+
+    Raises:
+        Invalid: (``metric``) a metric no trial logs, naming it and the ones they log.
+    """
+    metric, job = request.metric, request.job
+    own = [k for k in METHODS[objective].metric_keys if k not in ("loss/train", "loss/val")]
+    logged = ["loss/train", "loss/val", *own, *ENGINE_METRICS]
+    spaces = {k.split("/", 1)[0] for k in own} - {"loss"}
+    if metric not in logged and metric.split("/", 1)[0] not in spaces:
+        message = (
+            f"metric: {metric!r} is not a metric a {objective} trial logs; it logs {', '.join(logged)}"
+            + (f" and others under {', '.join(sorted(s + '/' for s in spaces))}" if spaces else "")
+        )
+        raise Invalid("invalid_request", message, param="metric")
+    validates = job.validation_dataset_id is not None or job.data.validation_fraction > 0
+    if _validation_metric(metric) and not validates:
+        message = (
+            f"metric: {metric!r} is logged only by a run that validates, and the trials have no validation "
+            "data: set job.data.validation_fraction or job.validation_dataset_id, or rank by loss/train"
+        )
+        raise Invalid("invalid_request", message, param="metric")
 
 
 def _named(exc: Refusal, params: dict[str, Any]) -> Refusal:

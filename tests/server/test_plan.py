@@ -1,5 +1,6 @@
-"""``POST /api/plan``: the longest sequence that fits, the memory of each stage by term, and DPO
-jobs (2 sequences a pair, the reference pass in the ETA)."""
+"""``POST /api/plan``: the longest sequence that fits, the memory of each stage by term, DPO
+jobs (2 sequences a pair, the reference pass in the ETA), and the ETA of the run end to end:
+assumed, or from a job that ran on this box."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ import pytest
 from fastapi.testclient import TestClient
 
 from engine.planner import batch_length
+from engine.planner.overheads import FORWARD_SHARE, LOAD_GB_S, ROWS_PER_S, SAVE_FIXED_S, START_S, WARMUP_STEPS
 from server.services import plans
 from server.settings import Settings
 from server.tables import Dataset
 from tests.engine.test_planner import LLAMA_3_8B, QWEN3_30B_A3B
+from tests.utils.jobs import job_body
 
 
 def test_plan_reports_the_longest_sequence_that_fits(client: TestClient) -> None:
@@ -269,3 +272,149 @@ def test_a_grpo_plan_adds_its_rollouts_to_the_step_of_the_sft_plan_of_its_comple
     assert plan["eta_s"] == pytest.approx(2 * plan["step_s"])  # 8 prompts, 4 a step
     schema = client.get("/openapi.json").json()["components"]["schemas"]["PlanPublic"]["properties"]
     assert {"step_s", "rollout_s", "rollout_share", "rollout"} <= set(schema)
+
+
+CHAT = [
+    {
+        "messages": [
+            {"role": "user", "content": f"Count to {i % 5}."},
+            {"role": "assistant", "content": str(i % 5)},
+        ]
+    }
+    for i in range(24)
+]
+
+
+def _chat(client: TestClient) -> str:
+    content = "".join(json.dumps(r) + "\n" for r in CHAT).encode()
+    r = client.post("/api/datasets", files={"file": ("chat.jsonl", content)})
+    assert r.status_code == 201, r.text
+    return str(r.json()["id"])
+
+
+def test_the_eta_counts_the_run_end_to_end(client: TestClient) -> None:
+    body = job_body(_chat(client), eval={"every_steps": 1}, data={"validation_fraction": 0.25})
+    r = client.post("/api/plan", json=body)
+    assert r.status_code == 200, r.text
+    plan = r.json()
+    terms = plan["overheads"]
+    # the trainer's start, the model's load, 24 rows prepared, the first step's warm-up, ...
+    assert terms["start_s"] == START_S and terms["data_s"] == pytest.approx(24 / ROWS_PER_S)
+    assert terms["load_s"] == pytest.approx(plan["host_ram"]["weights_gb"] / LOAD_GB_S)
+    assert terms["warmup_s"] == pytest.approx(WARMUP_STEPS * plan["step_s"])
+    # ... 2 validation passes (after step 1, at the end) over the 6 held-out rows, 1 checkpoint
+    assert terms["validation_s"] == pytest.approx(2 * 6 * plan["step_s"] / 4 * FORWARD_SHARE)
+    assert terms["save_s"] > SAVE_FIXED_S
+    parts = sum(v for k, v in terms.items() if k != "total_s")
+    assert terms["total_s"] == pytest.approx(parts) and terms["total_s"] > 10 * plan["eta_s"]
+    assert plan["total_s"] == pytest.approx(plan["eta_s"] + terms["total_s"])
+    assert (plan["estimate"], plan["calibrated_from"]) == ("planner", None)
+    schema = client.get("/openapi.json").json()["components"]["schemas"]["PlanPublic"]["properties"]
+    assert {"overheads", "total_s", "estimate"} <= set(schema)
+
+
+def cpu_worker_online(client: TestClient, host: str = "box") -> str:
+    """A CPU worker of ``host`` reporting now (as its telemetry does); its worker id."""
+    from server.services import gpus
+
+    with client.app.state.sessions() as session:  # type: ignore[attr-defined]
+        gpus.record(
+            session,
+            worker_id=f"w@{host}",
+            hostname=host,
+            devices=[],
+            cpu={"utilization": 1.0, "memory_total": 16e9, "cores": 2.0},
+            message="no GPU on this host",
+        )
+    return f"w@{host}"
+
+
+def run_measured_job(
+    client: TestClient,
+    body: dict,
+    *,
+    worker_id: str,
+    tokens_per_step: float,
+    step_s: list[float],
+    wall_s: float,
+) -> str:
+    """Create the job of ``body`` and run it as ``worker_id`` does, through the worker's own sink:
+    claimed, each step's progress, tokens/s and seconds logged, succeeded; ``wall_s`` from its
+    claim to its end. Its id."""
+    from datetime import timedelta
+
+    from server.kinds import JobStatus
+    from server.services import jobs
+    from server.tables import Job
+    from server.worker.trainer import DatabaseSink
+
+    sessions = client.app.state.sessions  # type: ignore[attr-defined]
+    r = client.post("/api/jobs", json=body)
+    assert r.status_code == 201, r.text
+    job_id = str(r.json()["id"])
+    with sessions() as session:
+        assert jobs.claim(session, job_id=job_id, worker_id=worker_id, lease_seconds=60)
+    sink = DatabaseSink(sessions, job_id, "adapter")
+    total = float(len(step_s))
+    for step, seconds in enumerate(step_s, start=1):
+        sink.log({"progress/step": float(step), "progress/total_steps": total}, step)
+        sink.log({"throughput/tokens_per_s": tokens_per_step / seconds, "time/step_s": seconds}, step)
+    sink.close()
+    with sessions() as session:
+        done = jobs.finish(
+            session, job_id=job_id, worker_id=worker_id, to=JobStatus.SUCCEEDED, message="done"
+        )
+        assert done
+        row = session.get(Job, job_id)
+        row.started_at = row.finished_at - timedelta(seconds=wall_s)
+        session.commit()
+    return job_id
+
+
+def padded_tokens(
+    client: TestClient, settings: Settings, dataset_id: str, *, batch_size: int, max_length: int
+) -> float:
+    """The padded tokens of a step of the tiny model's batches of the dataset, as the engine counts them."""
+    with client.app.state.sessions() as session:  # type: ignore[attr-defined]
+        dataset = session.get(Dataset, dataset_id)
+        lengths = plans.token_lengths(dataset, tokenizer_folder=settings.models_dir / "tiny")
+    return batch_size * batch_length(lengths, batch_size=batch_size, max_length=max_length, packing=False)
+
+
+def test_a_job_that_ran_on_this_box_prices_the_plan_from_its_measured_times(
+    client: TestClient, settings: Settings
+) -> None:
+    ds = _chat(client)
+    body = job_body(ds)  # tiny, LoRA, 2 steps of 4 rows
+    worker = cpu_worker_online(client)
+    before = client.post("/api/plan", json=body).json()
+    assert (before["estimate"], before["calibrated_from"]) == ("planner", None)
+
+    # the job runs on that worker: a slow first step, then a 1.0 s one; 20 s from claim to end
+    tokens = padded_tokens(client, settings, ds, batch_size=4, max_length=64)
+    job = run_measured_job(
+        client, body, worker_id=worker, tokens_per_step=tokens, step_s=[6.0, 1.0], wall_s=20
+    )
+
+    plan = client.post("/api/plan", json=body).json()
+    assert (plan["estimate"], plan["calibrated_from"]) == ("measured", job)
+    # its overhead: 20 s less 2 steady steps of 1.0 s (the first step's 5 s more is warm-up)
+    assert plan["overheads"] == {"measured_s": 18.0, "total_s": 18.0}
+    # its rate: the same job's steps take what they measured, not the planner's assumed rate
+    assert plan["eta_s"] == pytest.approx(2 * 1.0, rel=0.1) and before["eta_s"] < 0.5
+    assert plan["total_s"] == pytest.approx(plan["eta_s"] + 18.0)
+    # two more runs, one slow and one fast (a busy box, then a quiet one): the medians price it
+    run_measured_job(client, body, worker_id=worker, tokens_per_step=tokens, step_s=[9.0, 3.0], wall_s=40)
+    latest = run_measured_job(
+        client, body, worker_id=worker, tokens_per_step=tokens, step_s=[2.0, 0.5], wall_s=9
+    )
+    again = client.post("/api/plan", json=body).json()
+    assert (again["estimate"], again["calibrated_from"]) == ("measured", latest)
+    assert again["overheads"]["measured_s"] == 18.0  # of 34, 18 and 8 s
+    assert again["eta_s"] == pytest.approx(plan["eta_s"], rel=1e-6)  # the middle rate, the first job's
+    # hardware the caller names is not this box: the planner's own figures
+    named = client.post("/api/plan", json=body | {"hardware": {"num_gpus": 1, "gpu_memory_gb": 24}}).json()
+    assert (named["estimate"], named["calibrated_from"]) == ("planner", None)
+    # a job of another tuning measured nothing about this one
+    full = client.post("/api/plan", json=body | {"method": {"kind": "full"}}).json()
+    assert full["estimate"] == "planner"

@@ -7,16 +7,19 @@ from __future__ import annotations
 import json
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 
 from engine.metrics import ListSink
+from engine.planner.overheads import START_S, WARMUP_STEPS
 from server.kinds import EventKind
 from server.services import jobs, sweeps
 from server.settings import Settings
 from server.worker.tracking import early_stopping
 from tests.server.conftest import WorkerProcess
+from tests.server.test_plan import cpu_worker_online, padded_tokens, run_measured_job
 from tests.utils.jobs import job_body, wait_for
 
 ROWS = [
@@ -109,6 +112,104 @@ def test_random_draws_are_reproducible_and_bad_sweeps_name_the_field(client: Tes
     assert client.get("/api/jobs").json()["data"] == []  # nothing was queued
 
 
+def test_sweep_input_is_taken_as_given_or_refused_naming_the_field_and_the_value(client: TestClient) -> None:
+    ds = dataset(client)
+    no_validation = job_body(ds)  # no validation data: no trial ever logs loss/val
+    random: dict[str, Any] = {"search": "random", "trials": 3}
+    refused: list[tuple[dict[str, Any], str, str]] = [
+        # an integer field takes whole numbers: 2.7 is not rounded to 3
+        ({"parameters": {"hyper.batch_size": [2.7, 4]}}, "parameters.hyper.batch_size", "2.7"),
+        (random | {"parameters": {"batch_size": [2, 4, 4.5]}}, "parameters.batch_size", "4.5"),
+        (random | {"parameters": {"lora_r": {"min": 2.5, "max": 8}}}, "parameters.lora_r", "2.5"),
+        # an interval's min above its max
+        (
+            random | {"parameters": {"learning_rate": {"min": 0.1, "max": 0.01}}},
+            "parameters.learning_rate",
+            "min 0.1 is above max 0.01",
+        ),
+        # a metric no trial logs: the sweep could never name a best trial
+        ({"metric": "nonexistent/metric"}, "metric", "'nonexistent/metric'"),
+        ({"metric": "dpo/reward_margin"}, "metric", "'dpo/reward_margin'"),  # a DPO metric, an SFT sweep
+        ({"metric": "loss/val", "job": no_validation}, "metric", "'loss/val'"),
+        ({"metric": "accuracy/val", "job": no_validation}, "metric", "'accuracy/val'"),
+    ]
+    for over, param, said in refused:
+        for route in ("/api/sweeps/plan", "/api/sweeps"):
+            r = client.post(route, json=sweep_body(ds) | over)
+            assert r.status_code == 422, (over, r.text)
+            error = r.json()["error"]
+            assert (error["code"], error["param"]) == ("invalid_request", param), (over, error)
+            assert said in error["message"] and error["message"].startswith(param), (over, error)
+    assert client.get("/api/jobs").json()["data"] == [] and client.get("/api/sweeps").json()["data"] == []
+    # what the trials do log is taken: the engine's throughput, a method's own, loss/train without
+    # validation data; whole numbers of an integer field, written as floats or not
+    taken: list[dict[str, Any]] = [
+        {"metric": "throughput/tokens_per_s", "goal": "maximize"},
+        {"metric": "accuracy/train", "goal": "maximize"},
+        {"metric": "loss/train", "job": no_validation},
+        {"parameters": {"batch_size": [2.0, 4]}},
+        random
+        | {"parameters": {"batch_size": {"min": 2, "max": 4}, "learning_rate": {"min": 0.01, "max": 0.01}}},
+    ]
+    for over in taken:
+        r = client.post("/api/sweeps/plan", json=sweep_body(ds) | over)
+        assert r.status_code == 200, (over, r.text)
+    drawn = client.post(
+        "/api/sweeps/plan",
+        json=sweep_body(ds) | random | {"parameters": {"batch_size": {"min": 2, "max": 4}}},
+    )
+    assert {t["params"]["batch_size"] for t in drawn.json()["trials"]} <= {2, 3, 4}
+    # the /v1 extension parses the same sweep (a 400 there, as OpenAI's)
+    body = {
+        "model": "tiny",
+        "training_file": f"file-{ds}",
+        "roundhouse": {"engine": {"devices": ["cpu"], "num_microbatches": 1}, "hyper": {"max_steps": 2}},
+        "sweep": {"parameters": {"lora_r": [2, 4]}, "metric": "nonexistent/metric"},
+    }
+    r = client.post("/v1/fine_tuning/sweeps", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "sweep.metric", r.text
+
+
+def test_a_sweep_is_priced_end_to_end_from_this_box_when_it_ran_the_model(
+    client: TestClient, settings: Settings
+) -> None:
+    ds = dataset(client)
+    body = sweep_body(ds)
+    # the planner's price: each trial's steps and what it costs besides them (start, model load,
+    # data, warm-up, validation, checkpoints), far more than its steps for the tiny model
+    priced = client.post("/api/sweeps/plan", json=body).json()
+    assert (priced["estimate"], priced["calibrated_from"]) == ("planner", None)
+    for trial in priced["trials"]:
+        assert trial["eta_s"] == pytest.approx(trial["steps_s"] + trial["overhead_s"])
+        assert trial["overhead_s"] > START_S + WARMUP_STEPS * trial["steps_s"] / 2 > trial["steps_s"]
+    assert priced["eta_s"] == pytest.approx(sum(t["eta_s"] for t in priced["trials"]))
+    assert priced["eta_s"] > 4 * START_S
+    one = client.post("/api/plan", json=body["job"] | {"method": {"kind": "lora", "lora_r": 2}}).json()
+    assert priced["trials"][0]["overhead_s"] == pytest.approx(one["overheads"]["total_s"])
+
+    # once this box ran the model (a trial of it: 2 steps, 15 s from claim to end), its times do
+    worker = cpu_worker_online(client)
+    tokens = padded_tokens(client, settings, ds, batch_size=4, max_length=64)
+    job = body["job"] | {"hyper": body["job"]["hyper"] | {"learning_rate": 0.1}}
+    ran = run_measured_job(
+        client, job, worker_id=worker, tokens_per_step=tokens, step_s=[4.0, 0.5], wall_s=15
+    )
+    measured = client.post("/api/sweeps/plan", json=body).json()
+    assert (measured["estimate"], measured["calibrated_from"]) == ("measured", ran)
+    for trial in measured["trials"]:
+        assert trial["overhead_s"] == 14.0  # 15 s less 2 steady steps of 0.5 s
+        assert trial["eta_s"] == pytest.approx(14.0 + trial["steps_s"])
+    # the trial it ran again is priced at what it took
+    same = next(t for t in measured["trials"] if t["params"] == {"learning_rate": 0.1, "method.lora_r": 4})
+    assert same["eta_s"] == pytest.approx(15.0, rel=0.05)
+    # the sweep keeps its price, and says where it came from
+    sweep = client.post("/api/sweeps", json=body).json()
+    assert sweep["plan"]["estimate"] == "measured" and sweep["plan"]["eta_s"] == pytest.approx(
+        measured["eta_s"]
+    )
+    client.post(f"/api/sweeps/{sweep['id']}/cancel")
+
+
 def test_the_median_rule_stops_a_trial_clearly_worse_at_the_same_step(client: TestClient) -> None:
     ds = dataset(client)
     body = sweep_body(ds, early_stopping=True, parameters={"learning_rate": [0.01, 0.02, 0.03]})
@@ -172,6 +273,13 @@ def test_a_worker_runs_the_trials_one_after_another_and_the_best_is_marked(
     assert all(t["metric"] is not None and t["duration_s"] > 0 for t in done["trials"])
     best = min(done["trials"], key=lambda t: t["metric"])
     assert done["best_job_id"] == best["job_id"]
+    # the box ran the model: the same sweep priced again comes from the latest trial's measured
+    # times, each trial end to end (the planner's steps alone were a thousandth of it)
+    again = client.post("/api/sweeps/plan", json=body).json()
+    latest = max(done["trials"], key=lambda t: t["finished_at"])
+    assert (again["estimate"], again["calibrated_from"]) == ("measured", latest["job_id"])
+    took = sum(t["duration_s"] for t in done["trials"])
+    assert 0.5 < again["eta_s"] / took < 2, (again, took)
 
 
 def test_the_cli_plans_creates_shows_and_cancels(

@@ -1,6 +1,7 @@
 // The new-job page's "Fit and time" card: POST /api/plan with the very body POST /api/jobs would
 // get, shown as fit, memory, the longest sequence, tokens/s and ETA (a DPO job's with its
-// reference pass, a GRPO job's with its rollouts).
+// reference pass, a GRPO job's with its rollouts). The ETA is the run end to end (total_s: its
+// steps and what it costs besides them), and the card says what priced it (estimate).
 
 import { api } from "../api.js";
 import { duration, el, errorBox, number } from "../widgets.js";
@@ -44,6 +45,19 @@ function rolloutNote(p) {
     `assuming ${number(r.gflops)} GFLOP/s and ${number(r.memory_gb_s)} GB/s)${copy}${kl}${reuse}: ` +
     `${number(100 * p.rollout_share)}% of a ${duration(p.step_s)} step, in the ETA.`
   );
+}
+
+// Where the ETA comes from (POST /api/plan's estimate): a job of this model that ran on this box
+// (its measured rate and, once it finished, its overheads), or the planner's assumptions.
+function etaNote(p) {
+  const steps = `${duration(p.eta_s)} of steps`;
+  const besides = `${duration(p.overheads.total_s)} besides them`;
+  if (p.estimate === "measured")
+    return `ETA end to end from job ${p.calibrated_from}'s measured times on this box: ${steps} at its rate, plus ${besides} (its run less its steps: start, model load, data, warm-up, validation, checkpoints).`;
+  const terms = "start, model load, data, first-step warm-up, validation, checkpoints, as assumed";
+  if (p.estimate === "calibrated")
+    return `ETA end to end: ${steps} at the rate job ${p.calibrated_from} measured on this box, plus ${besides} (${terms}).`;
+  return `ETA end to end from the planner's assumptions: ${steps}, plus ${besides} (${terms}); once a job of this model has run on this box, its measured times price it.`;
 }
 
 // A LoRA job with either base (POST /api/plan's base_variants): the host RAM each needs against
@@ -168,12 +182,18 @@ export function planCard(body) {
                   }),
                 )
               : null,
-            el("div", {}, el("dt", { text: "ETA" }), el("dd", { id: "plan-eta", text: duration(p.eta_s) })),
+            el(
+              "div",
+              {},
+              el("dt", { text: "ETA" }),
+              el("dd", { id: "plan-eta", text: duration(p.total_s), title: "the run end to end" }),
+            ),
           ),
+          p.total_s === null ? null : el("p", { id: "plan-eta-source", class: "muted small", text: etaNote(p) }),
           baseNote(p) ? el("p", { id: "plan-base-bits", text: baseNote(p) }) : null,
           el("p", {
             class: "muted small",
-            text: `${p.partition ? `Stages ${p.partition}; ` : ""}${rate}; ${perSeq} (${hw}). An estimate: a finished job on this box calibrates it (POST /api/plan with calibrate_job_id).`,
+            text: `${p.partition ? `Stages ${p.partition}; ` : ""}${rate}; ${perSeq} (${hw}). An estimate: a finished job of this model on this box calibrates it (or the one POST /api/plan's calibrate_job_id names).`,
           }),
           p.rollout ? el("p", { id: "plan-grpo", class: "muted small", text: rolloutNote(p) }) : null,
           p.assumptions.objective !== "sft" && !p.rollout

@@ -146,7 +146,10 @@ async function one(main, sweepId) {
     const live = sweep.trials.filter((t) => t.status !== "deleted").map((t) => t.job_id);
     compare.href = `#/compare/${live.slice(0, 6).join(",")}`;
     compare.hidden = live.length < 2;
-    const eta = sweep.plan.eta_s === null ? "unknown" : duration(sweep.plan.eta_s);
+    // the trials end to end; priced from this box's measured times, or the planner's assumptions
+    const source = { measured: "measured on this box", calibrated: "rate measured on this box" };
+    const priced = source[sweep.plan.estimate] ?? "the planner's estimate";
+    const eta = sweep.plan.eta_s === null ? "unknown" : `${duration(sweep.plan.eta_s)} (${priced})`;
     summary.textContent =
       `${sweep.search} search over ${Object.keys(sweep.parameters).map(short).join(", ")} · ` +
       `${sweep.trials.length} trials, priced at ${eta} one after another · ${sweep.goal} ${sweep.metric}` +
