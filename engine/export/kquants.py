@@ -1,6 +1,7 @@
-"""The Q4_K and Q6_K block formats of GGML, written with numpy as llama.cpp writes them.
+"""The GGML block formats of our GGUF exports, written with numpy as llama.cpp writes them:
+Q4_K and Q6_K (q4_k_m's types), Q8_0 (q8_0's) and Q5_0 (q4_k_m's fallback for Q4_K).
 
-``gguf`` 0.19 reads these formats but does not write them. The algorithm here is llama.cpp's
+``gguf`` 0.19 reads the K-quants but does not write them. The algorithm here is llama.cpp's
 reference quantization (``quantize_row_q4_K_ref`` and ``quantize_row_q6_K_ref`` in
 ggml/src/ggml-quants.c, with their searches ``make_qkx2_quants`` and ``make_qx_quants``; read at
 llama.cpp commit 0c1e57098, the one llama-cpp-python 0.3.36 vendors), which is what
@@ -15,6 +16,9 @@ Q4_K: super-blocks of 256 values = 8 sub-blocks of 32; ``x ≈ d·sc_j·q − dm
 q in 0..15, 6-bit sc_j and m_j, f16 d and dmin. 144 bytes.
 Q6_K: super-blocks of 256 values = 16 sub-blocks of 16; ``x ≈ d·s_j·(q − 32)`` with q in 0..63,
 int8 s_j, f16 d. 210 bytes.
+Q8_0 and Q5_0 (``quantize_row_q8_0_ref``, ``quantize_row_q5_0_ref``): blocks of 32 with one f16
+scale; ``gguf`` writes the same bytes, several times slower (these take much of a q4_k_m export
+of a model whose rows are not a multiple of 256).
 """
 
 from __future__ import annotations
@@ -31,10 +35,10 @@ CHUNK_BLOCKS = 512  # super-blocks per pass: numpy's per-call cost against the c
 F32 = np.float32
 
 
-def _blocks(array: np.ndarray) -> np.ndarray:
-    if array.ndim == 0 or array.shape[-1] % QK_K:
-        raise ValueError(f"K-quants need rows that are a multiple of {QK_K} (got shape {array.shape})")
-    return np.ascontiguousarray(array, dtype=np.float32).reshape(-1, QK_K)
+def _blocks(array: np.ndarray, kind: str, width: int) -> np.ndarray:
+    if array.ndim == 0 or array.shape[-1] % width:
+        raise ValueError(f"{kind} needs rows that are a multiple of {width} (got shape {array.shape})")
+    return np.ascontiguousarray(array, dtype=np.float32).reshape(-1, width)
 
 
 def _seq_sum(terms: np.ndarray) -> np.ndarray:
@@ -206,13 +210,55 @@ def _q6_k_chunk(x: np.ndarray) -> np.ndarray:
     return out
 
 
-def _by_chunks(array: np.ndarray, chunk: Any, size: int, threads: int | None) -> np.ndarray:
-    """``chunk`` over runs of super-blocks, on ``threads`` threads (default: one per CPU, as
-    llama-quantize): numpy releases the GIL inside its loops."""
-    x = _blocks(array)
+def _q8_0_chunk(x: np.ndarray) -> np.ndarray:
+    """llama.cpp's ``quantize_row_q8_0_ref``: d = amax / 127, q = roundf(x / d)."""
+    d = np.abs(x).max(axis=1) / F32(127)
+    scaled = x * np.where(d != 0, F32(1) / d, F32(0))[:, None]
+    q = np.rint(scaled)
+    # roundf takes halves away from zero where rint takes them to even
+    ties = np.nonzero(np.abs(scaled - q) == F32(0.5))
+    q[ties] = np.trunc(scaled[ties]) + np.sign(scaled[ties])
+    return np.concatenate(
+        [d.astype(np.float16).view(np.uint8).reshape(-1, 2), q.astype(np.int8).view(np.uint8)], axis=1
+    )
+
+
+def _q5_0_chunk(x: np.ndarray) -> np.ndarray:
+    """llama.cpp's ``quantize_row_q5_0_ref``: d = -max / 16 (max: the value of largest magnitude),
+    q = min(31, trunc(x / d + 16.5)); low nibbles of (j, j + 16) paired, the fifth bits in qh."""
     n = x.shape[0]
-    workers = max(1, min(threads or os.cpu_count() or 1, n // 64))
-    per = max(1, min(CHUNK_BLOCKS, -(-n // workers)))
+    rows = np.arange(n)
+    first = np.abs(x).argmax(axis=1)
+    peak = x[rows, first]
+    peak[peak == 0] = 0  # an all-zero block keeps llama.cpp's +0 (so d = -0), not a -0 it read
+    d = peak / F32(-16)
+    scaled = x * np.where(d != 0, F32(1) / d, F32(0))[:, None]
+    scaled += F32(16.5)
+    q = scaled.astype(np.uint8)  # in 0.5..32.5: truncation, as llama.cpp's (int8_t) cast
+    np.minimum(q, 31, out=q)
+    qs = (q[:, :16] & 0x0F) | (q[:, 16:] << 4)  # uint8: the fifth bit shifts out
+    qh = np.packbits(q >> 4, axis=1, bitorder="little")
+    return np.concatenate([d.astype(np.float16).view(np.uint8).reshape(n, 2), qh, qs], axis=1)
+
+
+# type name -> (values per block, bytes per block, the encoder of a run of blocks, whether it is
+# worth threads: the 32-value formats are a few numpy passes, cheaper than a thread hand-off)
+FORMATS: dict[str, tuple[int, int, Any, bool]] = {
+    "Q4_K": (QK_K, 144, _q4_k_chunk, True),
+    "Q6_K": (QK_K, 210, _q6_k_chunk, True),
+    "Q5_0": (32, 22, _q5_0_chunk, False),
+    "Q8_0": (32, 34, _q8_0_chunk, False),
+}
+
+
+def _by_chunks(array: np.ndarray, kind: str, threads: int | None) -> np.ndarray:
+    """``kind``'s encoder over runs of blocks, on ``threads`` threads (default: one per CPU, as
+    llama-quantize): numpy releases the GIL inside its loops."""
+    width, size, chunk, threaded = FORMATS[kind]
+    x = _blocks(array, kind, width)
+    n = x.shape[0]
+    workers = max(1, min(threads or os.cpu_count() or 1, n * width // (64 * QK_K))) if threaded else 1
+    per = max(1, min(CHUNK_BLOCKS * QK_K // width, -(-n // workers)))
     out = np.empty((n, size), dtype=np.uint8)
 
     def work(start: int) -> None:
@@ -225,7 +271,7 @@ def _by_chunks(array: np.ndarray, chunk: Any, size: int, threads: int | None) ->
     else:
         with ThreadPoolExecutor(workers) as pool:
             list(pool.map(work, range(0, n, per)))
-    return out.reshape(*array.shape[:-1], array.shape[-1] // QK_K * size)
+    return out.reshape(*array.shape[:-1], array.shape[-1] // width * size)
 
 
 def quantize_q4_k(array: np.ndarray, *, threads: int | None = None) -> np.ndarray:
@@ -238,7 +284,7 @@ def quantize_q4_k(array: np.ndarray, *, threads: int | None = None) -> np.ndarra
     Raises:
         ValueError: rows that are not a multiple of 256.
     """
-    return _by_chunks(array, _q4_k_chunk, 144, threads)
+    return _by_chunks(array, "Q4_K", threads)
 
 
 def quantize_q6_k(array: np.ndarray, *, threads: int | None = None) -> np.ndarray:
@@ -251,15 +297,16 @@ def quantize_q6_k(array: np.ndarray, *, threads: int | None = None) -> np.ndarra
     Raises:
         ValueError: rows that are not a multiple of 256.
     """
-    return _by_chunks(array, _q6_k_chunk, 210, threads)
+    return _by_chunks(array, "Q6_K", threads)
 
 
-def quantize_k(array: np.ndarray, qtype: Any) -> np.ndarray:
-    """Q4_K or Q6_K blocks of ``array`` (``qtype``: a ``gguf.GGMLQuantizationType``)."""
-    import gguf
+def quantize(array: np.ndarray, kind: str, *, threads: int | None = None) -> np.ndarray:
+    """``array`` (float) in the block type ``kind`` (a ``FORMATS`` name: Q4_K, Q6_K, Q5_0, Q8_0):
+    uint8, shape ``[..., cols // block * bytes per block]``.
 
-    if qtype == gguf.GGMLQuantizationType.Q4_K:
-        return quantize_q4_k(array)
-    if qtype == gguf.GGMLQuantizationType.Q6_K:
-        return quantize_q6_k(array)
-    raise ValueError(f"not a K-quant written here: {qtype!r}")
+    Raises:
+        ValueError: a type not written here, or rows that are not a multiple of its block.
+    """
+    if kind not in FORMATS:
+        raise ValueError(f"not a block type written here: {kind!r} (one of {', '.join(FORMATS)})")
+    return _by_chunks(array, kind, threads)

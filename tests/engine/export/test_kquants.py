@@ -1,5 +1,6 @@
-"""Our Q4_K and Q6_K blocks are llama.cpp's: a fixed input whose blocks llama.cpp wrote, and
-properties of the blocks on random inputs (bench/kquant_parity.py compares whole models)."""
+"""Our Q4_K, Q6_K, Q8_0 and Q5_0 blocks are llama.cpp's: a fixed input whose blocks llama.cpp
+wrote, and properties of the blocks on random inputs (bench/kquant_parity.py compares whole
+models)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import gguf
 import numpy as np
 import pytest
 
-from engine.export.kquants import quantize_k, quantize_q4_k, quantize_q6_k
+from engine.export.kquants import quantize, quantize_q4_k, quantize_q6_k
 
 Q4_K, Q6_K = gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K
 
@@ -41,6 +42,23 @@ LLAMA_CPP_Q6_K = (
 )
 
 
+# The same llama.cpp's Q8_0 and Q5_0 blocks (quantize_row_q8_0_ref, quantize_row_q5_0_ref) of
+# golden_input()'s first 32 values followed by tie_block().
+LLAMA_CPP_Q8_0 = (
+    "0720fc604c35c455236b9c7cb64343cc224d4fee1f837fc4f62cc4a1d65643c105280034f8f8f9f9fafafbfbfcfcfdfd"
+    "fefeffff0001010202030304040505060607077f"
+)
+LLAMA_CPP_Q5_0 = "feab11256a276124c6f908851ca38dc059588887fcb6f0bfffffff000101010101010101f1f0f0f0f0f0f000"
+
+
+def tie_block() -> np.ndarray:
+    """32 values whose Q8_0 scaled values are exact halves (d = 31.75 / 127 = 0.25): llama.cpp's
+    roundf takes them away from zero."""
+    x = np.arange(32, dtype=np.float32) * 0.125 - 2.0
+    x[31] = 31.75
+    return x
+
+
 def golden_input() -> np.ndarray:
     """768 values, exact in float16, from an integer LCG (no library's random stream): a plain
     super-block; one with a sub-block 2^-12 as large as the rest (its 6-bit scale rounds to 0),
@@ -68,6 +86,18 @@ def test_fixed_input_gives_llama_cpps_blocks() -> None:
     assert bytes.fromhex(LLAMA_CPP_Q4_K)[144 + 4] & 63 == 0
 
 
+def test_fixed_input_gives_llama_cpps_q8_0_and_q5_0_blocks() -> None:
+    x = np.concatenate([golden_input()[:32], tie_block()])
+    assert quantize(x, "Q8_0").tobytes().hex() == LLAMA_CPP_Q8_0
+    assert quantize(x, "Q5_0").tobytes().hex() == LLAMA_CPP_Q5_0
+    # gguf's own encoders write the same bytes
+    for kind in ("Q8_0", "Q5_0"):
+        assert (
+            gguf.quants.quantize(x, gguf.GGMLQuantizationType[kind]).tobytes().hex()
+            == quantize(x, kind).tobytes().hex()
+        )
+
+
 def test_all_zero_super_blocks_are_zero_bytes() -> None:
     # llama.cpp writes an all-zero super-block as 144 (Q4_K) or 210 (Q6_K) zero bytes
     zeros = np.zeros((2, 512), dtype=np.float32)
@@ -91,7 +121,7 @@ def test_search_beats_the_range_scale(qtype: gguf.GGMLQuantizationType) -> None:
     """llama.cpp's search for the scales has a smaller squared error than taking each sub-block's
     range as its scale (what this module did before it followed llama.cpp)."""
     x = np.random.default_rng(2).normal(size=(64, 1024)).astype(np.float32)
-    searched = gguf.quants.dequantize(quantize_k(x, qtype), qtype)
+    searched = gguf.quants.dequantize(quantize(x, qtype.name), qtype)
     if qtype == Q4_K:
         sub = x.reshape(-1, 32)
         low = np.minimum(sub.min(axis=1, keepdims=True), 0)
@@ -105,7 +135,11 @@ def test_search_beats_the_range_scale(qtype: gguf.GGMLQuantizationType) -> None:
 
 
 def test_rows_must_be_whole_super_blocks() -> None:
-    with pytest.raises(ValueError, match="multiple of 256 \\(got shape \\(4, 576\\)\\)"):
+    with pytest.raises(
+        ValueError, match="Q4_K needs rows that are a multiple of 256 \\(got shape \\(4, 576\\)\\)"
+    ):
         quantize_q4_k(np.zeros((4, 576), dtype=np.float32))
-    with pytest.raises(ValueError, match="not a K-quant written here"):
-        quantize_k(np.zeros((1, 256), dtype=np.float32), gguf.GGMLQuantizationType.Q8_0)
+    with pytest.raises(ValueError, match="Q5_0 needs rows that are a multiple of 32"):
+        quantize(np.zeros((4, 48), dtype=np.float32), "Q5_0")
+    with pytest.raises(ValueError, match="not a block type written here: 'Q5_1'"):
+        quantize(np.zeros((1, 256), dtype=np.float32), "Q5_1")
