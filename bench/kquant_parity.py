@@ -2,7 +2,7 @@
 the share of identical blocks per type, the tensor types, the fallbacks, perplexity in
 ``llama-perplexity``, and the time of our export against llama-quantize's.
 
-    python bench/kquant_parity.py --llama-bin DIR --llama-commit SHA [--part demo|big] [--chunks 16]
+    python bench/kquant_parity.py --llama-bin DIR --llama-commit SHA [--part demo|families|big]
 
 ``DIR`` holds ``llama-quantize`` and ``llama-perplexity`` built from llama.cpp's source (not part
 of the project: build it beside it, e.g. ``cmake -B build && cmake --build build --target
@@ -17,6 +17,8 @@ The models:
   The project offers no ``q6_k`` export, so our Q6_K file is llama-quantize's Q6_K file with
   each tensor's data replaced by our encoding of the f16 tensor in the type llama.cpp chose
   (Q6_K, or Q8_0 for rows that are not a multiple of 256);
+- ``--part families``: tiny Llama, Phi-3 (fused qkv), Qwen2 and Gemma 3 (tied output) models,
+  8 blocks of width 256, float16 weights: the tensor types and blocks of q4_k_m;
 - ``--part big``: SmolLM2-1.7B's sizes (24 blocks of 2048, 8192 wide, 49152 tokens, tied) with random
   float16 weights and the demo's tokenizer, for the time of a q4_k_m export at that size (every
   row a multiple of 256: Q4_K and Q6_K throughout), and its blocks.
@@ -331,6 +333,52 @@ def demo(args: argparse.Namespace, work: Path, text: Path) -> dict[str, Any]:
     return result
 
 
+def families(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """Tiny models (8 blocks of 256, rows of 256 and 512, float16 weights) of several families:
+    the tensor types (Phi-3's fused qkv, tied and untied outputs) and the blocks."""
+    import json as json_
+
+    from tests.engine.tiny import tiny_model, tiny_tokenizer
+
+    rows: dict[str, Any] = {}
+    extra: dict[str, dict[str, Any]] = {
+        "llama": {},
+        "phi3": {},
+        "qwen2": {"tie_word_embeddings": True},
+        "gemma3": {"tie_word_embeddings": True, "query_pre_attn_scalar": 64},
+    }
+    for family, more in extra.items():
+        tok = tiny_tokenizer()
+        model = tiny_model(
+            family,
+            blocks=8,
+            vocab_size=len(tok),
+            hidden_size=256,
+            intermediate_size=512,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+            **more,
+        )
+        folder = work / f"family-{family}-f32"
+        model.save_pretrained(folder)
+        tok.save_pretrained(folder)
+        config = folder / "tokenizer_config.json"  # a tokenizer trained here: named for llama.cpp
+        config.write_text(json_.dumps(json_.loads(config.read_text()) | {"gguf_pre_tokenizer": "gpt-2"}))
+        folder = halved(folder, work / f"family-{family}")
+        f16, ours, theirs = folder / "f16.gguf", folder / "ours-q4_k_m.gguf", folder / "llama-q4_k_m.gguf"
+        timed_export(folder, f16, "f16")
+        timed_export(folder, ours, "q4_k_m")
+        run([str(args.llama_bin / "llama-quantize"), str(f16), str(theirs), "Q4_K_M"])
+        found = compare(ours, theirs)
+        rows[family] = {
+            "identical_share": found["identical_share"],
+            "types": {k: v["tensors"] for k, v in found["by_type"].items()},
+            "type_mismatches": found["type_mismatches"],
+        }
+    return rows
+
+
 def big(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     from engine.model.loading import prepare_demo_model
 
@@ -376,7 +424,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--llama-bin", type=Path, required=True)
     parser.add_argument("--llama-commit", required=True)
-    parser.add_argument("--part", choices=["demo", "big"], default="demo", help="the model to measure")
+    parser.add_argument("--part", choices=["demo", "big", "families"], default="demo", help="what to measure")
     parser.add_argument("--text", type=Path, default=None, help="held-out text (default: README.md at HEAD)")
     parser.add_argument("--ctx", type=int, default=512)
     parser.add_argument("--chunks", type=int, default=16, help="perplexity chunks (0: skip perplexity)")
@@ -389,10 +437,6 @@ def main() -> int:
 
     work = args.work or Path(tempfile.mkdtemp(prefix="kquant-parity-"))
     work.mkdir(parents=True, exist_ok=True)
-    # each part (--part) keeps its own entry; the other part's stays as the last run left it
-    results: dict[str, Any] = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
-    results["versions"] = {"numpy": np.__version__, "gguf": version("gguf"), "torch": version("torch")}
-    results["llama_cpp"] = {"commit": args.llama_commit, "built_from": "source, cmake Release"}
     part: dict[str, Any] = {"machine": machine()}
     if args.part == "demo":
         text = args.text
@@ -410,8 +454,14 @@ def main() -> int:
             "chunks": args.chunks,
         }
         part |= demo(args, work, text)
+    elif args.part == "families":
+        part |= families(args, work)
     else:
         part |= big(args, work)
+    # each part (--part) keeps its own entry; the others stay as their last runs left them
+    results: dict[str, Any] = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
+    results["versions"] = {"numpy": np.__version__, "gguf": version("gguf"), "torch": version("torch")}
+    results["llama_cpp"] = {"commit": args.llama_commit, "built_from": "source, cmake Release"}
     results[args.part] = part
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(results, indent=2) + "\n")
