@@ -111,7 +111,7 @@ def random_model(tokenizer_from: Path, dst: Path, sizes: dict[str, Any]) -> Path
     from transformers import LlamaConfig
 
     dst.mkdir(parents=True, exist_ok=True)
-    LlamaConfig(**sizes).save_pretrained(dst)
+    LlamaConfig(architectures=["LlamaForCausalLM"], **sizes).save_pretrained(dst)
     for path in tokenizer_from.iterdir():
         if path.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
             shutil.copy(path, dst / path.name)
