@@ -15,12 +15,12 @@ import errno
 import re
 import shutil
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
 from engine.errors import DiskFull
-from server.hf_hub import child
+from server.hf_hub.download import DISK_FULL, Progress, download
 from server.services import transfers, uploads
 from server.services.failures import Refusal
 from server.settings import Settings
@@ -30,17 +30,6 @@ from server.tables import HubTransfer
 FOLDER = "dataset-pulls"  # in the cache folder
 JOINED = ".joined"  # in the staging folder: a split's files joined into one
 FULL = (errno.ENOSPC, errno.EDQUOT)
-DISK_FULL = "disk_full"
-
-
-class Progress(Protocol):
-    """What a pull reports to (``runner.Reporter``)."""
-
-    def progress(self, done: int) -> None: ...
-
-    def cancelled(self) -> bool: ...
-
-    def tick(self, *, force: bool = True) -> bool: ...
 
 
 def staging_folder(settings: Settings, *, repo_id: str, sha: str, config: str | None, split: str) -> Path:
@@ -124,31 +113,18 @@ def run(settings: Settings, sessions: sessionmaker[Session], row: HubTransfer, r
     staging = staging_of(settings, row)
     if staging is None:
         raise ValueError(f"dataset pull {row.id}: its plan has no commit or split")
-    try:
-        child.run(
-            settings,
-            "download",
-            on_progress=reporter.progress,
-            cancelled=reporter.cancelled,
-            repo_id=row.repo_id,
-            repo_type="dataset",
-            revision=plan["sha"],
-            files=plan["files"],
-            dest=str(staging),
-        )
-    except child.Cancelled:
-        return _end(settings, sessions, row, transfers.CANCELLED, error="cancelled", bytes_done=0)
-    except child.HubError as exc:
-        if exc.kind == DISK_FULL:
-            return _disk_full(settings, sessions, row, staging)
-        # the files that arrived stay: a pull of this split at this commit resumes from them
-        with sessions() as session:
-            transfers.finish(
-                session, transfer_id=row.id, status=transfers.FAILED, error=exc.message, error_code=exc.kind
-            )
-        return transfers.FAILED
-    if reporter.tick():  # cancelled as the last bytes arrived: still cancelled
-        return _end(settings, sessions, row, transfers.CANCELLED, error="cancelled", bytes_done=0)
+    ended = download(
+        settings,
+        sessions,
+        row,
+        reporter,
+        staging,
+        repo_type="dataset",
+        on_cancel=lambda: _end(settings, sessions, row, transfers.CANCELLED, error="cancelled", bytes_done=0),
+        on_disk_full=lambda: _disk_full(settings, sessions, row, staging),
+    )
+    if ended is not None:
+        return ended
     paths = [staging / f["path"] for f in plan["files"]]
     name = file_name(row)
     try:

@@ -24,7 +24,8 @@ from typing import Any
 from sqlalchemy.orm import Session, sessionmaker
 
 from engine.errors import DiskFull
-from server.hf_hub import child, dataset_pull
+from server.hf_hub import dataset_pull
+from server.hf_hub.download import DISK_FULL, download
 from server.services import transfers
 from server.settings import Settings
 from server.storage import Storage, open_storage
@@ -36,7 +37,6 @@ WRITE_EVERY_S = 0.5
 SPEED_WINDOW_S = 5.0
 STAGING = ".pulls"
 SOURCE_FILE = ".hub-source.json"  # in a pulled model's folder: where it came from
-DISK_FULL = "disk_full"  # the error code of a pull the disk could not hold
 FULL = (errno.ENOSPC, errno.EDQUOT)
 # what a transfer was asked to do besides its repo and revision: a push's, a dataset pull's
 OPTIONS = ("job_id", "step", "private", "merged", "split", "config", "name")
@@ -180,29 +180,18 @@ def run_pull(settings: Settings, sessions: sessionmaker[Session], row: HubTransf
     plan = row.plan
     staging = staging_folder(settings, repo_id=row.repo_id, sha=plan["sha"])
     reporter = Reporter(settings, sessions, row, worker_id)
-    try:
-        child.run(
-            settings,
-            "download",
-            on_progress=reporter.progress,
-            cancelled=reporter.cancelled,
-            repo_id=row.repo_id,
-            revision=plan["sha"],
-            files=plan["files"],
-            dest=str(staging),
-        )
-    except child.Cancelled:
-        return _cancelled(sessions, row, staging)
-    except child.HubError as exc:
-        if exc.kind == DISK_FULL:
-            return _disk_full(settings, sessions, row, staging)
-        with sessions() as session:
-            transfers.finish(
-                session, transfer_id=row.id, status=transfers.FAILED, error=exc.message, error_code=exc.kind
-            )
-        return transfers.FAILED
-    if reporter.tick():  # cancelled as the last bytes arrived: still cancelled
-        return _cancelled(sessions, row, staging)
+    ended = download(
+        settings,
+        sessions,
+        row,
+        reporter,
+        staging,
+        repo_type="model",
+        on_cancel=lambda: _cancelled(sessions, row, staging),
+        on_disk_full=lambda: _disk_full(settings, sessions, row, staging),
+    )
+    if ended is not None:
+        return ended
     try:
         folder = _publish(settings, open_storage(settings), name=row.target, staging=staging, row=row)
     except OSError as exc:
