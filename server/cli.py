@@ -22,7 +22,7 @@ from engine.commands.cli import build_parser as engine_parser
 from engine.commands.cli import main as engine_main
 
 if TYPE_CHECKING:
-    from sqlalchemy.orm import Session, sessionmaker
+    from sqlalchemy.orm import Session
 
     from server.settings import Settings
     from server.tables import ApiKey
@@ -214,15 +214,6 @@ def cmd_models_push(args: argparse.Namespace) -> int:
     return 0
 
 
-def _database(settings: Settings) -> sessionmaker[Session]:
-    """The sessions of the settings' database, migrated first."""
-    from server.db import make_engine, migrate, session_factory
-
-    engine = make_engine(settings.url)
-    migrate(engine)
-    return session_factory(engine)
-
-
 def _login_link(session: Session, settings: Settings, *, key_id: int | None) -> str:
     """A new one-time login link for the key ``key_id`` (None: the first key)."""
     from datetime import timedelta
@@ -279,11 +270,12 @@ def _one_key(session: Session, ref: str) -> ApiKey | None:
 
 
 def cmd_keys_create(args: argparse.Namespace) -> int:
+    from server.db import migrated_sessions
     from server.services import keys
     from server.settings import get_settings
 
     settings = get_settings()
-    with _database(settings)() as session:
+    with migrated_sessions(settings.url)() as session:
         row, key = keys.create_key(session, name=args.name)
         link = _login_link(session, settings, key_id=row.id)
     print(key)
@@ -292,13 +284,14 @@ def cmd_keys_create(args: argparse.Namespace) -> int:
 
 
 def cmd_keys_list(args: argparse.Namespace) -> int:
+    from server.db import migrated_sessions
     from server.services import keys
     from server.settings import get_settings
 
     def when(stamp: Any) -> str:
         return stamp.strftime("%Y-%m-%d %H:%M UTC") if stamp else "never"
 
-    with _database(get_settings())() as session:
+    with migrated_sessions(get_settings().url)() as session:
         rows = [
             (str(k.id), k.name, k.prefix, when(k.created_at), when(k.last_used_at), str(n))
             for k, n in keys.list_keys(session)
@@ -311,10 +304,11 @@ def cmd_keys_list(args: argparse.Namespace) -> int:
 
 
 def cmd_keys_revoke(args: argparse.Namespace) -> int:
+    from server.db import migrated_sessions
     from server.services import keys
     from server.settings import get_settings
 
-    with _database(get_settings())() as session:
+    with migrated_sessions(get_settings().url)() as session:
         row = _one_key(session, args.key)
         if row is None:
             return 1
@@ -360,10 +354,11 @@ def cmd_restore(args: argparse.Namespace) -> int:
 
 
 def cmd_login_url(args: argparse.Namespace) -> int:
+    from server.db import migrated_sessions
     from server.settings import get_settings
 
     settings = get_settings()
-    with _database(settings)() as session:
+    with migrated_sessions(settings.url)() as session:
         key_id = None
         if args.key is not None:
             row = _one_key(session, args.key)

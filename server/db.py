@@ -114,3 +114,10 @@ def migrate(engine: Engine) -> None:
 
 def session_factory(engine: Engine) -> sessionmaker[Session]:
     return sessionmaker(engine, expire_on_commit=False)
+
+
+def migrated_sessions(url: str) -> sessionmaker[Session]:
+    """The sessions of the database at ``url``, migrated first (what a command line run opens)."""
+    engine = make_engine(url)
+    migrate(engine)
+    return session_factory(engine)

@@ -20,23 +20,16 @@ if TYPE_CHECKING:
     from server.services.failures import Refusal
 
 
-def _sessions(settings: Settings) -> sessionmaker[Session]:
-    from server.db import make_engine, migrate, session_factory
-
-    engine = make_engine(settings.url)
-    migrate(engine)
-    return session_factory(engine)
-
-
 def cmd_models_pull(args: argparse.Namespace) -> int:
     """Pull a model from the Hub (``POST /api/models/pulls`` does the same): checked here, downloaded
     by a worker; prints the progress until it is done."""
+    from server.db import migrated_sessions
     from server.hf_hub.child import HubError
     from server.services import hub
     from server.services.failures import Refusal
 
     settings = get_settings()
-    sessions = _sessions(settings)
+    sessions = migrated_sessions(settings.url)
     with sessions() as session:
         try:
             row, created = hub.request_pull(session, settings, repo_id=args.repo_id, revision=args.revision)
@@ -51,12 +44,13 @@ def cmd_models_pull(args: argparse.Namespace) -> int:
 def cmd_datasets_pull(args: argparse.Namespace) -> int:
     """Pull a dataset split from the Hub (``POST /api/datasets/pulls`` does the same): checked here,
     downloaded and stored like an upload by a worker; prints the progress until it is done."""
+    from server.db import migrated_sessions
     from server.hf_hub.child import HubError
     from server.services import hub
     from server.services.failures import Refusal
 
     settings = get_settings()
-    sessions = _sessions(settings)
+    sessions = migrated_sessions(settings.url)
     with sessions() as session:
         try:
             row, created = hub.request_dataset_pull(
@@ -79,13 +73,14 @@ def cmd_datasets_pull(args: argparse.Namespace) -> int:
 def cmd_checkpoints_push(args: argparse.Namespace) -> int:
     """Push a checkpoint to a Hub repo (``POST /api/jobs/{id}/checkpoints/{step}/push`` does the
     same): queued here, uploaded by a worker; prints the progress until it is done."""
+    from server.db import migrated_sessions
     from server.hf_hub.child import HubError
     from server.services import hub, jobs
     from server.services.failures import Refusal
     from server.storage import open_storage
 
     settings = get_settings()
-    sessions = _sessions(settings)
+    sessions = migrated_sessions(settings.url)
     with sessions() as session:
         job = jobs.get_job(session, job_id=args.job_id)
         if job is None:

@@ -56,14 +56,14 @@ def print_sweep(view: dict[str, Any]) -> None:
 
 
 def _run(args: argparse.Namespace, action: str) -> int:
-    from server.cli import _database
+    from server.db import migrated_sessions
     from server.services import sweeps
     from server.services.failures import Refusal
     from server.settings import get_settings
     from server.storage import open_storage
 
     settings = get_settings()
-    sessions = _database(settings)
+    sessions = migrated_sessions(settings.url)
     with sessions() as session:
         try:
             if action == "plan":
