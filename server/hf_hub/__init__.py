@@ -5,5 +5,5 @@ pushed with a model card.
 environment says exactly which Hub, token and offline mode apply (``child``), so the service's own
 ``HF_HUB_OFFLINE=1`` keeps guarding ``transformers`` while a pull a user asked for goes through.
 ``files`` picks what to fetch, ``card`` writes a pushed repo's model card, ``runner`` is the
-worker's side (claim a transfer, run it, record its progress).
+worker's side (claim a transfer, run it), ``progress`` records a transfer's progress in its row.
 """

@@ -19,7 +19,7 @@ DISK_FULL = "disk_full"  # the error code of a pull the disk could not hold
 
 
 class Progress(Protocol):
-    """What a pull reports to (``runner.Reporter``)."""
+    """What a pull reports to (``progress.Reporter``)."""
 
     def progress(self, done: int) -> None: ...
 

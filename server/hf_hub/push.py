@@ -11,6 +11,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from server.hf_hub import child
 from server.hf_hub.card import model_card
+from server.hf_hub.progress import Reporter
 from server.services import checkpoints, datasets, jobs, transfers
 from server.services.checkpoints import STATE
 from server.settings import Settings
@@ -47,7 +48,6 @@ def _folder_size(folder: Path) -> int:
 
 def run_push(settings: Settings, sessions: sessionmaker[Session], row: HubTransfer, worker_id: str) -> str:
     from engine.model.export import base_model_name
-    from server.hf_hub.runner import Reporter
 
     plan = dict(row.plan)
     storage = open_storage(settings)

@@ -1,6 +1,6 @@
 """The worker's side of Hub transfers: a thread that claims queued transfers (and those whose
 worker vanished: their lease expired) and runs them one at a time: model pulls here, dataset pulls
-(``dataset_pull``) and pushes (``push``).
+(``dataset_pull``) and pushes (``push``), each reporting to a ``progress.Reporter``.
 
 A model pull downloads into ``models/.pulls/<org>--<name>@<commit>/`` (the models folder's own disk,
 so the last step is a rename), then renames that to ``models/<org>/<name>/``; with an S3 store the
@@ -16,8 +16,6 @@ import json
 import logging
 import shutil
 import threading
-import time
-from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +24,8 @@ from sqlalchemy.orm import Session, sessionmaker
 from engine.errors import DiskFull
 from server.hf_hub import dataset_pull
 from server.hf_hub.download import DISK_FULL, download
+from server.hf_hub.progress import Reporter
+from server.hf_hub.push import run_push
 from server.services import transfers
 from server.settings import Settings
 from server.storage import Storage, open_storage
@@ -33,8 +33,6 @@ from server.tables import HubTransfer, now
 
 log = logging.getLogger("roundhouse.hub")
 POLL_S = 1.0
-WRITE_EVERY_S = 0.5
-SPEED_WINDOW_S = 5.0
 STAGING = ".pulls"
 SOURCE_FILE = ".hub-source.json"  # in a pulled model's folder: where it came from
 FULL = (errno.ENOSPC, errno.EDQUOT)
@@ -67,81 +65,6 @@ def remove_staging(settings: Settings, row: HubTransfer) -> None:
 
 def model_folder(settings: Settings, name: str) -> Path:
     return settings.models_dir.joinpath(*name.split("/"))
-
-
-class Meter:
-    """Bytes done, and the speed over the last few seconds."""
-
-    def __init__(self) -> None:
-        self.samples: deque[tuple[float, int]] = deque()
-        self.done = 0
-
-    def add(self, done: int) -> None:
-        self.done = done
-        t = time.monotonic()
-        self.samples.append((t, done))
-        while len(self.samples) > 2 and t - self.samples[0][0] > SPEED_WINDOW_S:
-            self.samples.popleft()
-
-    def speed(self) -> float | None:
-        if len(self.samples) < 2:
-            return None
-        (t0, d0), (t1, d1) = self.samples[0], self.samples[-1]
-        return max(0.0, (d1 - d0) / (t1 - t0)) if t1 > t0 else None
-
-
-class Reporter:
-    """Progress into the transfer's row (at most every ``WRITE_EVERY_S``) with the lease renewed;
-    says when the transfer was cancelled."""
-
-    def __init__(
-        self, settings: Settings, sessions: sessionmaker[Session], row: HubTransfer, worker_id: str
-    ) -> None:
-        self.settings, self.sessions, self.worker_id = settings, sessions, worker_id
-        self.transfer_id = row.id
-        self.meter = Meter()
-        self.meter.add(row.bytes_done)
-        self.bytes_total: int | None = None
-        self.written = 0.0
-        self.status: str | None = row.status
-        self.lock = threading.Lock()
-
-    def progress(self, done: int) -> None:
-        with self.lock:
-            self.meter.add(done)
-        self.tick(force=False)
-
-    def total(self, total: int) -> None:
-        """The bytes to move, known once the child has them (a push's folder)."""
-        with self.lock:
-            self.bytes_total = total
-        self.tick()
-
-    def tick(self, *, force: bool = True) -> bool:
-        """Write the progress when due (always with ``force``); True when cancelled."""
-        with self.lock:
-            if not force and time.monotonic() - self.written < WRITE_EVERY_S:
-                return self.status == transfers.CANCELLING
-            self.written = time.monotonic()
-            done, speed, total = self.meter.done, self.meter.speed(), self.bytes_total
-        with self.sessions() as session:
-            self.status = transfers.progress(
-                session,
-                transfer_id=self.transfer_id,
-                worker_id=self.worker_id,
-                bytes_done=done,
-                bytes_per_s=speed,
-                lease_seconds=self.settings.lease_seconds,
-                bytes_total=total,
-            )
-        return self.status == transfers.CANCELLING
-
-    def cancelled(self) -> bool:
-        return (
-            self.tick(force=False)
-            if time.monotonic() - self.written >= WRITE_EVERY_S
-            else self.status == transfers.CANCELLING
-        )
 
 
 def _publish(settings: Settings, store: Storage, *, name: str, staging: Path, row: HubTransfer) -> Path:
@@ -244,8 +167,6 @@ def run_one(settings: Settings, sessions: sessionmaker[Session], row: HubTransfe
             return run_pull(settings, sessions, row, worker_id)
         if row.kind == transfers.DATASET_PULL:
             return dataset_pull.run(settings, sessions, row, Reporter(settings, sessions, row, worker_id))
-        from server.hf_hub.push import run_push
-
         return run_push(settings, sessions, row, worker_id)
     except Exception as exc:  # a bug or a full disk: the transfer fails with the reason, the loop goes on
         log.exception("transfer %s failed", row.id)
