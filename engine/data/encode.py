@@ -1,16 +1,6 @@
-"""Tokenizing examples with the model's chat template and marking the trained tokens.
-
-Chat and instruction rows are rendered with ``tokenizer.apply_chat_template``; the loss covers
-exactly the assistant turns (their content and the template's end-of-turn marker), found by
-rendering each conversation prefix and mapping character spans to tokens. Prompt/completion rows
-are plain text (prompt + completion + EOS) with the loss on the completion; text rows train on
-every token. A preference row becomes two sequences (``EncodedPair``), the prompt with the preferred
-answer and the prompt with the rejected one, each with the loss on its answer alone (its last
-assistant turn, end-of-turn marker included), never on assistant turns of the prompt.
-
-Fallback: a tokenizer without a chat template gets ``FALLBACK_CHAT_TEMPLATE`` (ChatML-style
-``<|im_start|>role ... <|im_end|>`` turns written as plain text, the end of each assistant turn
-followed by the EOS token), recorded with the exported tokenizer so inference renders the same.
+"""Validating dataset files and encoding them for a run: every row checked by its format
+(``engine.data.formats``), encoded into token sequences (``engine.data.sequences``), and the
+token lengths reported.
 """
 
 from __future__ import annotations
@@ -19,127 +9,36 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.data.read import Example, RowError, check_rows, file_kind
+from engine.data.formats import Family, get_format, titles
+from engine.data.read import RowError, check_rows, file_kind
+from engine.data.sequences import (
+    FALLBACK_CHAT_TEMPLATE,
+    Encoded,
+    EncodedPair,
+    assistant_spans,
+    encode,
+    encode_pair,
+    encode_prompt_row,
+    ensure_chat_template,
+    rejected_example,
+)
 from engine.errors import ConfigError
 
-FALLBACK_CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-@dataclass
-class Encoded:
-    """Token ids and labels (-100 where no loss is taken) of one example."""
-
-    line: int
-    input_ids: list[int]
-    labels: list[int]
-    length: int  # before truncation
-    truncated: bool
-
-    @property
-    def trained_tokens(self) -> int:
-        return sum(1 for t in self.labels[1:] if t != -100)
-
-
-def ensure_chat_template(tokenizer: Any) -> None:
-    """Give a tokenizer without a chat template the documented fallback."""
-    if not getattr(tokenizer, "chat_template", None):
-        tokenizer.chat_template = FALLBACK_CHAT_TEMPLATE
-
-
-def _render(tokenizer: Any, messages: list[dict[str, str]], *, generation: bool = False) -> str:
-    return str(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation))
-
-
-def assistant_spans(
-    tokenizer: Any, messages: list[dict[str, str]], *, last_only: bool = False
-) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered conversation and the character spans of its assistant turns (``last_only``:
-    of the last message alone, an assistant turn).
-
-    Raises:
-        ValueError: the template does not render a conversation's prefixes as prefixes.
-    """
-    full = _render(tokenizer, messages)
-    spans = []
-    for i, m in enumerate(messages):
-        if m["role"] != "assistant" or (last_only and i < len(messages) - 1):
-            continue
-        before = _render(tokenizer, messages[:i], generation=True)
-        upto = _render(tokenizer, messages[: i + 1])
-        if not (full.startswith(upto) and upto.startswith(before)):
-            raise ValueError("the chat template does not render conversation prefixes as prefixes")
-        spans.append((len(before), len(upto)))
-    return full, spans
-
-
-def encode(example: Example, tokenizer: Any, max_length: int) -> Encoded:
-    """Token ids and loss labels of one example, truncated to ``max_length``.
-
-    A preference row encodes as its prompt and preferred answer, the loss on that answer alone."""
-    if example.messages is not None:
-        text, spans = assistant_spans(tokenizer, example.messages, last_only=example.rejected is not None)
-        special = False
-    elif example.prompt is not None and example.completion is not None:
-        text = example.prompt + example.completion + (tokenizer.eos_token or "")
-        spans = [(len(example.prompt), len(text))]
-        special = True
-    else:
-        text = (example.text or "") + (tokenizer.eos_token or "")
-        spans = [(0, len(text))]
-        special = True
-    enc = tokenizer(text, add_special_tokens=special, return_offsets_mapping=True)
-    ids: list[int] = list(enc["input_ids"])
-    labels = []
-    for tok, (a, b) in zip(ids, enc["offset_mapping"], strict=True):
-        trained = b > a and any(s <= a < e for s, e in spans)
-        labels.append(tok if trained else -100)
-    n = len(ids)
-    return Encoded(example.line, ids[:max_length], labels[:max_length], n, n > max_length)
-
-
-def encode_prompt_row(example: Example, tokenizer: Any, max_length: int) -> Encoded:
-    """A prompt row's prompt as an ``Encoded`` without label tokens (its length counts; its
-    completions are sampled in training). Raises ``ValueError`` for a prompt of no token."""
-    from engine.data.prompts import encode_prompt  # it builds on the row checks this module uses
-
-    item = encode_prompt(example, tokenizer, max_length)
-    n = len(item.input_ids)
-    return Encoded(example.line, item.input_ids, [-100] * n, n, item.truncated)
-
-
-@dataclass
-class EncodedPair:
-    """The two sequences of one preference row: its prompt and each answer, the loss on the answer."""
-
-    line: int
-    chosen: Encoded
-    rejected: Encoded
-
-
-def rejected_example(example: Example) -> Example:
-    """A preference row with its answers swapped: the prompt and the rejected answer."""
-    if example.messages is None or example.rejected is None:
-        raise ValueError(f"line {example.line}: not a preference row")
-    answer = {"role": "assistant", "content": example.rejected}
-    return Example(
-        example.line, messages=[*example.messages[:-1], answer], rejected=example.messages[-1]["content"]
-    )
-
-
-def encode_pair(example: Example, tokenizer: Any, max_length: int) -> EncodedPair:
-    """Both sequences of a preference row, each truncated to ``max_length``.
-
-    Raises:
-        ValueError: not a preference row, or a chat template that renders prefixes differently.
-    """
-    rejected = rejected_example(example)
-    return EncodedPair(
-        example.line, encode(example, tokenizer, max_length), encode(rejected, tokenizer, max_length)
-    )
+__all__ = [
+    "FALLBACK_CHAT_TEMPLATE",
+    "Encoded",
+    "EncodedPair",
+    "Report",
+    "assistant_spans",
+    "encode",
+    "encode_pair",
+    "encode_prompt_row",
+    "ensure_chat_template",
+    "load_encoded",
+    "load_pairs",
+    "rejected_example",
+    "validate",
+]
 
 
 @dataclass
@@ -208,33 +107,22 @@ def _checked(
 
     if found.rows == 0:
         fail(1, "the file holds no rows")
-    if tokenizer is None or not found.examples:
+    if tokenizer is None or not found.examples or found.format is None:
         return report, []  # without a tokenizer the rows were only checked, not kept
     ensure_chat_template(tokenizer)
+    fmt_of = get_format(found.format)  # a format of the registry: its rows were checked by it
     encoded: list[Encoded | EncodedPair] = []
     sequences: list[Encoded] = []
     for ex in found.examples:
         try:
-            if ex.fields is not None:  # a prompt row (GRPO): its prompt, nothing trained yet
-                sequences.append(encode_prompt_row(ex, tokenizer, max_length))
-                continue
-            item = (
-                encode_pair(ex, tokenizer, max_length)
-                if ex.rejected is not None
-                else encode(ex, tokenizer, max_length)
-            )
+            item = fmt_of.encode(ex, tokenizer, max_length)
         except ValueError as exc:
             fail(ex.line, str(exc))
             continue
         encoded.append(item)
-        named = (
-            [(" of the preferred answer", item.chosen), (" of the rejected answer", item.rejected)]
-            if isinstance(item, EncodedPair)
-            else [("", item)]
-        )
-        for what, e in named:
+        for what, e in fmt_of.sequences(item):
             sequences.append(e)
-            if e.trained_tokens == 0:
+            if fmt_of.trains_on_rows() and e.trained_tokens == 0:
                 fail(e.line, f"no token{what} left to train on within max_length={max_length}")
     report.errors.sort(key=lambda e: e.line)
     if max_errors is not None:  # the first ones: every read error check_rows dropped lies past them
@@ -254,34 +142,56 @@ def _checked(
 
 
 PAIRS = "preference rows (a prompt with a preferred and a rejected answer)"
-DPO_ONLY = (
-    "they train with method.kind 'dpo' or 'orpo'; lora and full train on chat, instruction, "
-    "prompt/completion or text rows"
-)
+
+
+def _family(name: str) -> Family | None:
+    try:
+        return get_format(name).family
+    except ValueError:  # an unknown format: each row says so
+        return None
+
+
+def _supervised_only() -> str:
+    return f"lora and full train on {titles('supervised')} rows"
+
+
+def _dpo_only() -> str:
+    return f"they train with method.kind 'dpo' or 'orpo'; {_supervised_only()}"
+
+
+def _refused_format(fmt: str, *, wanted: Family, method: str) -> str:
+    """Why ``data.format`` does not suit a method that trains on ``wanted`` rows."""
+    if wanted == "preference":
+        return (
+            f"data.format={fmt!r}: method.kind {method!r} trains on {PAIRS} "
+            "(data.format 'preference' or 'auto')"
+        )
+    if _family(fmt) == "preference":
+        return f"data.format={fmt!r} names {PAIRS}: {_dpo_only()}"
+    return f"data.format={fmt!r} names {_family(fmt)} rows: {_supervised_only()}"
+
+
+def _refused_file(path: str, found: str, *, field: str, wanted: Family, method: str) -> str:
+    """Why a file of ``found`` rows does not suit a method that trains on ``wanted`` rows."""
+    if wanted == "preference":
+        return f"{field}: {path} holds {found} rows; method.kind {method!r} trains on {PAIRS}"
+    if _family(found) == "preference":
+        return f"{field}: {path} holds {PAIRS}: {_dpo_only()}"
+    return f"{field}: {path} holds {found} rows: {_supervised_only()}"
 
 
 def _load(
-    path: str, tokenizer: Any, *, fmt: str, max_length: int, field: str, pairs: bool, method: str = "dpo"
+    path: str, tokenizer: Any, *, fmt: str, max_length: int, field: str, wanted: Family, method: str = "dpo"
 ) -> list[Encoded | EncodedPair]:
-    """Every row of a file encoded, after checking that its rows suit the method."""
-    if fmt != "auto" and (fmt == "preference") != pairs:
-        message = (
-            f"data.format={fmt!r}: method.kind {method!r} trains on {PAIRS} "
-            "(data.format 'preference' or 'auto')"
-            if pairs
-            else f"data.format='preference' names {PAIRS}: {DPO_ONLY}"
-        )
-        raise ConfigError("data.format", message, value=fmt)
+    """Every row of a file encoded, after checking that its rows are of the family ``wanted``."""
+    if fmt != "auto" and _family(fmt) not in (None, wanted):
+        raise ConfigError("data.format", _refused_format(fmt, wanted=wanted, method=method), value=fmt)
     try:
         report, encoded = _checked(path, tokenizer=tokenizer, fmt=fmt, max_length=max_length, max_errors=20)
     except ValueError as exc:  # an unsupported file type
         raise ConfigError(field, str(exc), value=path) from exc
-    if report.format is not None and (report.format == "preference") != pairs:
-        message = (
-            f"{field}: {path} holds {report.format} rows; method.kind {method!r} trains on {PAIRS}"
-            if pairs
-            else f"{field}: {path} holds {PAIRS}: {DPO_ONLY}"
-        )
+    if report.format is not None and _family(report.format) not in (None, wanted):
+        message = _refused_file(path, report.format, field=field, wanted=wanted, method=method)
         raise ConfigError(field, message, value=path)
     if not report.ok:
         total = report.errors_total
@@ -301,9 +211,10 @@ def load_encoded(
 
     Raises:
         ConfigError: for ``field``: an unsupported file type, invalid rows listed by line, or
-            preference rows (they train with DPO; for ``data.format`` when it says so).
+            rows of a format that is not supervised (preference rows train with DPO; for
+            ``data.format`` when it names such a format).
     """
-    encoded = _load(path, tokenizer, fmt=fmt, max_length=max_length, field=field, pairs=False)
+    encoded = _load(path, tokenizer, fmt=fmt, max_length=max_length, field=field, wanted="supervised")
     return [e for e in encoded if isinstance(e, Encoded)]
 
 
@@ -326,5 +237,7 @@ def load_pairs(
         ConfigError: for ``field``: an unsupported file type, invalid rows listed by line, or rows
             that are not preference rows (for ``data.format`` when it names another format).
     """
-    encoded = _load(path, tokenizer, fmt=fmt, max_length=max_length, field=field, pairs=True, method=method)
+    encoded = _load(
+        path, tokenizer, fmt=fmt, max_length=max_length, field=field, wanted="preference", method=method
+    )
     return [e for e in encoded if isinstance(e, EncodedPair)]

@@ -1,16 +1,8 @@
-"""Reading dataset files (JSONL, CSV, Parquet) and checking every row's shape.
+"""Reading dataset files (JSONL, CSV, Parquet) and checking every row against its format.
 
-Row shapes:
-- chat: ``{"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}``
-  (OpenAI style; an optional system turn first, then user and assistant alternating, ending with
-  the assistant);
-- instruction (alpaca): ``{"instruction": str, "input": str (optional), "output": str}``;
-- prompt_completion: ``{"prompt": str, "completion": str}``;
-- text: ``{"text": str}``;
-- preference (for DPO): a prompt with a preferred and a rejected answer, in the OpenAI or the
-  common open shape (``engine/data/preference.py``);
-- prompts (for GRPO): a prompt alone, ``{"messages": [..., user turn]}`` or ``{"prompt": str}``,
-  with any other fields a grader reads (``reference_answer``, ...) (``engine/data/prompts.py``).
+The row formats are the registry's (``engine.data.formats``): this module reads records from a
+file and asks the registry which format the first row announces and whether each row is valid;
+it knows no format itself.
 
 Locations are 1-based: a JSONL or CSV *line* (the CSV header is line 1), a Parquet *row*.
 In CSV files a ``messages`` cell holds the JSON-encoded list.
@@ -25,39 +17,30 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-FORMATS = ("chat", "instruction", "prompt_completion", "text", "preference", "prompts")
-ROLES = ("system", "user", "assistant")
-PREFERENCE_KEYS = ("chosen", "rejected", "preferred_output", "non_preferred_output")
+from engine.data.formats import detect_format, format_names, get_format
+from engine.data.rows import Example, RowError
+
+__all__ = [
+    "FORMATS",
+    "MAX_MESSAGE",
+    "SUFFIXES",
+    "Checked",
+    "Example",
+    "RowError",
+    "check_rows",
+    "detect_format",
+    "file_kind",
+    "read_examples",
+    "read_records",
+    "to_example",
+]
+
+# the registry's names, every format being registered by now; callers that may see formats
+# registered later (a test's) read format_names()
+FORMATS = format_names()
 SUFFIXES = (".jsonl", ".csv", ".parquet")
 PARQUET_BATCH = 1024  # rows converted to Python at a time
 MAX_MESSAGE = 300  # characters of one error message: a hostile row cannot make its error large
-
-
-@dataclass(frozen=True)
-class RowError:
-    line: int
-    message: str
-    unit: str = "line"
-
-    def __str__(self) -> str:
-        return f"{self.unit} {self.line}: {self.message}"
-
-
-@dataclass
-class Example:
-    """One valid row, normalised: ``messages`` for chat and instruction rows.
-
-    A preference row is its prompt with the preferred answer as the last turn of ``messages``,
-    and the rejected answer in ``rejected``."""
-
-    line: int
-    messages: list[dict[str, str]] | None = None
-    prompt: str | None = None
-    completion: str | None = None
-    text: str | None = None
-    rejected: str | None = None
-    # a prompt row (GRPO): its fields besides the prompt, for the graders (``item.<field>``)
-    fields: dict[str, Any] | None = None
 
 
 def file_kind(path: str | Path) -> str:
@@ -161,116 +144,13 @@ def _parquet(path: Path) -> Iterator[tuple[int, dict[str, Any] | RowError]]:
         yield row + 1, RowError(row + 1, f"{what}: {exc}", unit="row")
 
 
-def detect_format(record: dict[str, Any]) -> str | None:
-    """The row shape a record's keys announce, or None."""
-    if any(key in record for key in PREFERENCE_KEYS):
-        return "preference"
-    if is_prompt_row(record):
-        return "prompts"
-    if "messages" in record:
-        return "chat"
-    if "instruction" in record and "output" in record:
-        return "instruction"
-    if "prompt" in record and "completion" in record:
-        return "prompt_completion"
-    if "text" in record:
-        return "text"
-    return None
-
-
-def is_prompt_row(record: dict[str, Any]) -> bool:
-    """A row that holds a prompt and no answer: ``messages`` ending with a user turn, or
-    ``prompt`` without ``completion``."""
-    messages = record.get("messages")
-    if isinstance(messages, list) and messages:
-        last = messages[-1]
-        return isinstance(last, dict) and last.get("role") == "user"
-    return "prompt" in record and "completion" not in record and "messages" not in record
-
-
-def text_field(record: dict[str, Any], key: str, *, required: bool = True) -> str:
-    """A record's string field. Raises ``ValueError`` naming the field when it is missing or empty."""
-    if key not in record or record[key] is None:
-        if required:
-            raise ValueError(f"missing field '{key}'")
-        return ""
-    value = record[key]
-    if not isinstance(value, str):
-        raise ValueError(f"field '{key}' must be a string, got {type(value).__name__}")
-    if required and not value.strip():
-        raise ValueError(f"field '{key}' is empty")
-    return value
-
-
-def conversation(value: Any, name: str = "messages", *, end: str = "assistant") -> list[dict[str, str]]:
-    """Check a list of messages: an optional system turn, then user and assistant alternating,
-    ending with ``end`` (``"assistant"``: a chat row; ``"user"``: a prompt). Errors name ``name``.
+def to_example(line: int, record: dict[str, Any], fmt: str) -> Example:
+    """Check a record against the format named ``fmt``.
 
     Raises:
-        ValueError: what is wrong, with the index of the message at fault.
+        ValueError: what is wrong with the row, naming the field; or an unknown format.
     """
-    if value is None:
-        raise ValueError(f"missing field '{name}'")
-    if not isinstance(value, list):
-        raise ValueError(f"field '{name}' must be a list, got {type(value).__name__}")
-    if not value:
-        raise ValueError(f"field '{name}' is empty")
-    out = []
-    for i, m in enumerate(value):
-        if not isinstance(m, dict):
-            raise ValueError(f"{name}[{i}] must be an object, got {type(m).__name__}")
-        role = m.get("role")
-        if role not in ROLES:
-            raise ValueError(f"{name}[{i}]: unknown role {role!r} (use {', '.join(ROLES)})")
-        content = m.get("content")
-        if not isinstance(content, str):
-            raise ValueError(f"{name}[{i}].content must be a string, got {type(content).__name__}")
-        if not content.strip():
-            raise ValueError(f"{name}[{i}].content is empty")
-        out.append({"role": role, "content": content})
-    turns = out[1:] if out[0]["role"] == "system" else out
-    whose = "" if name == "messages" else f"{name}: "
-    if end == "assistant" and not any(m["role"] == "assistant" for m in turns):
-        raise ValueError(f"{whose}no assistant turn")
-    for i, m in enumerate(turns):
-        want = "user" if i % 2 == 0 else "assistant"
-        if m["role"] != want:
-            where = i + (len(out) - len(turns))
-            raise ValueError(
-                f"{name}[{where}]: expected role '{want}', got '{m['role']}' (turns must alternate)"
-            )
-    if end == "assistant" and turns[-1]["role"] != "assistant":
-        raise ValueError(f"{whose}the last turn must be the assistant's")
-    if end == "user" and (not turns or turns[-1]["role"] != "user"):
-        raise ValueError(f"'{name}' must end with a user turn (the answers follow it)")
-    return out
-
-
-def to_example(line: int, record: dict[str, Any], fmt: str) -> Example:
-    """Check a record against a row shape. Raises ``ValueError`` saying what is wrong."""
-    if fmt == "chat":
-        return Example(line, messages=conversation(record.get("messages")))
-    if fmt == "instruction":
-        instruction = text_field(record, "instruction")
-        extra = text_field(record, "input", required=False)
-        output = text_field(record, "output")
-        user = f"{instruction}\n\n{extra}" if extra.strip() else instruction
-        return Example(
-            line, messages=[{"role": "user", "content": user}, {"role": "assistant", "content": output}]
-        )
-    if fmt == "prompt_completion":
-        return Example(line, prompt=text_field(record, "prompt"), completion=text_field(record, "completion"))
-    if fmt == "text":
-        return Example(line, text=text_field(record, "text"))
-    if fmt == "preference":
-        from engine.data.preference import preference_example  # it builds on this module's checks
-
-        return preference_example(line, record)
-    if fmt == "prompts":
-        from engine.data.prompts import prompt_example  # it builds on this module's checks
-
-        return prompt_example(line, record)
-    raise ValueError(f"unknown format {fmt!r}; use auto or one of {', '.join(FORMATS)}")
+    return get_format(fmt).example(line, record)
 
 
 @dataclass
@@ -295,7 +175,8 @@ def check_rows(
     """Read and check every row of a file, holding one row at a time unless ``keep``.
 
     Args:
-        fmt: a row shape of ``FORMATS``, or ``auto`` to detect it from the first row.
+        fmt: a format's name (``engine.data.formats``), or ``auto`` to detect it from the
+            first row.
         keep: keep the valid examples (else they are checked and dropped).
         max_errors: keep only the first errors (all are counted); None keeps all.
 

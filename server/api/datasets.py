@@ -1,4 +1,4 @@
-"""``/api/datasets``: upload (streamed, validated), list, get, preview, delete."""
+"""``/api/datasets``: upload (streamed, validated), list, get, preview, delete; the data formats."""
 
 from __future__ import annotations
 
@@ -6,7 +6,9 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, File, Form, Query, UploadFile
 from fastapi.concurrency import run_in_threadpool
+from pydantic import BaseModel, Field
 
+from engine.data.formats import Family
 from server.deps import IdPath, SessionDep, SettingsDep, StorageDep, current_key
 from server.errors import ApiError, documented
 from server.limits import LimitedBodyRoute
@@ -22,6 +24,21 @@ router = APIRouter(
     responses=documented(401, 422),
     route_class=LimitedBodyRoute,  # the upload is refused while it arrives, past the limit
 )
+
+
+# the data formats' listing (engine.data.formats): its shape belongs with server/schemas.py's
+class DataFormatPublic(BaseModel):
+    """A data format (``engine.data.formats``): a row shape a dataset file can hold."""
+
+    name: str = Field(description='the value of data.format and a dataset\'s format, e.g. "chat"')
+    title: str = Field(description='a short label, e.g. "prompt/completion"')
+    family: Family = Field(description="the data_format of the methods that train on it (GET /api/methods)")
+    description: str = Field(description="the row's fields in a line")
+    measures: str = Field(description="what a row's token statistics count, when not the row itself")
+
+
+class DataFormatsPublic(BaseModel):
+    data: list[DataFormatPublic]
 
 
 def _found(session: SessionDep, dataset_id: str) -> Any:
@@ -60,6 +77,12 @@ async def upload_dataset(
         scratch=settings.cache_dir / "incoming",
         max_bytes=settings.max_upload_bytes,
     )
+
+
+@router.get("/formats", response_model=DataFormatsPublic)
+def list_formats() -> Any:
+    """Every data format a dataset file may hold, in the order uploads are described."""
+    return {"data": datasets.formats()}
 
 
 @router.get("", response_model=DatasetsPublic)

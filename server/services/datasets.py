@@ -18,7 +18,6 @@ import os
 import re
 import uuid
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 from typing import IO, Any, BinaryIO
 
@@ -26,7 +25,9 @@ from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
 from engine.data.encode import Report, validate
-from engine.data.read import SUFFIXES
+from engine.data.formats import formats_listing, get_format
+from engine.data.read import SUFFIXES, Example, read_records
+from engine.data.sequences import ensure_chat_template
 from server.services.job_states import TERMINAL
 from server.storage import Storage, StorageUnavailable
 from server.tables import Dataset, Job, now
@@ -245,95 +246,47 @@ def local_file(storage: Storage, dataset: Dataset, *, cache: Path) -> Path:
         raise FileNotFoundError(f"dataset {dataset.id} is not in the store") from exc
 
 
-def first_examples(dataset: Dataset, limit: int, *, file: Path) -> Iterator[Any]:
+def formats() -> list[dict[str, Any]]:
+    """Every data format a dataset can be, in registry order (``engine.data.formats``)."""
+    return formats_listing()
+
+
+def first_examples(dataset: Dataset, limit: int, *, file: Path) -> Iterator[Example]:
     """The first ``limit`` rows of a stored (valid) dataset from its ``file`` (``local_file``),
     read no further than needed."""
-    from engine.data.read import read_records, to_example
-
+    fmt = get_format(dataset.format)
     for count, (line, record) in enumerate(read_records(str(file))):
         if count >= limit:
             return
         if not isinstance(record, dict):
             raise ValueError(f"dataset {dataset.id} changed on disk: {record}")
-        yield to_example(line, record, dataset.format)
-
-
-def _tokens(tokenizer: Any, ids: list[int], labels: list[int]) -> list[dict[str, Any]]:
-    return [
-        {"text": tokenizer.decode([t]), "trained": lab != -100} for t, lab in zip(ids, labels, strict=True)
-    ]
-
-
-def _pair_row(tokenizer: Any, pair: Any) -> dict[str, Any]:
-    """A preference row: the prompt the two sequences share (up to the first trained token of
-    either, and no further than their ids agree), then each answer's tokens."""
-    chosen, rejected = pair.chosen, pair.rejected
-    cut = 0
-    while (
-        cut < min(len(chosen.input_ids), len(rejected.input_ids))
-        and chosen.input_ids[cut] == rejected.input_ids[cut]
-        and chosen.labels[cut] == rejected.labels[cut] == -100
-    ):
-        cut += 1
-
-    def answer(e: Any) -> dict[str, Any]:
-        return {"tokens": _tokens(tokenizer, e.input_ids[cut:], e.labels[cut:]), "truncated": e.truncated}
-
-    return {
-        "line": pair.line,
-        "tokens": _tokens(tokenizer, chosen.input_ids[:cut], chosen.labels[:cut]),
-        "truncated": chosen.truncated or rejected.truncated,
-        "chosen": answer(chosen),
-        "rejected": answer(rejected),
-    }
+        yield fmt.example(line, record)
 
 
 def preview(
     dataset: Dataset, *, file: Path, tokenizer: Any, limit: int, max_length: int
 ) -> list[dict[str, Any]]:
     """The first rows rendered through the tokenizer's chat template, each token marked trained or
-    not; a preference row as its prompt and both answers; a prompt row as its prompt (with the
-    generation prompt of a chat prompt; nothing trained: GRPO samples the completions) and its
-    other fields (``item``, what a grader reads)."""
-    from engine.data.encode import encode, encode_pair, encode_prompt_row, ensure_chat_template
-
+    not, as the dataset's format shows them (``DataFormat.preview``): a preference row as its
+    prompt and both answers; a prompt row as its prompt (with the generation prompt of a chat
+    prompt; nothing trained: GRPO samples the completions) and its other fields (``item``, what
+    a grader reads)."""
+    fmt = get_format(dataset.format)
     ensure_chat_template(tokenizer)
-    rows = []
-    for ex in first_examples(dataset, limit, file=file):
-        if ex.rejected is not None:
-            rows.append(_pair_row(tokenizer, encode_pair(ex, tokenizer, max_length)))
-            continue
-        if ex.fields is not None:  # a prompt row: its last max_length tokens, as a run keeps them
-            enc = encode_prompt_row(ex, tokenizer, max_length)
-            tokens = _tokens(tokenizer, enc.input_ids, enc.labels)
-            rows.append({"line": ex.line, "tokens": tokens, "truncated": enc.truncated, "item": ex.fields})
-            continue
-        enc = encode(ex, tokenizer, max_length)
-        tokens = _tokens(tokenizer, enc.input_ids, enc.labels)
-        rows.append({"line": ex.line, "tokens": tokens, "truncated": enc.truncated})
-    return rows
+    return [fmt.preview(ex, tokenizer, max_length) for ex in first_examples(dataset, limit, file=file)]
 
 
 def token_stats(
     dataset: Dataset, *, file: Path, tokenizer: Any, max_length: int, limit: int, bins: int = 20
 ) -> dict[str, Any]:
     """Token lengths of the first ``limit`` rows as a histogram, with the share cut at ``max_length``
-    (both sequences of a preference row count; a prompt row's prompt alone)."""
-    from engine.data.encode import encode, encode_pair, encode_prompt_row, ensure_chat_template
-
+    (every sequence of a row counts: both of a preference row; a prompt row's prompt alone)."""
+    fmt = get_format(dataset.format)
     ensure_chat_template(tokenizer)
     lengths, truncated, sampled = [], 0, 0
     for ex in first_examples(dataset, limit, file=file):
         sampled += 1
-        if ex.rejected is not None:
-            pair = encode_pair(ex, tokenizer, max_length)
-            sequences = [pair.chosen, pair.rejected]
-        elif ex.fields is not None:  # its whole length, as encode() counts a row's
-            whole = encode_prompt_row(ex, tokenizer, 1 << 30)
-            sequences = [replace(whole, truncated=whole.length > max_length)]
-        else:
-            sequences = [encode(ex, tokenizer, max_length)]
-        for enc in sequences:
+        for _, enc in fmt.sequences(fmt.encode(ex, tokenizer, max_length)):
             lengths.append(enc.length)
             truncated += enc.truncated
     top = max(lengths, default=0)

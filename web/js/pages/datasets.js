@@ -71,19 +71,16 @@ export async function render(main) {
   const status = el("p", { id: "upload-status", "aria-live": "polite" });
   const errors = el("ul", { id: "upload-errors", class: "errors" });
   const moreErrors = el("p", { id: "upload-errors-more", class: "muted small" });
+  // the row formats an upload may hold, as the server's registry lists them (GET /api/datasets/formats)
+  const shapes = el("p", { id: "dataset-formats", class: "muted small" });
+  let formats = [];
   const drop = el(
     "div",
     { id: "drop-zone", class: "drop-zone" },
     el("p", {}, "Drop a .jsonl, .csv or .parquet file here, or "),
     el("label", { for: "dataset-file", class: "button", text: "Dataset file" }),
     input,
-    el("p", {
-      class: "muted small",
-      text:
-        "Rows: chat messages, instruction/input/output, prompt/completion, text, preference pairs " +
-        "(prompt with chosen/rejected, or input with preferred_output/non_preferred_output) for DPO, or " +
-        "prompts (messages ending with a user turn, or prompt alone, with fields such as reference_answer) for GRPO.",
-    }),
+    shapes,
   );
   const body = el("tbody");
   const preview = el("section", { id: "preview", class: "card", hidden: true });
@@ -230,8 +227,8 @@ export async function render(main) {
         ]);
         rows.replaceChildren(...p.rows.map(previewRow));
         histogram.setBins(stats.histogram, stats.max_length);
-        const each =
-          d.format === "preference" ? " (both answers of each pair)" : d.format === "prompts" ? " (the prompts)" : "";
+        const measures = formats.find((f) => f.name === d.format)?.measures;
+        const each = measures ? ` (${measures})` : "";
         summary.textContent = `${stats.sampled} of ${stats.rows} rows measured${each} · mean ${number(stats.mean)} tokens · longest ${stats.max} · ${number(100 * stats.truncated_share)}% longer than ${stats.max_length} (cut)`;
       } catch (error) {
         rows.replaceChildren(errorBox(error));
@@ -253,6 +250,13 @@ export async function render(main) {
     drop.classList.remove("over");
     if (e.dataTransfer.files.length) send(e.dataTransfer.files[0]);
   });
+  try {
+    formats = (await api("/datasets/formats")).data;
+    const described = formats.map((f) => f.description);
+    shapes.textContent = `Rows: ${described.slice(0, -1).join(", ")} or ${described.at(-1)}.`;
+  } catch (error) {
+    shapes.textContent = error.message;
+  }
   await list();
   await pull.start();
   return () => pull.close();

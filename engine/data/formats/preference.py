@@ -12,15 +12,49 @@ Shapes, told apart by their keys:
 A prompt given as messages follows the chat rules (an optional system turn, then user and
 assistant alternating) and ends with a user turn; a prompt string is one user turn. Each answer
 is a single assistant turn. In CSV files every cell is a string: ``prompt``/``chosen``/``rejected``.
+
+A row trains as two sequences (``EncodedPair``), the prompt with each answer, the loss on the
+answer alone.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from engine.data.read import Example, conversation, text_field
+from engine.data.formats.base import DataFormat, register
+from engine.data.rows import Example, conversation, text_field
+from engine.data.sequences import Encoded, EncodedPair, encode_pair, pair_view
 
 ANSWER_KEYS = (("chosen", "rejected"), ("preferred_output", "non_preferred_output"))
+PREFERENCE_KEYS = tuple(key for pair in ANSWER_KEYS for key in pair)
+
+
+class Preference(DataFormat):
+    name = "preference"
+    title = "preference"
+    family = "preference"
+    description = (
+        "preference pairs (prompt with chosen/rejected, or input with preferred_output/non_preferred_output)"
+    )
+    measures = "both answers of each pair"
+    detect_order = 0  # its rows may hold any other format's keys besides its own
+
+    def detect(self, record: dict[str, Any]) -> bool:
+        return any(key in record for key in PREFERENCE_KEYS)
+
+    def example(self, line: int, record: dict[str, Any]) -> Example:
+        return preference_example(line, record)
+
+    def encode(self, example: Example, tokenizer: Any, max_length: int) -> EncodedPair:
+        return encode_pair(example, tokenizer, max_length)
+
+    def sequences(self, encoded: Encoded | EncodedPair) -> list[tuple[str, Encoded]]:
+        if not isinstance(encoded, EncodedPair):
+            raise TypeError(f"a preference row encodes as a pair, got {type(encoded).__name__}")
+        return [(" of the preferred answer", encoded.chosen), (" of the rejected answer", encoded.rejected)]
+
+    def preview(self, example: Example, tokenizer: Any, max_length: int) -> dict[str, Any]:
+        return pair_view(tokenizer, self.encode(example, tokenizer, max_length))
 
 
 def preference_example(line: int, record: dict[str, Any]) -> Example:
@@ -123,3 +157,6 @@ def _implicit(record: dict[str, Any], good: str, bad: str) -> tuple[list[dict[st
             "must share every message but the answer"
         )
     return chosen[:-1], chosen[-1]["content"], rejected[-1]["content"]
+
+
+PREFERENCE = register(Preference())
