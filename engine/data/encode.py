@@ -15,6 +15,8 @@ from engine.data.sequences import (
     FALLBACK_CHAT_TEMPLATE,
     Encoded,
     EncodedPair,
+    EncodedRow,
+    EncodedUnpaired,
     assistant_spans,
     encode,
     encode_pair,
@@ -28,6 +30,8 @@ __all__ = [
     "FALLBACK_CHAT_TEMPLATE",
     "Encoded",
     "EncodedPair",
+    "EncodedRow",
+    "EncodedUnpaired",
     "Report",
     "assistant_spans",
     "encode",
@@ -95,7 +99,7 @@ def validate(
 
 def _checked(
     path: str, *, tokenizer: Any, fmt: str, max_length: int, max_errors: int | None
-) -> tuple[Report, list[Encoded | EncodedPair]]:
+) -> tuple[Report, list[EncodedRow]]:
     """``validate``'s report and every valid row encoded (none without a tokenizer)."""
     found = check_rows(path, fmt, keep=tokenizer is not None, max_errors=max_errors)
     report = Report(path, found.format, found.rows, found.errors, found.errors_total, max_length=max_length)
@@ -111,7 +115,7 @@ def _checked(
         return report, []  # without a tokenizer the rows were only checked, not kept
     ensure_chat_template(tokenizer)
     fmt_of = get_format(found.format)  # a format of the registry: its rows were checked by it
-    encoded: list[Encoded | EncodedPair] = []
+    encoded: list[EncodedRow] = []
     sequences: list[Encoded] = []
     for ex in found.examples:
         try:
@@ -182,7 +186,7 @@ def _refused_file(path: str, found: str, *, field: str, wanted: Family, method: 
 
 def _load(
     path: str, tokenizer: Any, *, fmt: str, max_length: int, field: str, wanted: Family, method: str = "dpo"
-) -> list[Encoded | EncodedPair]:
+) -> list[EncodedRow]:
     """Every row of a file encoded, after checking that its rows are of the family ``wanted``."""
     if fmt != "auto" and _family(fmt) not in (None, wanted):
         raise ConfigError("data.format", _refused_format(fmt, wanted=wanted, method=method), value=fmt)

@@ -35,6 +35,8 @@ class Example:
     completion: str | None = None
     text: str | None = None
     rejected: str | None = None
+    # an unpaired preference row (KTO): whether its answer, the last turn of ``messages``, is desirable
+    label: bool | None = None
     # a prompt row (GRPO): its fields besides the prompt, for the graders (``item.<field>``)
     fields: dict[str, Any] | None = None
 
@@ -95,3 +97,51 @@ def conversation(value: Any, name: str = "messages", *, end: str = "assistant") 
     if end == "user" and (not turns or turns[-1]["role"] != "user"):
         raise ValueError(f"'{name}' must end with a user turn (the answers follow it)")
     return out
+
+
+def prompt_turns(record: dict[str, Any], key: str = "prompt") -> list[dict[str, str]]:
+    """A prompt field as chat turns: a string is one user turn; a list of messages follows the chat
+    rules and ends with a user turn.
+
+    Raises:
+        ValueError: naming the field (and the message at fault).
+    """
+    value = record.get(key)
+    if isinstance(value, list):
+        return conversation(value, key, end="user")
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"field '{key}' must be a string or a list of messages, got {type(value).__name__}")
+    return [{"role": "user", "content": text_field(record, key)}]
+
+
+def answer_text(record: dict[str, Any], key: str) -> str:
+    """An answer field's text: a string, or a list holding one assistant message.
+
+    Raises:
+        ValueError: naming the field (and the message at fault).
+    """
+    value = record.get(key)
+    if isinstance(value, list):
+        if len(value) > 1:
+            raise ValueError(f"field '{key}' must hold one assistant message, got {len(value)} messages")
+        if not value:
+            raise ValueError(f"field '{key}' is empty")
+        return _assistant(value[0], f"{key}[0]")
+    if value is not None and not isinstance(value, str):
+        raise ValueError(
+            f"field '{key}' must be a string or a list with one assistant message, got {type(value).__name__}"
+        )
+    return text_field(record, key)
+
+
+def _assistant(message: Any, name: str) -> str:
+    if not isinstance(message, dict):
+        raise ValueError(f"{name} must be an object, got {type(message).__name__}")
+    if message.get("role") != "assistant":
+        raise ValueError(f"{name}: expected role 'assistant', got {message.get('role')!r}")
+    content = message.get("content")
+    if not isinstance(content, str):
+        raise ValueError(f"{name}.content must be a string, got {type(content).__name__}")
+    if not content.strip():
+        raise ValueError(f"{name}.content is empty")
+    return content

@@ -7,7 +7,8 @@ rendering each conversation prefix and mapping character spans to tokens. Prompt
 are plain text (prompt + completion + EOS) with the loss on the completion; text rows train on
 every token. A preference row becomes two sequences (``EncodedPair``), the prompt with the preferred
 answer and the prompt with the rejected one, each with the loss on its answer alone (its last
-assistant turn, end-of-turn marker included), never on assistant turns of the prompt. A prompt row
+assistant turn, end-of-turn marker included), never on assistant turns of the prompt. An unpaired
+preference row (KTO) is one such sequence and its label (``EncodedUnpaired``). A prompt row
 (GRPO) is its prompt alone (``PromptItem``), with the generation prompt of a chat prompt.
 
 Fallback: a tokenizer without a chat template gets ``FALLBACK_CHAT_TEMPLATE`` (ChatML-style
@@ -51,6 +52,34 @@ class EncodedPair:
     line: int
     chosen: Encoded
     rejected: Encoded
+
+
+@dataclass
+class EncodedUnpaired:
+    """One unpaired preference row (KTO): its prompt and completion as one sequence, the loss on
+    the completion alone (as one side of a pair), and whether the completion is desirable."""
+
+    line: int
+    sequence: Encoded
+    label: bool
+
+    def _first_trained(self) -> int:
+        labels = self.sequence.labels
+        return next((i for i, t in enumerate(labels) if t != -100), len(labels))
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        """The tokens before the completion (the chat template's, the prompt's)."""
+        return self.sequence.input_ids[: self._first_trained()]
+
+    @property
+    def completion_ids(self) -> list[int]:
+        """The completion's tokens (with the template's end-of-turn marker), as far as kept."""
+        return self.sequence.input_ids[self._first_trained() :]
+
+
+# what a row encodes to: one sequence, a preference pair, or an unpaired row's sequence and label
+EncodedRow = Encoded | EncodedPair | EncodedUnpaired
 
 
 @dataclass(frozen=True)
@@ -107,9 +136,11 @@ def assistant_spans(
 def encode(example: Example, tokenizer: Any, max_length: int) -> Encoded:
     """Token ids and loss labels of one example, truncated to ``max_length``.
 
-    A preference row encodes as its prompt and preferred answer, the loss on that answer alone."""
+    A preference row encodes as its prompt and preferred answer, an unpaired preference row as its
+    prompt and completion, the loss on that answer alone."""
     if example.messages is not None:
-        text, spans = assistant_spans(tokenizer, example.messages, last_only=example.rejected is not None)
+        answer_only = example.rejected is not None or example.label is not None
+        text, spans = assistant_spans(tokenizer, example.messages, last_only=answer_only)
         special = False
     elif example.prompt is not None and example.completion is not None:
         text = example.prompt + example.completion + (tokenizer.eos_token or "")
@@ -183,6 +214,17 @@ def encode_prompt_row(example: Example, tokenizer: Any, max_length: int) -> Enco
     kept = whole.input_ids[-max_length:]
     n = len(whole.input_ids)
     return Encoded(example.line, kept, [-100] * len(kept), n, len(kept) < n)
+
+
+def encode_unpaired(example: Example, tokenizer: Any, max_length: int) -> EncodedUnpaired:
+    """An unpaired preference row (KTO): its prompt and completion, the loss on the completion.
+
+    Raises:
+        ValueError: not such a row, or a chat template that renders prefixes differently.
+    """
+    if example.messages is None or example.label is None:
+        raise ValueError(f"line {example.line}: not an unpaired preference row")
+    return EncodedUnpaired(example.line, encode(example, tokenizer, max_length), example.label)
 
 
 def token_view(tokenizer: Any, ids: list[int], labels: list[int]) -> list[dict[str, Any]]:

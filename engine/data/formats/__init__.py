@@ -15,6 +15,7 @@ from engine.data.formats import prompt_completion
 from engine.data.formats import text
 from engine.data.formats import preference
 from engine.data.formats import prompts
+from engine.data.formats import kto
 
 # isort: on
 from engine.data.formats.base import (
@@ -33,7 +34,7 @@ from engine.data.formats.base import (
     titles,
 )
 
-MODULES = (chat, instruction, prompt_completion, text, preference, prompts)
+MODULES = (chat, instruction, prompt_completion, text, preference, prompts, kto)
 
 __all__ = [
     "FAMILIES",

@@ -19,10 +19,10 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import AfterValidator, Field
 
 from engine.data.rows import Example
-from engine.data.sequences import Encoded, EncodedPair, encode, sequence_view
+from engine.data.sequences import Encoded, EncodedRow, encode, sequence_view
 
-Family = Literal["supervised", "preference", "prompts"]
-FAMILIES: tuple[Family, ...] = ("supervised", "preference", "prompts")
+Family = Literal["supervised", "preference", "unpaired", "prompts"]
+FAMILIES: tuple[Family, ...] = ("supervised", "preference", "unpaired", "prompts")
 
 REGISTRY: dict[str, DataFormat] = {}  # by name, in the order of registration
 NAME = re.compile(r"[a-z][a-z0-9_]*")
@@ -59,7 +59,7 @@ class DataFormat(ABC):
             ValueError: what is wrong, naming the field (the caller adds the line).
         """
 
-    def encode(self, example: Example, tokenizer: Any, max_length: int) -> Encoded | EncodedPair:
+    def encode(self, example: Example, tokenizer: Any, max_length: int) -> EncodedRow:
         """What a run trains on for this row, each sequence truncated to ``max_length``.
 
         Raises:
@@ -67,7 +67,7 @@ class DataFormat(ABC):
         """
         return encode(example, tokenizer, max_length)
 
-    def sequences(self, encoded: Encoded | EncodedPair) -> list[tuple[str, Encoded]]:
+    def sequences(self, encoded: EncodedRow) -> list[tuple[str, Encoded]]:
         """The sequences of an encoded row, each with how an error names it (``""``: the row)."""
         if not isinstance(encoded, Encoded):
             raise TypeError(f"format {self.name!r} encodes one sequence a row, got {type(encoded).__name__}")

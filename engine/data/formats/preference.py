@@ -22,8 +22,8 @@ from __future__ import annotations
 from typing import Any
 
 from engine.data.formats.base import DataFormat, register
-from engine.data.rows import Example, conversation, text_field
-from engine.data.sequences import Encoded, EncodedPair, encode_pair, pair_view
+from engine.data.rows import Example, answer_text, conversation, prompt_turns
+from engine.data.sequences import Encoded, EncodedPair, EncodedRow, encode_pair, pair_view
 
 ANSWER_KEYS = (("chosen", "rejected"), ("preferred_output", "non_preferred_output"))
 PREFERENCE_KEYS = tuple(key for pair in ANSWER_KEYS for key in pair)
@@ -48,7 +48,7 @@ class Preference(DataFormat):
     def encode(self, example: Example, tokenizer: Any, max_length: int) -> EncodedPair:
         return encode_pair(example, tokenizer, max_length)
 
-    def sequences(self, encoded: Encoded | EncodedPair) -> list[tuple[str, Encoded]]:
+    def sequences(self, encoded: EncodedRow) -> list[tuple[str, Encoded]]:
         if not isinstance(encoded, EncodedPair):
             raise TypeError(f"a preference row encodes as a pair, got {type(encoded).__name__}")
         return [(" of the preferred answer", encoded.chosen), (" of the rejected answer", encoded.rejected)]
@@ -67,7 +67,7 @@ def preference_example(line: int, record: dict[str, Any]) -> Example:
     good, bad = _answer_keys(record)
     if "input" in record or "prompt" in record:
         prompt = _prompt(record)
-        chosen, rejected = _answer(record, good), _answer(record, bad)
+        chosen, rejected = answer_text(record, good), answer_text(record, bad)
     else:
         prompt, chosen, rejected = _implicit(record, good, bad)
     if chosen.strip() == rejected.strip():
@@ -97,40 +97,7 @@ def _prompt(record: dict[str, Any]) -> list[dict[str, str]]:
         if not isinstance(value, dict):
             raise ValueError(f"field 'input' must be an object with 'messages', got {type(value).__name__}")
         return conversation(value.get("messages"), "input.messages", end="user")
-    value = record["prompt"]
-    if isinstance(value, list):
-        return conversation(value, "prompt", end="user")
-    if value is not None and not isinstance(value, str):
-        raise ValueError(f"field 'prompt' must be a string or a list of messages, got {type(value).__name__}")
-    return [{"role": "user", "content": text_field(record, "prompt")}]
-
-
-def _answer(record: dict[str, Any], key: str) -> str:
-    value = record.get(key)
-    if isinstance(value, list):
-        if len(value) > 1:
-            raise ValueError(f"field '{key}' must hold one assistant message, got {len(value)} messages")
-        if not value:
-            raise ValueError(f"field '{key}' is empty")
-        return _assistant(value[0], f"{key}[0]")
-    if value is not None and not isinstance(value, str):
-        raise ValueError(
-            f"field '{key}' must be a string or a list with one assistant message, got {type(value).__name__}"
-        )
-    return text_field(record, key)
-
-
-def _assistant(message: Any, name: str) -> str:
-    if not isinstance(message, dict):
-        raise ValueError(f"{name} must be an object, got {type(message).__name__}")
-    if message.get("role") != "assistant":
-        raise ValueError(f"{name}: expected role 'assistant', got {message.get('role')!r}")
-    content = message.get("content")
-    if not isinstance(content, str):
-        raise ValueError(f"{name}.content must be a string, got {type(content).__name__}")
-    if not content.strip():
-        raise ValueError(f"{name}.content is empty")
-    return content
+    return prompt_turns(record)
 
 
 def _implicit(record: dict[str, Any], good: str, bad: str) -> tuple[list[dict[str, str]], str, str]:

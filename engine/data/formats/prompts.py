@@ -15,7 +15,7 @@ from typing import Any
 
 from engine.data.formats.base import DataFormat, register
 from engine.data.rows import Example, conversation, text_field
-from engine.data.sequences import Encoded, EncodedPair, encode_prompt_row
+from engine.data.sequences import EncodedRow, encode_prompt_row
 
 MAX_FIELDS_BYTES = 65_536  # a row's grader fields, as JSON: a hostile row cannot hold gigabytes
 
@@ -36,7 +36,7 @@ class Prompts(DataFormat):
     def example(self, line: int, record: dict[str, Any]) -> Example:
         return prompt_example(line, record)
 
-    def encode(self, example: Example, tokenizer: Any, max_length: int) -> Encoded | EncodedPair:
+    def encode(self, example: Example, tokenizer: Any, max_length: int) -> EncodedRow:
         """The prompt's last ``max_length`` tokens (as a run keeps them), none trained."""
         return encode_prompt_row(example, tokenizer, max_length)
 

@@ -1,7 +1,8 @@
 // Datasets: upload (drop or pick; progress; errors by line), pull a split from the Hub
 // (dataset-pull.js), list, preview through a model's chat template with the trained tokens
 // highlighted (preference rows: the prompt, then both answers; prompt rows: the prompt, then the
-// fields a grader reads), token-length histogram, delete.
+// fields a grader reads; KTO rows: whether the completion is desirable), token-length histogram,
+// delete. The row formats come from GET /api/datasets/formats.
 
 import { api, upload } from "../api.js";
 import { age, bytes, el, errorBox, number } from "../widgets.js";
@@ -29,6 +30,15 @@ function previewRow(r) {
       el("div", { class: "prompt" }, tokens(r.tokens)),
       el("h4", { text: "Grader fields (item)" }),
       el("pre", { class: "item code", text: JSON.stringify(r.item, null, 2) }),
+    );
+  if (typeof r.label === "boolean")
+    // an unpaired preference row (KTO): the prompt and its completion, and whether it is desirable
+    return el(
+      "div",
+      { class: `preview-row unpaired ${r.label ? "preferred" : "rejected"}` },
+      where,
+      el("h4", { text: r.label ? "Desirable completion" : "Undesirable completion" }),
+      tokens(r.tokens),
     );
   if (!r.chosen || !r.rejected) return el("div", { class: "preview-row" }, where, tokens(r.tokens));
   const answer = (kind, title, a) =>
