@@ -26,7 +26,7 @@ from server.services import checkpoints, datasets, evaluations, jobs
 from server.settings import Settings, get_settings
 from server.tables import now
 from server.worker import files
-from server.worker.supervisor import _die_with_parent
+from server.worker.children import die_with_parent
 
 log = logging.getLogger("roundhouse.worker")
 EXIT_OK, EXIT_FAILED = 0, 1
@@ -55,7 +55,7 @@ def supervise_evaluation(
             stdout=out,
             stderr=subprocess.STDOUT,
             env=env,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
     with sessions() as session:
         row = evaluations.get(session, evaluation_id=evaluation_id)

@@ -22,6 +22,7 @@ import httpx
 
 from server.services.inference import Service
 from server.settings import Settings
+from server.worker.children import die_with_parent
 
 log = logging.getLogger("roundhouse.worker")
 
@@ -40,8 +41,6 @@ def _free_port(host: str) -> int:
 
 def start(settings: Settings) -> tuple[subprocess.Popen[bytes], Link]:
     """Start the service; returns the process and how to reach it (it answers once it has started)."""
-    from server.worker.supervisor import _die_with_parent
-
     host = settings.inference_host
     port = settings.inference_port or _free_port(host)
     token = secrets.token_urlsafe(24)
@@ -50,7 +49,7 @@ def start(settings: Settings) -> tuple[subprocess.Popen[bytes], Link]:
         [sys.executable, "-m", "server.worker.inference", "--host", host, "--port", str(port)],
         stdin=subprocess.PIPE,
         env=env,
-        preexec_fn=_die_with_parent,
+        preexec_fn=die_with_parent,
     )
     if proc.stdin is not None:
         proc.stdin.write(token.encode() + b"\n")

@@ -6,8 +6,6 @@ a crash or an out-of-memory kill there leaves the worker alive.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import logging
 import os
 import signal
@@ -28,20 +26,13 @@ from server.kinds import EventKind, JobStatus
 from server.services import checkpoints, gpus, inference, jobs, placement
 from server.settings import Settings
 from server.worker import files, inference_link
+from server.worker.children import die_with_parent
 from server.worker.telemetry import count_gpus
 from server.worker.trainer import ERROR_FILE, EXIT_CANCELLED, EXIT_DISK_FULL, EXIT_FAILED, EXIT_OK
 
 log = logging.getLogger("roundhouse.worker")
 POLL_S = 0.5
 TELEMETRY_S = 10.0  # how often a job records its host's latest sample
-PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: the kernel kills it when its parent dies (Linux)."""
-    # not Linux: no prctl, and the child's own parent watch still stops it
-    with contextlib.suppress(OSError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _crashed(rc: int) -> bool:
@@ -162,7 +153,7 @@ class _Child:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env=env,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
             )
         self.cancel_sent: float | None = None
         self.killed_for_cancel = False
