@@ -18,12 +18,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("engine", "server")
 
-# Packages inside which a cycle is still allowed: one whose modules all lie in one of them passes.
-# Only engine/data (read <-> preference/prompts/encode), while it is being replaced by a format
-# registry: remove the entry when that lands (the test then fails on a stale entry, so the list
-# cannot outlive the cycle).
-ALLOWED_CYCLE_PACKAGES: tuple[str, ...] = ("engine.data",)
-
 
 @dataclass(frozen=True)
 class Import:
@@ -185,19 +179,12 @@ def loop_through(component: list[str], edges: dict[str, set[str]]) -> list[str]:
     raise AssertionError(f"{component} is not strongly connected")
 
 
-def inside(module: str, package: str) -> bool:
-    return module == package or module.startswith(f"{package}.")
-
-
 def test_no_import_cycles() -> None:
     edges = graph(all_imports(), list(modules()))
     found = cycles(edges)
-    unexpected = [c for c in found if not any(all(inside(m, p) for m in c) for p in ALLOWED_CYCLE_PACKAGES)]
-    assert not unexpected, "import cycles:\n" + "\n".join(
-        " -> ".join(loop_through(c, edges)) + f"   (modules in the cycle: {', '.join(c)})" for c in unexpected
+    assert not found, "import cycles:\n" + "\n".join(
+        " -> ".join(loop_through(c, edges)) + f"   (modules in the cycle: {', '.join(c)})" for c in found
     )
-    stale = [p for p in ALLOWED_CYCLE_PACKAGES if not any(all(inside(m, p) for m in c) for c in found)]
-    assert not stale, f"no cycle left in {stale}: remove them from ALLOWED_CYCLE_PACKAGES"
 
 
 def test_no_private_name_is_imported_from_another_module() -> None:
