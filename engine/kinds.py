@@ -18,7 +18,9 @@ __all__ = ["EngineEvent", "LayerKind", "RunStatus", "StageKind"]
 class EngineEvent(StrEnum):
     """What a sink's ``event(kind, message, data)`` reports."""
 
-    CHECKPOINT = "checkpoint"  # the run saved a checkpoint: data {"step", "path"}
+    # the run saved a checkpoint (told by ``Sink.checkpoint_saved``; the service's event rows:
+    # data {"step", "path", "kind", "bytes"}, rows written before: {"step", "path"})
+    CHECKPOINT = "checkpoint"
     RESUME = "resume"  # the run resumed from a checkpoint: data {"step"}
     PARTITION = "partition"  # the pipeline's layer partition, from parameter sizes
     REPARTITION = "repartition"  # the partition recomputed from measured layer times

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Any, TextIO
+
+from engine.kinds import EngineEvent
+from engine.metrics import SavedCheckpoint, saved_message
+from engine.training.checkpoint_layout import CheckpointKind
 
 
 class ProgressSink:
@@ -38,6 +43,9 @@ class ProgressSink:
     def event(self, kind: str, message: str, data: dict[str, Any] | None = None) -> None:
         self.stream.write(("\n" if self.tty else "") + f"[{kind}] {message}\n")
         self.stream.flush()
+
+    def checkpoint_saved(self, step: int, path: Path, kind: CheckpointKind, bytes: int) -> None:
+        self.event(EngineEvent.CHECKPOINT, saved_message(SavedCheckpoint(step, Path(path), kind, bytes)))
 
     def close(self) -> None:
         if self.tty:

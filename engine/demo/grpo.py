@@ -18,6 +18,7 @@ from typing import Any
 
 from engine import demo
 from engine.metrics import NullSink, Sink
+from engine.training.checkpoint_layout import CheckpointKind
 
 GRADER: dict[str, Any] = {
     "type": "multi",
@@ -138,6 +139,9 @@ class _Rewards(NullSink):
 
     def event(self, kind: str, message: str, data: dict[str, Any] | None = None) -> None:
         self.inner.event(kind, message, data)
+
+    def checkpoint_saved(self, step: int, path: Path, kind: CheckpointKind, bytes: int) -> None:
+        self.inner.checkpoint_saved(step, path, kind, bytes)
 
 
 def run_demo(

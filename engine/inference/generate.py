@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -11,14 +10,13 @@ import torch
 from engine.data.read import Example, read_examples
 from engine.model.export import is_adapter, load_export
 from engine.model.loading import load_model, load_tokenizer
+from engine.training.checkpoint_layout import read_trainer_state
 
 
 def base_of(checkpoint: str | Path) -> Path | None:
     """The base model folder a checkpoint's run recorded (``state/trainer.json``), if any."""
-    state = Path(checkpoint) / "state" / "trainer.json"
-    if state.is_file():
-        return Path(json.loads(state.read_text())["base_model"])
-    return None
+    state = read_trainer_state(checkpoint)
+    return Path(state["base_model"]) if state is not None and state.get("base_model") else None
 
 
 def load_for_inference(model: str | Path, *, adapter: str | Path | None = None) -> tuple[Any, Any]:

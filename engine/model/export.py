@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from engine.training.checkpoint_layout import CheckpointKind, kind_of
+
 DEMO_HUB_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the demo model's name on the model hub
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # "org/name", as the hub names models
 _CACHE_REPO = re.compile(r"models--([\w.-]+)--([\w.-]+)")  # a Hugging Face cache folder
@@ -68,7 +70,7 @@ def _targets_embeddings(model: Any, targets: Any) -> bool:
 
 
 def is_adapter(folder: str | Path) -> bool:
-    return (Path(folder) / "adapter_config.json").is_file()
+    return kind_of(folder) == CheckpointKind.ADAPTER
 
 
 def save_export(

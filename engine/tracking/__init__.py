@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from engine.kinds import EngineEvent
 from engine.tracking.background import Background, RetryPolicy
 from engine.tracking.spool import SPOOL_DIR, Point
+from engine.training.checkpoint_layout import CheckpointKind
 
 if TYPE_CHECKING:
     from engine.config import TrainConfig
@@ -142,8 +143,10 @@ class Trackers:
             background.log(point)
 
     def event(self, kind: str, message: str, data: dict[str, Any] | None = None) -> None:
-        if kind == EngineEvent.CHECKPOINT and data and data.get("path"):
-            self.export = Path(str(data["path"]))
+        pass
+
+    def checkpoint_saved(self, step: int, path: Path, kind: CheckpointKind, bytes: int) -> None:
+        self.export = Path(path)
 
     def finish(self, status: str) -> None:
         """Send the summary and the outcome, then wait (bounded) for every tracker to be done."""

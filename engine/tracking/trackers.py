@@ -17,6 +17,8 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from engine.training.checkpoint_layout import export_files
+
 if TYPE_CHECKING:
     from engine.config import MlflowSpec, WandbSpec
     from engine.tracking import RunInfo, TrackerSecrets
@@ -48,11 +50,6 @@ def save_id(output_dir: Path, key: str, value: str) -> None:
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(ids, indent=1))
         tmp.replace(path)
-
-
-def export_files(export: Path) -> list[Path]:
-    """A checkpoint's export (the adapter or model folder): every file but the resume ``state/``."""
-    return sorted(p for p in export.rglob("*") if p.is_file() and "state" not in p.relative_to(export).parts)
 
 
 class TensorBoardTracker:

@@ -1,4 +1,5 @@
-"""Checkpoints: ``checkpoints/step_000123/`` = the export + ``state/`` (what a resume needs).
+"""Checkpoints written and read: the export + ``state/`` (what a resume needs), in the folder
+layout of ``engine.training.checkpoint_layout`` (names, steps, keep-last).
 
 Writes are atomic: everything goes to a hidden temporary folder, files and folders are fsynced,
 and the folder is renamed into place (and its parent fsynced); a crash leaves either the old set
@@ -22,11 +23,20 @@ from typing import Any
 import torch
 
 from engine.errors import DiskFull
-from engine.training.folders import list_checkpoints, step_name
+from engine.training.checkpoint_layout import (
+    ENGINE_FILE,
+    METHOD_FILE,
+    STATE_DIR,
+    Hidden,
+    clear_leftovers,
+    hidden_name,
+    prune,
+    step_name,
+    trainer_file,
+)
 
 FULL = (errno.ENOSPC, errno.EDQUOT)
 SLACK_BYTES = 1 << 20  # a checkpoint's files beside its tensors (tokenizer, configs, JSON)
-METHOD_FILE = "method.pt"  # in state/: the training method's own state, when it keeps some
 
 
 def _fsync_tree(folder: Path) -> None:
@@ -56,21 +66,6 @@ def tensor_bytes(value: Any) -> int:
     if isinstance(value, list | tuple):
         return sum(tensor_bytes(v) for v in value)
     return 0
-
-
-def clear_leftovers(root: Path) -> None:
-    """What a write killed midway left in ``root``: its temporary folders and the checkpoints it was
-    pruning go; a checkpoint it had moved aside to replace (``.step_N.old``, no ``step_N``) comes back."""
-    if not root.is_dir():
-        return
-    for child in root.iterdir():
-        if not child.name.startswith(".step_"):
-            continue
-        final = root / child.name[1:].rsplit(".", 1)[0]
-        if child.name.endswith(".old") and not final.exists():
-            child.rename(final)
-        elif child.name.endswith((".tmp", ".old", ".pruned")):
-            shutil.rmtree(child, ignore_errors=True)
 
 
 def check_space(root: Path, path: Path, *, needed_bytes: int, reserve_bytes: int) -> None:
@@ -103,7 +98,7 @@ def write_checkpoint(
     root.mkdir(parents=True, exist_ok=True)
     clear_leftovers(root)
     final = root / step_name(step)
-    tmp = root / f".{step_name(step)}.tmp"
+    tmp = root / hidden_name(step, Hidden.TMP)
     if needed_bytes is not None:
         check_space(root, final, needed_bytes=needed_bytes + SLACK_BYTES, reserve_bytes=reserve_bytes)
     tmp.mkdir()
@@ -122,7 +117,7 @@ def write_checkpoint(
             raise DiskFull(str(final), needed_bytes=needed, free_bytes=free) from exc
         raise
     if final.exists():
-        old = root / f".{step_name(step)}.old"
+        old = root / hidden_name(step, Hidden.OLD)
         shutil.rmtree(old, ignore_errors=True)
         final.rename(old)
         tmp.rename(final)
@@ -130,11 +125,7 @@ def write_checkpoint(
     else:
         tmp.rename(final)
     _fsync_dir(root)
-    for _, path in list_checkpoints(root)[:-keep_last]:
-        # hidden first: a removal cut short must not leave a torn folder that still looks complete
-        gone = root / f".{path.name}.pruned"
-        path.rename(gone)
-        shutil.rmtree(gone, ignore_errors=True)
+    prune(root, keep_last)
     return final
 
 
@@ -146,24 +137,23 @@ def save_state(
 ) -> None:
     """Write ``state/``: the engine's tensors, the trainer's JSON, and the method's own state when
     it has some (``state/method.pt``: e.g. a GRPO batch the next steps train on)."""
-    state = folder / "state"
+    state = folder / STATE_DIR
     state.mkdir(parents=True, exist_ok=True)
-    torch.save(engine_state, state / "engine.pt")
+    torch.save(engine_state, state / ENGINE_FILE)
     if method_state:
         torch.save(method_state, state / METHOD_FILE)
-    (state / "trainer.json").write_text(json.dumps(trainer_state, indent=2, sort_keys=True) + "\n")
+    trainer_file(folder).write_text(json.dumps(trainer_state, indent=2, sort_keys=True) + "\n")
 
 
 def load_state(folder: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    state = Path(folder) / "state"
-    engine_state = torch.load(state / "engine.pt", weights_only=True)
-    trainer_state = json.loads((state / "trainer.json").read_text())
+    engine_state = torch.load(Path(folder) / STATE_DIR / ENGINE_FILE, weights_only=True)
+    trainer_state = json.loads(trainer_file(folder).read_text())
     return engine_state, trainer_state
 
 
 def load_method_state(folder: str | Path) -> dict[str, Any]:
     """The method's state a checkpoint holds (``save_state``'s ``method_state``); empty if none."""
-    path = Path(folder) / "state" / METHOD_FILE
+    path = Path(folder) / STATE_DIR / METHOD_FILE
     if not path.is_file():
         return {}
     state: dict[str, Any] = torch.load(path, weights_only=True)

@@ -40,7 +40,13 @@ from engine.training.checkpoint import (
     tensor_bytes,
     write_checkpoint,
 )
-from engine.training.folders import latest, list_checkpoints
+from engine.training.checkpoint_layout import (
+    CheckpointKind,
+    checkpoints_dir,
+    folder_bytes,
+    latest,
+    list_checkpoints,
+)
 
 T = TypeVar("T")
 
@@ -187,7 +193,7 @@ class Run:
             self.total = h.max_steps
         else:
             self.total = max(1, math.ceil((h.epochs or 1.0) * self.batcher.steps_per_epoch))
-        self.checkpoints = Path(config.output_dir) / "checkpoints"
+        self.checkpoints = checkpoints_dir(config.output_dir)
         self.step = 0
 
     def _model(self) -> Any:
@@ -277,7 +283,8 @@ class Run:
             needed_bytes=tensor_bytes(weights) + tensor_bytes(state) + tensor_bytes(method_state),
             reserve_bytes=self.reserve_bytes,
         )
-        self.sink.event(EngineEvent.CHECKPOINT, f"saved {path.name}", {"step": self.step, "path": str(path)})
+        kind = CheckpointKind.ADAPTER if lora else CheckpointKind.FULL
+        self.sink.checkpoint_saved(self.step, path, kind, folder_bytes(path))
         return path
 
     def validate(self) -> float | None:

@@ -30,6 +30,7 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.engine import make_url
 
+from engine.training.checkpoint_layout import EXPORTS_DIR
 from server.db import make_engine, migrate, session_factory
 from server.settings import Settings
 from server.storage import LocalStorage, Storage, open_storage
@@ -41,7 +42,7 @@ PG_DUMP = "roundhouse.pgdump"
 OBJECTS = "objects.json"
 FILES = "home"  # the copied folders of the home: datasets/, runs/
 FOLDERS = ("datasets", "runs")
-SKIP = ("exports",)  # rebuilt on the next download
+SKIP = (EXPORTS_DIR,)  # rebuilt on the next download
 
 
 def _postgres_url(settings: Settings) -> str:

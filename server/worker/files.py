@@ -24,13 +24,13 @@ as a job event), and the run goes on once it is stored.
 from __future__ import annotations
 
 import logging
-import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from engine.errors import ConfigError
+from engine.training import checkpoint_layout as layout
 from server.services import tracking
 
 if TYPE_CHECKING:
@@ -39,9 +39,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("roundhouse.worker")
 CACHE = "cache"
-CHECKPOINTS = "checkpoints"
 LOG = "train.log"
-STEP = re.compile(r"^step_\d{6,}$")  # a checkpoint folder (``engine.training.checkpoint.step_name``)
 # how long a checkpoint's push (and its row's look at the store) waits for a store that does not
 # answer before the run fails; its retries wait 1 s, doubling up to 30 s
 PUSH_RETRY_S = 600.0
@@ -174,19 +172,20 @@ def pull_checkpoint(
     before it pushed them, and another host went on since), so the run must not resume from them."""
     if store is None:
         return False
-    checkpoints = folder / CHECKPOINTS
+    checkpoints = layout.checkpoints_dir(folder)
     remote = (
         output_dir is not None and _is_key(output_dir) and not same_file(store.local_path(output_dir), folder)
     )
     if remote and checkpoints.is_dir():
-        newest = int(Path(key).name.removeprefix("step_")) if key is not None else -1
+        newest = layout.parse_step(key) if key is not None else None
         for old in checkpoints.iterdir():
-            if STEP.match(old.name) and int(old.name.removeprefix("step_")) > newest:
+            step = layout.parse_step(old.name)
+            if step is not None and step > (-1 if newest is None else newest):
                 shutil.rmtree(old, ignore_errors=True)
     if key is None or not _is_key(key):
         return False
     target = checkpoints / Path(key).name
-    if (target / "state" / "trainer.json").is_file() or same_file(store.local_path(key), target):
+    if layout.is_complete(target) or same_file(store.local_path(key), target):
         return False
     store.get_tree(key, target)  # atomic: a complete folder or none
     return True
@@ -212,7 +211,7 @@ def push_checkpoint(
     """
     if not _is_key(output_dir):
         return str(path)
-    root = f"{output_dir}/{CHECKPOINTS}"
+    root = layout.checkpoints_key(output_dir)
     key = f"{root}/{path.name}"
     if store is None or same_file(store.local_path(key), path):
         return key
@@ -228,13 +227,12 @@ def push_checkpoint(
 def _push(store: Storage, *, root: str, key: str, path: Path, keep_last: int) -> str:
     """One try of ``push_checkpoint`` (all of it may be done again: each step is idempotent)."""
     store.put_tree(key, path)
-    stored = {k[len(root) + 1 :].split("/", 1)[0] for k, _ in store.list(root)}
-    stored = {name for name in stored if STEP.match(name)}
-    here = {p.name for p in path.parent.iterdir() if STEP.match(p.name)}
-    kept = sorted(stored | here, key=lambda name: int(name.removeprefix("step_")))
-    for name in kept[:-keep_last] if keep_last > 0 else []:
-        if name in stored:
-            store.delete_prefix(f"{root}/{name}")
+    names = {k[len(root) + 1 :].split("/", 1)[0] for k, _ in store.list(root)}
+    stored = {step for name in names if (step := layout.parse_step(name)) is not None}
+    here = {step for p in path.parent.iterdir() if (step := layout.parse_step(p.name)) is not None}
+    for step in layout.pruned_steps(stored | here, keep_last):
+        if step in stored:
+            store.delete_prefix(f"{root}/{layout.step_name(step)}")
     return key
 
 

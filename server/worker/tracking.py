@@ -14,6 +14,7 @@ from engine.config import TrainConfig
 from engine.metrics import Sink
 from engine.tracking import TrackerSecrets, TrackingOptions
 from engine.tracking.trackers import TENSORBOARD_DIR
+from engine.training.checkpoint_layout import CheckpointKind
 from server.db import unavailable
 from server.kinds import EventKind
 from server.services import jobs, sweeps
@@ -115,6 +116,9 @@ class EarlyStopping:
 
     def event(self, kind: str, message: str, data: dict[str, Any] | None = None) -> None:
         self.sink.event(kind, message, data)
+
+    def checkpoint_saved(self, step: int, path: Path, kind: CheckpointKind, bytes: int) -> None:
+        self.sink.checkpoint_saved(step, path, kind, bytes)
 
     def close(self) -> None:
         self.sink.close()

@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy.orm import Session, sessionmaker
 
 from engine.errors import DiskFull
+from engine.metrics import SavedCheckpoint, saved_message
+from engine.training.checkpoint_layout import CheckpointKind
 from server.db import make_engine, session_factory
 from server.kinds import EventKind
 from server.services import checkpoints, jobs, progress
@@ -61,7 +63,6 @@ class DatabaseSink:
         self,
         sessions: sessionmaker[Session],
         job_id: str,
-        kind: str,
         *,
         store: Storage | None = None,
         output_dir: str | None = None,
@@ -69,7 +70,7 @@ class DatabaseSink:
     ) -> None:
         """With ``store``, each checkpoint the run saves under ``output_dir`` (the job's key) is put
         there before its row names it, and the ones its ``keep_last`` drops are deleted."""
-        self.sessions, self.job_id, self.kind = sessions, job_id, kind
+        self.sessions, self.job_id = sessions, job_id
         self.store, self.output_dir, self.keep_last = store, output_dir, keep_last
         self.lock = threading.Lock()
         self.latest: dict[str, float] = {}
@@ -93,35 +94,9 @@ class DatabaseSink:
 
     def event(self, kind: str, message: str, data: dict[str, Any] | None = None) -> None:
         data = dict(data or {})
-        key = str(data.get("path"))
-        if kind == EventKind.CHECKPOINT and self.output_dir is not None:  # stored before a row names it
-            key = files.push_checkpoint(
-                self.store,
-                output_dir=self.output_dir,
-                path=Path(key),
-                keep_last=self.keep_last,
-                on_retry=self._store_retry,
-            )
         step = data.get("step")
 
         def apply(session: Session, at: datetime) -> JobEvent:
-            # a checkpoint's row first, then its event: a write made again (its outcome unknown when
-            # the database went away) records the row again, which replaces itself
-            if kind == EventKind.CHECKPOINT:  # it looks at the store: waits for it as the push does
-
-                def record() -> None:
-                    session.rollback()  # nothing read by a try that waited for the store is kept
-                    checkpoints.record(
-                        session,
-                        job_id=self.job_id,
-                        step=int(data["step"]),
-                        path=key,
-                        kind=self.kind,
-                        metrics=latest,
-                        storage=self.store,
-                    )
-
-                files.store_retrying(record, what=f"recording checkpoint {key}", on_retry=self._store_retry)
             event = jobs.add_event(
                 session, job_id=self.job_id, kind=kind, message=message, data=data, step=step, commit=False
             )
@@ -129,8 +104,56 @@ class DatabaseSink:
             return event
 
         with self.lock:
+            self.writes.write(Write(apply, kind))
+
+    def checkpoint_saved(self, step: int, path: Path, kind: CheckpointKind, bytes: int) -> None:
+        """Store the checkpoint (before a row names it), then write its row and a ``checkpoint``
+        event (data: step, the key, kind, bytes) with the latest metrics."""
+        key = str(path)
+        if self.output_dir is not None:
+            key = files.push_checkpoint(
+                self.store,
+                output_dir=self.output_dir,
+                path=Path(path),
+                keep_last=self.keep_last,
+                on_retry=self._store_retry,
+            )
+        message = saved_message(SavedCheckpoint(step, Path(path), kind, bytes))
+        data = {"step": step, "path": key, "kind": str(kind), "bytes": bytes}
+
+        def apply(session: Session, at: datetime) -> JobEvent:
+            # the row first, then its event: a write made again (its outcome unknown when the
+            # database went away) records the row again, which replaces itself; the row looks
+            # at the store, so it waits for it as the push does
+
+            def record() -> None:
+                session.rollback()  # nothing read by a try that waited for the store is kept
+                checkpoints.record(
+                    session,
+                    job_id=self.job_id,
+                    step=step,
+                    path=key,
+                    kind=str(kind),
+                    metrics=latest,
+                    storage=self.store,
+                )
+
+            files.store_retrying(record, what=f"recording checkpoint {key}", on_retry=self._store_retry)
+            event = jobs.add_event(
+                session,
+                job_id=self.job_id,
+                kind=EventKind.CHECKPOINT,
+                message=message,
+                data=data,
+                step=step,
+                commit=False,
+            )
+            event.created_at = at
+            return event
+
+        with self.lock:
             latest = dict(self.latest)
-            self.writes.write(Write(apply, kind, alone=kind == EventKind.CHECKPOINT))
+            self.writes.write(Write(apply, EventKind.CHECKPOINT, alone=True))
 
     def _store_retry(self, message: str, wait_s: float) -> None:
         """A job event for each retry of a store that did not answer (its own session)."""
@@ -188,16 +211,8 @@ def main(argv: list[str]) -> int:
         if files.pull_checkpoint(store, key=latest, folder=folder, output_dir=output_dir):
             print(f"pulled the stored checkpoint {latest}", flush=True)
         config = TrainConfig.parse(raw)  # a ConfigError's message shows no secret a value held
-        lora = config.method.lora
         keep = config.checkpoint.keep_last
-        sink = DatabaseSink(
-            sessions,
-            job_id,
-            "adapter" if lora else "full",
-            store=store,
-            output_dir=output_dir,
-            keep_last=keep,
-        )
+        sink = DatabaseSink(sessions, job_id, store=store, output_dir=output_dir, keep_last=keep)
         judged = job_tracking.early_stopping(sink, sessions, job_id, cancel)  # a sweep's trial
         reserve = settings.checkpoint_reserve_bytes
         tracking = job_tracking.options(settings, sessions, job_id)

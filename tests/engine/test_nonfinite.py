@@ -22,7 +22,7 @@ from engine.kinds import EngineEvent
 from engine.metrics import ListSink
 from engine.roundpipe import RoundPipe
 from engine.training.checkpoint import load_state
-from engine.training.folders import list_checkpoints
+from engine.training.checkpoint_layout import list_checkpoints
 from engine.training.run import train
 from tests.engine.tiny import VOCAB, tiny_batch, tiny_model, tiny_model_folder
 

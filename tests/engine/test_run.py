@@ -12,9 +12,10 @@ import torch
 
 from engine.commands.cli import main
 from engine.config import TrainConfig
+from engine.kinds import EngineEvent
 from engine.metrics import ListSink
 from engine.training.checkpoint import load_state
-from engine.training.folders import list_checkpoints
+from engine.training.checkpoint_layout import CheckpointKind, folder_bytes, list_checkpoints
 from engine.training.run import learning_rate, train
 from tests.engine.tiny import tiny_model_folder
 
@@ -73,6 +74,11 @@ def test_resume_is_bitwise_identical_to_an_uninterrupted_run(workspace: Path, me
     sink = ListSink()
     resumed = train(config(workspace, f"resumed-{method}", method={"kind": method}), sink)
     assert ("resume", "resumed from step_000003") in [e[:2] for e in sink.events]
+    # the saved checkpoint told by the sink's typed call, not by an event
+    kind = CheckpointKind.ADAPTER if method == "lora" else CheckpointKind.FULL
+    assert [(c.step, c.path, c.kind) for c in sink.checkpoints] == [(6, resumed.checkpoint, kind)]
+    assert sink.checkpoints[0].bytes == folder_bytes(resumed.checkpoint) > 0
+    assert not [e for e in sink.events if e[0] == EngineEvent.CHECKPOINT]
     a, b = masters(straight.checkpoint), masters(resumed.checkpoint)
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
     sa, sb = load_state(straight.checkpoint)[1], load_state(resumed.checkpoint)[1]
@@ -191,7 +197,7 @@ def test_config_errors_name_the_field_and_value(tmp_path: Path) -> None:
     small = TrainConfig.parse({"data": {"train": "x.jsonl"}, "hyper": {"batch_size": 2}})
     assert small.engine.num_microbatches == 2
     assert TrainConfig.parse(small.model_dump()).engine.num_microbatches == 2
-    kinds = r"method.kind: Input should be 'lora', 'full', 'dpo', 'orpo' or 'grpo' \(got \"qlora\"\)"
+    kinds = r"method.kind='qlora': must be \"lora\", \"full\", \"dpo\", \"orpo\" or \"grpo\""
     with pytest.raises(ValueError, match=kinds):
         TrainConfig.parse({"data": {"train": "x.jsonl"}, "method": {"kind": "qlora"}})
     with pytest.raises(ValueError, match=r"data: Field required"):

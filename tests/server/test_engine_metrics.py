@@ -48,7 +48,7 @@ def test_the_engine_metrics_of_a_job_are_served_by_its_metrics_endpoint(client: 
     job = start_job(client, dataset["id"])
     sessions = client.app.state.sessions  # type: ignore[attr-defined]
     logged = ListSink()
-    sink = Both(DatabaseSink(sessions, job["id"], "adapter"), logged)
+    sink = Both(DatabaseSink(sessions, job["id"]), logged)
     config = EngineConfig(devices=["cpu", "cpu"], num_microbatches=2, optimizer="sgd", lr=0.1)
     with RoundPipe(tiny_model("llama"), config, sink=sink) as rp:
         for s in range(3):

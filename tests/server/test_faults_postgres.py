@@ -163,7 +163,7 @@ def _events(http: httpx.Client, job_id: str) -> list[dict[str, Any]]:
 
 def _latest_on_disk(folder: Path) -> int:
     """The step of the newest complete checkpoint in the run's folder (0: none)."""
-    from engine.training.folders import latest
+    from engine.training.checkpoint_layout import latest
 
     found = latest(folder) if folder.is_dir() else None
     return found[0] if found else 0

@@ -27,7 +27,7 @@ import torch
 from fastapi.testclient import TestClient
 from safetensors.torch import load_file
 
-from engine.training.folders import list_checkpoints
+from engine.training.checkpoint_layout import list_checkpoints
 from server.app import create_app
 from server.settings import Settings
 from tests.server.conftest import WorkerProcess

@@ -277,9 +277,7 @@ def test_an_evaluation_on_a_host_that_pulls_from_the_store(
     job = start_job(client, data, **ONE_STEP, engine={"devices": ["cpu"], "compute_dtype": "float32"})
     sessions = session_factory(make_engine(settings.url))
     here = LocalStorage(settings.home)
-    sink = DatabaseSink(
-        sessions, job["id"], "adapter", store=here, output_dir=f"runs/{job['id']}", keep_last=2
-    )
+    sink = DatabaseSink(sessions, job["id"], store=here, output_dir=f"runs/{job['id']}", keep_last=2)
     train(TrainConfig.model_validate(job["config"]), sink, models_dir=settings.models_dir)
     r = client.post(f"/api/jobs/{job['id']}/evaluations", json={"dataset_id": data, "max_rows": 2})
     assert r.status_code == 201, r.text

@@ -354,7 +354,7 @@ def run_measured_job(
     job_id = str(r.json()["id"])
     with sessions() as session:
         assert jobs.claim(session, job_id=job_id, worker_id=worker_id, lease_seconds=60)
-    sink = DatabaseSink(sessions, job_id, "adapter")
+    sink = DatabaseSink(sessions, job_id)
     total = float(len(step_s))
     for step, seconds in enumerate(step_s, start=1):
         sink.log({"progress/step": float(step), "progress/total_steps": total}, step)

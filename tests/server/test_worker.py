@@ -115,7 +115,7 @@ def test_cancel_a_running_job_leaves_a_resumable_checkpoint(
 ) -> None:
     from engine.config import TrainConfig
     from engine.metrics import ListSink
-    from engine.training.folders import latest
+    from engine.training.checkpoint_layout import latest
     from engine.training.run import train
 
     if worker_settings.redis_url is None:

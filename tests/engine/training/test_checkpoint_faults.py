@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from engine.errors import DiskFull
-from engine.training.checkpoint import clear_leftovers, write_checkpoint
-from engine.training.folders import latest, list_checkpoints
+from engine.training.checkpoint import write_checkpoint
+from engine.training.checkpoint_layout import clear_leftovers, latest, list_checkpoints
 from tests.utils.filesystems import fill, small_disk
 
 MiB = 1 << 20
