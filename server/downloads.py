@@ -126,20 +126,19 @@ def stored_response(
 async def archive_response(
     job: Job,
     checkpoint: Checkpoint,
+    choice: archives.ExportChoice,
     *,
-    merged: bool,
     settings: Settings,
     storage: Storage,
-    gguf: str | None = None,
 ) -> Response:
-    """The download of a checkpoint's archive (built on first use, off the event loop)."""
+    """The download of a checkpoint's archive in the export format ``choice`` asks for (built on
+    first use, off the event loop)."""
     archive = await run_in_threadpool(
         functools.partial(
             archives.checkpoint_archive,
             job=job,
             checkpoint=checkpoint,
-            merged=merged,
-            gguf=gguf,
+            choice=choice,
             settings=settings,
             storage=storage,
         )

@@ -1,5 +1,9 @@
 """Exports for other runtimes: GGUF files for llama.cpp and Ollama.
 
+- ``formats.py``: the export formats a checkpoint is delivered in (its own files, merged, GGUF with
+  its quantizations): the one registry the CLI, the API and the web UI read.
+- ``gguf_quants.py``: the GGUF quantizations written, the one list.
+
 - ``gguf_families.py``: per family, the llama.cpp architecture, the tensor layout changes it
   expects and the metadata it reads; what a family cannot express is refused by name.
 - ``gguf_vocab.py``: the tokenizer as GGUF metadata (tokens, merges, pre-tokenizer, special

@@ -7,13 +7,13 @@ Modelfile              for ``ollama create NAME -f Modelfile``
 
 from __future__ import annotations
 
-import json
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from engine.export.gguf_model import check_quant, export_adapter_gguf, export_gguf
 from engine.export.modelfile import modelfile, system_prompt_of_file
+from engine.training.checkpoint_layout import read_trainer_state
 
 MODELFILE = "Modelfile"
 ADAPTER_FILE = "adapter-f32.gguf"
@@ -25,11 +25,11 @@ def model_file_name(quant: str) -> str:
 
 def recorded_system_prompt(checkpoint: Path) -> str | None:
     """The system prompt shared by the training data the checkpoint's run recorded, if any."""
-    state = checkpoint / "state" / "trainer.json"
+    state = read_trainer_state(checkpoint) or {}
     try:
-        config = json.loads(state.read_text()).get("config") or {}
+        config = state.get("config") or {}
         train = (config.get("data") or {}).get("train")
-    except (OSError, ValueError, AttributeError):
+    except AttributeError:
         return None
     return system_prompt_of_file(train) if isinstance(train, str) else None
 

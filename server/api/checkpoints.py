@@ -1,7 +1,7 @@
-"""``/api/jobs/{id}/checkpoints``: list a job's checkpoints, download them as archives, and clear
-a checkpoint's cached merged build.
+"""``/api/jobs/{id}/checkpoints``: list a job's checkpoints and the export formats they download
+in, download them as archives, and clear a checkpoint's cached merged build.
 
-A download is a .tar built once per checkpoint (and kind) from the checkpoint's export and kept
+A download is a .tar built once per checkpoint (and format) from the checkpoint's export and kept
 in the store beside it, ``runs/<job id>/exports/<name>.tar``; with a remote store the export
 (not its resume state) is pulled into the API host's cache (``home/cache/<key>``) to build it,
 and a merged build takes its base model from this host's models, else from the store's
@@ -11,13 +11,16 @@ stored archive: from the local file (byte ranges served), streamed from the stor
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from enum import StrEnum
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query
 from fastapi import Path as PathParam
 from fastapi.concurrency import run_in_threadpool
+from pydantic import BaseModel
 from starlette.responses import Response
 
+from engine.export.formats import FORMATS, GGUF, VARIANTS, FormatInfo, formats_help, variants_help
 from server.deps import JobDep, SessionDep, SettingsDep, StorageDep, current_key
 from server.downloads import archive_response
 from server.errors import ApiError, documented
@@ -27,6 +30,17 @@ from server.storage import Storage
 from server.tables import Checkpoint, Job
 
 StepPath = Annotated[int, PathParam(ge=0, le=MAX_INT)]
+# the values a download accepts, from the export-format registry (``engine.export.formats``)
+ExportFormatName = StrEnum("ExportFormatName", {name: name for name in FORMATS})  # type: ignore[misc]
+ExportVariant = StrEnum("ExportVariant", {name: name for name in VARIANTS})  # type: ignore[misc]
+GgufQuant = StrEnum("GgufQuant", {name: name for name in GGUF.variants})  # type: ignore[misc]
+
+
+class ExportFormatsPublic(BaseModel):
+    """The export formats of a job's checkpoints (the web UI's downloads)."""
+
+    data: list[FormatInfo]
+
 
 router = APIRouter(
     prefix="/api/jobs",
@@ -40,6 +54,12 @@ router = APIRouter(
 def list_checkpoints(session: SessionDep, storage: StorageDep, job: JobDep) -> Any:
     """The job's checkpoints in the store: step, kind (adapter or full) and the metrics at that step."""
     return {"data": checkpoints.list_for(session, job_id=job.id, storage=storage)}
+
+
+@router.get("/{job_id}/checkpoints/formats", response_model=ExportFormatsPublic)
+def list_export_formats(job: JobDep) -> Any:
+    """The formats the job's checkpoints download in (format, variants), and why one is refused."""
+    return {"data": archives.formats_for(job)}
 
 
 def _found(session: SessionDep, storage: Storage, job: Job, step: int) -> Checkpoint:
@@ -64,17 +84,28 @@ async def download_checkpoint(
     storage: StorageDep,
     job: JobDep,
     step: StepPath,
-    merged: Annotated[bool, Query(description="LoRA only: merge the adapter into its base model")] = False,
+    format: Annotated[
+        ExportFormatName | None,
+        Query(description=formats_help()),
+    ] = None,
+    variant: Annotated[
+        ExportVariant | None,
+        Query(description=variants_help()),
+    ] = None,
+    merged: Annotated[bool, Query(description="the same as format=merged", deprecated=True)] = False,
     gguf: Annotated[
-        Literal["f16", "bf16", "q8_0", "q4_k_m"] | None,
-        Query(description="a GGUF folder for llama.cpp and Ollama (model, LoRA adapter, Modelfile)"),
+        GgufQuant | None, Query(description="the same as format=gguf&variant=GGUF", deprecated=True)
     ] = None,
 ) -> Response:
     """A .tar of the checkpoint's export, one top folder with a README and a SHA-256 manifest."""
     checkpoint = await run_in_threadpool(_found, session, storage, job, step)  # it asks the store
-    return await archive_response(
-        job, checkpoint, merged=merged, gguf=gguf, settings=settings, storage=storage
+    choice = archives.choose(
+        format=format and format.value,
+        variant=variant and variant.value,
+        merged=merged,
+        gguf=gguf and gguf.value,
     )
+    return await archive_response(job, checkpoint, choice, settings=settings, storage=storage)
 
 
 @router.delete("/{job_id}/checkpoints/{step}/merged", status_code=204, responses=documented(404))

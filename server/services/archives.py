@@ -1,5 +1,6 @@
-"""A checkpoint's download: a .tar of its export (or of the adapter merged into its base model, or
-of a GGUF folder for llama.cpp and Ollama), built once and kept in the store beside it,
+"""A checkpoint's download: a .tar of its export in one of the export formats
+(``engine.export.formats``: its own files, the adapter merged into its base model, a GGUF folder
+for llama.cpp and Ollama), built once and kept in the store beside it,
 ``runs/<job id>/exports/<name>.tar``.
 
 With a remote store the export (not its resume state) is pulled into the API host's cache
@@ -8,9 +9,12 @@ models, else from the store's ``models/<name>``."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.export.formats import CHECKPOINT, FORMATS, GGUF, MERGED, ExportFormat, FormatInfo
+from engine.training import checkpoint_layout as layout
 from server.services import checkpoints
 from server.services.failures import Invalid
 from server.settings import Settings
@@ -30,51 +34,96 @@ class Archive:
 
 def export_key(storage: Storage, job: Job, name: str) -> str:
     """The key of the job's download archive ``name``."""
-    return join(storage.key_of(job.output_dir), checkpoints.EXPORTS, name)
+    return join(storage.key_of(job.output_dir), layout.EXPORTS_DIR, name)
 
 
-def merged_name(job: Job, step: int) -> str:
-    return f"{job.id[:8]}-step{step:06d}-merged.tar"
+def archive_name(job: Job, step: int, tag: str) -> str:
+    """The file name of a download (``ExportFormat.tag``: ``adapter``, ``merged``, ``gguf-q8_0``)."""
+    return f"{job.id[:8]}-step{step:06d}-{tag}.tar"
 
 
-def gguf_name(job: Job, step: int, quant: str) -> str:
-    return f"{job.id[:8]}-step{step:06d}-gguf-{quant}.tar"
+@dataclass(frozen=True)
+class ExportChoice:
+    """The format a download asks for, its variant, and the request's field that chose it (what
+    a refusal names)."""
+
+    export: ExportFormat
+    variant: str | None = None
+    param: str = "format"
+
+
+def choose(
+    *, format: str | None = None, variant: str | None = None, merged: bool = False, gguf: str | None = None
+) -> ExportChoice:
+    """The export a download asks for: ``format`` and ``variant``, or the older shorthands
+    ``merged=true`` (``format=merged``) and ``gguf=QUANT`` (``format=gguf&variant=QUANT``).
+
+    Raises:
+        Invalid: more than one of them, or a variant beside ``gguf``.
+    """
+    if merged and gguf:
+        raise Invalid("invalid_request", "gguf: a GGUF is merged already; leave out merged", param="gguf")
+    if (merged or gguf) and format is not None:
+        param = "merged" if merged else "gguf"
+        raise Invalid("invalid_request", f"{param}: give format or {param}, not both", param=param)
+    if gguf:
+        if variant is not None and variant != gguf:
+            raise Invalid(
+                "invalid_request", f"variant: gguf={gguf} names the variant already", param="variant"
+            )
+        return ExportChoice(GGUF, gguf, "gguf")
+    if merged:
+        return ExportChoice(MERGED, variant, "merged")
+    return ExportChoice(FORMATS[format] if format is not None else CHECKPOINT, variant)
+
+
+def formats_for(job: Job) -> list[FormatInfo]:
+    """Every export format, each saying why the job's checkpoints cannot be exported so: a GGUF of
+    a family it cannot write, when the base model's config is on this host (a format for LoRA
+    checkpoints only says so in ``adapter_only``; each checkpoint has its kind)."""
+    architecture = _architecture(job)
+    return [f.info(refused=f.refusal(kind=None, architecture=architecture)) for f in FORMATS.values()]
+
+
+def _architecture(job: Job) -> str | None:
+    """The base model's architecture (``config.json``), when its folder is on this host."""
+    try:
+        config = json.loads((Path(str(job.config["model"]["path"])) / "config.json").read_text())
+        return str(config["architectures"][0])
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return None
 
 
 def checkpoint_archive(
-    *,
-    job: Job,
-    checkpoint: Checkpoint,
-    merged: bool,
-    settings: Settings,
-    storage: Storage,
-    gguf: str | None = None,
+    *, job: Job, checkpoint: Checkpoint, choice: ExportChoice, settings: Settings, storage: Storage
 ) -> Archive:
-    """The archive of ``checkpoint`` (merged into its base model with ``merged``; as a GGUF
-    folder with ``gguf``, the quantization): one top folder with a README and a SHA-256
-    manifest, built on first use (blocking: run it off the event loop).
+    """The archive of ``checkpoint`` in the format ``choice`` asks for (and its variant, e.g. a
+    GGUF quantization): one top folder with a README and a SHA-256 manifest, built on first use
+    (blocking: run it off the event loop).
 
     Raises:
-        Invalid: ``merged`` for a checkpoint that is not a LoRA adapter (naming ``merged``);
-            ``gguf`` with ``merged``, or for a model llama.cpp cannot run (naming ``gguf``).
+        Invalid: (naming the request's field that chose the format) a format the checkpoint
+            cannot take (``merged`` of a full checkpoint), a variant the format lacks, a model
+            the format's exporter refuses (a GGUF of a family llama.cpp cannot run).
     """
     from engine.model.export import base_model_name
 
+    export, variant, param = choice.export, choice.variant, choice.param
     step = checkpoint.step
     model = job.config["model"]
     base_name = base_model_name(model.get("name"), Path(model["path"]))
-    kind = "gguf" if gguf else "merged" if merged else checkpoint.kind
-    if merged and checkpoint.kind != "adapter":
-        raise Invalid("invalid_request", "merged: only a LoRA adapter can be merged", param="merged")
-    if merged and gguf:
-        raise Invalid("invalid_request", "gguf: a GGUF is merged already; leave out merged", param="gguf")
-    if gguf:
-        name = gguf_name(job, step, gguf)
-    else:
-        name = merged_name(job, step) if merged else f"{job.id[:8]}-step{step:06d}-{kind}.tar"
+    reason = export.refusal(kind=checkpoint.kind)
+    if reason is not None:
+        raise Invalid("invalid_request", f"{param}: {reason}", param=param)
+    try:
+        variant = export.variant_of(variant)
+    except ValueError as exc:
+        raise Invalid("invalid_request", str(exc), param="variant") from exc
+    name = archive_name(job, step, export.tag(checkpoint.kind, variant))
     key = export_key(storage, job, name)
     top = name.removesuffix(".tar")
-    text = checkpoints.readme(kind=kind, base_name=base_name, top=top, step=step, job_name=job.name)
+    what = export.what(checkpoint.kind)
+    text = checkpoints.readme(kind=what, base_name=base_name, top=top, step=step, job_name=job.name)
     cache = settings.cache_dir
 
     def base_folder() -> Path:
@@ -89,19 +138,17 @@ def checkpoint_archive(
 
     def build(target: Path) -> Path:
         folder = checkpoints.export_folder(storage, storage.key_of(checkpoint.path), cache=cache)
-        if gguf:
-            base = base_folder() if checkpoint.kind == "adapter" else None
-            system = _system_prompt(job, storage)
-            try:
-                return checkpoints.gguf_archive(
-                    folder, base=base, target=target, readme=text, quant=gguf, system=system
-                )
-            except ValueError as exc:
-                raise Invalid("invalid_request", f"gguf: {exc}", param="gguf") from exc
-        if merged:
-            return checkpoints.merged_archive(folder, base=base_folder(), target=target, readme=text)
-        fixed = checkpoints.adapter_config(folder, base_name=base_name) if kind == "adapter" else {}
-        return checkpoints.build_archive(folder, target, readme=text, replace=fixed)
+        if export is CHECKPOINT:  # the checkpoint's own files, archived from where they are
+            fixed = checkpoints.adapter_config(folder, base_name=base_name) if what == "adapter" else {}
+            return checkpoints.build_archive(folder, target, readme=text, replace=fixed)
+        base = base_folder() if export.needs_base(checkpoint.kind) else None
+        system = _system_prompt(job, storage)
+        try:
+            return checkpoints.built_archive(
+                export, folder, base=base, target=target, readme=text, variant=variant, system=system
+            )
+        except ValueError as exc:
+            raise Invalid("invalid_request", f"{param}: {exc}", param=param) from exc
 
     local = checkpoints.stored_archive(storage, key, cache=cache, build=build)
     return Archive(key=key, filename=name, local=local)
@@ -122,9 +169,9 @@ def _system_prompt(job: Job, storage: Storage) -> str | None:
 def clear_merged(*, job: Job, step: int, settings: Settings, storage: Storage) -> None:
     """Remove the cached merged build of the job's checkpoint at ``step``, here and in the store
     (the next merged download builds it again)."""
-    key = export_key(storage, job, merged_name(job, step))
+    key = export_key(storage, job, archive_name(job, step, MERGED.tag(layout.CheckpointKind.ADAPTER, None)))
     exports = key.rsplit("/", 1)[0]
-    leftover = storage.local_path(join(exports, f"step_{step:06d}-merged"))  # older versions' folder
+    leftover = storage.local_path(join(exports, f"{layout.step_name(step)}-merged"))  # older versions' folder
     local = storage.local_path(key) or settings.cache_dir.joinpath(*key.split("/"))
     checkpoints.clear_merged(local, leftovers=(leftover,) if leftover is not None else ())
     storage.delete(key)

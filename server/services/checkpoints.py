@@ -1,6 +1,6 @@
 """Checkpoints: rows written by the worker as the run saves them (each names its folder in the
-store, ``runs/<job id>/checkpoints/step_000123``); archives built for download and kept in the
-store (``runs/<job id>/exports/``)."""
+store, ``runs/<job id>/checkpoints/step_000123``: ``engine.training.checkpoint_layout``); archives
+built for download and kept in the store (``runs/<job id>/exports/``)."""
 
 from __future__ import annotations
 
@@ -24,14 +24,15 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from engine.errors import DiskFull
+from engine.export.formats import BuildOptions, ExportFormat
 from engine.model.export import model_bytes
+from engine.training import checkpoint_layout as layout
+from engine.training.checkpoint_layout import export_files
 from server.storage import Storage, check_key
 from server.tables import Checkpoint
 
 MANIFEST = "MANIFEST.sha256"
-STATE = "state"  # the resume state inside a checkpoint folder; not part of a download
-CHECKPOINTS = "checkpoints"  # a job's checkpoints: runs/<job id>/checkpoints/step_000123
-EXPORTS = "exports"  # a job's built downloads: runs/<job id>/exports/<name>.tar
+STATE = layout.STATE_DIR  # what a Hub push leaves out beside the download's (server.hf_hub.push)
 FULL = (errno.ENOSPC, errno.EDQUOT)  # a write that found no space
 
 
@@ -46,7 +47,8 @@ def run_key(path: str) -> str:
     parts = PurePosixPath(path).parts
     if not PurePosixPath(path).is_absolute():
         return check_key(path)
-    if len(parts) > 4 and parts[-4] == "runs" and parts[-2] == CHECKPOINTS:
+    # runs/<job id> (``jobs.RUNS``, which imports this module) and a checkpoint's key under it
+    if len(parts) > 4 and parts[-4] == "runs" and layout.run_of_key(path) is not None:
         return check_key("/".join(parts[-4:]))
     raise ValueError(f"checkpoint {path!r}: not in a job's checkpoints folder")
 
@@ -126,7 +128,7 @@ def export_folder(storage: Storage, key: str, *, cache: Path) -> Path:
         FileNotFoundError: nothing is stored under ``key``.
     """
     try:
-        return storage.local_copy(key, cache, folder=True, leave_out=(STATE,))
+        return storage.local_copy(key, cache, folder=True, leave_out=layout.LEFT_OUT_OF_DOWNLOADS)
     except FileNotFoundError as exc:
         raise FileNotFoundError(f"no checkpoint {key!r} in the store") from exc
 
@@ -134,7 +136,7 @@ def export_folder(storage: Storage, key: str, *, cache: Path) -> Path:
 def stored_archive(storage: Storage, key: str, *, cache: Path, build: Callable[[Path], Path]) -> Path | None:
     """The download archive ``key`` (``runs/<job id>/exports/<name>.tar``), built once and kept
     in the store: ``build(target)`` writes it to a local file (:func:`build_archive`,
-    :func:`merged_archive`: once, atomically), which a remote store then receives. Returns the
+    :func:`built_archive`: once, atomically), which a remote store then receives. Returns the
     local file (the store's own, or the copy in ``cache``), or None when another host built it
     and this one has no copy (serve it from the store)."""
     own = storage.local_path(key)
@@ -147,11 +149,6 @@ def stored_archive(storage: Storage, key: str, *, cache: Path, build: Callable[[
     if own is None and not storage.exists(key):
         storage.put_file(key, target)
     return target
-
-
-def export_files(folder: Path) -> list[Path]:
-    """The files of a checkpoint's export (everything but the resume state), sorted."""
-    return sorted(p for p in folder.rglob("*") if p.is_file() and p.relative_to(folder).parts[0] != STATE)
 
 
 _building: dict[str, threading.Lock] = {}
@@ -286,20 +283,34 @@ def _digest(data: Path | bytes) -> str:
     return hashlib.sha256(data).hexdigest() if isinstance(data, bytes) else _sha256(data)
 
 
-def merged_archive(
-    adapter: Path, *, base: Path, target: Path, readme: str, replace: dict[str, bytes] | None = None
+def built_archive(
+    export: ExportFormat,
+    folder: Path,
+    *,
+    base: Path | None,
+    target: Path,
+    readme: str,
+    variant: str | None = None,
+    system: str | None = None,
 ) -> Path:
-    """The LoRA ``adapter`` folder merged into its base model, as ``target`` (.tar): merged once
-    per checkpoint, archived, and the merged folder removed, so only the archive stays on disk
-    (until :func:`clear_merged`)."""
-    from engine.model.export import merge_adapter
+    """The checkpoint's export (``folder``) built in the format ``export`` (``variant``; ``base``:
+    the base model a LoRA checkpoint is merged into, when the format merges) as ``target`` (.tar):
+    built once per checkpoint in a scratch folder, archived, and the scratch removed, so only
+    the archive stays on disk (a merged build until :func:`clear_merged`).
+
+    Raises:
+        ValueError: the format's exporter refuses the model (e.g. a family llama.cpp cannot run).
+    """
+    top = target.name.removesuffix(".tar")
 
     def build(work: Path) -> None:
-        merge_adapter(str(adapter), base, work / "model")
-        _write_archive(work / "model", target, readme=readme, replace=replace or {})
+        options = BuildOptions(variant=variant, base=base, system=system, comment=top)
+        built = export.build(folder, work / "export", options)
+        _write_archive(built.folder, target, readme=readme, replace={})
 
-    # the merged folder, then its archive beside it
-    return _built_once(target, build, needed_bytes=2 * model_bytes(base) + 2 * _folder_bytes(adapter))
+    # a LoRA checkpoint merged first; the build's files, then its archive beside them
+    model = model_bytes(base if base is not None else folder)
+    return _built_once(target, build, needed_bytes=2 * model + 2 * _folder_bytes(folder))
 
 
 def _folder_bytes(folder: Path) -> int:
@@ -331,28 +342,6 @@ def _built_once(target: Path, build: Callable[[Path], None], *, needed_bytes: in
     return target
 
 
-def gguf_archive(
-    folder: Path, *, base: Path | None, target: Path, readme: str, quant: str, system: str | None
-) -> Path:
-    """The checkpoint's export as a GGUF folder (engine.export.bundle: the model GGUF, a LoRA
-    checkpoint's adapter GGUF, the Modelfile) in ``target`` (.tar), built once like
-    :func:`merged_archive`.
-
-    Raises:
-        ValueError: a model or tokenizer llama.cpp cannot run (the exporter's reason).
-    """
-    from engine.export.bundle import export_gguf_folder
-
-    def build(work: Path) -> None:
-        top = target.name.removesuffix(".tar")
-        export_gguf_folder(folder, work / "gguf", quant=quant, base=base, system=system, comment=top)
-        _write_archive(work / "gguf", target, readme=readme, replace={})
-
-    # a LoRA checkpoint is merged first (as for a merged download); the GGUF, then its archive
-    model = model_bytes(base if base is not None else folder)
-    return _built_once(target, build, needed_bytes=2 * model + 2 * _folder_bytes(folder))
-
-
 def clear_merged(target: Path, *, leftovers: tuple[Path, ...] = ()) -> int:
     """Remove a merged build: its archive, and ``leftovers`` (the merged folders older versions
     kept); the bytes freed. The next merged download builds it again."""
@@ -372,7 +361,7 @@ def adapter_config(folder: Path, *, base_name: str) -> dict[str, bytes]:
     """``adapter_config.json`` with ``base_model_name_or_path`` set to ``base_name`` when it
     records something else (exports made before the real name was recorded: "demo", a path);
     nothing to replace otherwise. For :func:`build_archive`'s ``replace``."""
-    path = folder / "adapter_config.json"
+    path = folder / layout.ADAPTER_CONFIG
     try:
         config = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -380,7 +369,7 @@ def adapter_config(folder: Path, *, base_name: str) -> dict[str, bytes]:
     if not isinstance(config, dict) or config.get("base_model_name_or_path") == base_name:
         return {}
     config["base_model_name_or_path"] = base_name
-    return {"adapter_config.json": (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()}
+    return {layout.ADAPTER_CONFIG: (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()}
 
 
 def readme(*, kind: str, base_name: str, top: str, step: int, job_name: str) -> str:

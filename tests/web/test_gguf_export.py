@@ -48,13 +48,18 @@ def test_download_a_checkpoint_as_gguf(
     # the table is redrawn while the job's past events replay (a redrawn row keeps the choice); a
     # choice made on a row just replaced is made again on the new one
     for _ in range(10):
-        row.locator("select.gguf-quant").select_option("q4_k_m")
-        if link.get_attribute("href") == f"/api/jobs/{job_id}/checkpoints/2/download?gguf=q4_k_m":
+        row.locator("select.variant-gguf").select_option("q4_k_m")
+        if (
+            link.get_attribute("href")
+            == f"/api/jobs/{job_id}/checkpoints/2/download?format=gguf&variant=q4_k_m"
+        ):
             break
         page.wait_for_timeout(300)
-    expect(link).to_have_attribute("href", f"/api/jobs/{job_id}/checkpoints/2/download?gguf=q4_k_m")
-    expect(row.locator("select.gguf-quant")).to_have_value("q4_k_m")
-    row.locator("select.gguf-quant").select_option("q8_0")
+    expect(link).to_have_attribute(
+        "href", f"/api/jobs/{job_id}/checkpoints/2/download?format=gguf&variant=q4_k_m"
+    )
+    expect(row.locator("select.variant-gguf")).to_have_value("q4_k_m")
+    row.locator("select.variant-gguf").select_option("q8_0")
     screenshot(page, "checkpoint-gguf")
     with page.expect_download(timeout=120_000) as info:
         link.click()

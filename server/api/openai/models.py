@@ -14,7 +14,7 @@ from server.deps import SessionDep, SettingsDep, StorageDep, current_key
 from server.downloads import archive_response
 from server.errors import ApiError
 from server.schemas import LINE_PATTERN, TAR_FILE
-from server.services import fine_tuned, models, openai_compat
+from server.services import archives, fine_tuned, models, openai_compat
 from server.settings import Settings
 from server.storage import Storage
 from server.tables import Checkpoint, Job
@@ -76,7 +76,8 @@ async def download_model(
 ) -> Response:
     """Download a fine-tuned model or checkpoint by name: GET /api/jobs/{id}/checkpoints/{step}/download."""
     job, checkpoint = await run_in_threadpool(_resolve, session, model, storage)  # it asks the store
-    return await archive_response(job, checkpoint, merged=merged, settings=settings, storage=storage)
+    choice = archives.choose(merged=merged)
+    return await archive_response(job, checkpoint, choice, settings=settings, storage=storage)
 
 
 @router.get("/{model:path}", response_model=ModelObject, responses=documented(404))

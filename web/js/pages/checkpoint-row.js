@@ -1,40 +1,69 @@
 // One row of the job page's checkpoints table: step, kind, losses, age, and its downloads (the
-// adapter or model; for an adapter the merged model too, and clearing that cached build; a GGUF
-// folder for llama.cpp and Ollama in the chosen quantization); Push sends it to a Hub repo.
+// adapter or model, then one per export format the API lists for the job: the merged model of an
+// adapter, a GGUF folder for llama.cpp and Ollama in the chosen variant, ...; clearing the cached
+// merged build); Push sends it to a Hub repo.
 
 import { api, downloadUrl } from "../api.js";
 import { age, el, errorBox, number } from "../widgets.js";
 import { transferLine } from "./transfer.js";
 
-const QUANTS = ["q8_0", "q4_k_m", "f16", "bf16"];
-// the quantization chosen per checkpoint ("job/step"): the table is redrawn as checkpoints
-// arrive and a job ends, and a choice must survive that
-const chosenQuant = new Map();
+// the export formats of each job (GET /api/jobs/{id}/checkpoints/formats), asked once per job
+const formatsOf = new Map();
+// the variant chosen per checkpoint and format ("job/step/format"): the table is redrawn as
+// checkpoints arrive and a job ends, and a choice must survive that
+const chosenVariant = new Map();
 
-function ggufDownload(jobId, step) {
-  const key = `${jobId}/${step}`;
-  const url = (quant) => downloadUrl(`/jobs/${jobId}/checkpoints/${step}/download`, { gguf: quant });
+function exportFormats(jobId) {
+  if (!formatsOf.has(jobId)) {
+    const asked = api(`/jobs/${jobId}/checkpoints/formats`).then((r) => r.data);
+    asked.catch(() => formatsOf.delete(jobId)); // asked again by the next redraw
+    formatsOf.set(jobId, asked);
+  }
+  return formatsOf.get(jobId);
+}
+
+// The download of one export format (with its variant's select when it has variants).
+function formatDownload(jobId, step, f) {
+  const download = (variant) => downloadUrl(`/jobs/${jobId}/checkpoints/${step}/download`, { format: f.name, variant });
+  const key = `${jobId}/${step}/${f.name}`;
+  const chosen = () => chosenVariant.get(key) ?? f.default_variant;
   const link = el("a", {
-    class: "button secondary download-gguf",
+    class: `button secondary download-${f.name}`,
     download: "",
-    href: url(chosenQuant.get(key) ?? QUANTS[0]),
-    title: "The model as a GGUF file for llama.cpp and Ollama, with a Modelfile (built once, then kept)",
-    text: "GGUF",
+    href: download(chosen()),
+    title: `${f.summary} (built once, then kept)`,
+    text: f.label,
   });
-  const quant = el(
+  if (!f.variants.length) return [link];
+  const select = el(
     "select",
     {
-      class: "gguf-quant",
-      "aria-label": "GGUF quantization",
+      class: `variant-${f.name}`,
+      "aria-label": `${f.label} variant`,
       onchange: (ev) => {
-        chosenQuant.set(key, ev.target.value);
-        link.href = url(ev.target.value);
+        chosenVariant.set(key, ev.target.value);
+        link.href = download(ev.target.value);
       },
     },
-    ...QUANTS.map((q) => el("option", { value: q, text: q })),
+    ...f.variants.map((v) => el("option", { value: v, text: v })),
   );
-  quant.value = chosenQuant.get(key) ?? QUANTS[0];
-  return [quant, link];
+  select.value = chosen();
+  return [select, link];
+}
+
+// The downloads of every format but the checkpoint's own files (the row's first link), filled in
+// once the job's formats are known; a format refused for the checkpoint is left out.
+function formatDownloads(jobId, c, onError) {
+  const holder = el("span", { class: "export-formats" });
+  exportFormats(jobId)
+    .then((formats) => {
+      const usable = formats.filter(
+        (f) => f.name !== "checkpoint" && !f.refused && !(f.adapter_only && c.kind !== "adapter"),
+      );
+      holder.replaceChildren(...usable.flatMap((f) => formatDownload(jobId, c.step, f)));
+    })
+    .catch(onError);
+  return holder;
 }
 
 // The Push button and, under the row, its form (repo id, private, merged) and the push's progress.
@@ -123,14 +152,7 @@ export function checkpointRow(jobId, c, onError) {
         href: downloadUrl(`/jobs/${jobId}/checkpoints/${c.step}/download`),
         text: c.kind === "adapter" ? "Adapter" : "Model",
       }),
-      c.kind === "adapter"
-        ? el("a", {
-            class: "button secondary download-merged",
-            download: "",
-            href: downloadUrl(`/jobs/${jobId}/checkpoints/${c.step}/download`, { merged: true }),
-            text: "Merged",
-          })
-        : null,
+      formatDownloads(jobId, c, onError),
       c.kind === "adapter"
         ? el("button", {
             type: "button",
@@ -149,7 +171,6 @@ export function checkpointRow(jobId, c, onError) {
             },
           })
         : null,
-      ...ggufDownload(jobId, c.step),
       push.button,
     ),
   );
