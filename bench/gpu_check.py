@@ -458,7 +458,7 @@ def engine_dpo(
     model: torch.nn.Module, batches: list[dict[str, torch.Tensor]], config: EngineConfig
 ) -> tuple[list[float], dict[str, torch.Tensor], list[torch.Tensor]]:
     """The same through the engine: the base's log-probabilities up front, then DPO steps."""
-    from engine.methods import dpo
+    from engine.methods.dpo import train as dpo
 
     with RoundPipe(copy.deepcopy(model), config) as rp:
         references = [rp.sequence_logps(**b, adapters=False) for b in batches]

@@ -10,17 +10,26 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import ErrorDetails, PydanticCustomError
 
+from engine import methods
+from engine.data.formats import FormatChoice
 from engine.errors import ConfigError
-from engine.model.families import DEFAULT_LORA_TARGETS
+from engine.methods.contract import MethodOptions
 from engine.optimizers import choices, optimizer_names, optimizer_spec
 from engine.tracking import uris
 
@@ -37,8 +46,6 @@ MAX_STEPS = 2**31 - 1
 # Seeds stay within 32 bits: numpy's and most samplers' range; the engine derives per-epoch
 # seeds as ``seed * 1_000_003 + epoch``, which then stays inside torch's 64-bit seed range.
 MAX_SEED = 2**32 - 1
-# a LoRA target parameter: a dotted path suffix ending in the parameter's name
-_PARAMETER_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*")
 
 
 class _Strict(BaseModel):
@@ -55,232 +62,28 @@ class DataSpec(_Strict):
     train: str = Field(..., description="training file: .jsonl, .csv or .parquet")
     validation: str | None = Field(None, description="validation file (same formats)")
     validation_fraction: float = Field(0.0, ge=0.0, le=0.5, description="held out from train when no file")
-    format: Literal["auto", "chat", "instruction", "prompt_completion", "text", "preference", "prompts"] = (
-        "auto"
-    )
+    format: FormatChoice = Field("auto", description="the rows' format (engine.data.formats), or auto-detect")
     max_length: int = Field(1024, ge=8, le=1_048_576)
     packing: bool = False
 
 
-class MethodSpec(_Strict):
-    """What a run trains and on which loss.
+# the ``method`` section: the options of the method its ``objective`` names (``engine.methods``)
+MethodSpec = methods.MethodSpec
+_METHOD = TypeAdapter(MethodSpec)
 
-    ``objective`` is the training method (``engine.methods``: supervised "sft", or the preference
-    methods "dpo" and "orpo"); ``tuning`` what it trains, a LoRA adapter or every weight. The
-    earlier one-word form stays accepted, for stored jobs and API clients: ``kind`` "lora" or
-    "full" (supervised) or "dpo"/"orpo" with ``dpo_tuning``. After validation ``kind`` and
-    ``dpo_tuning`` always hold that form of the same choice.
+
+def method_options(raw: dict[str, Any] | None = None, /, **fields: Any) -> MethodOptions:
+    """A ``method`` section validated: its method's options (``raw`` and ``fields`` together).
+
+    Raises:
+        ConfigError: naming the field (``method.beta``), as ``TrainConfig.parse`` does.
     """
-
-    objective: Literal["sft", "dpo", "orpo", "grpo"] = Field(
-        "sft",
-        description=(
-            'the training method: supervised fine-tuning ("sft"), preference tuning on rows with a '
-            'preferred and a rejected answer: "dpo" (against a frozen reference) or "orpo" (reference-free, '
-            'odds ratio), or reinforcement fine-tuning on prompts scored by a grader ("grpo"); '
-            "GET /api/methods lists them"
-        ),
-    )
-    tuning: Literal["lora", "full"] = Field(
-        "lora", description='what trains: a LoRA adapter ("lora") or every weight ("full")'
-    )
-    kind: Literal["lora", "full", "dpo", "orpo", "grpo"] = Field(
-        "lora",
-        description=(
-            'the earlier one-word form: "lora" or "full" for supervised fine-tuning, or the preference '
-            'method ("dpo", "orpo"), which trains what dpo_tuning says'
-        ),
-    )
-    beta: float = Field(
-        0.1,
-        ge=0,
-        le=100,
-        description=(
-            "dpo: how far the policy may move from the reference (the DPO beta, > 0); orpo: the weight of "
-            "the odds-ratio loss (the paper's lambda, > 0); grpo: the weight of the KL term to the reference "
-            "(0, its default: none): a LoRA run's base with the adapter off, a full fine-tune's frozen "
-            "copy of its initial weights in host memory"
-        ),
-    )
-    dpo_tuning: Literal["lora", "full"] = Field(
-        "lora",
-        description=(
-            'the earlier name of tuning for a preference method: a LoRA adapter ("lora"; DPO\'s reference is '
-            "the base with the adapter off) or every weight (DPO's reference log-probabilities are computed "
-            "once, before the first step)"
-        ),
-    )
-    lora_r: int = Field(16, ge=1, le=4096)
-    lora_alpha: float = Field(32.0, gt=0, le=1e6)
-    lora_dropout: float = Field(0.0, ge=0.0, lt=1.0)
-    target_modules: list[str] = Field(default_factory=lambda: list(DEFAULT_LORA_TARGETS), min_length=1)
-    target_parameters: list[str] = Field(
-        default_factory=list,
-        description=(
-            "weights LoRA adapts directly (peft target_parameters), e.g. a mixture-of-experts model's "
-            '"mlp.experts.gate_up_proj"; "experts" stands for its family\'s expert weights'
-        ),
-    )
-
-    base_bits: Literal[16, 4] = Field(
-        16,
-        description=(
-            "LoRA only: 4 keeps the frozen base's block weights in host memory and on the wire in 4 bits "
-            "(NF4, the QLoRA format), decoded on the GPUs: about 3.5x less host RAM and PCIe traffic for "
-            "them, at the cost of the quantization's error in the base"
-        ),
-    )
-
-    # GRPO (objective "grpo"): reinforcement fine-tuning on prompts, rewarded by a grader
-    grader: dict[str, Any] | None = Field(
-        None,
-        description=(
-            "grpo: the grader that scores each completion, in OpenAI's shapes: string_check, "
-            "text_similarity, python, multi, or ours: regex, json_schema, length "
-            "(POST /v1/fine_tuning/alpha/graders/validate checks one)"
-        ),
-    )
-    group_size: int = Field(4, ge=2, le=64, description="grpo: completions sampled per prompt (the group G)")
-    max_completion_tokens: int = Field(
-        64, ge=1, le=32_768, description="grpo: the longest completion sampled"
-    )
-    temperature: float = Field(1.0, gt=0, le=10, description="grpo: the sampling temperature")
-    top_p: float = Field(1.0, gt=0, le=1, description="grpo: nucleus sampling's probability mass (1: off)")
-    epsilon: float = Field(
-        0.2, gt=0, lt=1, description="grpo: the ratio's clip below 1 (and above, by default)"
-    )
-    epsilon_high: float | None = Field(
-        None, gt=0, le=10, description="grpo: the ratio's clip above 1 (DAPO's clip-higher; default epsilon)"
-    )
-    loss_type: Literal["grpo", "dapo", "dr_grpo"] = Field(
-        "grpo",
-        description=(
-            "grpo: how token losses average: per completion then over completions (grpo), over every "
-            "token of the batch (dapo), or over completions x max_completion_tokens (dr_grpo)"
-        ),
-    )
-    scale_rewards: bool = Field(
-        True, description="grpo: divide each group's advantages by its rewards' std (Dr. GRPO: false)"
-    )
-    num_iterations: int = Field(
-        1,
-        ge=1,
-        le=16,
-        description=(
-            "grpo: optimizer steps on each batch of completions (the paper's mu, TRL's num_iterations): "
-            "the batch's prompts, completions, rewards and the policy's log-probabilities from before "
-            "the first of them are reused, so the clipped ratio bounds how far the later steps move; "
-            "1: one step per batch (the ratio is 1)"
-        ),
-    )
-
-    @field_validator("target_parameters")
-    @classmethod
-    def _parameter_names(cls, names: list[str]) -> list[str]:
-        bad = [n for n in names if not (isinstance(n, str) and _PARAMETER_NAME.fullmatch(n))]
-        if bad:
-            raise PydanticCustomError(
-                "parameter_name",
-                "{bad}: each entry must be a dotted parameter name such as 'mlp.experts.down_proj', or "
-                "'experts'",
-                {"bad": ", ".join(repr(b) for b in bad)},
-            )
-        return names
-
-    @property
-    def lora(self) -> bool:
-        """Whether the run trains a LoRA adapter (any method) rather than every weight."""
-        return self.tuning == "lora"
-
-    @model_validator(mode="after")
-    def _one_choice(self) -> MethodSpec:
-        # objective/tuning are the choice; kind/dpo_tuning its earlier form; either may be given
-        given = self.model_fields_set
-        from_kind = "kind" in given and "objective" not in given
-        if from_kind:
-            self.objective = "sft" if self.kind in ("lora", "full") else self.kind  # type: ignore[assignment]
-        elif "kind" in given and self.kind != _kind_of(self.objective, self.kind):
-            raise ConfigError(
-                "kind",
-                f"method.kind={self.kind!r} contradicts method.objective={self.objective!r}: "
-                "give one of them",
-                value=self.kind,
-            )
-        if "tuning" not in given:
-            if self.objective == "sft" and self.kind in ("lora", "full") and "kind" in given:
-                self.tuning = self.kind  # type: ignore[assignment]
-            elif "dpo_tuning" in given:
-                self.tuning = self.dpo_tuning
-        elif "dpo_tuning" in given and self.dpo_tuning != self.tuning and self.objective != "sft":
-            raise ConfigError(
-                "dpo_tuning",
-                f"method.dpo_tuning={self.dpo_tuning!r} contradicts method.tuning={self.tuning!r}: "
-                "give one of them",
-                value=self.dpo_tuning,
-            )
-        elif self.objective == "sft" and "kind" in given and self.kind != self.tuning:
-            raise ConfigError(
-                "kind",
-                f"method.kind={self.kind!r} contradicts method.tuning={self.tuning!r}: give one of them",
-                value=self.kind,
-            )
-        self.kind = self.tuning if self.objective == "sft" else self.objective  # type: ignore[assignment]
-        self.dpo_tuning = self.tuning
-        return self
-
-    @model_validator(mode="after")
-    def _method_settings(self) -> MethodSpec:
-        if self.objective != "grpo" and self.beta <= 0:
-            raise ConfigError(
-                "beta",
-                f"method.beta={self.beta}: must be > 0 (only GRPO takes 0: no KL term)",
-                value=self.beta,
-            )
-        if self.objective == "grpo":
-            if "beta" not in self.model_fields_set:
-                self.beta = 0.0  # GRPO's default: no KL term (DAPO, Dr. GRPO), no reference pass
-            if self.base_bits == 4:
-                raise ConfigError(
-                    "base_bits",
-                    "method.base_bits=4: GRPO samples on the host with the model's own weights, and a "
-                    "4-bit base keeps none there; use base_bits 16",
-                    value=4,
-                )
-            if self.grader is None:
-                raise ConfigError("grader", "method.grader: GRPO needs a grader that scores completions")
-            from engine.graders import validate_grader
-
-            try:
-                validate_grader(self.grader, field="method.grader").close()
-            except ConfigError as exc:  # its field relative to this section, as every other's
-                raise ConfigError(exc.field.removeprefix("method."), str(exc), value=exc.value) from None
-        elif self.grader is not None:
-            raise ConfigError(
-                "grader", f"method.grader: only GRPO uses a grader, not {self.objective!r}", value="grader"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _four_bits_need_a_frozen_base(self) -> MethodSpec:
-        if self.base_bits == 4 and not self.lora:
-            raise ConfigError(
-                "base_bits",
-                "method.base_bits=4: a 4-bit base is for LoRA (its base does not train); full "
-                "fine-tuning updates every weight in 16 or 32 bits",
-                value=self.base_bits,
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _parameter_lora_has_no_dropout(self) -> MethodSpec:
-        if self.lora and self.target_parameters and self.lora_dropout:
-            raise ConfigError(
-                "lora_dropout",
-                f"method.lora_dropout={self.lora_dropout}: LoRA on parameters (method.target_parameters) "
-                "cannot apply dropout; set it to 0",
-                value=self.lora_dropout,
-            )
-        return self
+    try:
+        options: MethodOptions = _METHOD.validate_python({**(raw or {}), **fields})
+    except ValidationError as exc:
+        errors = [{**e, "loc": ("method", *e["loc"])} for e in exc.errors()]
+        raise ConfigError(error_field(errors[0]), "; ".join(_error_line(e) for e in errors)) from None
+    return options
 
 
 def override_method(raw: dict[str, Any], **given: Any) -> dict[str, Any]:
@@ -297,11 +100,6 @@ def override_method(raw: dict[str, Any], **given: Any) -> dict[str, Any]:
         out.pop("tuning", None)
     out.update(given)
     return out
-
-
-def _kind_of(objective: str, kind: str) -> str:
-    """The one-word form of a method: the objective, or for supervised runs what trains."""
-    return kind if objective == "sft" and kind in ("lora", "full") else objective
 
 
 class HyperSpec(_Strict):
@@ -425,7 +223,7 @@ class TrainConfig(_Strict):
 
     model: ModelSpec = Field(default_factory=lambda: ModelSpec())
     data: DataSpec
-    method: MethodSpec = Field(default_factory=lambda: MethodSpec())
+    method: MethodSpec = Field(default_factory=lambda: methods.METHODS["sft"].defaults())
     hyper: HyperSpec = Field(default_factory=lambda: HyperSpec())
     engine: EngineSpec = Field(default_factory=lambda: EngineSpec())
     checkpoint: CheckpointSpec = Field(default_factory=lambda: CheckpointSpec())
@@ -435,28 +233,19 @@ class TrainConfig(_Strict):
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainConfig:
-        grpo = self.method.objective == "grpo"
-        # GRPO's batch is its prompts, each sampled group_size times: micro-batches cut the rows
-        rows = self.hyper.batch_size * (self.method.group_size if grpo else 1)
+        # micro-batches cut a batch's rows (GRPO's: each prompt's group)
+        rows, what = self.method.batch_rows(self.hyper.batch_size)
         if self.engine.num_microbatches > rows and "num_microbatches" not in self.engine.model_fields_set:
             # the default does not fit a small batch: as many micro-batches as it has sequences
             # (a refusal names only what the caller set)
             self.engine.num_microbatches = rows
         if self.engine.num_microbatches > rows:
-            what = f"hyper.batch_size={self.hyper.batch_size}"
-            if grpo:
-                what += f" x method.group_size={self.method.group_size}"
             raise ConfigError(
                 "engine.num_microbatches",
                 f"engine.num_microbatches={self.engine.num_microbatches} exceeds {what}: each "
                 "micro-batch needs a sequence",
             )
-        if grpo and self.data.packing:
-            raise ConfigError("data.packing", "data.packing=true: GRPO samples whole completions", value=True)
-        if grpo and self.hyper.router_aux_loss:
-            raise ConfigError(
-                "hyper.router_aux_loss", "hyper.router_aux_loss=true: not defined for GRPO", value=True
-            )
+        self.method.check(self)
         return self
 
     @classmethod
@@ -513,26 +302,38 @@ class TrainConfig(_Strict):
         return c
 
 
-def error_field(err: ErrorDetails) -> str:
+def field_path(loc: tuple[int | str, ...] | list[int | str]) -> list[str]:
+    """An error location as field names: the ``method`` union's tag (the method's name, which
+    pydantic puts after ``method``) left out, so ``method.beta`` reads the same for every method."""
+    parts = [str(p) for p in loc]
+    for i, part in enumerate(parts[:-1]):
+        if part == "method" and parts[i + 1] in methods.METHODS:
+            del parts[i + 1]
+            break
+    return parts
+
+
+def error_field(err: ErrorDetails | dict[str, Any]) -> str:
     """The dotted field of one pydantic error; a ``ConfigError`` raised by a model validator
     names its field relative to that model."""
-    loc = [str(p) for p in err["loc"]]
+    loc = field_path(err["loc"])
     inner = err.get("ctx", {}).get("error")
     if isinstance(inner, ConfigError):
         loc.append(inner.field)
     return ".".join(loc) or "config"
 
 
+def _error_line(err: ErrorDetails | dict[str, Any]) -> str:
+    field = ".".join(field_path(err["loc"])) or "config"
+    given = err.get("ctx", {}).get(SHOWN, err.get("input"))
+    shown = json.dumps(given) if isinstance(given, int | float | str | bool) or given is None else None
+    suffix = f" (got {shown})" if shown is not None and err["type"] != "missing" else ""
+    return f"{field}: {err['msg']}{suffix}"
+
+
 def describe_errors(exc: ValidationError) -> str:
     """One line per problem: ``hyper.learning_rate: Input should be greater than 0 (got -1)``."""
-    lines = []
-    for err in exc.errors():
-        field = ".".join(str(p) for p in err["loc"]) or "config"
-        given = err.get("ctx", {}).get(SHOWN, err.get("input"))
-        shown = json.dumps(given) if isinstance(given, int | float | str | bool) or given is None else None
-        suffix = f" (got {shown})" if shown is not None and err["type"] != "missing" else ""
-        lines.append(f"{field}: {err['msg']}{suffix}")
-    return "; ".join(lines)
+    return "; ".join(_error_line(err) for err in exc.errors())
 
 
 @dataclass

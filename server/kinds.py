@@ -43,10 +43,10 @@ class EventKind(StrEnum):
     TRACKER = EngineEvent.TRACKER.value  # a tracker (MLflow, W&B) failing or back: data {"tracker"}
     # a step not applied (a non-finite loss or gradient norm): data {"step", "what", "in_a_row"}
     SKIPPED = EngineEvent.SKIPPED.value
-    # a GRPO step's sampled completions, graded (``engine.methods.grpo.SAMPLES_EVENT``): data
+    # a GRPO step's sampled completions, graded (``engine.methods.grpo.train.SAMPLES_EVENT``): data
     # {"step", "samples": [{"prompt", "completion", "reward", "error"}]}
     SAMPLES = "samples"
-    # where a GRPO run samples its completions, and why (``engine.methods.grpo.ROLLOUTS_EVENT``):
+    # where a GRPO run samples its completions, and why (``engine.methods.grpo.train.ROLLOUTS_EVENT``):
     # data {"device"}
     ROLLOUTS = "rollouts"
 

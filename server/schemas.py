@@ -5,9 +5,10 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, StringConstraints, TypeAdapter, WithJsonSchema
 
 from engine.config import CheckpointSpec, EngineSpec, EvalSpec, HyperSpec, MethodSpec, TrackingSpec
+from engine.data.formats import FormatChoice
 from engine.planner import HARDWARE_RANGES
 from server.kinds import JobStatus
 
@@ -112,8 +113,8 @@ class ModelsPublic(BaseModel):
 class DataOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    format: Literal["auto", "chat", "instruction", "prompt_completion", "text", "preference", "prompts"] = (
-        "auto"
+    format: FormatChoice = Field(
+        "auto", description="the rows' format (GET /api/datasets/formats), or auto-detect"
     )
     max_length: int = Field(1024, ge=8, le=1_048_576)  # the bounds of engine.config.DataSpec
     packing: bool = False
@@ -124,6 +125,39 @@ class DataOptions(BaseModel):
 Section = dict[str, JsonValue]
 
 
+def _inlined(node: Any, defs: dict[str, Any], seen: tuple[str, ...] = ()) -> Any:
+    """``node`` with each ``#/$defs/`` reference replaced by its definition (a definition that
+    refers to itself again is left as any object)."""
+    if isinstance(node, list):
+        return [_inlined(v, defs, seen) for v in node]
+    if not isinstance(node, dict):
+        return node
+    ref = node.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#/$defs/"):
+        name = ref.removeprefix("#/$defs/")
+        rest = {k: _inlined(v, defs, seen) for k, v in node.items() if k != "$ref"}
+        if name in seen:
+            return {"type": "object", **rest}
+        return {**_inlined(defs[name], defs, (*seen, name)), **rest}
+    return {k: _inlined(v, defs, seen) for k, v in node.items()}
+
+
+def section_schema(model: Any) -> WithJsonSchema:
+    """A section's documented schema: the engine's own model of it (``engine.config``), though the
+    service validates the section with the whole ``TrainConfig`` (one set of rules and messages)."""
+    schema = TypeAdapter(model).json_schema(mode="validation")
+    defs = schema.pop("$defs", {})
+    return WithJsonSchema(_inlined(schema, defs))
+
+
+MethodSection = Annotated[Section, section_schema(MethodSpec)]
+HyperSection = Annotated[Section, section_schema(HyperSpec)]
+EngineSection = Annotated[Section, section_schema(EngineSpec)]
+CheckpointSection = Annotated[Section, section_schema(CheckpointSpec)]
+EvalSection = Annotated[Section, section_schema(EvalSpec)]
+TrackingSection = Annotated[Section, section_schema(TrackingSpec)]
+
+
 class JobBase(BaseModel):
     """The fields a job request and a plan request share: the engine's TrainConfig sections."""
 
@@ -132,12 +166,14 @@ class JobBase(BaseModel):
     name: Line | None = None
     validation_dataset_id: Line | None = None
     data: DataOptions = Field(default_factory=lambda: DataOptions())
-    method: Section = Field(default_factory=dict, description=MethodSpec.__doc__ or "LoRA or full")
-    hyper: Section = Field(default_factory=dict, description=HyperSpec.__doc__ or "hyperparameters")
-    engine: Section = Field(default_factory=dict, description=EngineSpec.__doc__ or "engine")
-    checkpoint: Section = Field(default_factory=dict, description=CheckpointSpec.__doc__ or "")
-    eval: Section = Field(default_factory=dict, description=EvalSpec.__doc__ or "")
-    tracking: Section = Field(default_factory=dict, description=TrackingSpec.__doc__ or "")
+    method: MethodSection = Field(
+        default_factory=dict, description="the training method and its options (GET /api/methods)"
+    )
+    hyper: HyperSection = Field(default_factory=dict, description=HyperSpec.__doc__ or "hyperparameters")
+    engine: EngineSection = Field(default_factory=dict, description=EngineSpec.__doc__ or "engine")
+    checkpoint: CheckpointSection = Field(default_factory=dict, description=CheckpointSpec.__doc__ or "")
+    eval: EvalSection = Field(default_factory=dict, description=EvalSpec.__doc__ or "")
+    tracking: TrackingSection = Field(default_factory=dict, description=TrackingSpec.__doc__ or "")
 
 
 class Placement(BaseModel):
@@ -268,6 +304,9 @@ class PreviewRow(BaseModel):
     )
     rejected: PreviewAnswer | None = Field(
         None, description="a preference row's rejected answer, after the prompt"
+    )
+    label: bool | None = Field(
+        None, description="an unpaired (KTO) row's label: true, a desirable completion"
     )
     item: dict[str, Any] | None = Field(
         None,
@@ -600,24 +639,38 @@ class EvaluationDetail(EvaluationPublic):
 
 
 # -- methods (server/api/methods.py) ---------------------------------------------------------------
+class ChartPublic(BaseModel):
+    """One chart of a method on the job page."""
+
+    id: str = Field(description="the chart element's id")
+    title: str
+    hint: str
+    ylabel: str
+    lines: list[tuple[str, str]] = Field(description="[name, metric key] of each line")
+    share: bool = Field(description="values in [0, 1]")
+    more: str | None = Field(description="a key prefix whose metrics join the chart as they arrive")
+
+
 class MethodPublic(BaseModel):
     """A training method (``method.objective``) and what it needs."""
 
-    name: str = Field(
-        description='the value of method.objective (and of the earlier method.kind), e.g. "dpo"'
-    )
+    name: str = Field(description='the value of method.objective, e.g. "dpo"')
     title: str
     description: str
-    data_format: Literal["supervised", "preference", "prompts"] = Field(
+    data_format: Literal["supervised", "preference", "prompts", "unpaired"] = Field(
         description="the rows it trains on: chat, instruction, prompt/completion or text; preference pairs; "
-        "or prompts, whose completions are sampled and graded (GRPO)"
+        "prompts, whose completions are sampled and graded (GRPO); or unpaired rows, one answer labelled "
+        "desirable or not (KTO)"
     )
     sequences_per_example: int
     needs_reference: bool = Field(
         description="a reference pass over every example runs before the first step"
     )
-    config_fields: dict[str, str] = Field(description="the method.* fields it reads, with what each means")
+    config_fields: dict[str, str] = Field(description="its own method.* fields, with what each means")
+    options_schema: dict[str, Any] = Field(description="the JSON schema of its method section")
+    common_fields: list[str] = Field(description="the method.* fields every method shares")
     metric_keys: list[str] = Field(description="what it logs besides loss/train and loss/val")
+    charts: list[ChartPublic] = Field(description="how the job page draws its metrics")
     tunings: list[str] = Field(description="what it can train (method.tuning)")
 
 

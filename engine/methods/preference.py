@@ -18,7 +18,6 @@ import torch
 
 from engine.data.batches import collate_pairs, split_validation
 from engine.data.encode import Encoded, EncodedPair, load_pairs
-from engine.errors import ConfigError
 from engine.methods.base import MethodRun
 from engine.parallel.pairs import PairScores, policy_logps
 from engine.roundpipe import RoundPipe
@@ -85,22 +84,10 @@ def load_preference_data(config: Any, tokenizer: Any) -> tuple[list[EncodedPair]
 
     Raises:
         ConfigError: rows that are not preference rows (``data.train``/``data.validation``),
-            invalid rows by line, ``data.packing`` (pairs are never packed) or
-            ``hyper.router_aux_loss``.
+            invalid rows by line.
     """
+    # data.packing and hyper.router_aux_loss were refused with the config (PreferenceOptions.check)
     data, method = config.data, config.method.objective
-    if config.hyper.router_aux_loss:
-        raise ConfigError(
-            "hyper.router_aux_loss",
-            f"hyper.router_aux_loss=true: not defined for {method.upper()}; set it to false",
-            value=True,
-        )
-    if data.packing:
-        raise ConfigError(
-            "data.packing",
-            f"data.packing=true: {method.upper()} trains on whole pairs and cannot pack them",
-            value=True,
-        )
     train = load_pairs(data.train, tokenizer, fmt=data.format, max_length=data.max_length, method=method)
     if data.validation:
         val = load_pairs(

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from engine.config import EngineConfig, TrainConfig, resolve_compute_dtype
 from engine.errors import ConfigError
 from engine.methods import METHODS as METHOD_TABLE
-from engine.methods import TUNINGS, sequences_per_example
+from engine.methods import TUNINGS
 from engine.model.families import DEFAULT_LORA_TARGETS
 from engine.optimizers import optimizer_spec
 
@@ -166,7 +166,9 @@ class Workload:
     def sequences_per_example(self) -> int:
         """Sequences one example of the batch runs as: 2 for a preference pair, a GRPO prompt's
         group (``group_size``), else 1."""
-        return sequences_per_example(self.objective, self.group_size)
+        if self.samples and self.group_size is not None:
+            return self.group_size
+        return METHOD_TABLE[self.objective].defaults().sequences_per_example()
 
     @property
     def samples(self) -> bool:
@@ -176,7 +178,7 @@ class Workload:
     @property
     def needs_reference(self) -> bool:
         """Whether the method runs a reference pass before the first step (DPO)."""
-        return METHOD_TABLE[self.objective].needs_reference
+        return METHOD_TABLE[self.objective].defaults().needs_reference()
 
     @property
     def sequences(self) -> int:
@@ -220,34 +222,18 @@ class Workload:
         h, e, m, d = config.hyper, config.engine, config.method, config.data
         mean = prompt_mean = None
         rows = num_sequences  # as given: packing below turns num_sequences into packed sequences
-        entry = METHOD_TABLE[m.objective]
-        per_example = entry.sequences_per_example
-        if per_example == 2 and d.packing:  # as the run refuses it (engine.methods.preference)
-            raise ConfigError(
-                "data.packing",
-                f"data.packing=true: {m.objective.upper()} trains on whole pairs and cannot pack them",
-                value=True,
-            )
-        prompts = entry.data_format == "prompts"
-        if prompts:  # as the run refuses them (engine.methods.grpo)
-            if d.packing:
-                raise ConfigError(
-                    "data.packing", "data.packing=true: GRPO samples whole completions", value=True
-                )
-            if d.max_length - m.max_completion_tokens < 1:
-                raise ConfigError(
-                    "method.max_completion_tokens",
-                    f"method.max_completion_tokens={m.max_completion_tokens} leaves no room for the prompt "
-                    f"within data.max_length={d.max_length}",
-                    value=m.max_completion_tokens,
-                )
+        # the run's config refused what its method cannot train with (``check`` of its options)
+        per_example = m.sequences_per_example()
+        sampled = m.rollouts()
+        prompts = sampled is not None
+        completion_tokens = sampled.completion_tokens if sampled is not None else 0
         if token_lengths and prompts:
             # the prompts' lengths: each trains as prompt and completion (at most its budget and
             # max_completion_tokens, the worst case), its group of rows padded as one prompt's
-            budget = d.max_length - m.max_completion_tokens
+            budget = d.max_length - completion_tokens
             kept = [min(n, budget) for n in token_lengths]
             prompt_mean = batch_length(kept, batch_size=h.batch_size, max_length=budget, packing=False)
-            whole = [n + m.max_completion_tokens for n in kept]
+            whole = [n + completion_tokens for n in kept]
             mean = batch_length(whole, batch_size=h.batch_size, max_length=d.max_length, packing=False)
         elif token_lengths:
             mean = batch_length(
@@ -262,7 +248,7 @@ class Workload:
                 total = sum(min(n, d.max_length) for n in token_lengths) * rows / len(token_lengths)
                 num_sequences = max(1, math.ceil(total / d.max_length))
         steps = h.max_steps
-        iterations = m.num_iterations if prompts else 1
+        iterations = m.steps_per_batch()
         if steps is None and num_sequences is not None:
             # the run's own count (engine/training/run.py): whole batches per epoch, each trained
             # num_iterations steps (GRPO), at least one step
@@ -270,7 +256,7 @@ class Workload:
         named = [] if e.devices == "auto" else list(e.devices)
         gpus = tuple("cuda:0" if d == "cuda" else d for d in named if d == "cuda" or _is_gpu(d))
         reference = None
-        if entry.needs_reference and num_sequences is not None:
+        if m.needs_reference() and num_sequences is not None:
             reference = num_sequences + (num_validation or 0)
         held = num_validation  # a validation file's rows, else the fraction held out (at least one)
         if held is None and d.validation_fraction > 0 and rows is not None:
@@ -292,10 +278,10 @@ class Workload:
             mean_seq_len=mean,
             reference_pairs=reference,
             base_bits=m.base_bits,
-            group_size=m.group_size if prompts else None,
-            completion_tokens=m.max_completion_tokens if prompts else 0,
+            group_size=sampled.group_size if sampled is not None else None,
+            completion_tokens=completion_tokens,
             mean_prompt_len=prompt_mean,
-            kl_reference=prompts and m.beta > 0,
+            kl_reference=sampled is not None and sampled.kl_reference,
             num_iterations=iterations,
             rows=rows,
             validation_rows=held or 0,

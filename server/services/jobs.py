@@ -80,17 +80,6 @@ def build_config(
     return config
 
 
-# what a method of each data format needs, for the message refusing a dataset that is not one
-NEEDS = {
-    "preference": "rows with a preferred and a rejected answer",
-    "prompts": (
-        "prompt rows ('messages' ending with a user turn, or 'prompt' without a completion) and the "
-        "fields its grader reads"
-    ),
-    "supervised": "chat, instruction, prompt/completion or text rows",
-}
-
-
 def check_formats(*, config: TrainConfig, train: Dataset, validation: Dataset | None) -> None:
     """A job trains on datasets of its method's data format (``GET /api/methods``): a preference
     method (DPO, ORPO) on preference datasets (rows with a preferred and a rejected answer), a
@@ -115,7 +104,7 @@ def check_formats(*, config: TrainConfig, train: Dataset, validation: Dataset | 
         if has == wanted:
             continue
         if wanted != "supervised":
-            why = f"is not a {wanted} dataset: {entry.name.upper()} needs {NEEDS[wanted]}"
+            why = f"is not a {wanted} dataset: {entry.name.upper()} needs {entry.needs}"
         else:
             fitting = " or ".join(repr(m) for m in methods.methods_for(has))
             why = f"is a {has} dataset: it trains with method.kind {fitting}, not {kind!r}"

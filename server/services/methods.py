@@ -8,10 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.methods import METHODS, methods_listing
-
-# the row formats that are a method's data format of their own; every other one is supervised
-DATA_FORMATS = ("preference", "prompts")
+from engine.data.formats import family_of
+from engine.errors import ConfigError
+from engine.methods import METHODS, TUNINGS, legacy, methods_listing
 
 
 def listing() -> list[dict[str, Any]]:
@@ -19,23 +18,24 @@ def listing() -> list[dict[str, Any]]:
     return methods_listing()
 
 
+def _upgraded(method: dict[str, Any]) -> dict[str, Any]:
+    try:
+        out = legacy.upgrade(method)
+    except ConfigError:  # contradicting forms: the objective the section names first
+        out = {k: v for k, v in method.items() if k not in ("kind", "dpo_tuning")}
+    return out if isinstance(out, dict) else {}
+
+
 def objective_of(method: dict[str, Any]) -> str:
     """The training method of a stored or requested ``method`` section (either form)."""
-    objective = method.get("objective")
-    if objective in METHODS:
-        return str(objective)
-    kind = method.get("kind", "lora")
-    return str(kind) if kind in METHODS else "sft"
+    objective = _upgraded(method).get("objective", legacy.DEFAULT_OBJECTIVE)
+    return str(objective) if objective in METHODS else legacy.DEFAULT_OBJECTIVE
 
 
 def tuning_of(method: dict[str, Any]) -> str:
     """What a ``method`` section trains: ``"lora"`` or ``"full"`` (either form)."""
-    if method.get("tuning") in ("lora", "full"):
-        return str(method["tuning"])
-    if objective_of(method) == "sft":
-        kind = method.get("kind", "lora")
-        return str(kind) if kind in ("lora", "full") else "lora"
-    return str(method.get("dpo_tuning", "lora"))
+    tuning = _upgraded(method).get("tuning")
+    return str(tuning) if tuning in TUNINGS else "lora"
 
 
 def data_format_of(method: dict[str, Any]) -> str:
@@ -45,10 +45,12 @@ def data_format_of(method: dict[str, Any]) -> str:
 
 
 def dataset_kind(dataset_format: str) -> str:
-    """The ``data_format`` a dataset of this row format suits: ``"preference"`` pairs,
-    ``"prompts"`` (a prompt and the fields a grader reads), else ``"supervised"`` (chat,
-    instruction, prompt/completion, text)."""
-    return dataset_format if dataset_format in DATA_FORMATS else "supervised"
+    """The ``data_format`` a dataset of this row format suits: its format's family
+    (``engine.data.formats``); an unknown format's rows are taken as supervised."""
+    try:
+        return family_of(dataset_format)
+    except ValueError:
+        return "supervised"
 
 
 def fits(dataset_format: str, method: dict[str, Any]) -> bool:

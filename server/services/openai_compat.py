@@ -210,7 +210,8 @@ def train_sections(
                 "roundhouse.method.kind",
                 f"{kind or method.get('objective')!r} contradicts method.type reinforcement (GRPO)",
             )
-        method["kind"] = REINFORCEMENT_OBJECTIVE
+        method.pop("kind", None)
+        method["objective"] = REINFORCEMENT_OBJECTIVE
         if grader is not None:
             method["grader"] = grader
         interval = hyperparameters.get("eval_interval")
@@ -222,7 +223,8 @@ def train_sections(
                 "roundhouse.method.kind",
                 f"{kind or method.get('objective')!r} contradicts method.type {method_type}: use dpo_tuning",
             )
-        method["kind"] = method_type
+        method.pop("kind", None)
+        method["objective"] = method_type
         method["beta"] = _auto(hyperparameters.get("beta"), method.get("beta", AUTO_BETA))
     elif given not in (None, "sft"):
         raise Invalid(

@@ -488,9 +488,9 @@ def test_workload_of_a_dpo_run_counts_pairs() -> None:
     lengths = [10, 30] * 8
     w = Workload.from_train_config(config, num_sequences=8, token_lengths=lengths)
     assert w.mean_seq_len == 30.0  # every batch padded to its longest row, a rejected one
-    packed = config.model_copy(update={"data": config.data.model_copy(update={"packing": True})})
+    # the config refuses packing pairs (the method's check), so no such workload is ever built
     with pytest.raises(ValueError, match=r"data\.packing"):
-        Workload.from_train_config(packed)
+        TrainConfig.parse({**config.model_dump(), "data": {**config.data.model_dump(), "packing": True}})
 
 
 def test_workload_of_a_grpo_run_counts_prompts_times_their_group() -> None:
@@ -515,13 +515,12 @@ def test_workload_of_a_grpo_run_counts_prompts_times_their_group() -> None:
     assert w.mean_prompt_len == 96.0 and w.mean_seq_len == 128.0  # one batch, padded to its longest
     w = Workload.from_train_config(config, num_sequences=4, token_lengths=[10, 20, 30, 40])
     assert (w.mean_prompt_len, w.mean_seq_len) == (40.0, 72.0)
-    # the run's refusals: packing (the config itself refuses it), and a completion that leaves
-    # the prompt no room
+    # the run's refusals, which the config itself makes (GRPO's check): packing, and a completion
+    # that leaves the prompt no room
     with pytest.raises(ConfigError, match=r"data\.packing=true"):
         TrainConfig.parse(raw | {"data": raw["data"] | {"packing": True}})
-    bad = TrainConfig.parse(raw | {"method": raw["method"] | {"max_completion_tokens": 128}})
     with pytest.raises(ConfigError) as info:
-        Workload.from_train_config(bad)
+        TrainConfig.parse(raw | {"method": raw["method"] | {"max_completion_tokens": 128}})
     assert info.value.field == "method.max_completion_tokens"
     # a step: its training iteration, then its rollouts; other methods have none
     box = Hardware(num_gpus=2, gpu_memory_gb=24.0)

@@ -32,7 +32,6 @@ def test_the_formats_schema_names_the_registrys_families(client: TestClient) -> 
 
 # server/schemas.py's DataOptions.format still spells the names out as a Literal, without "kto";
 # it becomes ``format: FormatChoice = "auto"`` (engine.data.formats), and this test then passes
-@pytest.mark.xfail(strict=True, reason="DataOptions.format is a Literal copy of the list, not FormatChoice")
 def test_the_job_schema_names_the_registrys_formats(client: TestClient) -> None:
     schemas = client.get("/openapi.json").json()["components"]["schemas"]
     assert schemas["DataOptions"]["properties"]["format"]["enum"] == ["auto", *format_names()]

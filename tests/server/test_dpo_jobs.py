@@ -59,12 +59,12 @@ def test_a_dpo_job_on_preference_pairs_keeps_its_method(client: TestClient) -> N
     r = post_job(client, pairs, {"kind": "dpo"})
     assert r.status_code == 201, r.text
     method = r.json()["config"]["method"]
-    assert (method["kind"], method["beta"], method["dpo_tuning"]) == ("dpo", 0.1, "lora")
+    assert (method["objective"], method["beta"], method["tuning"]) == ("dpo", 0.1, "lora")
 
     r = post_job(client, pairs, {"kind": "dpo", "dpo_tuning": "full", "beta": 0.5})
     assert r.status_code == 201, r.text
     method = r.json()["config"]["method"]
-    assert (method["kind"], method["beta"], method["dpo_tuning"]) == ("dpo", 0.5, "full")
+    assert (method["objective"], method["beta"], method["tuning"]) == ("dpo", 0.5, "full")
     # a preference validation set, and the format named explicitly, are fine too
     r = post_job(client, pairs, {"kind": "dpo"}, validation_dataset_id=pairs, data={"format": "preference"})
     assert r.status_code == 201, r.text

@@ -262,7 +262,7 @@ def test_dpo_jobs_take_preference_files(idle: LiveServer) -> None:
     assert job.method.dpo is not None and job.method.dpo.hyperparameters is not None
     assert job.method.dpo.hyperparameters.beta == 0.25
     config = idle.http().get(f"/api/jobs/{job.to_dict()['roundhouse']['job_id']}").json()["config"]
-    assert (config["method"]["kind"], config["method"]["beta"], config["hyper"]["learning_rate"]) == (
+    assert (config["method"]["objective"], config["method"]["beta"], config["hyper"]["learning_rate"]) == (
         "dpo",
         0.25,
         1e-4,
@@ -602,7 +602,7 @@ def test_auto_resolves_to_the_stated_defaults() -> None:
     dpo = openai_compat.train_sections(
         method_type="dpo", hyperparameters={"beta": "auto"}, seed=0, options={}
     )
-    assert dpo["method"] == {"kind": "dpo", "beta": 0.1}
+    assert dpo["method"] == {"objective": "dpo", "beta": 0.1}
     assert fine_tuned.parse_model("ft:Org/Model-1:x:abc:ckpt-step-12") == ("abc", 12)
     assert fine_tuned.parse_model("ft:tiny:roundhouse:abc") == ("abc", None)
     assert fine_tuned.parse_model("tiny") is None and fine_tuned.parse_model("ft:a:b") is None

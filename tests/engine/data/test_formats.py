@@ -76,7 +76,6 @@ def test_the_cli_lists_the_registrys_formats() -> None:
 
 # engine/config.py's DataSpec.format still spells the names out as a Literal, without "kto"; it
 # becomes ``format: FormatChoice = "auto"`` (engine.data.formats), and this test then passes
-@pytest.mark.xfail(strict=True, reason="DataSpec.format is a Literal copy of the list, not FormatChoice")
 def test_the_run_configuration_takes_the_registrys_formats() -> None:
     schema = TrainConfig.model_json_schema()
     assert schema["$defs"]["DataSpec"]["properties"]["format"]["enum"] == ["auto", *format_names()]

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from engine import EngineConfig, RoundPipe
-from engine.methods import dpo
-from engine.methods.dpo import PairStats, dpo_loss_sum, dpo_losses, pair_rewards
+from engine.methods.dpo import train as dpo
+from engine.methods.dpo.train import PairStats, dpo_loss_sum, dpo_losses, pair_rewards
 from engine.metrics import ListSink
 from engine.model.loss import chunked_sequence_logps, sequence_logps
 from engine.parallel.pairs import split_pairs

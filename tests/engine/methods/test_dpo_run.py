@@ -12,7 +12,7 @@ from engine import demo
 from engine.commands.cli import main
 from engine.config import TrainConfig
 from engine.errors import ConfigError
-from engine.methods.dpo import REFERENCE_FILE
+from engine.methods.dpo.train import REFERENCE_FILE
 from engine.metrics import ListSink
 from engine.training.checkpoint import load_state
 from engine.training.run import train
@@ -127,7 +127,7 @@ def test_cli_train_takes_the_method_flags(workspace: Path, tmp_path: Path, capsy
     assert "succeeded at step 2/2" in out
     trainer = load_state(tmp_path / "cli" / "checkpoints" / "step_000002")[1]
     assert trainer["method"] == "dpo"
-    assert trainer["config"]["method"]["beta"] == 0.3 and trainer["config"]["method"]["dpo_tuning"] == "full"
+    assert trainer["config"]["method"]["beta"] == 0.3 and trainer["config"]["method"]["tuning"] == "full"
     assert main(["train", str(path), "--beta", "0"]) == 2
     assert "method.beta" in capsys.readouterr().err
 

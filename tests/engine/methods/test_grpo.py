@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, RoundPipe
-from engine.methods.grpo import GRPOObjective, divisor, group_advantages
+from engine.methods.grpo.train import GRPOObjective, divisor, group_advantages
 from engine.model.loss import token_logps
 from engine.parallel.objective import objective_metrics
 from tests.engine.tiny import SPLIT_PLAN, VOCAB, bitwise_equal, max_diff, tiny_model

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.config import MethodSpec
+from engine.config import method_options
 from engine.data.batches import Batcher
 from engine.data.prompts import PromptItem
 from engine.errors import ConfigError
 from engine.kinds import EngineEvent
-from engine.methods.grpo import GRPORun
+from engine.methods.grpo.train import GRPORun
 from engine.methods.rollouts import RolloutBatch
 from engine.metrics import ListSink
 from engine.model.loading import load_model
@@ -170,9 +170,9 @@ def test_the_batcher_serves_each_batch_num_iterations_times() -> None:
 
 
 def test_num_iterations_is_checked_and_a_full_fine_tune_takes_a_kl_term(workspace: Path) -> None:
-    spec = MethodSpec(objective="grpo", tuning="full", grader=GRADER, beta=0.04, num_iterations=4)
+    spec = method_options(objective="grpo", tuning="full", grader=GRADER, beta=0.04, num_iterations=4)
     assert (spec.beta, spec.num_iterations) == (0.04, 4)
-    assert MethodSpec(objective="grpo", grader=GRADER).num_iterations == 1
+    assert method_options(objective="grpo", grader=GRADER).num_iterations == 1
     for bad in (0, 17):
         with pytest.raises(ConfigError) as refused:
             config(workspace, "x", method={"num_iterations": bad})

@@ -10,9 +10,9 @@ import pytest
 
 from engine import demo
 from engine.commands.cli import main
-from engine.config import MethodSpec, TrainConfig
+from engine.config import TrainConfig, method_options
 from engine.errors import ConfigError
-from engine.methods.grpo import ROLLOUTS_EVENT, SAMPLES_EVENT
+from engine.methods.grpo.train import ROLLOUTS_EVENT, SAMPLES_EVENT
 from engine.metrics import ListSink
 from engine.training.checkpoint import load_state
 from engine.training.run import train
@@ -132,13 +132,15 @@ def test_config_errors_name_the_field(workspace: Path) -> None:
         check = {"type": "string_check", "name": "c", "input": "a", "reference": "b", "operation": "equals"}
         config(workspace, "x", method={"grader": check})
     assert bad.value.field == "method.grader.operation" and "'equals'" in str(bad.value), bad.value
-    with pytest.raises(ConfigError, match="only GRPO uses a grader"):
+    # a field another method owns: the grader is GRPO's alone
+    with pytest.raises(ConfigError, match=r"method\.grader: Extra inputs are not permitted") as other:
         config(workspace, "x", method={"objective": "sft", "grader": GRADER, "beta": 0.1})
+    assert other.value.field == "method.grader"
     # a full fine-tune's KL term: its reference is a frozen copy of its initial weights
     assert config(workspace, "x", method={"tuning": "full", "beta": 0.1}).method.beta == 0.1
     # GRPO's default beta is 0 (no KL term, no reference pass), whatever trains
-    assert MethodSpec(objective="grpo", tuning="full", grader=GRADER).beta == 0
-    assert MethodSpec(objective="grpo", grader=GRADER).beta == 0 and MethodSpec().beta == 0.1
+    assert method_options(objective="grpo", tuning="full", grader=GRADER).beta == 0
+    assert method_options(objective="grpo", grader=GRADER).beta == 0 and method_options(objective="dpo").beta == 0.1
     with pytest.raises(ConfigError, match=r"method\.base_bits=4: GRPO samples on the host"):
         config(workspace, "x", method={"base_bits": 4})
     with pytest.raises(ConfigError, match=r"data\.packing=true: GRPO samples whole completions"):

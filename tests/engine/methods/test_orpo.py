@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from engine import EngineConfig, RoundPipe
-from engine.methods import orpo
-from engine.methods.orpo import OrpoStats, orpo_losses
+from engine.methods.orpo import train as orpo
+from engine.methods.orpo.train import OrpoStats, orpo_losses
 from engine.metrics import ListSink
 from tests.engine.methods.test_dpo import direct_logps, lora_model, pair_batch
 from tests.engine.tiny import SPLIT_PLAN, bitwise_equal, max_diff, tiny_model
@@ -157,5 +157,5 @@ def test_every_registered_method_has_its_run_and_objective() -> None:
         objective = entry.objective_class()
         assert issubclass(objective, Objective), entry.name
         # a method on pairs scores whole sequences; a supervised one scores tokens
-        assert issubclass(objective, PairScores) == (entry.sequences_per_example == 2), entry.name
+        assert issubclass(objective, PairScores) == (entry.data_format == "preference"), entry.name
         assert objective.per_sequence == (entry.data_format == "preference"), entry.name

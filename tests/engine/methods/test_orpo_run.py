@@ -9,7 +9,7 @@ import torch
 
 from engine.commands.cli import main
 from engine.errors import ConfigError
-from engine.methods.dpo import REFERENCE_FILE
+from engine.methods.dpo.train import REFERENCE_FILE
 from engine.metrics import ListSink
 from engine.training.checkpoint import load_state
 from engine.training.run import train

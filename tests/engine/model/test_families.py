@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from engine.config import MethodSpec
+from engine.config import method_options
 from engine.errors import ConfigError
 from engine.model.adapter import AdaptedModel, count_label_tokens, run_layer
 from engine.model.families import (
@@ -55,7 +55,7 @@ def test_every_family_adapts_and_its_lora_targets_are_linear_layers(family: str)
 
 
 def test_the_default_lora_targets_are_those_of_every_llama_layout_family() -> None:
-    assert MethodSpec().target_modules == list(DEFAULT_LORA_TARGETS)
+    assert method_options().target_modules == list(DEFAULT_LORA_TARGETS)
     # fused gate_up_proj (and Phi-3's qkv_proj); the mixture-of-experts families: their attention
     fused = {
         "Glm4ForCausalLM",

@@ -173,7 +173,7 @@ def test_router_loss_is_refused_by_the_pair_and_token_objectives() -> None:
     """DPO/ORPO pairs and GRPO's tokens have no router loss: the engine says so, naming the
     setting, before any work (the run config refuses it first; this is the library's guard)."""
     from engine import RoundPipe
-    from engine.methods.grpo import GRPOObjective
+    from engine.methods.grpo.train import GRPOObjective
 
     batch = tiny_batch(batch=4, seed=1)
     with RoundPipe(moe_model("qwen3_moe"), EngineConfig(router_aux_loss=True)) as rp:

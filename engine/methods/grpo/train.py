@@ -39,15 +39,16 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, get_args
 
 import torch
 
 from engine.data.batches import split_validation
 from engine.data.prompts import PromptItem, load_prompts
-from engine.errors import ConfigError
+from engine.graders import validate_grader
 from engine.kinds import EngineEvent
 from engine.methods.base import MethodRun
+from engine.methods.grpo import GrpoOptions
 from engine.methods.rollouts import (
     Rollout,
     RolloutBatch,
@@ -64,7 +65,7 @@ from engine.roundpipe import RoundPipe
 if TYPE_CHECKING:
     from engine.parallel.board import Iteration, MicroBatch
 
-LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
+LOSS_TYPES: tuple[str, ...] = get_args(GrpoOptions.model_fields["loss_type"].annotation)
 SAMPLES_EVENT = "samples"  # a step's sample completions with their rewards: data {"step", "samples"}
 ROLLOUTS_EVENT = "rollouts"  # where the rollouts sample: data {"device"}
 SAMPLES_SHOWN = 4  # completions per step in the samples event
@@ -227,32 +228,16 @@ class GRPOObjective(TokenScores):
         return {"grpo/kl": kl / tokens, "grpo/clip_fraction": clipped / tokens}
 
 
-def _grader(config: Any) -> Any:
-    from engine.graders import validate_grader
-
-    spec = config.method.grader
-    if spec is None:
-        raise ConfigError("method.grader", "method.grader: GRPO needs a grader (e.g. a string_check)")
-    return validate_grader(spec, field="method.grader")
-
-
 class GRPORun(MethodRun):
     """A GRPO run: its prompts, its grader, the rollouts and updates of each step."""
 
     def __init__(self, config: Any, tokenizer: Any) -> None:
         super().__init__(config, tokenizer)
-        # the config refused what GRPO cannot train with (packing, the router loss, a 4-bit base):
-        # ``engine.config``
+        # the config refused what GRPO cannot train with (packing, the router loss, a 4-bit base,
+        # no room for a prompt): ``GrpoOptions``
         m, data = config.method, config.data
-        self.steps_per_batch = m.num_iterations
+        self.steps_per_batch = m.steps_per_batch()
         budget = data.max_length - m.max_completion_tokens
-        if budget < 1:
-            raise ConfigError(
-                "method.max_completion_tokens",
-                f"method.max_completion_tokens={m.max_completion_tokens} leaves no room for the prompt "
-                f"within data.max_length={data.max_length}",
-                value=m.max_completion_tokens,
-            )
         self.sampling = Sampling(m.group_size, m.max_completion_tokens, m.temperature, m.top_p)
         self.train: list[PromptItem] = load_prompts(
             data.train, tokenizer, fmt=data.format, max_prompt_tokens=budget
@@ -265,7 +250,7 @@ class GRPORun(MethodRun):
             self.train, self.validation = split_validation(
                 self.train, data.validation_fraction, config.hyper.seed
             )
-        self.grader = _grader(config)
+        self.grader = validate_grader(m.grader, field="method.grader")
         self.sink: Sink | None = None
         self.pad_id = 0
         self.current: RolloutBatch | None = None  # the batch the next steps train on

@@ -17,9 +17,10 @@ label tokens.
 The reference log-probabilities of every training and validation pair are computed once, before
 the first step and before a resume loads its weights, through the engine with the LoRA adapters
 off (the base model) for a LoRA run, or on the initial weights for a full fine-tune. They are
-stored in the run folder (``dpo_reference.pt``, written atomically), so a resumed or redelivered
-run reads them instead of computing them again; the file carries a fingerprint of the pairs'
-tokens, the base model and the compute dtype, and is recomputed when any of them changed. A
+stored in the run folder (``dpo_reference.pt``, written atomically by
+``engine.methods.reference_file``), so a resumed or redelivered run reads them instead of
+computing them again; the file carries a fingerprint of the pairs' tokens, the base model and
+the compute dtype, and is recomputed when any of them changed. A
 batch's rows find their reference values by their tokens (a digest of each row's ids and labels),
 whatever order the batcher drew them in.
 """
@@ -27,7 +28,6 @@ whatever order the batcher drew them in.
 from __future__ import annotations
 
 import hashlib
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +46,7 @@ from engine.methods.preference import (
     check_beta,
     pair_rows,
 )
+from engine.methods.reference_file import read_reference, row_key, write_reference
 from engine.metrics import Sink
 from engine.parallel.objective import Upload
 from engine.roundpipe import RoundPipe
@@ -228,13 +229,6 @@ def evaluate(
     return stats
 
 
-def row_key(input_ids: Any, labels: Any) -> bytes:
-    """A digest of one sequence's ids and labels (lists or 1-D tensors, without padding)."""
-    ids = torch.as_tensor(input_ids, dtype=torch.int64).numpy().tobytes()
-    lab = torch.as_tensor(labels, dtype=torch.int64).numpy().tobytes()
-    return hashlib.blake2b(ids + b"|" + lab, digest_size=16).digest()
-
-
 class DpoRun(PreferenceRun):
     """The pairs of a DPO run and their reference log-probabilities."""
 
@@ -270,7 +264,7 @@ class DpoRun(PreferenceRun):
         """
         path = folder / REFERENCE_FILE
         fingerprint = self.fingerprint(base=base, compute_dtype=compute_dtype)
-        stored = _read(path)
+        stored = read_reference(path)
         if stored is not None and stored.get("fingerprint") == fingerprint:
             train, val = stored["train"], stored["validation"]
             sink.event(EngineEvent.REFERENCE, f"reference log-probabilities read from {REFERENCE_FILE}", {})
@@ -278,7 +272,7 @@ class DpoRun(PreferenceRun):
             started = time.perf_counter()
             train = self.reference_logps(engine, self.train, batch_size, pad_id)
             val = self.reference_logps(engine, self.validation, batch_size, pad_id)
-            _write_atomic(path, {"fingerprint": fingerprint, "train": train, "validation": val})
+            write_reference(path, {"fingerprint": fingerprint, "train": train, "validation": val})
             n = len(self.train) + len(self.validation)
             seconds = time.perf_counter() - started
             what = "the base model (adapters off)" if self.lora else "the initial weights"
@@ -331,29 +325,3 @@ class DpoRun(PreferenceRun):
 
 RUN = DpoRun
 OBJECTIVE = DpoObjective
-
-
-def _read(path: Path) -> dict[str, Any] | None:
-    if not path.is_file():
-        return None
-    try:
-        data = torch.load(path, weights_only=True)
-    except Exception:  # a damaged file is computed again
-        return None
-    return data if isinstance(data, dict) else None
-
-
-def _write_atomic(path: Path, data: dict[str, Any]) -> None:
-    """Write to a temporary file beside ``path``, fsync it, rename it into place."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with tmp.open("wb") as f:
-        torch.save(data, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
