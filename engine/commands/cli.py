@@ -3,7 +3,8 @@
     roundhouse train CONFIG [--method dpo|orpo --beta B --dpo-tuning lora|full]
                                                   fine-tune (resumes from the latest checkpoint)
     roundhouse validate-data FILE [--model M]     check every row; token statistics with a model
-    roundhouse export CHECKPOINT --out DIR [--merged | --gguf [--quant f16|bf16|q8_0|q4_k_m]]
+    roundhouse export CHECKPOINT --out DIR [--format FORMAT [--variant V] | --merged | --gguf]
+                                                  formats and variants: engine.export.formats
     roundhouse generate CHECKPOINT_OR_MODEL --prompt TEXT
     roundhouse eval MODEL [--adapter CHECKPOINT] --data HELDOUT
     roundhouse chat CHECKPOINT [--temperature T --top-p P --max-tokens N --base B]   (reads stdin)
@@ -31,9 +32,10 @@ from typing import TYPE_CHECKING, Any
 from engine.commands.chat import add_chat_command
 from engine.commands.common import ProgressSink
 from engine.commands.demo import add_demo_command
-from engine.data.read import FORMATS
+from engine.data.formats import format_names
 from engine.errors import ConfigError
-from engine.methods import TUNINGS, method_entry, preference_methods
+from engine.export.formats import FORMATS, VARIANTS, ExportFormat, formats_help, variants_help
+from engine.methods import TUNINGS, preference_methods
 
 if TYPE_CHECKING:
     from engine.config import TrainConfig
@@ -130,7 +132,7 @@ def plan_config(args: argparse.Namespace) -> tuple[TrainConfig, int | None]:
     config = TrainConfig.parse(raw)
     rows = None
     # rows give the step count under epochs, and a reference pass (DPO's) in any case
-    counted = config.hyper.max_steps is None or method_entry(config.method.objective).needs_reference
+    counted = config.hyper.max_steps is None or config.method.needs_reference()
     if args.config and counted and Path(config.data.train).is_file():
         rows = sum(1 for _, record in read_records(config.data.train) if isinstance(record, dict))
     return config, rows
@@ -255,33 +257,55 @@ def cmd_validate_data(args: argparse.Namespace) -> int:
     return 0 if report.ok else 2
 
 
+def export_format(args: argparse.Namespace) -> ExportFormat:
+    """The format ``roundhouse export`` asks for: ``--format``, or its shorthands ``--merged`` and
+    ``--gguf``; the checkpoint's own files when none.
+
+    Raises:
+        ValueError: more than one given.
+    """
+    from engine.export.formats import CHECKPOINT, format_named
+
+    given = [f"--{name}" for name in ("gguf", "merged") if getattr(args, name)]
+    given += [f"--format {args.format}"] if args.format else []
+    if len(given) > 1:
+        raise ValueError(f"{' and '.join(given)}: choose one (a GGUF of a LoRA checkpoint is merged already)")
+    if not given:
+        return CHECKPOINT
+    return format_named(args.format or given[0].removeprefix("--"))
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     import shutil
     import tempfile
 
     from engine.errors import DiskFull
+    from engine.export.formats import CHECKPOINT, BuildOptions, copy_export
     from engine.inference.generate import base_of
-    from engine.model.export import is_adapter, merge_adapter, model_bytes
+    from engine.model.export import model_bytes
+    from engine.training.checkpoint_layout import STATE_DIR, CheckpointKind, export_files, kind_of
 
     src = Path(args.checkpoint)
-    if not (src / "state").is_dir() and not is_adapter(src) and not (src / "config.json").is_file():
+    kind = kind_of(src)
+    model_folder = (src / "config.json").is_file()
+    if not (src / STATE_DIR).is_dir() and kind != CheckpointKind.ADAPTER and not model_folder:
         raise ValueError(f"{src} is not a checkpoint folder")
     out = Path(args.out)
-    if args.gguf and args.merged:
-        raise ValueError("--gguf and --merged: choose one (a GGUF of a LoRA checkpoint is merged already)")
-    base = Path(args.base) if args.base else base_of(src) if is_adapter(src) else None
-    if args.merged and not is_adapter(src):
-        raise ValueError(f"{src} is a full model already; --merged applies to LoRA checkpoints")
-    if args.merged and base is None:
+    chosen = export_format(args)
+    if args.variant is not None and not chosen.variants:
+        raise ValueError(f"--variant {args.variant}: the {chosen.name} format has no variants")
+    variant = chosen.variant_of(args.variant)
+    reason = chosen.refusal(kind=kind)
+    if reason is not None:
+        raise ValueError(f"{src} is a {kind} checkpoint: {reason}")
+    base = Path(args.base) if args.base else base_of(src) if kind == CheckpointKind.ADAPTER else None
+    if chosen.needs_base(kind) and base is None:
         raise ValueError(f"{src}: no recorded base model, pass --base")
-    if not args.merged and not args.gguf and out.exists():
+    if chosen is CHECKPOINT and out.exists():
         raise FileExistsError(f"{out} exists already")
-    files = [p for p in src.rglob("*") if p.is_file() and p.relative_to(src).parts[0] != "state"]
-    own = sum(p.stat().st_size for p in files)
-    # what the export writes: a copy of its files; a merge's fp32 weights (a GGUF: those, then the GGUF)
-    needed = (
-        own if not (args.merged or args.gguf) else own + model_bytes(base or src) * (2 if args.gguf else 1)
-    )
+    own = sum(p.stat().st_size for p in export_files(src))
+    # what the export writes: a copy of its files, and the model copies of its build
+    needed = own + (model_bytes(base or src) * chosen.model_copies if chosen.model_copies else 0)
     out.parent.mkdir(parents=True, exist_ok=True)
     check_space(out, needed)
     # written into a scratch folder beside it, then moved into place: a failure leaves nothing
@@ -289,22 +313,17 @@ def cmd_export(args: argparse.Namespace) -> int:
     built, said = work / "out", f"exported {src} -> {out}"
     try:
         try:
-            if args.gguf:
-                from engine.export.bundle import export_gguf_folder
-
-                info = export_gguf_folder(src, built, quant=args.quant, base=base, system=args.system)
-                said += f": {', '.join(info['files'])} ({info['arch']}, {info['quant']})"
-            elif args.merged:
-                assert base is not None  # refused above
-                merge_adapter(src, base, built)
-            else:
-                shutil.copytree(src, built, ignore=shutil.ignore_patterns("state"))
+            options = BuildOptions(variant=variant, base=base, system=args.system)
+            result = chosen.build(src, built, options)
+            if result.folder == src:  # the checkpoint's own files
+                copy_export(src, built)
+            said += f": {result.note}" if result.note else ""
         except Exception as exc:
             if not _no_space(exc, out.parent):
                 raise
             free = shutil.disk_usage(out.parent).free
             raise DiskFull(str(out), needed_bytes=max(needed, free + 1), free_bytes=free) from exc
-        if args.gguf and out.is_dir():  # files in it are replaced, the others stay
+        if chosen.variants and out.is_dir():  # its files replaced, the other variants' stay
             for path in built.iterdir():
                 path.replace(out / path.name)
         else:
@@ -475,17 +494,28 @@ def build_parser() -> argparse.ArgumentParser:
     v = with_models(sub.add_parser("validate-data", help="check a dataset file row by row"))
     v.add_argument("file")
     v.add_argument("--model", help='a model folder or "demo" (for chat templates and token counts)')
-    v.add_argument("--format", default="auto", choices=["auto", *FORMATS])
+    v.add_argument("--format", default="auto", choices=["auto", *format_names()])
     v.add_argument("--max-length", type=int, default=1024)
     v.add_argument("--json", action="store_true")
     v.set_defaults(func=cmd_validate_data)
     e = sub.add_parser("export", help="copy a checkpoint's export, or merge a LoRA adapter into its base")
     e.add_argument("checkpoint")
     e.add_argument("--out", required=True)
-    e.add_argument("--merged", action="store_true")
-    e.add_argument("--gguf", action="store_true", help="a GGUF for llama.cpp and Ollama, with a Modelfile")
-    e.add_argument("--quant", default="f16", choices=["f16", "bf16", "q8_0", "q4_k_m"], help="with --gguf")
-    e.add_argument("--system", help="with --gguf: the Modelfile's system prompt (default: the data's)")
+    e.add_argument(
+        "--format",
+        choices=list(FORMATS),
+        help=formats_help(),
+    )
+    e.add_argument(
+        "--variant",
+        "--quant",
+        dest="variant",
+        choices=list(VARIANTS),
+        help=variants_help(),
+    )
+    e.add_argument("--merged", action="store_true", help="the same as --format merged")
+    e.add_argument("--gguf", action="store_true", help="the same as --format gguf")
+    e.add_argument("--system", help="gguf: the Modelfile's system prompt (default: the data's)")
     e.add_argument("--base", help="the base model folder (default: the one the run recorded)")
     e.set_defaults(func=cmd_export)
     g = with_models(sub.add_parser("generate", help="greedy completion of a prompt"))

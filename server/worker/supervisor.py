@@ -19,8 +19,7 @@ from types import TracebackType
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
-from engine.training.folders import latest as latest_checkpoint
-from engine.training.folders import list_checkpoints
+from engine.training import checkpoint_layout as layout
 from server.db import unavailable
 from server.kinds import EventKind, JobStatus
 from server.services import checkpoints, gpus, inference, jobs, placement
@@ -65,7 +64,7 @@ def _resume_step(session: Session, job_id: str, folder: Path) -> int | None:
     """The step a restarted run resumes from: the latest checkpoint recorded for the job, or a later
     one complete on this host's disk whose row the killed process had no time to record."""
     recorded = _last_checkpoint(session, job_id)
-    on_disk = latest_checkpoint(folder / "checkpoints")
+    on_disk = layout.latest(layout.checkpoints_dir(folder))
     steps = [s for s in (recorded, on_disk[0] if on_disk else None) if s is not None]
     return max(steps) if steps else None
 
@@ -86,11 +85,11 @@ def record_unrecorded(settings: Settings, session: Session, *, job_id: str, outp
         return []
     last = _last_checkpoint(session, job_id)
     found = []
-    for step, path in list_checkpoints(folder / "checkpoints"):
+    for step, path in layout.list_checkpoints(layout.checkpoints_dir(folder)):
         if last is not None and step <= last:
             continue
-        kind = "adapter" if (path / "adapter_config.json").is_file() else "full"
-        key = f"{output_dir}/checkpoints/{path.name}"
+        kind = str(layout.kind_of(path))
+        key = f"{layout.checkpoints_key(output_dir)}/{path.name}"
         checkpoints.record(session, job_id=job_id, step=step, path=key, kind=kind, metrics={}, storage=store)
         jobs.add_event(
             session,
