@@ -65,6 +65,14 @@ class Server:
         )
 
 
+def method_entry(server: Server, name: str) -> dict[str, Any]:
+    """A method's entry of GET /api/methods: what the new-job form and the job page render from."""
+    with server.client() as client:
+        r = client.get("/api/methods")
+    assert r.status_code == 200, r.text
+    return next(m for m in r.json()["data"] if m["name"] == name)
+
+
 def run_cli(process: Process, *args: str) -> str:
     """What ``roundhouse ARGS`` prints on stdout, run with the server's environment."""
     done = subprocess.run(roundhouse(*args), env=process.env, capture_output=True, text=True, timeout=60)

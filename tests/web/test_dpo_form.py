@@ -1,8 +1,8 @@
-"""A DPO job from the new-job page: the method offers DPO with its tuning and beta (only the fields
-that apply shown), the dataset pickers say which datasets fit, the fit preview plans the DPO job
-itself (2 sequences per pair, the reference pass in the ETA), a supervised job on preference pairs
-is refused naming the dataset, and the DPO job's request and page carry its method. It leaves no
-job or dataset behind."""
+"""A DPO job from the new-job page: the method offers DPO with its tuning and beta, rendered from
+its entry of GET /api/methods (only the fields that apply shown), the dataset pickers say which
+datasets fit, the fit preview plans the DPO job itself (2 sequences per pair, the reference pass in
+the ETA), a supervised job on preference pairs is refused naming the dataset, and the DPO job's
+request and page carry its method. It leaves no job or dataset behind."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.web.conftest import CHROMIUM, ConsoleWatch, Server, screenshot
+from tests.web.conftest import CHROMIUM, ConsoleWatch, Server, method_entry, screenshot
 
 if not Path(CHROMIUM).exists():
     pytest.skip(f"no Chromium at {CHROMIUM}", allow_module_level=True)
@@ -86,16 +86,18 @@ def test_a_dpo_job_from_the_new_job_page(
     page.check("input#method-dpo")
     expect(page.locator("select#dataset")).to_have_value(made["pairs"])
     expect(dpo_options).to_be_visible()
-    expect(page.locator('label[for="batch-size"]')).to_have_text("Batch size (pairs)")
+    expect(page.locator('label[for="batch-size"]')).to_have_text("Batch size (rows)")
     expect(dpo_options).to_contain_text("a preferred and a rejected answer")
-    expect(page.locator("#dpo-beta")).to_have_value("0.1")
-    expect(page.locator("#dpo-beta-hint")).to_contain_text("how far the model may move")
+    beta = method_entry(server, "dpo")["options_schema"]["properties"]["beta"]
+    expect(page.locator("#dpo-beta")).to_have_value(str(beta["default"]))
+    expect(page.locator('label[for="dpo-beta"]')).to_have_text(beta["title"])
+    expect(page.locator("#dpo-beta-hint")).to_have_text(beta["description"])
     expect(page.locator("#dataset-fit")).to_contain_text("preference dataset")
     chat_option = page.locator(f'select#dataset option[value="{made["chat"]}"]')
     expect(chat_option).to_have_attribute("data-fits", "false")
-    expect(chat_option).to_contain_text("not preference pairs")
+    expect(chat_option).to_contain_text("— for Supervised fine-tuning")
     expect(page.locator(f'select#dataset option[value="{made["pairs"]}"]')).to_contain_text(
-        "pairs, preference"
+        f"{len(PAIRS)} rows, preference"
     )
     page.select_option("select#dpo-tuning", "full")
     expect(rank).to_be_hidden()  # a full DPO run has no adapter
@@ -109,13 +111,13 @@ def test_a_dpo_job_from_the_new_job_page(
 
     with page.expect_response(dpo_plan, timeout=30_000) as answer:
         page.fill("input#dpo-beta", "0.2")
-    expect(page.locator("#request-preview")).to_contain_text('"kind": "dpo"')
+    expect(page.locator("#request-preview")).to_contain_text('"objective": "dpo"')
     # the fit preview plans the DPO job as sent: 2 sequences per pair, and the reference pass
     response = answer.value
     assert response.status == 200, response.text()
     assert response.request.post_data_json["method"] == {
-        "kind": "dpo",
-        "dpo_tuning": "lora",
+        "objective": "dpo",
+        "tuning": "lora",
         "beta": 0.2,
         "lora_r": 4,
     }
@@ -143,7 +145,7 @@ def test_a_dpo_job_from_the_new_job_page(
         page.get_by_role("button", name="Start fine-tune").click()
     body = sent.value.post_data_json
     assert body["dataset_id"] == made["pairs"], body
-    assert body["method"] == {"kind": "dpo", "dpo_tuning": "lora", "beta": 0.2, "lora_r": 4}, body
+    assert body["method"] == {"objective": "dpo", "tuning": "lora", "beta": 0.2, "lora_r": 4}, body
     page.wait_for_url(re.compile(r"#/jobs/[0-9a-f]+$"), timeout=20_000)
     job_id = page.url.rsplit("/", 1)[1]
     made["jobs"].append(job_id)
@@ -151,7 +153,12 @@ def test_a_dpo_job_from_the_new_job_page(
         job = client.get(f"/api/jobs/{job_id}").json()
         client.post(f"/api/jobs/{job_id}/pause")  # what it trains is the engine's to test
     method = job["config"]["method"]
-    assert (method["kind"], method["dpo_tuning"], method["beta"], method["lora_r"]) == ("dpo", "lora", 0.2, 4)
+    assert (method["objective"], method["tuning"], method["beta"], method["lora_r"]) == (
+        "dpo",
+        "lora",
+        0.2,
+        4,
+    )
     expect(page.locator("#job-method")).to_have_text("DPO (LoRA), beta 0.2")
     expect(page.locator("#reward-margin-chart")).to_be_visible()
     expect(page.locator("#reward-accuracy-chart")).to_be_visible()

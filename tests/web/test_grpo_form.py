@@ -1,7 +1,8 @@
-"""A GRPO job from the new-job page: the method listing's GRPO option with its grader editor, a bad
-grader refused as it is typed (the field named next to it), the grader tried on the first rows of
-the prompts dataset (a reward per row), the plan with its rollouts, and the job page with the
-method, the reward charts and the graded samples of the run's steps. It leaves no job behind."""
+"""A GRPO job from the new-job page: the method listing's GRPO option with its grader editor (its
+other options rendered from its schema), a bad grader refused as it is typed (the field named next
+to it), the grader tried on the first rows of the prompts dataset (a reward per row), the plan with
+its rollouts, and the job page with the method, the reward charts and the graded samples of the
+run's steps. It leaves no job behind."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.web.conftest import CHROMIUM, ConsoleWatch, Server, screenshot
+from tests.web.conftest import CHROMIUM, ConsoleWatch, Server, method_entry, screenshot
 
 if not Path(CHROMIUM).exists():
     pytest.skip(f"no Chromium at {CHROMIUM}", allow_module_level=True)
@@ -60,12 +61,17 @@ def test_a_grpo_job_from_the_new_job_page(
         advanced.locator("summary").click()
     page.fill("input#num-microbatches", "2")
 
+    schema = method_entry(server, "grpo")["options_schema"]["properties"]
     page.check("input#method-grpo")
     options = page.locator("fieldset#grpo-options")
     expect(options).to_be_visible()
     expect(page.locator("#dpo-options")).to_be_hidden()
-    expect(page.locator("#base-4bit-field")).to_be_hidden()  # GRPO samples with the base's weights
-    expect(page.locator('label[for="batch-size"]')).to_have_text("Batch size (prompts)")
+    # the 4-bit base is offered where the method's schema takes method.base_bits=4
+    four_bits = page.locator("#base-4bit-field")
+    expect(four_bits).to_be_visible() if 4 in schema["base_bits"]["enum"] else expect(
+        four_bits
+    ).to_be_hidden()
+    expect(page.locator('label[for="batch-size"]')).to_have_text("Batch size (rows)")
     page.select_option("select#dataset", prompts["prompts"])
     expect(page.locator("#dataset-fit")).not_to_have_class(re.compile(r"\berror\b"))
     # the example grader, checked by the API
@@ -105,7 +111,8 @@ def test_a_grpo_job_from_the_new_job_page(
     # a full fine-tune takes a KL term too (its reference: a copy of its initial weights)
     page.select_option("select#grpo-tuning", "full")
     expect(page.locator("input#grpo-beta")).to_be_enabled()
-    expect(page.locator("input#grpo-beta")).to_have_value("0.04")
+    assert float(page.locator("input#grpo-beta").input_value()) == schema["beta"]["default"]
+    page.fill("input#grpo-beta", "0.04")
     page.select_option("select#grpo-tuning", "lora")
     expect(page.locator("input#grpo-num-iterations")).to_have_value("1")
 
@@ -132,7 +139,7 @@ def test_a_grpo_job_from_the_new_job_page(
     with page.expect_request(lambda r: r.method == "POST" and r.url.endswith("/api/jobs")) as sent:
         page.get_by_role("button", name="Start fine-tune").click()
     body = sent.value.post_data_json
-    assert body["method"] == {
+    chosen = {
         "objective": "grpo",
         "tuning": "lora",
         "grader": spec,
@@ -143,7 +150,12 @@ def test_a_grpo_job_from_the_new_job_page(
         "loss_type": "dapo",
         "num_iterations": 1,
         "lora_r": 4,
-    }, body
+    }
+    # every other option of its own is sent too, at the schema's default
+    common = method_entry(server, "grpo")["common_fields"]
+    defaults = {k: p["default"] for k, p in schema.items() if k not in common and k not in chosen}
+    assert defaults, "GRPO has options the test did not set"
+    assert body["method"] == chosen | defaults, body
     page.wait_for_url(re.compile(r"#/jobs/[0-9a-f]+$"), timeout=20_000)
     job_id = page.url.rsplit("/", 1)[1]
     prompts["jobs"].append(job_id)

@@ -1,6 +1,7 @@
-"""An ORPO job from the new-job page: the method listing's ORPO option with its own legend, beta hint
-and tuning labels (no reference), the fit preview planning pairs without a reference pass, and the
-job page showing its method and ORPO's charts. It leaves no job behind."""
+"""An ORPO job from the new-job page: the method listing's ORPO option with its own fieldset
+(#orpo-options: its title as the legend, its beta's hint from its schema, tuning labels without a
+reference), the fit preview planning pairs without a reference pass, and the job page showing its
+method and ORPO's charts as the listing names them. It leaves no job behind."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tests.web.conftest import CHROMIUM, ConsoleWatch, Server, screenshot
+from tests.web.conftest import CHROMIUM, ConsoleWatch, Server, method_entry, screenshot
 
 if not Path(CHROMIUM).exists():
     pytest.skip(f"no Chromium at {CHROMIUM}", allow_module_level=True)
@@ -50,14 +51,16 @@ def test_an_orpo_job_from_the_new_job_page(
         advanced.locator("summary").click()
     page.fill("input#num-microbatches", "2")
 
+    orpo, dpo = method_entry(server, "orpo"), method_entry(server, "dpo")
     page.check("input#method-orpo")
-    options = page.locator("#dpo-options")
+    options = page.locator("#orpo-options")
     expect(options).to_be_visible()
-    expect(options.locator("legend")).to_have_text("Preference tuning (ORPO)")
-    expect(options).to_contain_text("reference-free")
-    expect(page.locator("#dpo-beta-hint")).to_contain_text("odds-ratio loss")
-    expect(page.locator("select#dpo-tuning option").first).to_have_text("LoRA adapter")
-    expect(page.locator('label[for="batch-size"]')).to_have_text("Batch size (pairs)")
+    expect(page.locator("#dpo-options")).to_be_hidden()
+    expect(options.locator("legend")).to_have_text(orpo["title"])
+    expect(options).to_contain_text(re.compile("reference-free", re.IGNORECASE))
+    expect(page.locator("#orpo-beta-hint")).to_contain_text("odds-ratio loss")
+    expect(page.locator("select#orpo-tuning option").first).to_have_text("LoRA adapter")
+    expect(page.locator('label[for="batch-size"]')).to_have_text("Batch size (rows)")
     page.select_option("select#dataset", pairs["pairs"])
     page.fill("input#lora-r", "4")
 
@@ -66,7 +69,7 @@ def test_an_orpo_job_from_the_new_job_page(
         return response.url.endswith("/api/plan") and sent.get("method", {}).get("beta") == 0.3
 
     with page.expect_response(orpo_plan, timeout=30_000) as answer:
-        page.fill("input#dpo-beta", "0.3")
+        page.fill("input#orpo-beta", "0.3")
     response = answer.value
     assert response.status == 200, response.text()
     plan = response.json()
@@ -77,16 +80,23 @@ def test_an_orpo_job_from_the_new_job_page(
     )
     expect(page.locator("#plan-reference")).to_have_count(0)
 
-    # the DPO option still says what DPO's fields mean
+    # the DPO option has its own fieldset, saying what DPO's fields mean (its reference too)
     page.check("input#method-dpo")
-    expect(options.locator("legend")).to_have_text("Preference tuning (DPO)")
-    expect(page.locator("#dpo-beta-hint")).to_contain_text("how far the model may move")
+    expect(options).to_be_hidden()
+    expect(page.locator("#dpo-options legend")).to_have_text(dpo["title"])
+    expect(page.locator("#dpo-beta-hint")).to_have_text(
+        dpo["options_schema"]["properties"]["beta"]["description"]
+    )
+    expect(page.locator("select#dpo-tuning option").first).to_have_text(
+        "LoRA adapter (the reference is the base model)"
+    )
     page.check("input#method-orpo")
+    expect(page.locator("input#orpo-beta")).to_have_value("0.3")  # each method keeps its own values
 
     with page.expect_request(lambda r: r.method == "POST" and r.url.endswith("/api/jobs")) as sent:
         page.get_by_role("button", name="Start fine-tune").click()
     body = sent.value.post_data_json
-    assert body["method"] == {"kind": "orpo", "dpo_tuning": "lora", "beta": 0.3, "lora_r": 4}, body
+    assert body["method"] == {"objective": "orpo", "tuning": "lora", "beta": 0.3, "lora_r": 4}, body
     page.wait_for_url(re.compile(r"#/jobs/[0-9a-f]+$"), timeout=20_000)
     job_id = page.url.rsplit("/", 1)[1]
     pairs["jobs"].append(job_id)
@@ -96,5 +106,7 @@ def test_an_orpo_job_from_the_new_job_page(
     assert (job["config"]["method"]["objective"], job["config"]["method"]["beta"]) == ("orpo", 0.3)
     expect(page.locator("#job-method")).to_have_text("ORPO (LoRA), beta 0.3")
     expect(page.locator("#reward-margin-chart")).to_be_visible()
-    expect(page.locator("#reward-margin-chart")).to_have_attribute("label", "ORPO log odds ratio")
+    chart = next(c for c in orpo["charts"] if c["id"] == "reward-margin-chart")
+    expect(page.locator("#reward-margin-chart")).to_have_attribute("label", chart["title"])
+    expect(page.locator('section[data-chart="reward-margin-chart"] h2')).to_have_text(chart["title"])
     screenshot(page, "job-orpo")

@@ -1,6 +1,7 @@
 // Job: status, method, progress and ETA, times (created, started, finished, duration), disk use, loss
-// and token accuracy (train and validation), DPO rewards, GRPO rewards, completions and the latest
-// graded samples, throughput, learning rate, bubble ratio,
+// (train and validation), the method's own charts as GET /api/methods lists them (token accuracy,
+// a preference method's rewards, GRPO's rewards and completions), the latest graded samples of a
+// method that samples (data_format "prompts"), throughput, learning rate, bubble ratio,
 // the engine's idle time, waits, transfers and optimizer phases, per-GPU utilization and memory over the job's
 // life, the event log, checkpoints, cancel, pause, resume and delete. Everything is rebuilt from the
 // job's event stream, which replays the stored events and then goes live (again after a resume).
@@ -17,104 +18,67 @@ const DELETABLE = ["succeeded", "failed", "cancelled", "interrupted", "paused"];
 const PAUSABLE = ["queued", "running", "interrupted"];
 const RUNS = ["running", "pausing", "cancelling"]; // a worker runs it: the ETA means something
 
-// The preference methods' charts: a line chart of the pair metrics, and the share of pairs won
-const PREFERENCE_CHARTS = {
-  dpo: {
-    title: "Rewards (DPO)",
-    hint: "Implicit rewards of the preferred (chosen) and rejected answers; the margin is their difference.",
-    label: "DPO reward margin",
-    ylabel: "reward",
-    lines: [
-      ["margin", "dpo/reward_margin"],
-      ["chosen", "dpo/chosen_reward"],
-      ["rejected", "dpo/rejected_reward"],
-    ],
-    accuracyTitle: "Reward accuracy (DPO)",
-    accuracyHint: "The share of pairs whose preferred answer gets the higher reward.",
-    accuracyLabel: "DPO reward accuracy",
-    accuracy: "dpo/reward_accuracy",
-  },
-  orpo: {
-    title: "Odds ratio (ORPO)",
-    hint: "The log odds ratio of the preferred over the rejected answer, and each answer's mean token log-probability.",
-    label: "ORPO log odds ratio",
-    ylabel: "log odds",
-    lines: [
-      ["log odds ratio", "orpo/log_odds_ratio"],
-      ["chosen", "orpo/chosen_logp"],
-      ["rejected", "orpo/rejected_logp"],
-    ],
-    accuracyTitle: "Accuracy (ORPO)",
-    accuracyHint: "The share of pairs whose preferred answer has the higher odds.",
-    accuracyLabel: "ORPO accuracy",
-    accuracy: "orpo/reward_accuracy",
-  },
-};
-
-// GRPO's charts (engine.methods.grpo's metrics): [chart id, label, y label, [[name, key], ...]];
-// each reward/<grader name> is added to the rewards chart as it arrives
-const GRPO_CHARTS = [
-  [
-    "reward-chart",
-    "Rewards (GRPO)",
-    "reward",
-    [
-      ["mean", "reward/mean"],
-      ["min", "reward/min"],
-      ["max", "reward/max"],
-      ["validation", "reward/val"],
-    ],
-  ],
-  [
-    "grpo-chart",
-    "KL, clipping and reward spread (GRPO)",
-    "value",
-    [
-      ["KL to the base", "grpo/kl"],
-      ["clipped share", "grpo/clip_fraction"],
-      ["reward std in a group", "reward/std"],
-    ],
-  ],
-  [
-    "completion-chart",
-    "Completion length (GRPO)",
-    "tokens",
-    [
-      ["mean", "completion/length"],
-      ["longest", "completion/length_max"],
-    ],
-  ],
-];
-const GRPO_HINTS = {
-  "reward-chart":
-    "The grader's scores of each step's completions, and of greedy completions of the validation prompts.",
-  "grpo-chart":
-    "How far the policy moved from the base model (beta's KL term), the share of tokens whose ratio was clipped, and how much rewards differ within a prompt's group (none: nothing to learn from).",
-  "completion-chart": "Tokens per sampled completion.",
-};
 const SAMPLE_STEPS = 5; // the samples events shown: the latest steps'
 
-// A job's method (either form of its method section): "sft", "dpo", "orpo", "grpo"
+// A job's method (method.objective; an older job's method.kind): "sft", "dpo", "orpo", "grpo", ...
 export function methodObjective(m = {}) {
   if (m.objective) return m.objective;
   return m.kind === "lora" || m.kind === "full" || !m.kind ? "sft" : m.kind;
 }
 
-// "LoRA (r 16)", "LoRA (r 16), 4-bit base", "Full fine-tune", "DPO (LoRA), beta 0.1", "ORPO (full), beta 0.1",
-// "GRPO (LoRA), group 4, beta 0.04"
-export function methodLabel(m = {}) {
+// What trains (method.tuning; an older job's method.kind or method.dpo_tuning): "lora" or "full"
+export function methodTuning(m = {}) {
+  return m.tuning ?? (methodObjective(m) === "sft" ? m.kind : m.dpo_tuning) ?? "lora";
+}
+
+// the options a one-line label names where the method has them, and how
+const LABELLED = [
+  ["group_size", "group"],
+  ["beta", "beta"],
+];
+
+// "LoRA (r 16)", "LoRA (r 16), 4-bit base", "Full fine-tune", "DPO (LoRA), beta 0.1",
+// "KTO (full), beta 0.1", "GRPO (LoRA), group 4, beta 0.04". ``entry``: the method's entry of GET
+// /api/methods, whose defaults stand for the options an older job's section lacks.
+export function methodLabel(m = {}, entry = null) {
   const objective = methodObjective(m);
-  const tuning = m.tuning ?? (objective === "sft" ? m.kind : m.dpo_tuning) ?? "lora";
-  if (objective === "grpo")
-    return `GRPO (${tuning === "full" ? "full" : "LoRA"}), group ${m.group_size ?? 4}, beta ${m.beta ?? 0}`;
-  if (objective !== "sft")
-    return `${objective.toUpperCase()} (${tuning === "full" ? "full" : "LoRA"}), beta ${m.beta ?? 0.1}`;
-  if (tuning === "full") return "Full fine-tune";
-  return `LoRA (r ${m.lora_r ?? 16})${m.base_bits === 4 ? ", 4-bit base" : ""}`;
+  const tuning = methodTuning(m);
+  if (objective === "sft")
+    return tuning === "full"
+      ? "Full fine-tune"
+      : `LoRA (r ${m.lora_r ?? 16})${m.base_bits === 4 ? ", 4-bit base" : ""}`;
+  // the method's options (an older job's section may hold every method's: only its own count)
+  const schema = entry?.options_schema.properties;
+  const named = LABELLED.filter(([key]) => (schema ? key in schema : key in m)).map(
+    ([key, word]) => `, ${word} ${m[key] ?? schema?.[key]?.default}`,
+  );
+  return `${objective.toUpperCase()} (${tuning === "full" ? "full" : "LoRA"})${named.join("")}`;
+}
+
+// One chart of a method's listing (its id, title, hint, y label and lines): the card and the chart
+function methodChart(c, shown) {
+  const chart = el("rh-line-chart", {
+    id: c.id,
+    label: c.title,
+    xlabel: "step",
+    ylabel: c.ylabel,
+    zero: c.share,
+    ymax: c.share ? 1 : null,
+    empty: "nothing logged yet",
+  });
+  const card = el(
+    "section",
+    { class: "card method-card", hidden: !shown, dataset: { chart: c.id } },
+    el("h2", { text: c.title }),
+    el("p", { class: "hint", text: c.hint }),
+    chart,
+  );
+  return { card, chart, lines: c.lines.map(([name, key]) => [name, key]), more: c.more };
 }
 
 export async function render(main, jobId) {
-  let job = await api(`/jobs/${jobId}`);
+  const [first, methods] = await Promise.all([api(`/jobs/${jobId}`), api("/methods")]);
+  let job = first;
   const status = el("span", { id: "job-status", class: "status", "aria-live": "polite" });
   const progress = el("progress", { id: "job-progress", max: 1, value: 0, "aria-label": "job progress" });
   const stepText = el("span", { id: "job-step" });
@@ -178,83 +142,20 @@ export async function render(main, jobId) {
   const error = el("div", { id: "job-error" });
   const title = el("h1", { text: job.name });
   const objective = methodObjective(job.config.method);
-  const dpo = objective in PREFERENCE_CHARTS; // a preference method: its charts are shown
-  const grpo = objective === "grpo"; // GRPO: the reward charts and the samples are shown
-  const charts = PREFERENCE_CHARTS[objective] ?? PREFERENCE_CHARTS.dpo;
-  const marginChart = el("rh-line-chart", {
-    id: "reward-margin-chart",
-    label: charts.label,
-    xlabel: "step",
-    ylabel: charts.ylabel,
-    empty: "no reward logged yet",
-  });
-  const accuracyChart = el("rh-line-chart", {
-    id: "reward-accuracy-chart",
-    label: charts.accuracyLabel,
-    xlabel: "step",
-    ylabel: "accuracy",
-    zero: true,
-    ymax: 1,
-    empty: "no reward logged yet",
-  });
-  // supervised jobs: the share of label tokens whose most likely next token is the label
-  const tokenAccuracyChart = el("rh-line-chart", {
-    id: "token-accuracy-chart",
-    label: "token accuracy",
-    xlabel: "step",
-    ylabel: "accuracy",
-    zero: true,
-    ymax: 1,
-    empty: "no accuracy logged yet",
-  });
-  const tokenAccuracyCard = el(
-    "section",
-    { class: "card", hidden: dpo || grpo },
-    el("h2", { text: "Token accuracy" }),
-    el("p", {
-      class: "hint",
-      text: "The share of the answers' tokens the model predicts right (its most likely next token), in training and on the validation rows.",
-    }),
-    tokenAccuracyChart,
-  );
-  const dpoCards = [
-    el(
-      "section",
-      { class: "card dpo-card", hidden: !dpo },
-      el("h2", { text: charts.title }),
-      el("p", { class: "hint", text: charts.hint }),
-      marginChart,
-    ),
-    el(
-      "section",
-      { class: "card dpo-card", hidden: !dpo },
-      el("h2", { text: charts.accuracyTitle }),
-      el("p", { class: "hint", text: charts.accuracyHint }),
-      accuracyChart,
-    ),
-  ];
-  const grpoCharts = GRPO_CHARTS.map(([id, label, ylabel, lines]) => ({
-    lines: [...lines],
-    chart: el("rh-line-chart", { id, label, xlabel: "step", ylabel, empty: "nothing logged yet" }),
-    title: label,
-    hint: GRPO_HINTS[id],
-  }));
-  const grpoCards = grpoCharts.map(({ chart, title: heading, hint }) =>
-    el(
-      "section",
-      { class: "card grpo-card", hidden: !grpo },
-      el("h2", { text: heading }),
-      el("p", { class: "hint", text: hint }),
-      chart,
-    ),
-  );
+  const entry = methods.data.find((m) => m.name === objective);
+  // the job's method's charts, shown; every other method's (an id once), hidden until their
+  // metrics arrive: the metrics shown wherever they come from
+  const charts = [];
+  for (const m of [entry, ...methods.data.filter((o) => o !== entry)])
+    for (const c of m?.charts ?? [])
+      if (!charts.some((taken) => taken.card.dataset.chart === c.id)) charts.push(methodChart(c, m === entry));
   const finishedShare = el("span", { id: "completion-finished", text: "–" });
   const graderErrors = el("span", { id: "grader-errors", text: "–" });
   // the latest steps' graded completions (the run's "samples" events), newest first
   const samplesList = el("ol", { id: "grpo-samples", class: "samples-list" });
   const samplesCard = el(
     "section",
-    { class: "card", id: "samples", hidden: !grpo },
+    { class: "card", id: "samples", hidden: entry?.data_format !== "prompts" },
     el("h2", { text: "Samples" }),
     el("p", {
       class: "hint",
@@ -274,7 +175,7 @@ export async function render(main, jobId) {
       "p",
       { class: "muted small" },
       `${job.base_model} · `,
-      el("span", { id: "job-method", text: methodLabel(job.config.method) }),
+      el("span", { id: "job-method", text: methodLabel(job.config.method, entry) }),
       ` · job ${job.id} · `,
       created,
     ),
@@ -314,9 +215,7 @@ export async function render(main, jobId) {
       "div",
       { class: "charts" },
       el("section", { class: "card" }, el("h2", { text: "Loss" }), lossChart),
-      tokenAccuracyCard,
-      ...dpoCards,
-      ...grpoCards,
+      ...charts.map((c) => c.card),
       el("section", { class: "card" }, el("h2", { text: "Throughput (tokens/s)" }), speedChart),
       ...engine.cards,
       el("section", { class: "card" }, el("h2", { text: "Device utilization (%)" }), gpuChart),
@@ -352,14 +251,9 @@ export async function render(main, jobId) {
   const series = {
     "loss/train": [],
     "loss/val": [],
-    "accuracy/train": [],
-    "accuracy/val": [],
     "throughput/tokens_per_s": [],
   };
-  for (const c of Object.values(PREFERENCE_CHARTS))
-    for (const key of [...c.lines.map((l) => l[1]), c.accuracy]) series[key] = [];
-  for (const c of grpoCharts) for (const [, key] of c.lines) series[key] = [];
-  const rewards = grpoCharts[0];
+  for (const c of charts) for (const [, key] of c.lines) series[key] = [];
   const devices = new Map();
   const memory = new Map();
   let runStart = null; // when the run first started (ms): the x origin of the device charts
@@ -404,18 +298,11 @@ export async function render(main, jobId) {
       { name: "train", points: series["loss/train"] },
       { name: "validation", points: series["loss/val"] },
     ]);
-    if (series["accuracy/train"].length) tokenAccuracyCard.hidden = false;
-    tokenAccuracyChart.setSeries([
-      { name: "train", points: series["accuracy/train"] },
-      { name: "validation", points: series["accuracy/val"] },
-    ]);
     speedChart.setSeries([{ name: "tokens/s", points: series["throughput/tokens_per_s"] }]);
-    if (series[charts.lines[0][1]].length || series[charts.accuracy].length)
-      for (const card of dpoCards) card.hidden = false; // the metrics shown wherever they come from
-    marginChart.setSeries(charts.lines.map(([name, key]) => ({ name, points: series[key] })));
-    accuracyChart.setSeries([{ name: "accuracy", points: series[charts.accuracy] }]);
-    if (series["reward/mean"].length) for (const card of [...grpoCards, samplesCard]) card.hidden = false;
-    for (const c of grpoCharts) c.chart.setSeries(c.lines.map(([name, key]) => ({ name, points: series[key] })));
+    for (const c of charts) {
+      if (c.lines.some(([, key]) => series[key].length)) c.card.hidden = false;
+      c.chart.setSeries(c.lines.map(([name, key]) => ({ name, points: series[key] })));
+    }
     gpuChart.setSeries([...devices.entries()].map(([k, points]) => ({ name: k, points })));
     memoryChart.setSeries([...memory.entries()].map(([k, points]) => ({ name: k, points })));
     engine.draw();
@@ -434,12 +321,15 @@ export async function render(main, jobId) {
   // a training step's metrics: the loss and throughput charts, the figures, the progress
   function metrics(e) {
     const d = e.data;
-    // a grader's own mean (reward/<name>, a multi grader's parts): a line of the rewards chart
-    for (const key of Object.keys(d))
-      if (key.startsWith("reward/") && !(key in series)) {
+    // a key under a chart's prefix (GRPO's reward/<grader name>, a multi grader's parts): a line
+    // of that chart, named by the rest of the key
+    for (const key of Object.keys(d)) {
+      const c = !(key in series) && charts.find((x) => x.more && key.startsWith(x.more));
+      if (c) {
         series[key] = [];
-        rewards.lines.push([key.slice("reward/".length), key]);
+        c.lines.push([key.slice(c.more.length), key]);
       }
+    }
     for (const key of Object.keys(series)) if (key in d) series[key].push([e.step, d[key]]);
     if ("completion/finished" in d) finishedShare.textContent = `${number(100 * d["completion/finished"])}%`;
     if ("grpo/grader_errors" in d) graderErrors.textContent = number(d["grpo/grader_errors"]);

@@ -1,11 +1,11 @@
-// New job: base model, dataset, method (LoRA, full, a preference method on pairs: DPO, ORPO, or
-// reinforcement fine-tuning on prompts with a grader: GRPO, as GET /api/methods lists them) and the
-// key hyperparameters (engine settings under "Advanced"); the equivalent API request is shown and
-// can be copied.
+// New job: base model, dataset, method (as GET /api/methods lists them: supervised fine-tuning as
+// the two radios LoRA and full fine-tune, every other method one radio with its options rendered
+// from its schema, method-options.js) and the key hyperparameters (engine settings under
+// "Advanced"); the equivalent API request is shown and can be copied.
 
 import { api } from "../api.js";
 import { bytes, el, errorBox, field, number } from "../widgets.js";
-import { grpoOptions } from "./grpo-options.js";
+import { methodOptions } from "./method-options.js";
 import { planCard } from "./plan-card.js";
 
 function num(value, attrs = {}) {
@@ -90,58 +90,53 @@ export function heldOutFor(list, trainId) {
   return match ? match.id : "";
 }
 
+// Which datasets a method trains on: those whose format (GET /api/datasets/formats) is of the
+// method's data_format (GET /api/methods). POST /api/jobs refuses the others. ``families``: each
+// format's data_format.
+export function fits(dataset, dataFormat, families) {
+  return families.get(dataset.format) === dataFormat;
+}
+
 // The datasets to preselect: of those that fit the method (all, when none does), the newest one
 // that is not a held-out set (else the newest), and its held-out set as validation. The list comes
 // newest first.
-export function suitableData(list, kind = "lora") {
-  const fitting = list.filter((d) => fits(d, kind));
+export function suitableData(list, dataFormat, families) {
+  const fitting = list.filter((d) => fits(d, dataFormat, families));
   const pool = fitting.length ? fitting : list;
   const train = pool.find((d) => !HELD_OUT.test(d.name)) ?? pool[0];
   return train ? [train.id, heldOutFor(list, train.id)] : ["", ""];
 }
 
-// The data format of each method that does not train on supervised rows (GET /api/methods:
-// data_format "preference" or "prompts"), set when the page renders.
-const methodFormats = new Map([
-  ["dpo", "preference"],
-  ["orpo", "preference"],
-  ["grpo", "prompts"],
-]);
-const FORMATS = ["preference", "prompts"]; // a dataset format that is a method's data format
-
-// Which datasets a method trains on: a preference method (DPO, ORPO) on preference datasets (a
-// preferred and a rejected answer per prompt), GRPO on prompts datasets (a prompt and the fields
-// its grader reads), the supervised methods on every other format. POST /api/jobs refuses the
-// others.
-export function fits(dataset, kind) {
-  const has = FORMATS.includes(dataset.format) ? dataset.format : "supervised";
-  return has === (methodFormats.get(kind) ?? "supervised");
+// "a, b or c"
+function either(words) {
+  return words.length > 1 ? `${words.slice(0, -1).join(", ")} or ${words.at(-1)}` : (words[0] ?? "");
 }
 
-function datasetLabel(d, kind) {
-  const rows = d.format === "preference" ? `${d.rows} pairs, preference` : `${d.rows} rows, ${d.format}`;
-  const wanted = methodFormats.get(kind);
-  const why = wanted
-    ? ` — not ${wanted === "preference" ? "preference pairs" : "prompts"}`
-    : ` — for ${d.format === "prompts" ? "GRPO" : "preference methods"}`;
-  return `${d.name} (${rows})${fits(d, kind) ? "" : why}`;
-}
+// a method's name in a phrase: its title up to a parenthesis ("DPO", "Supervised fine-tuning")
+const shortTitle = (m) => m.title.split(" (")[0];
 
 export async function render(main) {
-  const [models, datasets, workers, methods] = await Promise.all([
+  const [models, datasets, workers, methods, formats] = await Promise.all([
     api("/models"),
     api("/datasets"),
     api("/gpus").catch(() => ({ hosts: [] })),
     api("/methods"),
+    api("/datasets/formats"),
   ]);
-  const preference = methods.data.filter((m) => m.data_format === "preference");
-  const reinforcement = methods.data.filter((m) => m.data_format === "prompts");
-  methodFormats.clear();
-  for (const m of [...preference, ...reinforcement]) methodFormats.set(m.name, m.data_format);
+  // each dataset format's data_format, and what a method's data_format reads, in words
+  const families = new Map(formats.data.map((f) => [f.name, f.family]));
+  const wanted = (family) => {
+    const titles = formats.data.filter((f) => f.family === family).map((f) => f.title);
+    return `a ${titles.length ? either(titles) : family} dataset`;
+  };
+  // the methods that train on a data format, for the datasets that do not fit the chosen one
+  const trainedBy = (family) => either(methods.data.filter((m) => m.data_format === family).map(shortTitle));
+  const sft = methods.data.find((m) => m.name === "sft");
+  const others = methods.data.filter((m) => m !== sft);
   const [base, unsupported] = modelPicker(models.data);
-  const [trainPick, validationPick] = suitableData(datasets.data);
+  const [trainPick, validationPick] = suitableData(datasets.data, sft?.data_format, families);
   const train = choice(
-    datasets.data.map((d) => [d.id, datasetLabel(d, "lora")]),
+    datasets.data.map((d) => [d.id, d.name]),
     trainPick,
   );
   const dataHint = el("p", { id: "dataset-fit", class: "hint", "aria-live": "polite" });
@@ -150,65 +145,27 @@ export async function render(main) {
     validationPick,
   );
   const heldOut = num(0, { min: 0, max: 0.5, step: 0.01 });
+  // supervised fine-tuning: two radios, LoRA (#method-lora) and full (#method-full)
   const lora = el("input", { type: "radio", name: "method", value: "lora", id: "method-lora", checked: true });
   const full = el("input", { type: "radio", name: "method", value: "full", id: "method-full" });
-  // one radio per preference method of the listing: #method-dpo, #method-orpo
-  const prefRadios = preference.map((m) =>
+  // every other method of the listing: a radio (#method-<name>) and its options (method-options.js)
+  const radios = others.map((m) =>
     el("input", { type: "radio", name: "method", value: m.name, id: `method-${m.name}` }),
   );
-  // one radio per prompts method of the listing (#method-grpo), with its options (grpo-options.js)
-  const rlRadios = reinforcement.map((m) =>
-    el("input", { type: "radio", name: "method", value: m.name, id: `method-${m.name}` }),
-  );
-  const rlOptions = new Map(
-    reinforcement.map((m) => [
+  const options = new Map(
+    others.map((m) => [
       m.name,
-      grpoOptions(
-        m,
-        () => ({ baseModel: base.value, datasetId: train.value }),
-        () => update(),
-      ),
+      methodOptions(m, {
+        data: wanted(m.data_format),
+        context: () => ({ baseModel: base.value, datasetId: train.value }),
+      }),
     ]),
   );
-  const shortName = (m) => m.title.split(" ")[0];
-  // a preference method: what it trains (method.dpo_tuning) and its beta (method.beta)
-  const dpoTuning = choice(
-    [
-      ["lora", "LoRA adapter"],
-      ["full", "every weight"],
-    ],
-    "lora",
-  );
-  const beta = num(0.1, { min: 0.001, max: 100, step: "any" });
-  const prefLegend = el("legend", { text: "Preference tuning" });
-  const prefHint = el("p", { class: "hint" });
-  const betaField = field("dpo-beta", "Beta", beta, preference[0]?.config_fields.beta ?? " ");
-  const dpoOptions = el(
-    "fieldset",
-    { id: "dpo-options", hidden: true },
-    prefLegend,
-    prefHint,
-    field("dpo-tuning", "Trains", dpoTuning),
-    betaField,
-  );
-  const kind = () => [...prefRadios, ...rlRadios].find((r) => r.checked)?.value ?? (full.checked ? "full" : "lora");
-  const chosenMethod = () => preference.find((m) => m.name === kind());
-  const chosenRl = () => rlOptions.get(kind());
-  const usesLora = () =>
-    lora.checked || (Boolean(chosenMethod()) && dpoTuning.value === "lora") || Boolean(chosenRl()?.usesLora());
-  // the fieldset says what the chosen preference method is and what its fields mean
-  function describeMethod(m) {
-    prefLegend.textContent = `Preference tuning (${shortName(m)})`;
-    prefHint.textContent = `${m.title}: ${m.description}. It needs a preference dataset.`;
-    const help = betaField.querySelector(".hint");
-    if (help) help.textContent = m.config_fields.beta ?? "";
-    dpoTuning.options[0].textContent = m.needs_reference
-      ? "LoRA adapter (the reference is the base model)"
-      : "LoRA adapter";
-    dpoTuning.options[1].textContent = m.needs_reference
-      ? "every weight (reference computed once, first)"
-      : "every weight";
-  }
+  const chosen = () => others.find((m) => m.name === radios.find((r) => r.checked)?.value) ?? sft;
+  const chosenOptions = () => options.get(chosen()?.name);
+  const usesLora = () => lora.checked || Boolean(chosenOptions()?.usesLora());
+  // a 4-bit base where the chosen method's schema allows method.base_bits=4
+  const allowsFourBits = () => (chosen()?.options_schema.properties.base_bits?.enum ?? []).includes(4);
   const maxSteps = num(60, { min: 1 });
   const epochs = num("", { min: 0.01, step: 0.01, placeholder: "or epochs" });
   const batch = num(8, { min: 1 });
@@ -293,7 +250,8 @@ export async function render(main) {
     if (q && hintedModel !== base.value) fourBit.checked = true;
     hintedModel = base.value;
   }
-  // hyper.batch_size counts a DPO job's pairs (2 sequences each, as the plan card says)
+  // hyper.batch_size counts a dataset's rows: sequences, or a preference job's pairs (2 sequences
+  // each, as the plan card says)
   const batchField = field("batch-size", "Batch size (sequences)", batch);
   const preview = el("pre", { id: "request-preview", class: "code" });
   const error = el("div", { id: "form-error", "aria-live": "polite" });
@@ -304,19 +262,11 @@ export async function render(main) {
       base_model: base.value,
       ...(train.value ? { dataset_id: train.value } : {}),
       data: { max_length: Number(maxLength.value) },
-      method: lora.checked
-        ? { kind: "lora", lora_r: Number(rank.value), ...(fourBit.checked ? { base_bits: 4 } : {}) }
-        : chosenRl()
-          ? { ...chosenRl().method(), ...(usesLora() ? { lora_r: Number(rank.value) } : {}) }
-          : chosenMethod()
-            ? {
-                kind: kind(),
-                dpo_tuning: dpoTuning.value,
-                beta: Number(beta.value),
-                ...(usesLora() ? { lora_r: Number(rank.value) } : {}),
-                ...(usesLora() && fourBit.checked ? { base_bits: 4 } : {}),
-              }
-            : { kind: "full" },
+      method: {
+        ...(chosenOptions()?.method() ?? { objective: "sft", tuning: lora.checked ? "lora" : "full" }),
+        ...(usesLora() ? { lora_r: Number(rank.value) } : {}),
+        ...(usesLora() && allowsFourBits() && fourBit.checked ? { base_bits: 4 } : {}),
+      },
       hyper: {
         batch_size: Number(batch.value),
         learning_rate: Number(lr.value),
@@ -355,36 +305,34 @@ export async function render(main) {
 
   // only the fields of the chosen method; the dataset pickers say which datasets fit it
   function showMethod() {
-    const k = kind();
-    const m = chosenMethod();
-    const rl = chosenRl();
-    dpoOptions.hidden = !m;
-    if (m) describeMethod(m);
-    for (const [name, options] of rlOptions) options.show(name === k);
+    const m = chosen();
+    const family = m?.data_format;
+    for (const [name, o] of options) o.show(name === m?.name);
     rankField.hidden = !usesLora();
-    fourBitField.hidden = !usesLora() || Boolean(rl); // GRPO samples with the base's own weights
-    batchField.querySelector("label").textContent = `Batch size (${m ? "pairs" : rl ? "prompts" : "sequences"})`;
-    for (const [picker, offset] of [
-      [train, 0],
-      [validation, 1],
-    ])
-      datasets.data.forEach((d, i) => {
-        const option = picker.options[i + offset];
-        option.textContent = offset ? `${d.name}${fits(d, k) ? "" : " (does not fit)"}` : datasetLabel(d, k);
-        option.dataset.fits = String(fits(d, k));
-      });
-    const chosen = datasets.data.find((d) => d.id === train.value);
-    const wanted = m
-      ? "a preference dataset (a preferred and a rejected answer per prompt)"
-      : rl
-        ? "a prompts dataset (a prompt per row, with the fields its grader reads)"
-        : "a chat, instruction, prompt/completion or text dataset";
-    const fitting = datasets.data.filter((d) => fits(d, k)).length;
-    dataHint.textContent =
-      chosen && !fits(chosen, k)
-        ? `${chosen.name} is ${chosen.format === "preference" ? "preference pairs" : chosen.format}: this method needs ${wanted}.`
-        : `This method trains on ${wanted}; ${fitting} of ${datasets.data.length} fit.`;
-    dataHint.classList.toggle("error", Boolean(chosen && !fits(chosen, k)));
+    fourBitField.hidden = !usesLora() || !allowsFourBits();
+    batchField.querySelector("label").textContent =
+      `Batch size (${(m?.sequences_per_example ?? 1) > 1 ? "rows" : "sequences"})`;
+    datasets.data.forEach((d, i) => {
+      const ok = fits(d, family, families);
+      const other = families.get(d.format);
+      const option = train.options[i];
+      option.textContent = `${d.name} (${d.rows} rows, ${d.format})${ok ? "" : ` — for ${trainedBy(other) || "no method"}`}`;
+      option.dataset.fits = String(ok);
+      const held = validation.options[i + 1];
+      held.textContent = `${d.name}${ok ? "" : " (does not fit)"}`;
+      held.dataset.fits = String(ok);
+    });
+    const picked = datasets.data.find((d) => d.id === train.value);
+    const misfit = Boolean(picked && !fits(picked, family, families));
+    const fitting = datasets.data.filter((d) => fits(d, family, families)).length;
+    dataHint.textContent = misfit
+      ? `${picked.name} is ${wanted(families.get(picked.format))}: this method needs ${wanted(family)}.`
+      : `This method trains on ${wanted(family)}; ${fitting} of ${datasets.data.length} fit.`;
+    dataHint.title = formats.data
+      .filter((f) => f.family === family)
+      .map((f) => `${f.title}: ${f.description}`)
+      .join("\n");
+    dataHint.classList.toggle("error", misfit);
   }
 
   function update() {
@@ -412,25 +360,16 @@ export async function render(main) {
       el("legend", { text: "Method" }),
       el("label", { for: "method-lora" }, lora, " LoRA (adapter; small download)"),
       el("label", { for: "method-full" }, full, " Full fine-tune"),
-      ...preference.map((m, i) =>
+      ...others.map((m, i) =>
         el(
           "label",
-          { for: `method-${m.name}`, title: m.description },
-          prefRadios[i],
-          ` ${shortName(m)} (preference pairs)`,
-        ),
-      ),
-      ...reinforcement.map((m, i) =>
-        el(
-          "label",
-          { for: `method-${m.name}`, title: m.description },
-          rlRadios[i],
-          ` ${shortName(m)} (prompts, scored by a grader)`,
+          { for: `method-${m.name}`, title: `${m.title}: ${m.description}` },
+          radios[i],
+          ` ${shortTitle(m)} (${m.data_format})`,
         ),
       ),
     ),
-    dpoOptions,
-    ...[...rlOptions.values()].map((o) => o.element),
+    ...[...options.values()].map((o) => o.element),
     moeOptions,
     el(
       "div",
@@ -491,12 +430,13 @@ export async function render(main) {
     if (!validationPicked) validation.value = heldOutFor(datasets.data, train.value);
   });
   // a method change moves the training set to one that fits it, when the chosen one does not
-  for (const radio of [lora, full, ...prefRadios, ...rlRadios])
+  for (const radio of [lora, full, ...radios])
     radio.addEventListener("change", () => {
-      const chosen = datasets.data.find((d) => d.id === train.value);
-      const [better] = suitableData(datasets.data, kind());
+      const family = chosen()?.data_format;
+      const picked = datasets.data.find((d) => d.id === train.value);
+      const [better] = suitableData(datasets.data, family, families);
       const fitting = datasets.data.find((d) => d.id === better);
-      if (!chosen || fits(chosen, kind()) || !fitting || !fits(fitting, kind())) return;
+      if (!picked || fits(picked, family, families) || !fitting || !fits(fitting, family, families)) return;
       train.value = better;
       if (!validationPicked) validation.value = heldOutFor(datasets.data, train.value);
     });
@@ -523,23 +463,21 @@ export async function render(main) {
       location.hash = `#/jobs/${job.id}`;
     } catch (err) {
       error.replaceChildren(errorBox(err));
-      const last = /^method\.grader\b/.test(err.param || "")
-        ? "grader" // a field inside the grader: its text box
-        : (err.param || "").split(".").pop().replace(/_/g, "-");
+      const path = (err.param || "").split(".");
+      // a field of the chosen method's own: its control (a field inside the grader: its text box)
+      const own = path[0] === "method" && path.length > 1 ? chosenOptions()?.controlId(path[1]) : null;
+      const last = path.at(-1).replace(/_/g, "-");
       // the error's field -> the control's id where they differ
       const param =
+        own ||
         {
           "dataset-id": "dataset",
           "validation-dataset-id": "validation-dataset",
-          beta: chosenRl() ? "grpo-beta" : "dpo-beta",
-          "group-size": "grpo-group-size",
-          "max-completion-tokens": "grpo-max-completion-tokens",
-          temperature: "grpo-temperature",
-          "loss-type": "grpo-loss-type",
-          "num-iterations": "grpo-num-iterations",
+          "base-bits": "base-4bit",
           host: "placement-host",
           gpus: "placement-gpus",
-        }[last] || last;
+        }[last] ||
+        last;
       const target = param && form.querySelector(`#${CSS.escape(param)}`);
       if (target) {
         target.setAttribute("aria-invalid", "true");

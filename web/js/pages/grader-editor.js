@@ -1,8 +1,7 @@
-// The new-job page's GRPO options (a method of GET /api/methods whose data_format is "prompts"):
-// the grader as JSON, checked as it is typed (POST /v1/fine_tuning/alpha/graders/validate), tried
-// on the first rows of the chosen prompts dataset (POST /v1/fine_tuning/alpha/graders/run), and
-// the sampling and loss settings (method.group_size, max_completion_tokens, temperature, beta,
-// loss_type, num_iterations) with what trains (method.tuning).
+// The new-job page's editor of a method option named "grader" (GRPO's method.grader): the grader as
+// JSON, checked as it is typed (POST /v1/fine_tuning/alpha/graders/validate) and tried on the
+// first rows of the chosen dataset (POST /v1/fine_tuning/alpha/graders/run). The method's other
+// options are rendered from its schema (method-options.js).
 
 import { api } from "../api.js";
 import { el, field, number } from "../widgets.js";
@@ -30,35 +29,12 @@ function parse(text) {
   }
 }
 
-const num = (value, attrs) => el("input", { type: "number", value, ...attrs });
-
-// ``entry``: the method's listing; ``context()``: {baseModel, datasetId} of the form now;
-// ``changed()``: called when a field changes what the job would be.
-export function grpoOptions(entry, context, changed) {
-  const help = (name) => entry.config_fields[name] ?? "";
+// ``property``: the option's JSON schema (its title and description); ``context()``:
+// {baseModel, datasetId} of the form now.
+export function graderEditor(property, context) {
   const grader = el("textarea", { rows: 8, spellcheck: false, class: "code" });
   grader.value = JSON.stringify(EXAMPLE_GRADER, null, 2);
   const check = el("p", { id: "grader-check", class: "hint", "aria-live": "polite" });
-  const tuning = el(
-    "select",
-    {},
-    el("option", { value: "lora", text: "LoRA adapter" }),
-    el("option", { value: "full", text: "every weight" }),
-  );
-  const groupSize = num(4, { min: 2, max: 64 });
-  const maxTokens = num(64, { min: 1, max: 32768 });
-  const temperature = num(1.0, { min: 0.01, max: 10, step: "any" });
-  const beta = num(0.04, { min: 0, max: 100, step: "any" });
-  const iterations = num(1, { min: 1, max: 16 });
-  const lossType = el(
-    "select",
-    {},
-    [
-      ["grpo", "grpo: per completion, then over completions"],
-      ["dapo", "dapo: over every token of the batch"],
-      ["dr_grpo", "dr_grpo: no length bias"],
-    ].map(([v, t]) => el("option", { value: v, text: t })),
-  );
   const sample = el("input", { type: "text", placeholder: "empty: each row's reference_answer" });
   const tryButton = el("button", {
     type: "button",
@@ -83,28 +59,10 @@ export function grpoOptions(entry, context, changed) {
     trialRows,
   );
   const element = el(
-    "fieldset",
-    { id: "grpo-options", hidden: true },
-    el("legend", { text: "Reinforcement fine-tuning (GRPO)" }),
-    el("p", { class: "hint", text: `${entry.title}: ${entry.description}. It needs a prompts dataset.` }),
-    field("grader", "Grader (JSON)", grader, help("grader")),
+    "div",
+    { class: "grader-editor" },
+    field("grader", `${property.title ?? "Grader"} (JSON)`, grader, property.description),
     check,
-    el(
-      "div",
-      { class: "grid" },
-      field(
-        "grpo-tuning",
-        "Trains",
-        tuning,
-        "the KL term's reference: LoRA's base, or a full fine-tune's initial weights (a copy in host RAM)",
-      ),
-      field("grpo-group-size", "Group size", groupSize, help("group_size")),
-      field("grpo-max-completion-tokens", "Max completion tokens", maxTokens, help("max_completion_tokens")),
-      field("grpo-temperature", "Temperature", temperature, help("temperature")),
-      field("grpo-beta", "Beta (KL)", beta, help("beta")),
-      field("grpo-loss-type", "Loss", lossType, help("loss_type")),
-      field("grpo-num-iterations", "Steps per batch", iterations, help("num_iterations")),
-    ),
     el(
       "div",
       { class: "grader-trial" },
@@ -140,7 +98,6 @@ export function grpoOptions(entry, context, changed) {
     clearTimeout(timer);
     timer = setTimeout(validate, 300);
   });
-  tuning.addEventListener("change", changed);
 
   // the first rows of the chosen dataset (their prompts and grader fields), each graded with the
   // sample answer (or its own reference answer when the box is empty)
@@ -150,7 +107,7 @@ export function grpoOptions(entry, context, changed) {
     const { baseModel, datasetId } = context();
     const fail = (text) => trialError.replaceChildren(el("p", { class: "error", role: "alert", text }));
     if (!spec) return fail(why);
-    if (!datasetId) return fail("Pick a prompts dataset first.");
+    if (!datasetId) return fail("Pick a dataset first.");
     tryButton.disabled = true;
     try {
       const { rows } = await api(`/datasets/${datasetId}/preview`, {
@@ -194,28 +151,14 @@ export function grpoOptions(entry, context, changed) {
 
   return {
     element,
-    // the grader checked once the options are first shown
-    show(visible) {
-      const first = element.hidden && visible;
-      element.hidden = !visible;
-      if (first && !check.textContent) validate();
+    // the grader checked once it is first shown
+    shown() {
+      if (!check.textContent) validate();
     },
-    // the method section of the job (and of its plan): the grader as JSON when it parses, else
-    // as the text, which the API refuses naming method.grader
-    method() {
+    // the grader as JSON when it parses, else as the text, which the API refuses naming method.grader
+    value() {
       const [spec] = parse(grader.value);
-      return {
-        objective: entry.name,
-        tuning: tuning.value,
-        grader: spec ?? grader.value,
-        group_size: Number(groupSize.value),
-        max_completion_tokens: Number(maxTokens.value),
-        temperature: Number(temperature.value),
-        beta: Number(beta.value),
-        loss_type: lossType.value,
-        num_iterations: Number(iterations.value),
-      };
+      return spec ?? grader.value;
     },
-    usesLora: () => tuning.value === "lora",
   };
 }
