@@ -36,19 +36,28 @@ F32 = np.float32
 
 
 def _blocks(array: np.ndarray, kind: str, width: int) -> np.ndarray:
+    """The blocks of ``array`` as rows of ``width``, in the array's own float type (float16 input
+    stays float16 here: each chunk is widened to float32 by the thread that encodes it)."""
     if array.ndim == 0 or array.shape[-1] % width:
         raise ValueError(f"{kind} needs rows that are a multiple of {width} (got shape {array.shape})")
-    return np.ascontiguousarray(array, dtype=np.float32).reshape(-1, width)
+    if array.dtype not in (np.float16, np.float32):
+        array = array.astype(np.float32)
+    return np.ascontiguousarray(array).reshape(-1, width)
 
 
 def _seq_sum(terms: np.ndarray) -> np.ndarray:
-    """``t[0] + t[1] + ...`` in float32, left to right, over axis 0: llama.cpp's loop order
-    (numpy's own sum adds pairwise, which rounds differently). llama.cpp starts from 0, which
-    only changes the sign of an all-zero sum; no written byte depends on that sign."""
-    total = terms[0].copy()
-    for row in terms[1:]:
-        total += row
-    return total
+    """``t[0] + t[1] + ...`` in float32, left to right, over axis 0: llama.cpp's loop order.
+    numpy reduces an axis that is not the innermost row by row, in order, with this same
+    ``total = t[0]; total += t[1]; ...``; along the innermost axis (here: a single column) it
+    adds pairwise, which rounds differently, so one column takes the explicit loop. llama.cpp
+    starts from 0, which only changes the sign of an all-zero sum; no written byte depends on
+    that sign."""
+    if terms.ndim == 2 and terms.shape[1] == 1:
+        total = terms[0].copy()
+        for row in terms[1:]:
+            total += row
+        return total
+    return np.add.reduce(terms, axis=0)
 
 
 def _rint(a: np.ndarray) -> np.ndarray:
@@ -263,7 +272,7 @@ def _by_chunks(array: np.ndarray, kind: str, threads: int | None) -> np.ndarray:
 
     def work(start: int) -> None:
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-            out[start : start + per] = chunk(x[start : start + per])
+            out[start : start + per] = chunk(x[start : start + per].astype(np.float32, copy=False))
 
     if workers == 1:
         for start in range(0, n, per):

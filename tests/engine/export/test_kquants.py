@@ -143,3 +143,20 @@ def test_rows_must_be_whole_super_blocks() -> None:
         quantize(np.zeros((4, 48), dtype=np.float32), "Q5_0")
     with pytest.raises(ValueError, match="not a block type written here: 'Q5_1'"):
         quantize(np.zeros((1, 256), dtype=np.float32), "Q5_1")
+
+
+@pytest.mark.parametrize("columns", [2, 8, 24, 4096])
+def test_numpy_sums_a_leading_axis_left_to_right(columns: int) -> None:
+    # the encoders' sums (kquants._seq_sum) rely on it: llama.cpp adds a sub-block's terms in order
+    terms = np.random.default_rng(columns).normal(size=(32, columns)).astype(np.float32)
+    terms *= np.float32(10.0) ** np.arange(-16, 16, dtype=np.float32)[:, None] / 4
+    total = terms[0].copy()
+    for row in terms[1:]:
+        total += row
+    assert np.array_equal(np.add.reduce(terms, axis=0).view(np.uint32), total.view(np.uint32))
+
+
+def test_float16_input_gives_the_blocks_of_its_float32_values() -> None:
+    x = np.random.default_rng(3).normal(size=(4, 512)).astype(np.float16)
+    for kind in ("Q4_K", "Q6_K", "Q5_0", "Q8_0"):
+        assert np.array_equal(quantize(x, kind), quantize(x.astype(np.float32), kind))
