@@ -11,6 +11,13 @@ other 1-D tensors stay float32, as llama.cpp expects; the matrices take the chos
   not a multiple of 256 (Q4_K -> Q5_0, Q6_K -> Q8_0; see ``engine.export.gguf_types``).
 
 The blocks (Q4_K, Q6_K, Q5_0, Q8_0) are llama.cpp's, byte for byte (``engine.export.kquants``).
+llama.cpp makes a q4_k_m file from an f16 GGUF (``convert_hf_to_gguf.py --outtype f16``, then
+``llama-quantize``), so a float32 or bfloat16 checkpoint's matrices are rounded to float16 before
+q4_k_m's blocks are made from them. ``q8_0`` is quantized from the weights as read, as the
+converter's own ``--outtype q8_0`` does.
+
+A background thread reads the next tensor (and lays it out) while this one is encoded; the
+encoders run on one thread per CPU.
 """
 
 from __future__ import annotations
@@ -27,10 +34,12 @@ import numpy as np
 from engine.export.gguf_families import GgufFamily, family_for, head_dim, rope_parameters, sliding_layers
 from engine.export.gguf_types import tensor_type
 from engine.export.kquants import FORMATS, quantize
+from engine.export.read_ahead import Ahead
 
 log = logging.getLogger(__name__)
 
 QUANTS = ("f16", "bf16", "q8_0", "q4_k_m")
+F16_MAX = float(np.finfo(np.float16).max)
 
 
 def check_quant(quant: str) -> str:
@@ -48,7 +57,8 @@ def interleave_heads(weight: np.ndarray, heads: int) -> np.ndarray:
 
 
 def read_weights(folder: Path) -> Iterator[tuple[str, np.ndarray]]:
-    """The folder's safetensors tensors as float32 arrays, one at a time."""
+    """The folder's safetensors tensors, one at a time: float16 and float32 as stored (no
+    copy beyond the read), any other type (bfloat16) as float32, which holds it exactly."""
     import torch
     from safetensors import safe_open
 
@@ -58,11 +68,31 @@ def read_weights(folder: Path) -> Iterator[tuple[str, np.ndarray]]:
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
-                yield name, f.get_tensor(name).to(torch.float32).numpy()
+                tensor = f.get_tensor(name)
+                if tensor.dtype not in (torch.float16, torch.float32):
+                    tensor = tensor.to(torch.float32)
+                yield name, tensor.numpy()
+
+
+def _as_f16_file_holds(name: str, array: np.ndarray) -> np.ndarray:
+    """A matrix as the f16 GGUF that llama-quantize starts from holds it: float16 (a matrix
+    with values beyond float16's range stays float32, with a warning: llama.cpp's converter
+    would write them as infinities)."""
+    if array.dtype == np.float16:
+        return array
+    half = array.astype(np.float16)
+    if np.isinf(half).any() and not np.isinf(array).any():
+        log.warning(
+            "GGUF export: %s has values beyond float16's range (%g): quantized from float32",
+            name,
+            F16_MAX,
+        )
+        return array
+    return half
 
 
 def encode(array: np.ndarray, qtype: Any) -> np.ndarray:
-    """``array`` (float32) in the GGML type ``qtype``: raw bytes for block types."""
+    """``array`` (float16 or float32) in the GGML type ``qtype``: raw bytes for block types."""
     import gguf
 
     q = gguf.GGMLQuantizationType
@@ -72,7 +102,7 @@ def encode(array: np.ndarray, qtype: Any) -> np.ndarray:
         return array.astype(np.float16)
     if qtype.name in FORMATS:
         return quantize(array, qtype.name)
-    return gguf.quants.quantize(array, qtype)
+    return gguf.quants.quantize(array.astype(np.float32, copy=False), qtype)
 
 
 def _file_type(quant: str) -> int:
@@ -152,7 +182,8 @@ def llama3_rope_factors(config: Any) -> np.ndarray:
 
 
 def _tensors(folder: Path, config: Any, family: GgufFamily, tmap: Any) -> Iterator[tuple[str, np.ndarray]]:
-    """(GGUF name, float32 array in llama.cpp's layout) for every weight of the folder."""
+    """(GGUF name, array in llama.cpp's layout: float16 or float32, as ``read_weights``) for every
+    weight of the folder."""
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     tied = bool(getattr(config, "tie_word_embeddings", False))
@@ -170,7 +201,7 @@ def _tensors(folder: Path, config: Any, family: GgufFamily, tmap: Any) -> Iterat
         elif family.permute_qk and base.endswith("k_proj"):
             array = interleave_heads(array, kv_heads)
         if family.norm_offset and name.endswith("norm.weight"):
-            array = array + np.float32(family.norm_offset)
+            array = array.astype(np.float32) + np.float32(family.norm_offset)
         yield f"{mapped}.{suffix}", array
     rope = rope_parameters(config)
     if family.llama3_rope and rope.get("rope_type") == "llama3":
@@ -217,25 +248,29 @@ def export_gguf(
         context = _hyperparameters(writer, config, family)
         writer.add_file_type(_file_type(quant))
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        tokenizer = _vocab(writer, folder, config.vocab_size)
         count, fallbacks = 0, []
         tied = bool(getattr(config, "tie_word_embeddings", False))
-        for gguf_name, array in _tensors(folder, config, family, tmap):
-            chosen = tensor_type(
-                quant,
-                gguf_name,
-                array.shape,
-                layer=_block_of(gguf_name),
-                layers=config.num_hidden_layers,
-                tied=tied,
-            )
-            if chosen.wanted is not None:
-                fallbacks.append(chosen.describe(gguf_name, array.shape[-1]))
-                log.warning("GGUF export: %s", fallbacks[-1])
-            qtype = chosen.qtype
-            data = encode(array, qtype)
-            writer.add_tensor(gguf_name, data, raw_dtype=qtype if data.dtype == np.uint8 else None)
-            count += 1
+        # the reader starts on the first tensors while the tokenizer is written
+        with Ahead(_tensors(folder, config, family, tmap)) as tensors:
+            tokenizer = _vocab(writer, folder, config.vocab_size)
+            for gguf_name, array in tensors:
+                chosen = tensor_type(
+                    quant,
+                    gguf_name,
+                    array.shape,
+                    layer=_block_of(gguf_name),
+                    layers=config.num_hidden_layers,
+                    tied=tied,
+                )
+                if chosen.wanted is not None:
+                    fallbacks.append(chosen.describe(gguf_name, array.shape[-1]))
+                    log.warning("GGUF export: %s", fallbacks[-1])
+                qtype = chosen.qtype
+                if quant == "q4_k_m" and chosen.name != "F32":
+                    array = _as_f16_file_holds(gguf_name, array)
+                data = encode(array, qtype)
+                writer.add_tensor(gguf_name, data, raw_dtype=qtype if data.dtype == np.uint8 else None)
+                count += 1
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()

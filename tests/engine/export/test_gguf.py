@@ -11,6 +11,7 @@ refuses, the tensors go through the same pieces it uses (gguf's name maps revers
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import gguf
@@ -259,6 +260,63 @@ def test_q4_k_m_loads_in_transformers(tmp_path: Path) -> None:
     # 4-bit weights of a random tiny model: the logits move by up to a fifth of their largest
     # value (each block's decoding is checked in test_k_quant_blocks_decode_within_a_step)
     assert rel(logits(loaded), logits(model)) < 0.25
+
+
+def halved_matrices(src: Path, dst: Path) -> Path:
+    """A copy of the model folder ``src`` whose matrices are rounded to float16 (1-D tensors stay
+    float32): what ``convert_hf_to_gguf.py --outtype f16`` puts in the f16 GGUF."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    for path in dst.glob("*.safetensors"):
+        tensors = {k: v.half() if v.ndim >= 2 else v for k, v in load_file(path).items()}
+        save_file(tensors, path, metadata={"format": "pt"})
+    return dst
+
+
+def gguf_data(path: Path) -> dict[str, tuple[str, bytes]]:
+    return {t.name: (t.tensor_type.name, bytes(t.data.tobytes())) for t in gguf.GGUFReader(path).tensors}
+
+
+def test_q4_k_m_of_a_float32_model_starts_from_its_float16_rounding(tmp_path: Path) -> None:
+    # llama.cpp makes q4_k_m from the f16 GGUF: a float32 folder gives the bytes of its copy with
+    # float16 matrices, not the blocks of the float32 values
+    folder, model = model_folder(tmp_path, "llama", hidden_size=256, intermediate_size=512, head_dim=64)
+    halved = halved_matrices(folder, tmp_path / "halved")
+    export_gguf(folder, tmp_path / "f32.gguf", quant="q4_k_m")
+    export_gguf(halved, tmp_path / "f16.gguf", quant="q4_k_m")
+    ours, reference = gguf_data(tmp_path / "f32.gguf"), gguf_data(tmp_path / "f16.gguf")
+    assert ours == reference
+    assert ours["blk.0.ffn_up.weight"][0] == "Q4_K" and ours["output_norm.weight"][0] == "F32"
+    up = model.model.layers[0].mlp.up_proj.weight.detach().numpy()
+    assert quantize_q4_k(up.astype(np.float16)).tobytes() == ours["blk.0.ffn_up.weight"][1]
+    assert quantize_q4_k(up).tobytes() != ours["blk.0.ffn_up.weight"][1]
+
+
+def test_q4_k_m_keeps_float32_for_a_matrix_beyond_float16(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # float16 would make the large value an infinity: that matrix is quantized from float32
+    _, model = model_folder(tmp_path, "llama", hidden_size=256, intermediate_size=512, head_dim=64)
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight[3, 7] = 1e5
+    folder = tmp_path / "large"
+    model.save_pretrained(folder)
+    for path in (tmp_path / "tiny-llama-ft").iterdir():
+        if path.name.startswith("tokenizer") or path.name == "special_tokens_map.json":
+            (folder / path.name).write_bytes(path.read_bytes())
+    with caplog.at_level(logging.WARNING, logger="engine.export.gguf_model"):
+        export_gguf(folder, tmp_path / "large.gguf", quant="q4_k_m")
+    data = gguf_data(tmp_path / "large.gguf")
+    up = model.model.layers[0].mlp.up_proj.weight.detach().numpy()
+    assert data["blk.0.ffn_up.weight"][1] == quantize_q4_k(up).tobytes()
+    gate = model.model.layers[0].mlp.gate_proj.weight.detach().numpy()
+    assert data["blk.0.ffn_gate.weight"][1] == quantize_q4_k(gate.astype(np.float16)).tobytes()
+    assert any(
+        "blk.0.ffn_up.weight" in r.getMessage() and "float16" in r.getMessage() for r in caplog.records
+    )
 
 
 def test_lora_adapter_gguf_applied_to_the_base_gives_the_merged_model(tmp_path: Path) -> None:
