@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -67,8 +67,12 @@ class DataSpec(_Strict):
     packing: bool = False
 
 
-# the ``method`` section: the options of the method its ``objective`` names (``engine.methods``)
-MethodSpec = methods.MethodSpec
+# the ``method`` section: the options of the method its ``objective`` names (``engine.methods``;
+# to a type checker, what every method's options have in common)
+if TYPE_CHECKING:
+    MethodSpec = MethodOptions
+else:
+    MethodSpec = methods.MethodSpec
 _METHOD = TypeAdapter(MethodSpec)
 
 
