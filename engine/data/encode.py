@@ -40,6 +40,7 @@ __all__ = [
     "ensure_chat_template",
     "load_encoded",
     "load_pairs",
+    "load_unpaired",
     "rejected_example",
     "validate",
 ]
@@ -170,6 +171,8 @@ def _refused_format(fmt: str, *, wanted: Family, method: str) -> str:
             f"data.format={fmt!r}: method.kind {method!r} trains on {PAIRS} "
             "(data.format 'preference' or 'auto')"
         )
+    if wanted != "supervised":
+        return f"data.format={fmt!r}: method.objective {method!r} trains on {titles(wanted)} rows (or 'auto')"
     if _family(fmt) == "preference":
         return f"data.format={fmt!r} names {PAIRS}: {_dpo_only()}"
     return f"data.format={fmt!r} names {_family(fmt)} rows: {_supervised_only()}"
@@ -179,6 +182,10 @@ def _refused_file(path: str, found: str, *, field: str, wanted: Family, method: 
     """Why a file of ``found`` rows does not suit a method that trains on ``wanted`` rows."""
     if wanted == "preference":
         return f"{field}: {path} holds {found} rows; method.kind {method!r} trains on {PAIRS}"
+    if wanted != "supervised":
+        return (
+            f"{field}: {path} holds {found} rows; method.objective {method!r} trains on {titles(wanted)} rows"
+        )
     if _family(found) == "preference":
         return f"{field}: {path} holds {PAIRS}: {_dpo_only()}"
     return f"{field}: {path} holds {found} rows: {_supervised_only()}"
@@ -245,3 +252,28 @@ def load_pairs(
         path, tokenizer, fmt=fmt, max_length=max_length, field=field, wanted="preference", method=method
     )
     return [e for e in encoded if isinstance(e, EncodedPair)]
+
+
+def load_unpaired(
+    path: str,
+    tokenizer: Any,
+    *,
+    fmt: str = "auto",
+    max_length: int = 1024,
+    field: str = "data.train",
+    method: str = "kto",
+) -> list[EncodedUnpaired]:
+    """Every unpaired preference row of a file (KTO's), encoded: its sequence and its label.
+
+    Args:
+        field: the configuration field naming the file (``data.train``, ``data.validation``).
+        method: the method that trains on them (named in errors).
+
+    Raises:
+        ConfigError: for ``field``: an unsupported file type, invalid rows listed by line, or rows
+            that are not unpaired rows (for ``data.format`` when it names another format).
+    """
+    encoded = _load(
+        path, tokenizer, fmt=fmt, max_length=max_length, field=field, wanted="unpaired", method=method
+    )
+    return [e for e in encoded if isinstance(e, EncodedUnpaired)]
