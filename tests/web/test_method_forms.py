@@ -1,11 +1,15 @@
 """The new-job form's methods come from GET /api/methods: each method but supervised fine-tuning is a
 radio with a fieldset rendered from its options schema (label = title, hint = description, value =
 default, the bounds as the inputs', an enum as a select, a boolean as a checkbox, a nullable option
-empty for null); an option with no script of its own (GRPO's top_p, epsilon_high) is sent as set;
-and the job page's one-line method label reads either form of a method section."""
+empty for null); an option with no script of its own (GRPO's top_p, epsilon_high) is sent as set; a
+method with no script of its own at all (KTO) is offered, fitted to its datasets, planned and
+started, its job page drawing its charts; and the job page's one-line method label reads either
+form of a method section. It leaves no job or dataset behind."""
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +22,20 @@ if not Path(CHROMIUM).exists():
 pytest.importorskip("playwright.sync_api")
 
 from playwright.sync_api import Page, expect
+
+from tests.web.test_dpo_form import _post
+from tests.web.test_grpo_form import PROMPTS
+from tests.web.test_job_manage import wait
+
+# unpaired preference rows (the "kto" data format): a prompt, one completion, whether it is desirable
+UNPAIRED = [
+    {
+        "prompt": f"Inventory: {n} figs. How many figs?",
+        "completion": str(n) if n % 2 else "many",
+        "label": n % 2 == 1,
+    }
+    for n in range(12)
+]
 
 
 def listing(server: Server) -> list[dict[str, Any]]:
@@ -100,12 +118,13 @@ def test_each_method_fieldset_is_rendered_from_its_schema(page: Page, server: Se
 
 
 def test_grpo_options_take_their_bounds_and_are_sent_without_js_of_their_own(
-    page: Page, console: ConsoleWatch, server: Server
+    page: Page, console: ConsoleWatch, server: Server, made: dict[str, Any]
 ) -> None:
-    console.allow(r"status of 422 .*/api/plan\]$")  # the plan of a job without a dataset
+    console.allow(r"status of 422 .*/api/plan\]$")  # the plan of a job with a refused option
     schema = method_entry(server, "grpo")["options_schema"]["properties"]
     page.goto(f"{server.base_url}/#/jobs/new")
     page.check("input#method-grpo")
+    expect(page.locator("select#dataset")).to_have_value(made["prompts"]["id"])
     temperature = page.locator("input#grpo-temperature")
     # the schema's bounds: 0 < temperature <= 10; no hand-copied 0.01 minimum
     assert "exclusiveMinimum" in schema["temperature"] and "minimum" not in schema["temperature"]
@@ -150,6 +169,13 @@ def test_grpo_options_take_their_bounds_and_are_sent_without_js_of_their_own(
     ):
         page.fill("input#grpo-epsilon-high", "")
 
+    # the API's refusal of one of its options marks that option's control
+    console.allow(r"status of 422 .*/api/jobs\]$")
+    page.fill("input#max-length", "8")  # no room for the prompt beside 64 completion tokens
+    page.get_by_role("button", name="Start fine-tune").click()
+    expect(page.locator("#form-error")).to_contain_text("method.max_completion_tokens")
+    expect(page.locator("input#grpo-max-completion-tokens")).to_have_attribute("aria-invalid", "true")
+
 
 def test_the_job_pages_method_label_reads_both_forms_of_a_method_section(page: Page, server: Server) -> None:
     entries = {m["name"]: m for m in listing(server)}
@@ -190,3 +216,85 @@ def test_the_job_pages_method_label_reads_both_forms_of_a_method_section(page: P
             group, beta = props["group_size"]["default"], number_text(props["beta"]["default"])
             label = f"GRPO (full), group {group}, beta {beta}"
         assert got == label, (section, got)
+
+
+@pytest.fixture(scope="module")
+def made(server: Server) -> Iterator[dict[str, Any]]:
+    """A prompts dataset and one of unpaired rows; they and the jobs the tests start are removed at
+    the end."""
+    state: dict[str, Any] = {
+        "prompts": _post(server, "method-forms prompts", PROMPTS),
+        "unpaired": _post(server, "method-forms unpaired", UNPAIRED),
+        "jobs": [],
+    }
+    yield state
+    with server.client() as client:
+        for job_id in state["jobs"]:
+            if client.get(f"/api/jobs/{job_id}").status_code == 404:
+                continue
+            client.post(f"/api/jobs/{job_id}/cancel")
+            wait(server, job_id, lambda j: j["status"] in ("succeeded", "failed", "cancelled", "paused"))
+            client.delete(f"/api/jobs/{job_id}")
+        for dataset in (state["prompts"], state["unpaired"]):
+            client.delete(f"/api/datasets/{dataset['id']}")
+
+
+def test_a_method_with_no_script_of_its_own_is_offered_planned_and_charted(
+    page: Page, server: Server, made: dict[str, Any]
+) -> None:
+    entries = {m["name"]: m for m in listing(server)}
+    if "kto" not in entries:
+        pytest.skip("GET /api/methods lists no KTO")
+    kto = entries["kto"]
+    dataset = made["unpaired"]
+    assert dataset["format"] == "kto", dataset
+    page.goto(f"{server.base_url}/#/jobs/new")
+    page.select_option("select#base-model", "tiny")
+    page.fill("input#max-steps", "2")
+    page.fill("input#batch-size", "4")
+    advanced = page.locator("details#advanced")
+    if advanced.get_attribute("open") is None:
+        advanced.locator("summary").click()
+    page.fill("input#num-microbatches", "2")
+    option = page.locator(f'select#dataset option[value="{dataset["id"]}"]')
+    expect(option).to_have_attribute("data-fits", "false")  # not for supervised fine-tuning
+
+    page.check("input#method-kto")
+    expect(page.locator("fieldset#kto-options legend")).to_have_text(kto["title"])
+    expect(page.locator("select#dataset")).to_have_value(dataset["id"])  # moved to the one that fits
+    expect(option).to_have_attribute("data-fits", "true")
+    expect(page.locator("#dataset-fit")).to_contain_text("This method trains on a KTO dataset")
+    page.fill("input#lora-r", "4")
+
+    def kto_plan(response: Any) -> bool:
+        sent = response.request.post_data_json or {}
+        return response.url.endswith("/api/plan") and sent.get("method", {}).get("desirable_weight") == 1.5
+
+    with page.expect_response(kto_plan, timeout=30_000) as answer:
+        page.fill("input#kto-desirable-weight", "1.5")
+    assert answer.value.status == 200, answer.value.text()
+    own = {
+        k: p["default"]
+        for k, p in kto["options_schema"]["properties"].items()
+        if k not in kto["common_fields"]
+    }
+    expected = {"objective": "kto", "tuning": "lora", "lora_r": 4} | own | {"desirable_weight": 1.5}
+    assert answer.value.request.post_data_json["method"] == expected
+
+    with page.expect_request(lambda r: r.method == "POST" and r.url.endswith("/api/jobs")) as sent:
+        page.get_by_role("button", name="Start fine-tune").click()
+    assert (sent.value.post_data_json or {})["method"] == expected
+    page.wait_for_url(re.compile(r"#/jobs/[0-9a-f]+$"), timeout=20_000)
+    job_id = page.url.rsplit("/", 1)[1]
+    made["jobs"].append(job_id)
+    with server.client() as client:
+        client.post(f"/api/jobs/{job_id}/pause")  # what it trains is the engine's to test
+    beta = number_text(kto["options_schema"]["properties"]["beta"]["default"])
+    expect(page.locator("#job-method")).to_have_text(f"KTO (LoRA), beta {beta}")
+    for chart in kto["charts"]:  # its charts as the listing names them, shown from the start
+        card = page.locator(f'section[data-chart="{chart["id"]}"]')
+        expect(card).to_be_visible()
+        expect(card.locator("h2")).to_have_text(chart["title"])
+        expect(card.locator(f"rh-line-chart#{chart['id']}")).to_have_attribute("ylabel", chart["ylabel"])
+    expect(page.locator("#token-accuracy-chart")).to_be_hidden()
+    expect(page.locator("section#samples")).to_be_hidden()  # no sampled completions
