@@ -1,6 +1,6 @@
 """``roundhouse``: the engine from the command line.
 
-    roundhouse train CONFIG [--method dpo|orpo --beta B --dpo-tuning lora|full]
+    roundhouse train CONFIG [--method dpo|orpo|kto --beta B --dpo-tuning lora|full]
                                                   fine-tune (resumes from the latest checkpoint)
     roundhouse validate-data FILE [--model M]     check every row; token statistics with a model
     roundhouse export CHECKPOINT --out DIR [--format FORMAT [--variant V] | --merged | --gguf]
@@ -35,7 +35,7 @@ from engine.commands.demo import add_demo_command
 from engine.data.formats import format_names
 from engine.errors import ConfigError
 from engine.export.formats import FORMATS, VARIANTS, ExportFormat, formats_help, variants_help
-from engine.methods import TUNINGS, preference_methods
+from engine.methods import METHODS, TUNINGS
 
 if TYPE_CHECKING:
     from engine.config import TrainConfig
@@ -43,7 +43,9 @@ if TYPE_CHECKING:
 
 
 # --method: what trains (supervised), or a preference method of the registry
-METHOD_CHOICES = [*TUNINGS, *preference_methods()]
+# --method: what trains (supervised), or a method that trains on rows of a file alone (GRPO also
+# needs its grader: a config file)
+METHOD_CHOICES = [*TUNINGS, *(n for n, m in METHODS.items() if n != "sft" and m.data_format != "prompts")]
 
 
 def model_config(args: argparse.Namespace, model_path: str | None) -> dict[str, Any]:
@@ -464,7 +466,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=None, help="sequences per step (default max(M, 16))")
     p.add_argument("--method", choices=METHOD_CHOICES, default=None, help="default lora")
     p.add_argument(
-        "--dpo-tuning", choices=["lora", "full"], default=None, help="dpo/orpo: what trains (default lora)"
+        "--dpo-tuning",
+        choices=["lora", "full"],
+        default=None,
+        help="dpo/orpo/kto: what trains (default lora)",
     )
     p.add_argument("--lora-r", type=int, default=None, help="default 16")
     p.add_argument(
@@ -488,7 +493,7 @@ def build_parser() -> argparse.ArgumentParser:
     t = with_models(sub.add_parser("train", help="fine-tune from a JSON/YAML TrainConfig"))
     t.add_argument("config")
     t.add_argument("--method", choices=METHOD_CHOICES, help="override method.kind")
-    t.add_argument("--beta", type=float, help="override method.beta (DPO's beta, ORPO's lambda)")
+    t.add_argument("--beta", type=float, help="override method.beta (DPO's and KTO's beta, ORPO's lambda)")
     t.add_argument("--dpo-tuning", choices=["lora", "full"], help="override method.dpo_tuning")
     t.set_defaults(func=cmd_train)
     v = with_models(sub.add_parser("validate-data", help="check a dataset file row by row"))
