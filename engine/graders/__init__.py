@@ -1,9 +1,10 @@
 """Graders: what scores a model's answers for reinforcement fine-tuning (and for trying a grader
 out through the service's ``/v1/fine_tuning/alpha/graders``).
 
-``validate_grader(spec)`` reads a grader's JSON object, OpenAI's shapes where OpenAI has the
-grader, and refuses a bad one with a ``ConfigError`` naming the field
-(``grader.graders.b.operation: must be one of eq, ne, like, ilike (got 'equals')``)::
+A grader's JSON object is a ``GraderSpec`` (``engine.graders.spec``: a pydantic union on
+``type``, OpenAI's shapes where OpenAI has the grader). ``validate_grader(spec)`` checks one and
+builds its grader, refusing a bad one with a ``ConfigError`` naming the field
+(``grader.graders.b.operation: Input should be 'eq', 'ne', 'like' or 'ilike' (got "equals")``)::
 
     grader = validate_grader({"type": "string_check", "name": "exact", "operation": "eq",
                               "input": "{{sample.output_text}}", "reference": "{{item.answer}}"})
@@ -22,31 +23,74 @@ field, a non-number) scores 0 and ``GradeResult.errors`` says why. Nothing here 
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
+from pydantic import TypeAdapter, ValidationError
+
 from engine.errors import ConfigError
-from engine.graders.base import Fields, Grader, GradeResult, make_sample
+from engine.graders.base import GRADERS, Grader, GradeResult, build, make_sample
+from engine.graders.fields import OWN_ERRORS
 from engine.graders.multi import MultiGrader
 from engine.graders.python import PythonGrader
+from engine.graders.spec import GRADER_SPECS, GraderJson, GraderSpec, as_given
 from engine.graders.text import JsonSchema, Length, Regex, StringCheck, TextSimilarity
 
-__all__ = ["GRADER_TYPES", "GradeResult", "Grader", "make_sample", "validate_grader"]
+__all__ = [
+    "GRADER_TYPES",
+    "ConfigError",
+    "GradeResult",
+    "Grader",
+    "GraderJson",
+    "GraderSpec",
+    "JsonSchema",
+    "Length",
+    "MultiGrader",
+    "PythonGrader",
+    "Regex",
+    "StringCheck",
+    "TextSimilarity",
+    "as_given",
+    "make_sample",
+    "parse_grader",
+    "validate_grader",
+]
 
 # type -> class; a ``multi`` grader's sub-graders may be any of them, ``multi`` included
-GRADER_TYPES: dict[str, type[Grader]] = {
-    "string_check": StringCheck,
-    "text_similarity": TextSimilarity,
-    "regex": Regex,
-    "json_schema": JsonSchema,
-    "length": Length,
-    "python": PythonGrader,
-    "multi": MultiGrader,
-}
-MAX_DEPTH = 4  # multi graders inside multi graders
+GRADER_TYPES: dict[str, type[Grader]] = {kind: GRADERS[kind] for kind in GRADER_SPECS}
+_SPEC: TypeAdapter[GraderSpec] = TypeAdapter(GraderSpec)
 
 
-def validate_grader(spec: dict[str, Any], field: str = "grader") -> Grader:
-    """The grader ``spec`` describes, checked; ``field`` is its name in error messages.
+def parse_grader(spec: Any, field: str = "grader") -> GraderSpec:
+    """The grader ``spec`` describes (its JSON object, or a spec), checked as ``GraderSpec``;
+    ``field`` is its name in error messages. Nothing is run.
+
+    Raises:
+        ConfigError: a field is missing or not valid; ``.field`` is the first one's dotted path,
+            the message lists each (``grader.graders.b.operation: Input should be ... (got "x")``).
+    """
+    try:
+        return _SPEC.validate_python(spec)
+    except ValidationError as exc:
+        errors = exc.errors()
+        lines = []
+        for error in errors:
+            shown = error["input"]
+            got = (
+                f" (got {json.dumps(shown)})"
+                if isinstance(shown, str | int | float | bool)
+                and not error["type"].startswith(OWN_ERRORS)
+                and error["type"] != "missing"
+                else ""
+            )
+            lines.append(f"{_path(field, error['loc'])}: {error['msg']}{got}")
+        first = errors[0]
+        raise ConfigError(_path(field, first["loc"]), "; ".join(lines), value=first["input"]) from None
+
+
+def validate_grader(spec: Any, field: str = "grader") -> Grader:
+    """The grader ``spec`` describes (its JSON object, or a spec), checked; ``field`` is its name in
+    error messages.
 
     A ``python`` grader's source is run once in a child process to find its ``grade`` function.
     The caller closes the grader (``close()``, or ``with``) when done with it.
@@ -54,18 +98,8 @@ def validate_grader(spec: dict[str, Any], field: str = "grader") -> Grader:
     Raises:
         ConfigError: a field is missing or not valid; ``.field`` is its dotted path.
     """
-    return _build(spec, field, 0)
+    return build(parse_grader(spec, field), field=field)
 
 
-def _build(spec: Any, path: str, depth: int) -> Grader:
-    fields = Fields(spec, path)
-    kind = fields.choice("type", tuple(GRADER_TYPES))
-    if kind == "multi":
-        if depth >= MAX_DEPTH:
-            raise fields.fail("type", f"multi graders nest at most {MAX_DEPTH} deep")
-        return MultiGrader.from_fields(fields, lambda sub, at: _build(sub, at, depth + 1))
-    grader: Grader = GRADER_TYPES[kind].from_fields(fields)  # type: ignore[attr-defined]
-    return grader
-
-
-__all__ += ["ConfigError"]
+def _path(field: str, loc: tuple[str | int, ...]) -> str:
+    return ".".join([field, *(str(p) for p in loc)])

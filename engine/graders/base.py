@@ -1,18 +1,15 @@
-"""What every grader shares: the result of a batch, the ``Grader`` base class, the sample a model
-answer becomes, and ``Fields``, the reader that checks a grader's JSON object field by field and
-names the field at fault (``grader.graders.b.operation``) in its ``ConfigError``."""
+"""What every grader shares: the result of a batch, the ``Grader`` base class (each grader class
+registers itself by its type in ``GRADERS``), ``build`` (the grader of a checked spec, any type),
+and the sample a model answer becomes."""
 
 from __future__ import annotations
 
 import json
 import math
-import re
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
-
-from engine.errors import ConfigError
 
 # what went wrong with one sample, for a program: the service maps each to OpenAI's error flags
 ErrorKind = Literal["runtime", "timeout", "crashed", "formula", "template", "other"]
@@ -27,12 +24,6 @@ def unscorable(value: float) -> str | None:
     if abs(value) > FLOAT32_MAX:
         return f"the score {value:g} is beyond float32's range (+-{FLOAT32_MAX:.4g}): it would be inf"
     return None
-
-
-MAX_NAME = 256
-MAX_TEXT = 100_000  # characters of a template, a pattern or a Python grader's source
-_NAME = re.compile(r"^[^\x00-\x1f\x7f]+$")
-_MISSING: Any = object()
 
 
 @dataclass
@@ -117,8 +108,27 @@ class Grader(ABC):
 
     type: ClassVar[str]
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "type" in cls.__dict__:
+            GRADERS[cls.type] = cls
+
     def __init__(self, name: str) -> None:
         self.name = name
+
+    @classmethod
+    @abstractmethod
+    def from_spec(cls, spec: Any, *, name: str | None = None, field: str = "grader") -> Grader:
+        """The grader of ``spec``, a checked spec of this type (``engine.graders.spec``).
+
+        Args:
+            spec: the spec.
+            name: its name (default: the spec's, else its type).
+            field: the spec's dotted path, for errors.
+
+        Raises:
+            ConfigError: it cannot be built (a ``python`` grader's source defines no ``grade``).
+        """
 
     @abstractmethod
     def spec(self) -> dict[str, Any]:
@@ -166,6 +176,15 @@ class Grader(ABC):
         self.close()
 
 
+# type -> grader class: each registers itself (``Grader.__init_subclass__``)
+GRADERS: dict[str, type[Grader]] = {}
+
+
+def build(spec: Any, *, name: str | None = None, field: str = "grader") -> Grader:
+    """The grader of ``spec``, a checked spec of any type (``Grader.from_spec`` of its class)."""
+    return GRADERS[spec.type].from_spec(spec, name=name, field=field)
+
+
 class LocalGrader(Grader):
     """A grader that scores one sample at a time in this process."""
 
@@ -191,128 +210,3 @@ class LocalGrader(Grader):
             out.errors.append(error)
             out.kinds.append(kind)
         return out
-
-
-class Fields:
-    """A grader's JSON object read field by field; every error names the field's dotted path.
-
-    Args:
-        spec: the object given.
-        path: its own path, e.g. ``"grader"`` or ``"grader.graders.b"``.
-    """
-
-    def __init__(self, spec: Any, path: str) -> None:
-        if not isinstance(spec, Mapping):
-            raise ConfigError(path, f"{path}: must be an object, got {_kind(spec)}", value=spec)
-        self.spec, self.path = spec, path
-        self.read: set[str] = set()
-
-    def at(self, key: str) -> str:
-        """The dotted path of a field."""
-        return f"{self.path}.{key}"
-
-    def fail(self, key: str, message: str, value: Any = None) -> ConfigError:
-        """The error of a field: ``<path>.<key>: <message>``."""
-        return ConfigError(self.at(key), f"{self.at(key)}: {message}", value=value)
-
-    def raw(self, key: str, default: Any = _MISSING) -> Any:
-        self.read.add(key)
-        if key in self.spec and self.spec[key] is not None:
-            return self.spec[key]
-        if default is _MISSING:
-            raise self.fail(key, "is required")
-        return default
-
-    def text(self, key: str, default: Any = _MISSING, *, max_length: int = MAX_TEXT) -> Any:
-        """A string field (``default`` when it is left out or null; required without one)."""
-        value = self.raw(key, default)
-        if value is default and default is not _MISSING:
-            return value
-        if not isinstance(value, str):
-            raise self.fail(key, f"must be a string, got {_kind(value)}", value)
-        if len(value) > max_length:
-            raise self.fail(key, f"must be at most {max_length} characters, got {len(value)}", value)
-        if not value.isascii():
-            try:
-                value.encode()
-            except UnicodeEncodeError as exc:
-                raise self.fail(key, "must be Unicode text (it holds a lone surrogate)") from exc
-        return value
-
-    def name(self, default: str) -> str:
-        """The ``name`` field: one line of up to 256 characters, ``default`` when left out."""
-        value: str = self.text("name", default, max_length=MAX_NAME)
-        if not _NAME.match(value):
-            raise self.fail("name", "must be one line of text, not empty, without control characters")
-        return value
-
-    def choice(self, key: str, choices: Sequence[str], default: Any = _MISSING) -> Any:
-        """A string field that must be one of ``choices``."""
-        value = self.raw(key, default)
-        if value is default and default is not _MISSING:
-            return value
-        if not isinstance(value, str) or value not in choices:
-            got = repr(value) if isinstance(value, str) else _kind(value)
-            raise self.fail(key, f"must be one of {', '.join(choices)} (got {got})", value)
-        return value
-
-    def number(
-        self,
-        key: str,
-        default: Any = _MISSING,
-        *,
-        minimum: float | None = None,
-        maximum: float | None = None,
-        integer: bool = False,
-    ) -> Any:
-        """A number field within ``[minimum, maximum]`` (an integer when ``integer``)."""
-        value = self.raw(key, default)
-        if value is default and default is not _MISSING:
-            return value
-        kind = "an integer" if integer else "a number"
-        valid = isinstance(value, int) if integer else isinstance(value, int | float)
-        if not valid or isinstance(value, bool) or not math.isfinite(value):
-            raise self.fail(key, f"must be {kind}, got {_kind(value)}", value)
-        if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
-            low = "" if minimum is None else f"at least {minimum:g}"
-            high = "" if maximum is None else f"at most {maximum:g}"
-            raise self.fail(key, f"must be {' and '.join(p for p in (low, high) if p)}, got {value!r}", value)
-        return value
-
-    def boolean(self, key: str, default: bool) -> bool:
-        value = self.raw(key, default)
-        if not isinstance(value, bool):
-            raise self.fail(key, f"must be true or false, got {_kind(value)}", value)
-        return value
-
-    def mapping(self, key: str) -> Mapping[str, Any]:
-        """An object field (required)."""
-        value = self.raw(key)
-        if not isinstance(value, Mapping):
-            raise self.fail(key, f"must be an object, got {_kind(value)}", value)
-        return value
-
-    def done(self, kind: str, extra: Iterable[str] = ()) -> None:
-        """Refuse a field the grader type does not have (``extra``: fields it accepts and ignores)."""
-        known = self.read | {"type"} | set(extra)
-        for key in self.spec:
-            if key not in known:
-                fields = ", ".join(sorted(known))
-                raise self.fail(str(key), f"a {kind} grader has no such field (its fields: {fields})")
-
-
-def _kind(value: Any) -> str:
-    """What a JSON value is, for an error message."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int | float):
-        return f"the number {value!r}"
-    if isinstance(value, str):
-        return f"the string {short(repr(value), 60)}"
-    if isinstance(value, Mapping):
-        return "an object"
-    if isinstance(value, list | tuple):
-        return "an array"
-    return type(value).__name__

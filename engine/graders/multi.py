@@ -9,15 +9,12 @@ own ones under ``outer.inner``.
 
 from __future__ import annotations
 
-import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from engine.graders.base import MAX_TEXT, ErrorKind, Fields, Grader, Scores, short
+from engine.graders.base import ErrorKind, Grader, Scores, build, short
 from engine.graders.formula import Formula, FormulaError
-
-MAX_GRADERS = 32
-_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+from engine.graders.spec import MultiSpec
 
 
 class MultiGrader(Grader):
@@ -30,37 +27,18 @@ class MultiGrader(Grader):
         self.graders, self.formula = graders, formula
 
     @classmethod
-    def from_fields(cls, fields: Fields, build: Callable[[Any, str], Grader]) -> MultiGrader:
-        """Read a ``multi`` grader; ``build(spec, path)`` makes each sub-grader."""
-        name = fields.name(cls.type)
-        given = fields.mapping("graders")
-        if not given:
-            raise fields.fail("graders", "give at least one grader, by name")
-        if len(given) > MAX_GRADERS:
-            raise fields.fail("graders", f"at most {MAX_GRADERS} graders, got {len(given)}")
+    def from_spec(cls, spec: MultiSpec, *, name: str | None = None, field: str = "grader") -> MultiGrader:
+        """Build each sub-grader (named by its key unless it has a name); one that cannot be built
+        closes those built before it."""
         graders: dict[str, Grader] = {}
         try:
-            for key, spec in given.items():
-                if not isinstance(key, str) or not _NAME.match(key) or key in ("min", "max"):
-                    message = (
-                        f"{key!r} cannot be named in calculate_output: a name is letters, digits "
-                        "and _, not starting with a digit, and not min or max"
-                    )
-                    raise fields.fail("graders", message, key)
-                if isinstance(spec, Mapping) and "name" not in spec:
-                    spec = {**spec, "name": key}
-                graders[key] = build(spec, f"{fields.at('graders')}.{key}")
-            text = fields.text("calculate_output", max_length=MAX_TEXT)
-            try:
-                formula = Formula.parse(text, set(graders))
-            except FormulaError as exc:
-                raise fields.fail("calculate_output", str(exc), text) from exc
-            fields.done(cls.type)
+            for key, sub in spec.graders.items():
+                graders[key] = build(sub, name=sub.name or key, field=f"{field}.graders.{key}")
         except BaseException:
             for grader in graders.values():
                 grader.close()
             raise
-        return cls(name, graders, formula)
+        return cls(name or spec.name or cls.type, graders, Formula.parse(spec.calculate_output, set(graders)))
 
     def spec(self) -> dict[str, Any]:
         return {

@@ -31,11 +31,11 @@ from typing import IO, Any
 
 import engine.graders.sandbox as sandbox
 from engine.errors import ConfigError
-from engine.graders.base import MAX_TEXT, ErrorKind, Fields, Grader, Scores, short, unscorable
+from engine.graders.base import ErrorKind, Grader, Scores, short, unscorable
+from engine.graders.fields import DEFAULT_MEMORY_MB, DEFAULT_TIMEOUT_S
 from engine.graders.sandbox import Confinement
+from engine.graders.spec import PythonSpec
 
-DEFAULT_TIMEOUT_S, MAX_TIMEOUT_S = 5.0, 60.0
-DEFAULT_MEMORY_MB, MIN_MEMORY_MB, MAX_MEMORY_MB = 1024, 128, 16384
 STARTUP_S = 10.0  # a child's start, on top of the time its source's top level may take
 GRACE_S = 1.0  # how late past the time limit an answer may come before the child is killed
 MAX_ANSWER = 1 << 20  # bytes of one answer line
@@ -198,22 +198,26 @@ class PythonGrader(Grader):
         self._closed = 0  # close() calls: a batch stops starting children when it changes
 
     @classmethod
-    def from_fields(cls, fields: Fields) -> PythonGrader:
-        name = fields.name(cls.type)
-        source = fields.text("source", max_length=MAX_TEXT)
-        image_tag = fields.text("image_tag", None, max_length=256)
-        timeout_s = fields.number("timeout_s", DEFAULT_TIMEOUT_S, minimum=0.01, maximum=MAX_TIMEOUT_S)
-        memory_mb = fields.number(
-            "memory_mb", DEFAULT_MEMORY_MB, minimum=MIN_MEMORY_MB, maximum=MAX_MEMORY_MB, integer=True
-        )
-        fields.done(cls.type)
+    def from_spec(cls, spec: PythonSpec, *, name: str | None = None, field: str = "grader") -> PythonGrader:
+        """The grader, its source run once in a child to find ``grade``.
+
+        Raises:
+            ConfigError: this machine cannot confine a child (``<field>.type``), or the source
+                defines no ``grade(sample, item)`` (``<field>.source``).
+        """
         refused = sandbox.refusal(sandbox.detect())
         if refused is not None:
-            raise ConfigError(fields.at("type"), f"{fields.at('type')}: {refused}", value="python")
-        grader = cls(name, source, timeout_s=float(timeout_s), memory_mb=memory_mb, image_tag=image_tag)
+            raise ConfigError(f"{field}.type", f"{field}.type: {refused}", value="python")
+        grader = cls(
+            name or spec.name or cls.type,
+            spec.source,
+            timeout_s=spec.timeout_s,
+            memory_mb=spec.memory_mb,
+            image_tag=spec.image_tag,
+        )
         error = grader.check()
         if error is not None:
-            raise ConfigError(fields.at("source"), f"{fields.at('source')}: {error}", value=None)
+            raise ConfigError(f"{field}.source", f"{field}.source: {error}", value=None)
         return grader
 
     def spec(self) -> dict[str, Any]:

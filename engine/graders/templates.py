@@ -3,7 +3,8 @@
 indexing a list: ``{{item.answers.0}}``), inside any text.
 
 A template is checked once (``Template.parse``: only ``sample`` and ``item`` can be named, and of
-the sample only ``output_text``, ``output_json`` and ``choices``) and rendered per sample: a
+the sample only ``output_text``, ``output_json`` and ``choices``; ``TemplateError`` says why not)
+and rendered per sample: a
 string is inserted as it is, null as nothing, anything else as JSON. A field the item lacks fails
 that sample (``GradeFailure`` of kind ``"template"``), it does not render as empty.
 """
@@ -16,12 +17,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from engine.errors import ConfigError
 from engine.graders.base import GradeFailure
 
 SAMPLE_FIELDS = ("output_text", "output_json", "choices")
 _REFERENCE = re.compile(r"\{\{(.*?)\}\}", re.DOTALL)
 _SEGMENT = re.compile(r"^[^\s.{}]+$")
+
+
+class TemplateError(ValueError):
+    """A template that is not valid: a reference to neither the sample nor the item, or one not
+    closed; the message says which."""
 
 
 @dataclass(frozen=True)
@@ -57,17 +62,21 @@ class Template:
     parts: tuple[str | Reference, ...]
 
     @classmethod
-    def parse(cls, source: str, field: str) -> Template:
-        """Check ``source``'s references; ``ConfigError`` naming ``field`` when one is not valid."""
+    def parse(cls, source: str) -> Template:
+        """Check ``source``'s references.
+
+        Raises:
+            TemplateError: a reference is not valid.
+        """
         parts: list[str | Reference] = []
         position = 0
         for match in _REFERENCE.finditer(source):
             parts.append(source[position : match.start()])
-            parts.append(_reference(match.group(1).strip(), field))
+            parts.append(_reference(match.group(1).strip()))
             position = match.end()
         rest = source[position:]
         if "{{" in rest:
-            raise ConfigError(field, f"{field}: a '{{{{' is not closed by '}}}}'", value=source)
+            raise TemplateError("a '{{' is not closed by '}}'")
         parts.append(rest)
         return cls(source, tuple(p for p in parts if p != ""))
 
@@ -94,18 +103,17 @@ def as_text(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, default=str)
 
 
-def _reference(inside: str, field: str) -> Reference:
+def _reference(inside: str) -> Reference:
     root, *path = inside.split(".") if inside else [""]
     if root not in ("sample", "item"):
-        message = (
-            f"{field}: {{{{{inside}}}}} names neither the sample nor the item; write "
+        raise TemplateError(
+            f"{{{{{inside}}}}} names neither the sample nor the item; write "
             "{{sample.output_text}}, {{sample.output_json.<field>}} or {{item.<field>}}"
         )
-        raise ConfigError(field, message, value=inside)
     for segment in path:
         if not _SEGMENT.match(segment):
-            raise ConfigError(field, f"{field}: {{{{{inside}}}}} is not a dotted field name", value=inside)
+            raise TemplateError(f"{{{{{inside}}}}} is not a dotted field name")
     if root == "sample" and (not path or path[0] not in SAMPLE_FIELDS):
         fields = ", ".join(f"sample.{f}" for f in SAMPLE_FIELDS)
-        raise ConfigError(field, f"{field}: {{{{{inside}}}}}: a sample has {fields}", value=inside)
+        raise TemplateError(f"{{{{{inside}}}}}: a sample has {fields}")
     return Reference(root, tuple(path))

@@ -1,8 +1,8 @@
 """The graders that read text in this process: ``string_check`` and ``text_similarity``
 (OpenAI's), and ours, ``regex``, ``json_schema`` and ``length``.
 
-Each reads its fields from a ``Fields`` (``from_fields``), so a bad value is refused naming its
-path, and scores one sample at a time (``score``).
+Each is built from its checked spec (``from_spec``; ``engine.graders.spec`` holds the fields and
+their checks) and scores one sample at a time (``score``).
 """
 
 from __future__ import annotations
@@ -11,22 +11,19 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from engine.graders.base import Fields, GradeFailure, LocalGrader, parse_json
+from engine.graders.base import GradeFailure, LocalGrader, parse_json
 from engine.graders.metrics import METRICS
+from engine.graders.spec import (
+    JsonSchemaSpec,
+    LengthSpec,
+    RegexSpec,
+    StringCheckSpec,
+    TextSimilaritySpec,
+    schema_validator,
+)
 from engine.graders.templates import Template
 
-OUTPUT_TEXT = "{{sample.output_text}}"
-STRING_OPERATIONS = ("eq", "ne", "like", "ilike")
-# OpenAI's names; all but cosine are computed (engine.graders.metrics)
-EVALUATION_METRICS = (
-    *("fuzzy_match", "bleu", "gleu", "meteor", "cosine"),
-    *(f"rouge_{n}" for n in range(1, 6)),
-    "rouge_l",
-)
-LENGTH_UNITS = ("characters", "tokens")
 _WORDS_AND_MARKS = re.compile(r"\w+|[^\w\s]")  # the length grader's tokens
-MAX_PATTERN = 2000
-MAX_LENGTH = 10_000_000
 
 
 class StringCheck(LocalGrader):
@@ -41,13 +38,11 @@ class StringCheck(LocalGrader):
         self.input, self.reference, self.operation = input, reference, operation
 
     @classmethod
-    def from_fields(cls, fields: Fields) -> StringCheck:
-        name = fields.name(cls.type)
-        text = Template.parse(fields.text("input"), fields.at("input"))
-        reference = Template.parse(fields.text("reference"), fields.at("reference"))
-        operation = fields.choice("operation", STRING_OPERATIONS)
-        fields.done(cls.type)
-        return cls(name, text, reference, operation)
+    def from_spec(
+        cls, spec: StringCheckSpec, *, name: str | None = None, field: str = "grader"
+    ) -> StringCheck:
+        text, reference = Template.parse(spec.input), Template.parse(spec.reference)
+        return cls(name or spec.name or cls.type, text, reference, spec.operation)
 
     def spec(self) -> dict[str, Any]:
         return {
@@ -82,19 +77,11 @@ class TextSimilarity(LocalGrader):
         self.input, self.reference, self.metric = input, reference, metric
 
     @classmethod
-    def from_fields(cls, fields: Fields) -> TextSimilarity:
-        name = fields.name(cls.type)
-        text = Template.parse(fields.text("input"), fields.at("input"))
-        reference = Template.parse(fields.text("reference"), fields.at("reference"))
-        metric = fields.choice("evaluation_metric", EVALUATION_METRICS)
-        if metric not in METRICS:
-            message = (
-                f"{metric} needs an embedding model, which the graders do not run; use one of "
-                f"{', '.join(METRICS)}"
-            )
-            raise fields.fail("evaluation_metric", message, metric)
-        fields.done(cls.type)
-        return cls(name, text, reference, metric)
+    def from_spec(
+        cls, spec: TextSimilaritySpec, *, name: str | None = None, field: str = "grader"
+    ) -> TextSimilarity:
+        text, reference = Template.parse(spec.input), Template.parse(spec.reference)
+        return cls(name or spec.name or cls.type, text, reference, spec.evaluation_metric)
 
     def spec(self) -> dict[str, Any]:
         return {
@@ -122,18 +109,9 @@ class Regex(LocalGrader):
         self.compiled = re.compile(pattern, re.IGNORECASE if ignore_case else 0)
 
     @classmethod
-    def from_fields(cls, fields: Fields) -> Regex:
-        name = fields.name(cls.type)
-        text = Template.parse(fields.text("input", OUTPUT_TEXT), fields.at("input"))
-        pattern = fields.text("pattern", max_length=MAX_PATTERN)
-        full_match = fields.boolean("full_match", False)
-        ignore_case = fields.boolean("ignore_case", False)
-        try:
-            re.compile(pattern)
-        except (re.error, RecursionError, OverflowError) as exc:
-            raise fields.fail("pattern", f"not a regular expression: {exc}", pattern) from exc
-        fields.done(cls.type)
-        return cls(name, text, pattern, full_match, ignore_case)
+    def from_spec(cls, spec: RegexSpec, *, name: str | None = None, field: str = "grader") -> Regex:
+        text = Template.parse(spec.input)
+        return cls(name or spec.name or cls.type, text, spec.pattern, spec.full_match, spec.ignore_case)
 
     def spec(self) -> dict[str, Any]:
         return {
@@ -162,25 +140,11 @@ class JsonSchema(LocalGrader):
     def __init__(self, name: str, input: Template, schema: Mapping[str, Any]) -> None:
         super().__init__(name)
         self.input, self.schema = input, schema
-        self.validator = _validator(schema)
+        self.validator = schema_validator(schema)
 
     @classmethod
-    def from_fields(cls, fields: Fields) -> JsonSchema:
-        name = fields.name(cls.type)
-        text = Template.parse(fields.text("input", OUTPUT_TEXT), fields.at("input"))
-        schema = fields.mapping("schema")
-        from jsonschema.exceptions import SchemaError
-
-        try:
-            _validator(schema)
-        except SchemaError as exc:
-            where = ".".join(str(p) for p in exc.path)
-            field = fields.at("schema") + (f".{where}" if where else "")
-            raise fields.fail("schema", f"not a valid JSON Schema at {field}: {exc.message}") from exc
-        except (ValueError, TypeError, RecursionError) as exc:
-            raise fields.fail("schema", f"not a valid JSON Schema: {exc}") from exc
-        fields.done(cls.type)
-        return cls(name, text, schema)
+    def from_spec(cls, spec: JsonSchemaSpec, *, name: str | None = None, field: str = "grader") -> JsonSchema:
+        return cls(name or spec.name or cls.type, Template.parse(spec.input), spec.json_schema)
 
     def spec(self) -> dict[str, Any]:
         return {"type": self.type, "name": self.name, "input": self.input.source, "schema": self.schema}
@@ -196,15 +160,6 @@ class JsonSchema(LocalGrader):
             raise GradeFailure("the schema or the value nests too deep to check", "other") from exc
         except Exception as exc:  # an unresolvable $ref, a bad format: the grader's own fault
             raise GradeFailure(f"checking against the schema failed: {type(exc).__name__}: {exc}") from exc
-
-
-def _validator(schema: Mapping[str, Any]) -> Any:
-    """A ``jsonschema`` validator of ``schema`` (checked; raises ``SchemaError`` when invalid)."""
-    from jsonschema import Draft202012Validator, validators
-
-    kind = validators.validator_for(schema, default=Draft202012Validator)
-    kind.check_schema(schema)
-    return kind(schema)
 
 
 class Length(LocalGrader):
@@ -236,30 +191,16 @@ class Length(LocalGrader):
         self.falloff = falloff
 
     @classmethod
-    def from_fields(cls, fields: Fields) -> Length:
-        name = fields.name(cls.type)
-        text = Template.parse(fields.text("input", OUTPUT_TEXT), fields.at("input"))
-        unit = fields.choice("unit", LENGTH_UNITS, "characters")
-        bounds = {
-            key: fields.number(key, None, minimum=0, maximum=MAX_LENGTH, integer=True)
-            for key in ("min_length", "max_length", "target_length")
-        }
-        low, high, target = bounds["min_length"], bounds["max_length"], bounds["target_length"]
-        falloff = fields.number("falloff", 0, minimum=0, maximum=MAX_LENGTH, integer=True)
-        if low is None and high is None and target is None:
-            raise fields.fail("target_length", "give target_length, min_length or max_length (or several)")
-        if low is not None and high is not None and low > high:
-            raise fields.fail("max_length", f"must be at least min_length ({low}), got {high}", high)
-        if target is not None:
-            if low is not None and low > target:
-                raise fields.fail("min_length", f"must be at most target_length ({target}), got {low}", low)
-            if high is not None and high < target:
-                message = f"must be at least target_length ({target}), got {high}"
-                raise fields.fail("max_length", message, high)
-            if falloff:
-                raise fields.fail("falloff", "is for min_length/max_length without a target_length", falloff)
-        fields.done(cls.type)
-        return cls(name, text, unit, low, high, target, falloff)
+    def from_spec(cls, spec: LengthSpec, *, name: str | None = None, field: str = "grader") -> Length:
+        return cls(
+            name or spec.name or cls.type,
+            Template.parse(spec.input),
+            spec.unit,
+            spec.min_length,
+            spec.max_length,
+            spec.target_length,
+            spec.falloff,
+        )
 
     def spec(self) -> dict[str, Any]:
         return {

@@ -63,7 +63,9 @@ def test_a_bad_grader_is_a_400_naming_the_field(client: TestClient) -> None:
     assert r.status_code == 400
     error = r.json()["error"]
     assert error["param"] == "grader.graders.b.operation"
-    assert error["message"] == "grader.graders.b.operation: must be one of eq, ne, like, ilike (got 'equals')"
+    assert error["message"] == (
+        "grader.graders.b.operation: Input should be 'eq', 'ne', 'like' or 'ilike' (got \"equals\")"
+    )
     assert (error["type"], error["code"]) == ("invalid_request_error", "invalid_grader")
     r = client.post(RUN, json={"grader": {"type": "regex"}, "model_sample": "x"})
     assert (r.status_code, r.json()["error"]["param"]) == (400, "grader.pattern")
@@ -72,6 +74,43 @@ def test_a_bad_grader_is_a_400_naming_the_field(client: TestClient) -> None:
     r = client.post(VALIDATE, json={"grader": {"type": "python", "source": "def grade(sample):\n  return 1"}})
     assert (r.status_code, r.json()["error"]["param"]) == (400, "grader.source")
     assert "grade must take two arguments" in r.json()["error"]["message"]
+
+
+def test_the_openapi_schema_shows_every_grader_type(client: TestClient) -> None:
+    schema = client.get("/openapi.json").json()
+    components = schema["components"]["schemas"]
+
+    def grader_of(component: str) -> dict[str, Any]:
+        return dict(components[component]["properties"]["grader"])
+
+    # the request bodies of validate and run, a reinforcement job's method and the job as answered
+    shown = [grader_of(c) for c in ("GraderValidate", "GraderRun", "ReinforcementMethod", "JobReinforcement")]
+    mapping = shown[0]["discriminator"]["mapping"]
+    assert set(mapping) == {
+        "string_check",
+        "text_similarity",
+        "python",
+        "multi",
+        "regex",
+        "json_schema",
+        "length",
+    }
+    for grader in shown:
+        assert grader["discriminator"] == {"propertyName": "type", "mapping": mapping}
+        assert {choice["$ref"] for choice in grader["oneOf"]} == set(mapping.values())
+    for kind, ref in mapping.items():
+        definition = components[ref.removeprefix("#/components/schemas/")]
+        assert definition["properties"]["type"]["const"] == kind
+    multi = components[mapping["multi"].removeprefix("#/components/schemas/")]
+    assert {"graders", "calculate_output"} <= set(multi["properties"]) and set(multi["required"]) == {
+        "type",
+        "graders",
+        "calculate_output",
+    }
+    check_fields = components[mapping["string_check"].removeprefix("#/components/schemas/")]["properties"]
+    assert check_fields["operation"]["enum"] == ["eq", "ne", "like", "ilike"]
+    body = schema["paths"][VALIDATE]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert body == {"$ref": "#/components/schemas/GraderValidate"}
 
 
 def test_run_in_openais_shape(client: TestClient) -> None:

@@ -16,7 +16,7 @@ from fastapi import APIRouter, Depends
 from pydantic import BaseModel, ConfigDict, Field
 
 from engine.errors import ConfigError
-from engine.graders import GRADER_TYPES, Grader, GradeResult, validate_grader
+from engine.graders import GRADER_TYPES, Grader, GradeResult, GraderJson, validate_grader
 from server.api.openai.shapes import documented
 from server.deps import current_key
 from server.errors import ApiError
@@ -34,7 +34,8 @@ GRADER = (
     '(e.g. {"type": "string_check", "name": "exact", "input": "{{sample.output_text}}", "reference": '
     '"{{item.answer}}", "operation": "eq"}); regex, json_schema and length are ours'
 )
-GraderObject = Annotated[dict[str, Any], Field(description=GRADER)]
+# the JSON object as given, documented as engine.graders.GraderSpec; checked by validate_grader
+GraderObject = Annotated[GraderJson, Field(description=GRADER)]
 Item = Annotated[
     dict[str, Any],
     Field(description="the dataset row the answer is graded against: {{item.<field>}} reads its fields"),
@@ -78,7 +79,7 @@ class GraderRun(_Request):
 
 
 class GraderValidated(BaseModel):
-    grader: dict[str, Any] = Field(description="the grader, with its defaults filled in")
+    grader: GraderJson = Field(description="the grader, with its defaults filled in")
 
 
 class GraderErrors(BaseModel):

@@ -244,20 +244,28 @@ def test_grade_batch_wants_one_item_per_sample() -> None:
 @pytest.mark.parametrize(
     ("spec", "field", "message"),
     [
-        ("string_check", "grader", "must be an object, got the string 'string_check'"),
-        ({}, "grader.type", "is required"),
-        ({"type": "model"}, "grader.type", "must be one of string_check, text_similarity, regex"),
-        ({"type": "regex"}, "grader.pattern", "is required"),
+        ("string_check", "grader", 'Input should be an object (got "string_check")'),
+        ({}, "grader.type", "Field required"),
+        (
+            {"type": "model"},
+            "grader.type",
+            "Input should be one of string_check, text_similarity, regex, json_schema, length, python, multi",
+        ),
+        ({"type": "regex"}, "grader.pattern", "Field required"),
         ({"type": "regex", "pattern": "("}, "grader.pattern", "not a regular expression"),
         ({"type": "regex", "pattern": "x", "flags": "i"}, "grader.flags", "a regex grader has no such field"),
         (
             {"type": "regex", "pattern": "x", "full_match": "yes"},
             "grader.full_match",
-            "must be true or false",
+            'Input should be a valid boolean (got "yes")',  # strict: not "yes", nor 1
         ),
         ({"type": "regex", "pattern": "x", "name": ""}, "grader.name", "must be one line of text"),
-        (check("equals"), "grader.operation", "must be one of eq, ne, like, ilike (got 'equals')"),
-        (check("eq") | {"input": 3}, "grader.input", "must be a string, got the number 3"),
+        (
+            check("equals"),
+            "grader.operation",
+            "Input should be 'eq', 'ne', 'like' or 'ilike' (got \"equals\")",
+        ),
+        (check("eq") | {"input": 3}, "grader.input", "Input should be a valid string (got 3)"),
         (check("eq", "{{answer}}"), "grader.reference", "{{answer}} names neither the sample nor the item"),
         (check("eq", "{{sample.text}}"), "grader.reference", "a sample has sample.output_text"),
         (check("eq", "{{item.answer"), "grader.reference", "a '{{' is not closed"),
@@ -269,9 +277,9 @@ def test_grade_batch_wants_one_item_per_sample() -> None:
         (
             check("eq") | {"type": "text_similarity", "operation": None, "evaluation_metric": "rouge_9"},
             "grader.evaluation_metric",
-            "must be one of fuzzy_match",
+            "Input should be 'fuzzy_match', 'bleu',",
         ),
-        ({"type": "json_schema"}, "grader.schema", "is required"),
+        ({"type": "json_schema"}, "grader.schema", "Field required"),
         ({"type": "json_schema", "schema": {"type": "nothing"}}, "grader.schema", "not a valid JSON Schema"),
         ({"type": "length"}, "grader.target_length", "give target_length, min_length or max_length"),
         (
@@ -279,11 +287,19 @@ def test_grade_batch_wants_one_item_per_sample() -> None:
             "grader.max_length",
             "must be at least min_length",
         ),
-        ({"type": "length", "target_length": -1}, "grader.target_length", "must be at least 0"),
-        ({"type": "length", "target_length": 1.5}, "grader.target_length", "must be an integer"),
+        (
+            {"type": "length", "target_length": -1},
+            "grader.target_length",
+            "greater than or equal to 0 (got -1)",
+        ),
+        ({"type": "length", "target_length": 1.5}, "grader.target_length", "a valid integer (got 1.5)"),
         ({"type": "length", "target_length": 5, "falloff": 2}, "grader.falloff", "without a target_length"),
-        ({"type": "python"}, "grader.source", "is required"),
-        ({"type": "python", "source": "x", "timeout_s": 0}, "grader.timeout_s", "must be at least 0.01"),
+        ({"type": "python"}, "grader.source", "Field required"),
+        (
+            {"type": "python", "source": "x", "timeout_s": 0},
+            "grader.timeout_s",
+            "greater than or equal to 0.01",
+        ),
         ({"type": "multi", "graders": {}, "calculate_output": "1"}, "grader.graders", "at least one grader"),
     ],
 )
@@ -298,7 +314,10 @@ def test_validation_names_the_field_inside_a_multi_grader() -> None:
     spec["graders"]["b"] = check("equals")
     error = refused(spec)
     assert error.field == "grader.graders.b.operation"
-    assert str(error) == "grader.graders.b.operation: must be one of eq, ne, like, ilike (got 'equals')"
+    assert (
+        str(error)
+        == "grader.graders.b.operation: Input should be 'eq', 'ne', 'like' or 'ilike' (got \"equals\")"
+    )
     spec = multi()
     spec["graders"]["inner"] = {"type": "multi", "graders": {"r": {"type": "regex"}}, "calculate_output": "r"}
     assert refused(spec).field == "grader.graders.inner.graders.r.pattern"
