@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_serializer, model_validator
 
 from engine.errors import ConfigError
+from engine.graders import GraderSpec, as_given, validate_grader
 from engine.methods.contract import Chart, Method, MethodOptions, Rollouts, refuse_packing_and_router_loss
 
 if TYPE_CHECKING:
@@ -24,7 +25,7 @@ class GrpoOptions(MethodOptions):
     """GRPO: group-relative advantages of graded completions, the clipped ratio objective."""
 
     objective: Literal["grpo"] = Field("grpo", description="reinforcement fine-tuning with a grader")
-    grader: dict[str, Any] | None = Field(
+    grader: GraderSpec | None = Field(
         None,
         description=(
             "the grader that scores each completion, in OpenAI's shapes: string_check, "
@@ -131,10 +132,12 @@ class GrpoOptions(MethodOptions):
             )
         return self
 
+    @field_serializer("grader")
+    def _grader_as_given(self, grader: GraderSpec | None) -> dict[str, Any] | None:
+        return None if grader is None else as_given(grader)  # the job keeps the JSON it was given
+
     @model_validator(mode="after")
     def _a_valid_grader(self) -> GrpoOptions:
-        from engine.graders import validate_grader  # a grader imports the python sandbox's modules
-
         if self.grader is None:
             raise ConfigError("grader", "method.grader: GRPO needs a grader that scores completions")
         try:
