@@ -1,5 +1,10 @@
 """What llama.cpp expects of each dense family the engine trains, as GGUF.
 
+``GGUF_FAMILIES`` is keyed by the architecture name of the family's ``FamilySpec``
+(``engine.model.families.FAMILIES``): every registered family has an entry here unless its spec
+says why it has no GGUF export (``FamilySpec.no_gguf``), and every entry names a registered
+family (``tests/engine/model/test_family_registry.py``).
+
 Per family: the llama.cpp architecture (a ``gguf.MODEL_ARCH`` name), the layout changes its
 tensors need, the metadata only that family has, and what its config may hold that llama.cpp
 cannot run (refused with the field and the value, so no file is written wrong).
@@ -21,6 +26,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from engine.model.families import FAMILIES
 
 Writer = Any  # gguf.GGUFWriter
 Metadata = Callable[[Any, Writer], None]
@@ -170,8 +177,10 @@ def family_for(config: Any) -> GgufFamily:
     name = archs[0] if archs else type(config).__name__
     family = GGUF_FAMILIES.get(name)
     if family is None:
+        spec = FAMILIES.get(name)
+        why = f" ({spec.no_gguf})" if spec is not None and spec.no_gguf else ""
         raise ValueError(
-            f"GGUF export: {name} cannot be exported yet; "
+            f"GGUF export: {name} cannot be exported yet{why}; "
             f"the families exported are {', '.join(GGUF_FAMILIES)}"
         )
     reason = family.refusal(config) if family.refusal else None

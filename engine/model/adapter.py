@@ -28,8 +28,8 @@ from torch.func import functional_call
 
 from engine.errors import ConfigError
 from engine.kinds import LayerKind
+from engine.model.block_context import LLAMA_CONTEXT
 from engine.model.families import FAMILIES, FamilySpec, family_for
-from engine.model.family_spec import llama_block_arguments
 from engine.model.loss import (
     DEFAULT_LOSS_CHUNK_TOKENS,
     check_chunk_tokens,
@@ -143,7 +143,7 @@ class Layer:
     ``tensors`` maps the layer-local name of every parameter and buffer to the tensor of the
     original model (the same object when a parameter is tied between two layers).
     ``arguments(context, attention_type)`` gives a decoder block's keyword arguments (its
-    family's ``FamilySpec.block_arguments``).
+    family's ``BlockContext.block_arguments``).
     """
 
     index: int
@@ -151,7 +151,7 @@ class Layer:
     module: nn.Module
     attention_type: str = "full_attention"
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-    arguments: Callable[[Context, str], dict[str, Any]] = llama_block_arguments
+    arguments: Callable[[Context, str], dict[str, Any]] = LLAMA_CONTEXT.block_arguments
 
     @property
     def parametrized(self) -> bool:
@@ -227,7 +227,7 @@ class AdaptedModel:
         for i, block in enumerate(blocks):
             attention = family.attention_type(self.config, i)
             self.layers.append(
-                Layer(i + 1, LayerKind.BLOCK, block, attention, arguments=family.block_arguments)
+                Layer(i + 1, LayerKind.BLOCK, block, attention, arguments=family.context.block_arguments)
             )
         lm_head = attrgetter(family.lm_head)(causal_lm)
         divisor = self._config_float(family.logits_divisor)
@@ -277,18 +277,16 @@ class AdaptedModel:
     ) -> Context:
         """Masks, position ids and rotary tables for one micro-batch, on ``hidden``'s device.
 
-        Uses the same mask functions and rotary calls as the model's own forward, so the engine
-        attends exactly like the unsplit model: one mask per attention type of the blocks, and
-        the rotary tables once (or, for a family whose rotary embedding takes the attention type,
-        once per type).
+        The family's ``BlockContext`` builds the masks and the rotary tables, with the mask
+        functions and rotary calls of the model's own forward, so the engine attends exactly like
+        the unsplit model: one mask per attention type of the blocks, and the rotary tables as
+        the family's blocks take them.
 
         With ``upload`` (a GPU worker's host-to-device copy) ``attention_mask`` is the host copy:
         the masks and position ids are built on the host and copied up, because the mask
         functions inspect the mask's values (is there padding?), which on the device would make
         the host wait for the GPU at every micro-batch of every stage.
         """
-        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-
         batch, seq = hidden.shape[0], hidden.shape[1]
         on_host = upload is not None and hidden.device.type != "cpu"
         where = torch.device("cpu") if on_host else hidden.device
@@ -303,10 +301,8 @@ class AdaptedModel:
             "cache": None,
             "position_ids": position_ids,
         }
-        masks: dict[str, Any] = {}
-        for kind in self.attention_types:
-            fn = create_sliding_window_causal_mask if kind == "sliding_attention" else create_causal_mask
-            masks[kind] = fn(**kwargs)
+        context = self.family.context
+        masks = context.masks(self.attention_types, kwargs)
         if on_host:
             assert upload is not None
             if not all(m is None or isinstance(m, torch.Tensor) for m in masks.values()):
@@ -316,11 +312,7 @@ class AdaptedModel:
                 )
             masks = {k: None if m is None else upload(m) for k, m in masks.items()}
             position_ids = upload(position_ids)
-        if self.family.rotary_per_attention_type:
-            tables = {kind: rotary(hidden, position_ids, kind) for kind in self.attention_types}
-        else:
-            shared = rotary(hidden, position_ids)
-            tables = dict.fromkeys(self.attention_types, shared)
+        tables = context.rotary_tables(rotary, hidden, position_ids, self.attention_types)
         return Context(masks, position_ids, tables)
 
 

@@ -2,16 +2,19 @@
 (``engine.model.family_spec``).
 
 A spec says where the adapter finds the parts of a ``*ForCausalLM`` (embeddings, decoder
-blocks, final norm, rotary embedding, LM head), which attention mask each block gets, how a
-block is called, and which linear layers LoRA adapts by default; what the planner counts
-differently (fused projections, extra norms, biases, latent attention); the family's readable
-name; and the config of its tiny test model. The families supported today share the Llama
-skeleton, so adding another Llama-shaped family is one entry in ``FAMILIES``; what a family
-does outside its decoder blocks besides the Llama steps (Granite scales the embeddings and
-divides the logits, Gemma 3 soft-caps the logits and has one rotary table per attention type)
-is a config attribute or a flag named in its spec. Whatever differs inside the blocks (Gemma
-3's extra norms, GPT-OSS's attention sinks, DeepSeek-V3's latent attention, the experts and
-routers of the mixture-of-experts families) runs in the model's own block modules. No torch
+blocks, final norm, rotary embedding, LM head), which attention mask each block gets, how the
+context of a micro-batch is built and how a block is called (its ``BlockContext``), which linear
+layers LoRA adapts by default; the kinds of its blocks with the sizes of their weights (its
+attention and MLP layouts, its experts), which the planner counts; the family's readable name;
+and the config of its tiny test model. The families supported today share the Llama skeleton,
+so adding another Llama-shaped family is one entry in ``FAMILIES`` plus its GGUF entry
+(``engine.export.gguf_families``, or a ``no_gguf`` reason) and its measured activations
+(``python -m engine.model.activations``, or an ``unmeasured`` reason). What a family does
+outside its decoder blocks besides the Llama steps (Granite scales the embeddings and divides
+the logits, Gemma 3 soft-caps the logits and has one rotary table per attention type) is a
+config attribute or a ``BlockContext`` named in its spec. Whatever differs inside the blocks
+(Gemma 3's extra norms, GPT-OSS's attention sinks, DeepSeek-V3's latent attention, the experts
+and routers of the mixture-of-experts families) runs in the model's own block modules. No torch
 import here.
 """
 
@@ -21,6 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.errors import ConfigError
+from engine.model.block_context import RotaryPerAttentionType
+from engine.model.block_layout import FUSED_GATE_UP_MLP, FUSED_QKV_ATTENTION, LATENT_ATTENTION
 from engine.model.family_spec import LLAMA_LINEAR, FamilySpec, MoeSpec, config_value
 
 # GLM-4 fuses the MLP's gate and up projections; Phi-3 also fuses q/k/v
@@ -46,6 +51,9 @@ GEMMA3_REFUSED = (
         "to predict; the engine trains causal LMs",
     ),
 )
+
+# why the mixture-of-experts families have no GGUF export (``FamilySpec.no_gguf``)
+NO_MOE_GGUF = "the GGUF export writes dense families; its mixture-of-experts tensors are not written yet"
 
 
 def qwen3_moe_dense_blocks(config: Any) -> frozenset[int]:
@@ -127,7 +135,7 @@ FAMILIES: dict[str, FamilySpec] = {
             short_name="glm4",
             model_type="glm4",
             lora_targets=GLM4_LINEAR,
-            fused_gate_up=True,
+            mlp=FUSED_GATE_UP_MLP,
             block_extra=lambda s: 2 * s.hidden,  # two extra norms
             # head_dim: the config's default is 128. No attention bias: with GLM-4's half rotary
             # the unrotated half of k_proj.bias has a gradient that is exactly zero but for
@@ -149,8 +157,8 @@ FAMILIES: dict[str, FamilySpec] = {
             short_name="phi3",
             model_type="phi3",
             lora_targets=PHI3_LINEAR,
-            fused_qkv=True,
-            fused_gate_up=True,
+            attention=FUSED_QKV_ATTENTION,
+            mlp=FUSED_GATE_UP_MLP,
             tiny_config=_TINY_TOKEN_IDS | {"sliding_window": 8},  # every block sliding
         ),
         FamilySpec(
@@ -176,7 +184,7 @@ FAMILIES: dict[str, FamilySpec] = {
             short_name="gemma3",
             model_type="gemma3_text",
             logit_softcap="final_logit_softcapping",
-            rotary_per_attention_type=True,
+            context=RotaryPerAttentionType(),
             refused=GEMMA3_REFUSED,
             block_extra=lambda s: 2 * s.hidden + 2 * s.head_dim,  # two extra norms, q and k norms
             # head_dim: the config's default is 256. Blocks alternate sliding (window 8, shorter
@@ -207,6 +215,7 @@ FAMILIES: dict[str, FamilySpec] = {
             ),
             expert_parameters=EXPERT_PARAMETERS,
             block_extra=lambda s: 2 * s.head_dim,  # q and k norms per head
+            no_gguf=NO_MOE_GGUF,
             # the lowest block dense (mlp_only_layers), the others mixtures of experts
             tiny_config={
                 "head_dim": 8,
@@ -232,6 +241,11 @@ FAMILIES: dict[str, FamilySpec] = {
             ),
             block_extra=lambda s: s.heads,  # attention sinks
             fp32_norms=True,
+            no_gguf=NO_MOE_GGUF,
+            unmeasured=(
+                "its attention sinks run the eager attention, which keeps [heads, s, s] scores: the "
+                "bytes per token grow with the sequence"
+            ),
             # every block a mixture of experts; blocks alternate sliding (window 8) and full
             # attention (the config's default layer_types)
             tiny_config={
@@ -258,8 +272,10 @@ FAMILIES: dict[str, FamilySpec] = {
                 dense_blocks=deepseek_dense_blocks,
                 peft_remap=True,
             ),
-            latent_attention=True,
+            attention=LATENT_ATTENTION,
             fp32_router=True,
+            no_gguf=NO_MOE_GGUF,
+            unmeasured="its latent attention has other widths than q and k/v heads",
             # multi-head latent attention (low-rank q and kv, interleaved rotary half); the lowest
             # block dense, the others 4 routed experts (one group) plus a shared expert
             tiny_config={

@@ -1,7 +1,17 @@
 """What the engine knows about one family of causal LMs: ``FamilySpec`` (and ``MoeSpec`` for a
 mixture of experts), with the Llama defaults its fields start from.
 
-The table of the supported families is ``engine.model.families.FAMILIES``. No torch import here.
+A spec carries its family's behaviour, not only flags: the context its blocks need and what they
+are called with (``context``, an ``engine.model.block_context.BlockContext``), and the kinds of
+its decoder blocks with the sizes of their weights (``block_kind``, from its ``attention`` and
+``mlp`` layouts of ``engine.model.block_layout``), which the planner counts.
+
+The table of the supported families is ``engine.model.families.FAMILIES``; the facts other
+layers keep about a family are keyed by the same architecture name beside it: its GGUF export
+(``engine.export.gguf_families.GGUF_FAMILIES``, unless ``no_gguf`` says why there is none) and
+its measured activation coefficients (``engine.planner.activation_table.TABLE``, unless
+``unmeasured`` says why the planner estimates them); ``tests/engine/model/test_family_registry.py``
+checks both ways. No torch import here.
 """
 
 from __future__ import annotations
@@ -9,6 +19,17 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from engine.model.block_context import LLAMA_CONTEXT, BlockContext
+from engine.model.block_layout import (
+    ATTENTION,
+    GATED_MLP,
+    Attention,
+    BlockDims,
+    BlockKind,
+    GatedMlp,
+    Moe,
+)
 
 # the attention and MLP projections of a Llama-shaped decoder block
 LLAMA_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -33,27 +54,6 @@ def config_attention_type(config: Any, block_index: int) -> str:
     if getattr(config, "sliding_window", None) is not None:
         return "sliding_attention"
     return "full_attention"
-
-
-def llama_block_arguments(context: Any, attention_type: str) -> dict[str, Any]:
-    """The keyword arguments of a Llama-shaped decoder block besides its hidden states.
-
-    Args:
-        context: the micro-batch's ``engine.model.adapter.Context`` (masks and rotary tables by
-            attention type, position ids).
-        attention_type: the block's attention kind, which picks its mask and rotary tables.
-
-    Returns:
-        The mask and rotary ``(cos, sin)`` of the block's attention type, the position ids, and
-        no KV cache.
-    """
-    return {
-        "attention_mask": context.masks[attention_type],
-        "position_embeddings": context.position_embeddings[attention_type],
-        "position_ids": context.position_ids,
-        "cache": None,
-        "use_cache": False,
-    }
 
 
 @dataclass(frozen=True)
@@ -91,14 +91,13 @@ class FamilySpec:
         logit_softcap: the config attribute with the final logit soft-cap ``c`` (Gemma 3's
             ``final_logit_softcapping``: ``logits = tanh(logits / c) * c``), or None; a config
             value of None means no cap.
-        rotary_per_attention_type: the rotary embedding takes the block's attention type
-            (Gemma 3: local and global ``rope_theta``) and is called once per type.
         refused: ``(attribute, why)`` pairs: config flags the engine cannot train with when set.
         moe: the expert facts of a mixture-of-experts family, or None.
         expert_parameters: the expert weights LoRA can adapt (peft ``target_parameters``
             names): what ``"experts"`` stands for in a run's ``method.target_parameters``.
-        block_arguments: ``block_arguments(context, attention_type)``: the keyword arguments a
-            decoder block is called with besides its hidden states (``llama_block_arguments``).
+        context: the ``BlockContext`` that builds the masks and rotary tables of a micro-batch
+            and says what a block is called with (``RotaryPerAttentionType`` for Gemma 3's
+            rotary embedding, which takes the attention type: local and global ``rope_theta``).
         display_name: the readable family name listings show ("Qwen3-MoE"); None: the service
             shortens the class name.
         short_name: the family's lower-case name ("gemma3"), which the tests and benchmarks
@@ -106,13 +105,14 @@ class FamilySpec:
         model_type: the ``model_type`` of the family's (text) config; the planner finds the
             extra norms and biases of a config's blocks by it, as a multimodal model's
             ``text_config`` names its text family there.
-        fused_qkv: q, k and v are one ``qkv_proj`` (Phi-3).
-        fused_gate_up: the MLP's gate and up projections are one ``gate_up_proj`` (GLM-4, Phi-3).
+        attention: the attention projections of a block (``Attention``: separate q/k/v/o;
+            ``FusedQkvAttention``: Phi-3's ``qkv_proj``; ``LatentAttention``: DeepSeek-V3's
+            multi-head latent attention, low-rank q and kv whose sizes the config gives).
+        mlp: the dense MLP of a block (``GatedMlp``; ``FusedGateUpMlp``: GLM-4's and Phi-3's
+            ``gate_up_proj``); a mixture-of-experts block's experts are ``moe``'s.
         qkv_bias: q, k and v have biases whatever ``attention_bias`` says (Qwen2).
         block_extra: ``block_extra(sizes)``: parameters per decoder block beyond its two norms
             and its linears (q/k norms, extra norms, attention sinks), from its ``BlockSizes``.
-        latent_attention: multi-head latent attention (DeepSeek-V3): low-rank q and kv whose
-            sizes the config gives.
         fp32_norms: the blocks' two norms and the final norm stay in fp32 whatever the compute
             dtype (GPT-OSS's ``_keep_in_fp32_modules``, which the engine's host state follows).
         fp32_router: a mixture-of-experts block's router weight stays in fp32 (DeepSeek-V3's
@@ -121,6 +121,9 @@ class FamilySpec:
         tiny_config: the config values of the family's tiny test model on top of the shared tiny
             sizes (``tests/engine/tiny.py``): what its ``*Config`` needs to be small and valid and
             to exercise what the family does differently.
+        no_gguf: why the family has no GGUF export (None: ``GGUF_FAMILIES`` has its entry).
+        unmeasured: why the planner has no measured activation coefficients for the family and
+            estimates them (None: ``activation_table.TABLE`` has its entry).
     """
 
     architecture: str
@@ -134,22 +137,22 @@ class FamilySpec:
     embedding_multiplier: str | None = None
     logits_divisor: str | None = None
     logit_softcap: str | None = None
-    rotary_per_attention_type: bool = False
     refused: tuple[tuple[str, str], ...] = ()
     moe: MoeSpec | None = None
     expert_parameters: tuple[str, ...] = ()
-    block_arguments: Callable[[Any, str], dict[str, Any]] = llama_block_arguments
+    context: BlockContext = LLAMA_CONTEXT
     display_name: str | None = None
     short_name: str = ""
     model_type: str = ""
-    fused_qkv: bool = False
-    fused_gate_up: bool = False
+    attention: Attention = ATTENTION
+    mlp: GatedMlp = GATED_MLP
     qkv_bias: bool = False
     block_extra: Callable[[BlockSizes], int] = two_norms_only
-    latent_attention: bool = False
     fp32_norms: bool = False
     fp32_router: bool = False
     tiny_config: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    no_gguf: str | None = None
+    unmeasured: str | None = None
 
     def refusal(self, config: Any) -> str | None:
         """Why the engine cannot train a model with ``config`` (None when it can)."""
@@ -158,6 +161,38 @@ class FamilySpec:
             if value:
                 return f"{self.architecture}: config.{attribute}={value!r} is not supported: {why}"
         return None
+
+    def block_kind(self, dims: BlockDims, moe: Moe | None = None) -> BlockKind:
+        """A decoder block of this family and the sizes of all its weights.
+
+        Args:
+            dims: the model's sizes (the planner's ``Shape``).
+            moe: the block's experts; None for a dense block.
+        """
+        h = dims.hidden
+        attention = {f"self_attn.{k}": v for k, v in self.attention.linears(dims).items()}
+        norms = 2 * h + dims.block_extra
+        fp32_norms = 2 * h if self.fp32_norms else 0
+        if moe is None:
+            mlp = {f"mlp.{k}": v for k, v in self.mlp.linears(dims).items()}
+            biases = self.attention.biases(dims)
+            return BlockKind("dense", attention | mlp, biases=biases, norms=norms, fp32=fp32_norms)
+        e, i = moe.experts, moe.intermediate
+        s = moe.shared * i  # the shared experts as one MLP of their summed width
+        shared = {"gate_proj": (h, s), "up_proj": (h, s), "down_proj": (s, h)} if s else {}
+        router = e * h
+        per_expert = h * 2 * i + i * h + ((2 * i + h) if moe.biases else 0)
+        return BlockKind(
+            "experts",
+            attention | {f"mlp.shared_experts.{k}": v for k, v in shared.items()},
+            experts={"mlp.experts.gate_up_proj": (e, h, 2 * i), "mlp.experts.down_proj": (e, i, h)},
+            router=router,
+            # the experts' biases (gate_up and down) and the router's
+            biases=self.attention.biases(dims) + (e * (2 * i + h) + e if moe.biases else 0),
+            norms=norms,
+            fp32=fp32_norms + (router if self.fp32_router else 0),
+            inactive=(e - moe.active) * per_expert,
+        )
 
 
 @dataclass(frozen=True)

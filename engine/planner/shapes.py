@@ -4,8 +4,9 @@ computes with, and the LoRA adapters a run adds.
 Dense Llama-shaped blocks, and the mixture-of-experts families of ``engine.model.families``
 (their expert facts come from ``model_kind``): Qwen3-MoE (routed experts, some blocks dense),
 GPT-OSS (experts and router with biases, attention sinks), DeepSeek-V3 (multi-head latent
-attention, shared experts, the first blocks dense). What a family's blocks hold besides the
-Llama layout (fused projections, extra norms, biases) is in its ``FamilySpec``. A block's
+attention, shared experts, the first blocks dense). The planner does not lay a block out itself:
+it asks the family's ``FamilySpec.block_kind`` for the block's weights and their sizes (fused
+projections, latent attention, extra norms, biases, experts). A block's
 weights are every expert's (what is uploaded and kept in host RAM); its *active* weights are the
 ones a token runs through (the routed experts it picks, the shared experts, the router,
 attention), which is what its FLOPs count.
@@ -17,8 +18,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.errors import ConfigError
+from engine.model.block_layout import BlockKind, Mla, Moe
 from engine.model.families import FAMILIES, family_of_model_type, model_kind
 from engine.model.family_spec import BlockSizes, FamilySpec
+
+__all__ = ["SHAPE_LIMITS", "Mla", "Moe", "Shape"]
+# the blocks of an architecture the engine does not train are counted as Llama's
+_LLAMA = FamilySpec("LlamaForCausalLM")
 
 # The largest value of each size in a config.json a plan accepts: far above any real model (the
 # largest open ones have ~128 layers, hidden 16k, vocabularies of 256k, 384 experts), small
@@ -49,30 +55,6 @@ _REMAP = {
     "down_proj": "down_proj",
     "gate": "gate.weight",
 }
-
-
-@dataclass(frozen=True)
-class Moe:
-    """The experts of a mixture-of-experts block (``engine.model.families.ModelKind``)."""
-
-    experts: int
-    active: int
-    shared: int
-    intermediate: int  # one expert's MLP width
-    dense_blocks: frozenset[int]
-    biases: bool = False  # GPT-OSS: expert and router biases
-
-
-@dataclass(frozen=True)
-class Mla:
-    """DeepSeek's multi-head latent attention: low-rank q (``q_lora_rank``, 0: a plain q_proj)
-    and a shared low-rank kv with a separate rotary key."""
-
-    q_rank: int
-    kv_rank: int
-    rope: int
-    nope: int
-    v: int
 
 
 @dataclass(frozen=True)
@@ -139,7 +121,7 @@ class Shape:
                     value=moe.active,
                 )
         mla = None
-        if family is not None and family.latent_attention:
+        if family is not None and family.attention.latent:
             q_rank = cfg.get("q_lora_rank")
             mla = Mla(
                 q_rank=0 if q_rank is None else _size("q_lora_rank", q_rank),
@@ -199,76 +181,28 @@ class Shape:
         """The experts of decoder block ``block`` (0-based); None in a dense block."""
         return self.moe if self.moe is not None and block not in self.moe.dense_blocks else None
 
+    def block_kind(self, block: int = 0) -> BlockKind:
+        """Decoder block ``block`` (0-based) with the sizes of its weights, as its family lays
+        it out (``FamilySpec.block_kind``; Llama's layout for an architecture the engine does not
+        train)."""
+        return (self.family or _LLAMA).block_kind(self, self.moe_of(block))
+
     def linears(self, block: int = 0) -> dict[str, tuple[int, int]]:
         """(in, out) features of each ``nn.Linear`` of one decoder block, by module path."""
-        h, q, kv, i = (
-            self.hidden,
-            self.heads * self.head_dim,
-            self.kv_heads * self.head_dim,
-            self.intermediate,
-        )
-        family = self.family
-        if family is not None and family.fused_qkv:
-            attn = {"qkv_proj": (h, q + 2 * kv), "o_proj": (q, h)}
-        elif self.mla is None:
-            attn = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h)}
-        else:
-            m, n = self.mla, self.heads
-            qk = m.nope + m.rope
-            attn = (
-                {"q_proj": (h, n * qk)}
-                if not m.q_rank
-                else {"q_a_proj": (h, m.q_rank), "q_b_proj": (m.q_rank, n * qk)}
-            )
-            attn |= {
-                "kv_a_proj_with_mqa": (h, m.kv_rank + m.rope),
-                "kv_b_proj": (m.kv_rank, n * (m.nope + m.v)),
-                "o_proj": (n * m.v, h),
-            }
-        attn = {f"self_attn.{k}": v for k, v in attn.items()}
-        if family is not None and family.fused_gate_up:
-            return attn | {"mlp.gate_up_proj": (h, 2 * i), "mlp.down_proj": (i, h)}
-        moe = self.moe_of(block)
-        if moe is None:
-            return attn | {"mlp.gate_proj": (h, i), "mlp.up_proj": (h, i), "mlp.down_proj": (i, h)}
-        s = moe.shared * moe.intermediate
-        shared = {"gate_proj": (h, s), "up_proj": (h, s), "down_proj": (s, h)} if s else {}
-        return attn | {f"mlp.shared_experts.{k}": v for k, v in shared.items()}
+        return self.block_kind(block).linears
 
     def experts(self, block: int) -> dict[str, tuple[int, int, int]]:
         """(experts, in, out) of each stacked expert parameter of a block (none in a dense one)."""
-        moe = self.moe_of(block)
-        if moe is None:
-            return {}
-        e, i, h = moe.experts, moe.intermediate, self.hidden
-        return {"mlp.experts.gate_up_proj": (e, h, 2 * i), "mlp.experts.down_proj": (e, i, h)}
-
-    def _biases(self, block: int) -> int:
-        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        n = (q + 2 * kv if self.qkv_bias else 0) + (self.hidden if self.o_bias else 0)
-        if self.moe is not None and self.moe.biases and self.is_moe_block(block):
-            n += self.moe.experts * (2 * self.moe.intermediate + self.hidden) + self.moe.experts  # + router
-        return n
-
-    def _router(self, block: int) -> int:
-        return self.moe.experts * self.hidden if self.moe is not None and self.is_moe_block(block) else 0
+        return self.block_kind(block).experts
 
     def block_params(self, block: int = 0) -> int:
         """Parameters of decoder block ``block``: every expert's, the router, attention, norms."""
-        dense = sum(a * b for a, b in self.linears(block).values())
-        stacked = sum(e * a * b for e, a, b in self.experts(block).values())
-        return (
-            dense + stacked + self._router(block) + self._biases(block) + 2 * self.hidden + self.block_extra
-        )
+        return self.block_kind(block).params
 
     def block_fp32(self, block: int) -> int:
         """Parameters of block ``block`` the engine keeps in fp32 whatever the compute dtype:
         the family's fp32 norms and router (``FamilySpec.fp32_norms``, ``fp32_router``)."""
-        family = self.family
-        if family is None:
-            return 0
-        norms = 2 * self.hidden if family.fp32_norms else 0
-        return norms + (self._router(block) if family.fp32_router else 0)
+        return self.block_kind(block).fp32
 
     @property
     def head_fp32(self) -> int:
@@ -297,13 +231,7 @@ class Shape:
     def active_block_params(self, block: int = 0) -> int:
         """Parameters one token of block ``block`` computes with: the routed experts it picks,
         not all of them (equal to ``block_params`` for a dense block)."""
-        total = self.block_params(block)
-        moe = self.moe_of(block)
-        if moe is None:
-            return total
-        per_expert = sum(a * b for _, a, b in self.experts(block).values())
-        per_expert += (2 * moe.intermediate + self.hidden) if moe.biases else 0
-        return total - (moe.experts - moe.active) * per_expert
+        return self.block_kind(block).active_params
 
     def layer_params(self) -> list[int]:
         """Parameters per engine layer: input layer, each block, output layer (a tied head counts once)."""

@@ -76,15 +76,33 @@ def test_parameter_counts_match_the_model_block_by_block(family: str) -> None:
     assert sum(shape.layer_params()) == sum(p.numel() for p in model.parameters())  # a tied head once
 
 
+@pytest.mark.parametrize("family", DENSE + MOE)
+def test_a_family_s_block_kinds_are_the_model_s_linears_and_expert_stacks(family: str) -> None:
+    model = tiny_model(family)
+    shape = Shape.from_config(config_of(model))
+    for b, block in enumerate(model.model.layers):
+        kind = shape.block_kind(b)
+        assert kind.name == ("experts" if shape.is_moe_block(b) else "dense")
+        linears = {
+            n: (m.in_features, m.out_features)
+            for n, m in block.named_modules()
+            if isinstance(m, torch.nn.Linear)
+        }
+        assert kind.linears == linears, (family, b)
+        stacks = {n: p.numel() for n, p in block.named_parameters() if p.dim() == 3}
+        assert {n: e * i * o for n, (e, i, o) in kind.experts.items()} == stacks, (family, b)
+
+
 def test_the_planner_reads_a_family_s_block_layout_from_its_entry(monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.model.block_layout import FUSED_GATE_UP_MLP, FUSED_QKV_ATTENTION
     from engine.model.families import FAMILIES
     from engine.model.family_spec import FamilySpec
 
     house = FamilySpec(
         "HouseForCausalLM",
         model_type="house",
-        fused_qkv=True,
-        fused_gate_up=True,
+        attention=FUSED_QKV_ATTENTION,
+        mlp=FUSED_GATE_UP_MLP,
         qkv_bias=True,
         block_extra=lambda s: s.heads,
     )

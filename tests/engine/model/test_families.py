@@ -11,6 +11,7 @@ import torch
 from engine.config import method_options
 from engine.errors import ConfigError
 from engine.model.adapter import AdaptedModel, count_label_tokens, run_layer
+from engine.model.block_context import BlockContext
 from engine.model.families import (
     DEFAULT_LORA_TARGETS,
     FAMILIES,
@@ -19,7 +20,6 @@ from engine.model.families import (
     family_for,
     model_kind,
 )
-from engine.model.family_spec import llama_block_arguments
 from tests.engine.tiny import FAMILIES as TINY_FAMILIES
 from tests.engine.tiny import MOE_FAMILIES, SPECS, tiny_model
 
@@ -143,11 +143,12 @@ def test_a_family_says_what_its_blocks_are_called_with(monkeypatch: pytest.Monke
 
     calls: list[str] = []
 
-    def house_arguments(context: Any, attention_type: str) -> dict[str, Any]:
-        calls.append(attention_type)
-        return llama_block_arguments(context, attention_type)
+    class HouseContext(BlockContext):
+        def block_arguments(self, context: Any, attention_type: str) -> dict[str, Any]:
+            calls.append(attention_type)
+            return super().block_arguments(context, attention_type)
 
-    spec = FamilySpec("HouseForCausalLM", block_arguments=house_arguments)
+    spec = FamilySpec("HouseForCausalLM", context=HouseContext())
     monkeypatch.setitem(FAMILIES, "HouseForCausalLM", spec)
     model = HouseForCausalLM(tiny_model("llama").config).eval()
     adapted = AdaptedModel(model)
