@@ -19,8 +19,10 @@ import numpy as np
 import pytest
 import torch
 
+from engine.export.gguf_families import GGUF_FAMILIES
 from engine.export.gguf_model import export_adapter_gguf, export_gguf, interleave_heads
 from engine.export.kquants import quantize_q4_k, quantize_q6_k
+from engine.model.families import FAMILIES
 from tests.engine.tiny import VOCAB, tiny_model, tiny_tokenizer
 
 LOADED_BY_TRANSFORMERS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3")
@@ -116,6 +118,11 @@ def load_with_transformers_pieces(path: Path, model: torch.nn.Module, *, permute
     if config.tie_word_embeddings:
         fresh.tie_weights()
     return fresh.eval()
+
+
+def test_every_family_with_a_gguf_entry_is_read_back_here() -> None:
+    exported = sorted(FAMILIES[architecture].short_name for architecture in GGUF_FAMILIES)
+    assert sorted(LOADED_BY_TRANSFORMERS + OTHERS) == exported
 
 
 @pytest.mark.parametrize("family", LOADED_BY_TRANSFORMERS)
