@@ -16,7 +16,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from engine.config import MAX_SEED
-from engine.methods import preference_methods
+from engine.methods import METHODS
 from server.kinds import EventKind, JobStatus
 from server.services import checkpoints, integrations, methods
 from server.services.fine_tuned import ORGANIZATION, checkpoint_name, model_name
@@ -33,6 +33,18 @@ AUTO_LEARNING_RATE_MULTIPLIER = 1.0
 AUTO_BETA = 0.1
 BASE_LEARNING_RATE = {"lora": 2e-4, "full": 2e-5}
 REINFORCEMENT_OBJECTIVE = "grpo"  # what OpenAI's method.type "reinforcement" runs
+# /v1's method.type of each registered method: OpenAI's names for the methods OpenAI has
+# (supervised, dpo, reinforcement); ours, as an extension, by their own name (orpo, kto, ...)
+OPENAI_TYPES = {"sft": "supervised", REINFORCEMENT_OBJECTIVE: "reinforcement"}
+METHOD_TYPES = {OPENAI_TYPES.get(name, name): name for name in METHODS}  # method.type -> objective
+EXTENSIONS = tuple(t for t in METHOD_TYPES if t not in ("supervised", "dpo", "reinforcement"))
+
+
+def takes_beta(objective: str) -> bool:
+    """Whether a method's options have a beta (OpenAI's dpo hyperparameter, and ours)."""
+    return "beta" in METHODS[objective].options.model_fields
+
+
 # ours -> OpenAI's (a job being cancelled or paused still runs until its next step)
 STATUSES: dict[str, str] = {
     JobStatus.VALIDATING: "validating_files",
@@ -131,9 +143,9 @@ def job_object(job: Job) -> dict[str, Any]:
         "n_epochs": int(epochs) if isinstance(epochs, float) and epochs.is_integer() else epochs or "auto",
     }
     objective = methods.objective_of(method)
-    # method.type: dpo, orpo (our extension), reinforcement (GRPO)
-    kind = {"sft": "supervised", REINFORCEMENT_OBJECTIVE: "reinforcement"}.get(objective, objective)
-    if objective != "sft":
+    # method.type: supervised, dpo, reinforcement (GRPO), or our extension's (orpo, kto, ...)
+    kind = OPENAI_TYPES.get(objective, objective)
+    if takes_beta(objective):
         shown["beta"] = method.get("beta")
     if kind == "reinforcement":
         every = (config.get("eval") or {}).get("every_steps")
@@ -217,15 +229,17 @@ def train_sections(
         interval = hyperparameters.get("eval_interval")
         if interval not in (None, "auto"):
             evaluation["every_steps"] = interval
-    elif method_type in preference_methods():  # dpo, and our extension orpo
-        if given not in (None, method_type):
+    elif method_type in METHOD_TYPES and method_type != "supervised":  # dpo, and our extensions
+        objective = METHOD_TYPES[method_type]
+        if given not in (None, objective):
             raise Invalid(
                 "roundhouse.method.kind",
-                f"{kind or method.get('objective')!r} contradicts method.type {method_type}: use dpo_tuning",
+                f"{kind or method.get('objective')!r} contradicts method.type {method_type}: use tuning",
             )
         method.pop("kind", None)
-        method["objective"] = method_type
-        method["beta"] = _auto(hyperparameters.get("beta"), method.get("beta", AUTO_BETA))
+        method["objective"] = objective
+        if takes_beta(objective):
+            method["beta"] = _auto(hyperparameters.get("beta"), method.get("beta", AUTO_BETA))
     elif given not in (None, "sft"):
         raise Invalid(
             "roundhouse.method.kind",

@@ -8,16 +8,31 @@ from __future__ import annotations
 from http import HTTPStatus
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, create_model
 
 from engine.config import MAX_SEED
-from server.schemas import LINE_PATTERN, DataOptions, Line, Section, SweepRange
+from engine.graders import GraderJson
+from engine.methods import METHODS
+from server.schemas import (
+    LINE_PATTERN,
+    CheckpointSection,
+    DataOptions,
+    EngineSection,
+    EvalSection,
+    HyperSection,
+    Line,
+    MethodSection,
+    SweepRange,
+)
 from server.services.openai_compat import (
     AUTO_BATCH_SIZE,
     AUTO_BETA,
     AUTO_EPOCHS,
     AUTO_LEARNING_RATE_MULTIPLIER,
     BASE_LEARNING_RATE,
+    EXTENSIONS,
+    METHOD_TYPES,
+    takes_beta,
 )
 
 Auto = Literal["auto"]
@@ -96,7 +111,7 @@ class DpoMethod(_Request):
 
 
 class ReinforcementMethod(_Request):
-    grader: dict[str, Any] = Field(
+    grader: GraderJson = Field(
         description="the grader that scores each sampled completion, in OpenAI's shapes: string_check, "
         "text_similarity, python, multi (and ours: regex, json_schema, length); "
         "POST /v1/fine_tuning/alpha/graders/validate checks one"
@@ -104,18 +119,44 @@ class ReinforcementMethod(_Request):
     hyperparameters: ReinforcementHyperparameters | None = None
 
 
-class Method(_Request):
-    type: Literal["supervised", "dpo", "orpo", "reinforcement"] = Field(
-        description='supervised: a LoRA adapter (or every weight: roundhouse.method.kind "full"); dpo: '
-        "preference tuning (roundhouse.method.dpo_tuning lora or full); orpo (our extension): "
-        "reference-free preference tuning by odds ratio, beta its weight; reinforcement: GRPO on a file of "
-        "prompts, each completion scored by reinforcement.grader (group_size, max_completion_tokens, "
-        "temperature, beta, loss_type, ...: roundhouse.method)"
-    )
+# method.type: OpenAI's (supervised, dpo, reinforcement) and our extension's, every other method
+# of the registry by its own name (engine.methods: orpo, kto, ...)
+MethodType: Any = Literal[tuple(METHOD_TYPES)]
+METHOD_TYPE_HELP = "; ".join(
+    [
+        'supervised: a LoRA adapter (or every weight: roundhouse.method.tuning "full")',
+        "dpo: preference tuning (roundhouse.method.tuning lora or full)",
+        *(f"{t} (our extension): {METHODS[METHOD_TYPES[t]].description}" for t in EXTENSIONS),
+        "reinforcement: GRPO on a file of prompts, each completion scored by reinforcement.grader "
+        "(group_size, max_completion_tokens, temperature, beta, loss_type, ...: roundhouse.method)",
+    ]
+)
+
+
+def _extension(method_type: str, beta: type[BaseModel], plain: type[BaseModel]) -> Any:
+    """The request's (or the job's) options of an extension's method: hyperparameters with its
+    beta when its options have one."""
+    objective = METHOD_TYPES[method_type]
+    title = METHODS[objective].title
+    chosen = beta if takes_beta(objective) else plain
+    return (chosen | None, Field(None, description=f"our extension, {title}: as dpo's"))
+
+
+class OpenAIMethod(_Request):
+    """The method types OpenAI has; ``Method`` adds our extension's."""
+
+    type: str = Field(description=METHOD_TYPE_HELP)
     supervised: SupervisedMethod | None = None
     dpo: DpoMethod | None = None
-    orpo: DpoMethod | None = Field(None, description="as dpo's: hyperparameters with beta (ORPO's lambda)")
     reinforcement: ReinforcementMethod | None = None
+
+
+Method = create_model(
+    "Method",
+    __base__=OpenAIMethod,
+    type=(MethodType, Field(description=METHOD_TYPE_HELP)),
+    **{t: _extension(t, DpoMethod, SupervisedMethod) for t in EXTENSIONS},
+)
 
 
 class RoundhouseOptions(_Request):
@@ -124,13 +165,15 @@ class RoundhouseOptions(_Request):
     {"num_microbatches": 4}}``. The OpenAI fields, where given, override what these set."""
 
     data: DataOptions = Field(default_factory=lambda: DataOptions())
-    method: Section = Field(
-        default_factory=dict, description='kind ("lora" or "full" for supervised), lora_r, lora_alpha, ...'
+    method: MethodSection = Field(
+        default_factory=dict,
+        description="the method's own options and what trains (tuning, lora_r, ...); its objective is "
+        "method.type's",
     )
-    hyper: Section = Field(default_factory=dict, description="max_steps, learning_rate, schedule, ...")
-    engine: Section = Field(default_factory=dict, description="devices, num_microbatches, ...")
-    checkpoint: Section = Field(default_factory=dict, description="every_steps, keep_last")
-    eval: Section = Field(default_factory=dict, description="every_steps")
+    hyper: HyperSection = Field(default_factory=dict, description="max_steps, learning_rate, schedule, ...")
+    engine: EngineSection = Field(default_factory=dict, description="devices, num_microbatches, ...")
+    checkpoint: CheckpointSection = Field(default_factory=dict, description="every_steps, keep_last")
+    eval: EvalSection = Field(default_factory=dict, description="every_steps")
 
 
 class FineTuningJobCreate(_Request):
@@ -152,7 +195,7 @@ class FineTuningJobCreate(_Request):
     hyperparameters: Hyperparameters | None = Field(
         None, description=f"deprecated: use method; {AUTO_DEFAULTS}"
     )
-    method: Method | None = None
+    method: Method | None = None  # type: ignore[valid-type]
     integrations: list[dict[str, Any]] | None = Field(
         None,
         description='[{"type": "wandb", "wandb": {"project", "name", "entity", "tags"}}]: the run logs to '
@@ -218,15 +261,25 @@ class JobMethodOptions(BaseModel):
 
 
 class JobReinforcement(JobMethodOptions):
-    grader: dict[str, Any] = Field(description="the grader that scores each completion, as given")
+    grader: GraderJson = Field(description="the grader that scores each completion, as given")
 
 
-class JobMethod(BaseModel):
-    type: Literal["supervised", "dpo", "orpo", "reinforcement"]
+class OpenAIJobMethod(BaseModel):
+    """A job's method as OpenAI shows it; ``JobMethod`` adds our extension's types."""
+
+    type: str
     supervised: JobMethodOptions | None = None
     dpo: JobMethodOptions | None = None
-    orpo: JobMethodOptions | None = None
     reinforcement: JobReinforcement | None = None
+
+
+_JOB_EXTENSIONS: dict[str, Any] = {t: (JobMethodOptions | None, None) for t in EXTENSIONS}
+JobMethod = create_model(
+    "JobMethod",
+    __base__=OpenAIJobMethod,
+    type=(MethodType, ...),
+    **_JOB_EXTENSIONS,
+)
 
 
 class FineTuningJob(BaseModel):
@@ -263,7 +316,7 @@ class FineTuningJob(BaseModel):
     )
     integrations: list[dict[str, Any]]
     metadata: dict[str, str] | None
-    method: JobMethod
+    method: JobMethod  # type: ignore[valid-type]
     roundhouse: dict[str, Any] = Field(description="our job: job_id, name, status, step, total_steps")
 
 
