@@ -8,6 +8,7 @@ engine itself trains. Both raise ``ConfigError`` (a ``ValueError``) carrying the
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass
@@ -73,7 +74,13 @@ if TYPE_CHECKING:
     MethodSpec = MethodOptions
 else:
     MethodSpec = methods.MethodSpec
-_METHOD = TypeAdapter(MethodSpec)
+
+
+@functools.cache
+def _method_adapter() -> TypeAdapter[Any]:
+    """The method section's validator on its own (built on first use: a command that never calls
+    ``method_options`` does not pay for it)."""
+    return TypeAdapter(MethodSpec)
 
 
 def method_options(raw: dict[str, Any] | None = None, /, **fields: Any) -> MethodOptions:
@@ -83,7 +90,7 @@ def method_options(raw: dict[str, Any] | None = None, /, **fields: Any) -> Metho
         ConfigError: naming the field (``method.beta``), as ``TrainConfig.parse`` does.
     """
     try:
-        options: MethodOptions = _METHOD.validate_python({**(raw or {}), **fields})
+        options: MethodOptions = _method_adapter().validate_python({**(raw or {}), **fields})
     except ValidationError as exc:
         errors = [{**e, "loc": ("method", *e["loc"])} for e in exc.errors()]
         raise ConfigError(error_field(errors[0]), "; ".join(_error_line(e) for e in errors)) from None

@@ -139,7 +139,10 @@ def _inlined(node: Any, defs: dict[str, Any], seen: tuple[str, ...] = ()) -> Any
         if name in seen:
             return {"type": "object", **rest}
         return {**_inlined(defs[name], defs, (*seen, name)), **rest}
-    return {k: _inlined(v, defs, seen) for k, v in node.items()}
+    out = {k: _inlined(v, defs, seen) for k, v in node.items()}
+    if isinstance(out.get("discriminator"), dict):  # its mapping names the definitions inlined
+        out["discriminator"] = {k: v for k, v in out["discriminator"].items() if k != "mapping"}
+    return out
 
 
 def section_schema(model: Any) -> WithJsonSchema:
