@@ -12,7 +12,12 @@
   tokenizer's hash and name, the names its loader accepts), with the llama.cpp commit it is from.
 - ``gguf_model.py``: a merged model folder -> one GGUF file (f16, bf16, q8_0, q4_k_m); a PEFT
   LoRA adapter -> a LoRA GGUF for use on a base GGUF.
-- ``kquants.py``: the Q4_K and Q6_K block formats, which the ``gguf`` library reads but does not
-  write.
+- ``gguf_types.py``: each tensor's GGML type in an export, by llama-quantize's rules (q4_k_m's
+  mix of Q4_K and Q6_K, and its fallbacks for rows a block type does not divide).
+- ``kquants.py``: the Q4_K, Q6_K, Q5_0 and Q8_0 block formats as llama.cpp writes them, byte for
+  byte (``gguf`` reads the K-quants but does not write them).
+- ``read_ahead.py``: an iterator produced by a background thread: the export reads the next
+  tensor while it encodes this one.
 - ``modelfile.py``: Ollama's ``Modelfile`` next to the GGUF.
+- ``bundle.py``: a checkpoint's export folder (the GGUF, or the LoRA GGUF, and the ``Modelfile``).
 """
