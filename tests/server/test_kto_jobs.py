@@ -99,9 +99,7 @@ def test_a_kto_job_runs_on_a_worker_and_logs_its_metrics(
     client = worker_client
     rows = kto_dataset(client)
     workers.append(WorkerProcess(worker_settings, tmp_path / "worker.log").start())
-    job = start_job(
-        client, rows, hyper={"max_steps": 3}, method={"kind": "kto", "lora_r": 4, "beta": 0.2}
-    )
+    job = start_job(client, rows, hyper={"max_steps": 3}, method={"kind": "kto", "lora_r": 4, "beta": 0.2})
     job = wait_for_job(client, job["id"], {"succeeded", "failed"}, logs=workers)
     assert job["status"] == "succeeded", (job["error"], workers[0].tail())
     keys = ["kto/kl", "kto/desirable", "kto/undesirable", "loss/train"]
