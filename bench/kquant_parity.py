@@ -21,12 +21,14 @@ The models:
   8 blocks of width 256, float16 weights: the tensor types and blocks of q4_k_m;
 - ``--part big``: SmolLM2-1.7B's sizes (24 blocks of 2048, 8192 wide, 49152 tokens, tied) with random
   float16 weights and the demo's tokenizer, for the time of a q4_k_m export at that size (every
-  row a multiple of 256: Q4_K and Q6_K throughout), and its blocks.
+  row a multiple of 256: Q4_K and Q6_K throughout), and its blocks. The folder and its f16 GGUF
+  are made once per ``--work`` folder (seeded: a later run with the same ``--work`` reuses them).
 
 Perplexity runs on ``--text`` (default: the project's README at HEAD, text the model never saw),
 ``--ctx`` tokens per chunk, the first ``--chunks`` chunks. Times are wall clock and CPU seconds
 (this process's for our export, the child's for llama-quantize); llama-quantize and our export
-both use one thread per CPU; runs alternate, medians are reported. Writes
+both use one thread per CPU; runs alternate (``--repeats`` of each, llama-quantize first),
+medians are reported with the 1-minute load average before each run. Writes
 bench/results/kquant_parity.json.
 """
 
@@ -271,19 +273,25 @@ def exported_against_llama(
     runs): blocks, fallbacks, times; and the two files."""
     ours, theirs = work / f"ours-{quant}.gguf", work / f"llama-{quant}.gguf"
     ours_t, llama_t = [], []
+    loads: list[float] = []
     info: dict[str, Any] = {}
     log = ""
     for _ in range(args.repeats):
+        loads.append(os.getloadavg()[0])
         wall, cpu, log = run([str(args.llama_bin / "llama-quantize"), str(f16), str(theirs), quant.upper()])
         llama_t.append((wall, cpu))
+        loads.append(os.getloadavg()[0])
         wall, cpu, info = timed_export(folder, ours, quant)
         ours_t.append((wall, cpu))
+    loads.append(os.getloadavg()[0])
     row = {
         "blocks": compare(ours, theirs),
         "fallbacks_ours": info["fallbacks"],
         "fallbacks_llama_cpp": fallbacks_said(log),
         "time_ours_export": median_times(ours_t),
         "time_llama_quantize": median_times(llama_t),
+        # the 1-minute load average before each run (llama-quantize first) and at the end
+        "load_average": [round(x, 2) for x in loads],
     }
     row["time_ratio_wall"] = round(
         row["time_ours_export"]["wall_s"] / row["time_llama_quantize"]["wall_s"], 2
@@ -382,12 +390,11 @@ def families(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 def big(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     from engine.model.loading import prepare_demo_model
 
-    folder = random_model(prepare_demo_model(work / "models"), work / "big-f16", BIG)
-    f16 = work / "big-f16.gguf"
-    timed_export(folder, f16, "f16")
-    ours, theirs = work / "big-ours-q4_k_m.gguf", work / "big-llama-q4_k_m.gguf"
-    llama_wall, llama_cpu, _ = run([str(args.llama_bin / "llama-quantize"), str(f16), str(theirs), "Q4_K_M"])
-    wall, cpu, _ = timed_export(folder, ours, "q4_k_m")
+    folder, f16 = work / "big-f16", work / "big-f16.gguf"
+    if not f16.is_file():  # a --work of an earlier run keeps both: the weights are seeded
+        random_model(prepare_demo_model(work / "models"), folder, BIG)
+        timed_export(folder, f16, "f16")
+    row, _, _ = exported_against_llama(args, folder, f16, work, "q4_k_m")
     import gguf
 
     params = sum(int(t.n_elements) for t in gguf.GGUFReader(f16).tensors)
@@ -395,11 +402,7 @@ def big(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "model": "SmolLM2-1.7B's sizes, random float16 weights (std 0.02), the demo's tokenizer",
         "sizes": BIG,
         "parameters": params,
-        "blocks": compare(ours, theirs),
-        "time_ours_export": {"wall_s": round(wall, 1), "cpu_s": round(cpu, 1)},
-        "time_llama_quantize": {"wall_s": round(llama_wall, 1), "cpu_s": round(llama_cpu, 1)},
-        "time_ratio_wall": round(wall / llama_wall, 2),
-        "time_ratio_cpu": round(cpu / llama_cpu, 2),
+        **row,
     }
 
 
