@@ -32,13 +32,12 @@ from typing import Any
 import numpy as np
 
 from engine.export.gguf_families import GgufFamily, family_for, head_dim, rope_parameters, sliding_layers
+from engine.export.gguf_quants import QUANTS
 from engine.export.gguf_types import tensor_type
 from engine.export.kquants import FORMATS, quantize
 from engine.export.read_ahead import Ahead
 
 log = logging.getLogger(__name__)
-
-QUANTS = ("f16", "bf16", "q8_0", "q4_k_m")
 F16_MAX = float(np.finfo(np.float16).max)
 
 
