@@ -17,6 +17,23 @@ import random
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+__all__ = [
+    "DATA",
+    "HELDOUT",
+    "ITEMS",
+    "PREFERENCE_HELDOUT",
+    "PREFERENCE_TRAIN",
+    "PROMPTS_HELDOUT",
+    "PROMPTS_TRAIN",
+    "PROMPT_SUFFIX",
+    "TRAIN",
+    "make_preference_rows",
+    "make_prompt_rows",
+    "make_rows",
+    "regenerate",
+    "write",
+]
+
 DATA = Path(__file__).resolve().parent / "data"
 TRAIN = DATA / "inventory_train.jsonl"
 HELDOUT = DATA / "inventory_heldout.jsonl"

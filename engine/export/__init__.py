@@ -20,4 +20,68 @@
   tensor while it encodes this one.
 - ``modelfile.py``: Ollama's ``Modelfile`` next to the GGUF.
 - ``bundle.py``: a checkpoint's export folder (the GGUF, or the LoRA GGUF, and the ``Modelfile``).
+
+The names below are this package's public face (the registry of export formats, and the system
+prompt a dataset file gives a ``Modelfile``), each loaded on first use.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.export.formats import (
+        CHECKPOINT,
+        FORMATS,
+        GGUF,
+        MERGED,
+        VARIANTS,
+        BuildOptions,
+        Built,
+        ExportFormat,
+        FormatInfo,
+        format_named,
+        formats_help,
+        variants_help,
+    )
+    from engine.export.modelfile import system_prompt_of_file
+
+# name -> the module that defines it (imported on first use)
+_HOMES = {
+    "CHECKPOINT": "engine.export.formats",
+    "FORMATS": "engine.export.formats",
+    "GGUF": "engine.export.formats",
+    "MERGED": "engine.export.formats",
+    "VARIANTS": "engine.export.formats",
+    "BuildOptions": "engine.export.formats",
+    "Built": "engine.export.formats",
+    "ExportFormat": "engine.export.formats",
+    "FormatInfo": "engine.export.formats",
+    "format_named": "engine.export.formats",
+    "formats_help": "engine.export.formats",
+    "system_prompt_of_file": "engine.export.modelfile",
+    "variants_help": "engine.export.formats",
+}
+__all__ = [
+    "CHECKPOINT",
+    "FORMATS",
+    "GGUF",
+    "MERGED",
+    "VARIANTS",
+    "BuildOptions",
+    "Built",
+    "ExportFormat",
+    "FormatInfo",
+    "format_named",
+    "formats_help",
+    "system_prompt_of_file",
+    "variants_help",
+]
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(home), name)

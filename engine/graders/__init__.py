@@ -18,7 +18,10 @@ The types: ``string_check``, ``text_similarity``, ``multi`` and ``python`` (Open
 ``{"output_text", "output_json", "choices"}`` (``make_sample``), an item the dataset row.
 
 A grader never raises for a sample: one it cannot grade (a crash, a timeout, a missing item
-field, a non-number) scores 0 and ``GradeResult.errors`` says why. Nothing here imports torch.
+field, a non-number) scores 0 and ``GradeResult.errors`` says why. A ``python`` grader's child
+runs under the confinement this box gives (``engine.graders.sandbox``: ``detect_confinement()``;
+``confinement_refusal`` says why python graders are refused where it is too weak, unless
+``UNCONFINED_SETTING`` allows them). Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -33,12 +36,17 @@ from engine.graders.base import GRADERS, Grader, GradeResult, build, make_sample
 from engine.graders.fields import OWN_ERRORS
 from engine.graders.multi import MultiGrader
 from engine.graders.python import PythonGrader
+from engine.graders.sandbox import UNCONFINED_SETTING, Confinement
+from engine.graders.sandbox import detect as detect_confinement
+from engine.graders.sandbox import refusal as confinement_refusal
 from engine.graders.spec import GRADER_SPECS, GraderJson, GraderSpec, as_given
 from engine.graders.text import JsonSchema, Length, Regex, StringCheck, TextSimilarity
 
 __all__ = [
     "GRADER_TYPES",
+    "UNCONFINED_SETTING",
     "ConfigError",
+    "Confinement",
     "GradeResult",
     "Grader",
     "GraderJson",
@@ -51,6 +59,8 @@ __all__ = [
     "StringCheck",
     "TextSimilarity",
     "as_given",
+    "confinement_refusal",
+    "detect_confinement",
     "make_sample",
     "parse_grader",
     "validate_grader",

@@ -1,0 +1,51 @@
+"""Running a trained model: chat with a KV cache and sampling (``chat``: ``Sampling``,
+``prompt_ids``, ``stop_ids``), continuous batching of many requests over one base and its
+adapters (``batching``: a ``Batcher`` of ``Model`` entries, fed ``Ask`` requests, answering
+``Token`` and ``End``), and a checkpoint's evaluation on a dataset (``evaluate_checkpoint``).
+
+The names below are this package's public face, each loaded on first use: importing
+``engine.inference`` loads no torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.inference.batching import Ask, Batcher, Closed, End, Model, Token
+    from engine.inference.chat import Sampling, prompt_ids, stop_ids
+    from engine.inference.evaluate import evaluate_checkpoint
+
+# name -> the module that defines it (imported on first use)
+_HOMES = {
+    "Ask": "engine.inference.batching",
+    "Batcher": "engine.inference.batching",
+    "Closed": "engine.inference.batching",
+    "End": "engine.inference.batching",
+    "Model": "engine.inference.batching",
+    "Sampling": "engine.inference.chat",
+    "Token": "engine.inference.batching",
+    "evaluate_checkpoint": "engine.inference.evaluate",
+    "prompt_ids": "engine.inference.chat",
+    "stop_ids": "engine.inference.chat",
+}
+__all__ = [
+    "Ask",
+    "Batcher",
+    "Closed",
+    "End",
+    "Model",
+    "Sampling",
+    "Token",
+    "evaluate_checkpoint",
+    "prompt_ids",
+    "stop_ids",
+]
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(home), name)

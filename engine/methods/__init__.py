@@ -25,6 +25,7 @@ from engine.methods.legacy import DEFAULT_OBJECTIVE, upgrade
 from engine.optimizers import choices
 
 __all__ = [
+    "DEFAULT_OBJECTIVE",
     "METHODS",
     "OBJECTIVES",
     "TUNINGS",
@@ -36,6 +37,7 @@ __all__ = [
     "methods_for",
     "methods_listing",
     "preference_methods",
+    "upgrade",
 ]
 
 

@@ -7,7 +7,9 @@ and the service's worker log the same way. Every tracker runs on a thread of its
 (in memory, then in a spool file under the run folder) until it is back, in order; the run's end
 waits a bounded time for them, and what is left is sent first by a resumed run. Problems reach
 the run's sink as ``tracker`` events. Credentials come in ``TrackerSecrets`` (the service's
-settings), never from the config, and are never logged.
+settings), never from the config, and are never logged. A tracking URI is checked by
+``uri_problem`` (``engine.tracking.uris``); ``redact_url`` hides its credentials where it is
+shown; TensorBoard writes under the run folder's ``TENSORBOARD_DIR``.
 """
 
 from __future__ import annotations
@@ -24,6 +26,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 from engine.kinds import EngineEvent
 from engine.tracking.background import Background, RetryPolicy
 from engine.tracking.spool import SPOOL_DIR, Point
+from engine.tracking.trackers import TENSORBOARD_DIR
+from engine.tracking.uris import file_path as uri_file_path
+from engine.tracking.uris import problem as uri_problem
+from engine.tracking.uris import redact_url
 from engine.training.checkpoint_layout import CheckpointKind
 
 if TYPE_CHECKING:
@@ -31,6 +37,7 @@ if TYPE_CHECKING:
     from engine.metrics import Sink
 
 __all__ = [
+    "TENSORBOARD_DIR",
     "Point",
     "RetryPolicy",
     "RunInfo",
@@ -38,7 +45,10 @@ __all__ = [
     "Trackers",
     "TrackingOptions",
     "flat_params",
+    "redact_url",
     "start",
+    "uri_file_path",
+    "uri_problem",
 ]
 
 
