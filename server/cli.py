@@ -18,8 +18,8 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from engine.commands.cli import build_parser as engine_parser
-from engine.commands.cli import main as engine_main
+from engine.commands import build_parser as engine_parser
+from engine.commands import main as engine_main
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
@@ -44,7 +44,7 @@ ANNOUNCE_WAIT_S = 120.0  # the longest the login link waits for the worker to co
 def _prepare_demo(settings: Any, sessions: Any) -> None:
     """The demo base model (converted once from its package) and the demo datasets, stored once."""
     from engine import demo
-    from engine.model.loading import prepare_demo_model
+    from engine.model import prepare_demo_model
     from server.services import datasets
     from server.storage import open_storage
 
@@ -131,12 +131,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def _say_confinement(settings: Settings) -> None:
     """Print which confinement this box gives python graders (stderr when they are refused)."""
-    from engine.graders import sandbox
+    from engine.graders import UNCONFINED_SETTING, confinement_refusal, detect_confinement
 
     if settings.allow_unconfined_graders:
-        os.environ[sandbox.UNCONFINED_SETTING] = "1"
-    confinement = sandbox.detect()
-    refused = sandbox.refusal(confinement) is not None
+        os.environ[UNCONFINED_SETTING] = "1"
+    confinement = detect_confinement()
+    refused = confinement_refusal(confinement) is not None
     print(confinement.describe(), file=sys.stderr if refused else sys.stdout, flush=True)
 
 

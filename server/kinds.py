@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from engine.kinds import EngineEvent
+from engine import EngineEvent
 
 
 class JobStatus(StrEnum):

@@ -7,8 +7,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, StringConstraints, TypeAdapter, WithJsonSchema
 
-from engine.config import CheckpointSpec, EngineSpec, EvalSpec, HyperSpec, MethodSpec, TrackingSpec
-from engine.data.formats import FormatChoice
+from engine import CheckpointSpec, EngineSpec, EvalSpec, HyperSpec, MethodSpec, TrackingSpec
+from engine.data import FormatChoice
 from engine.planner import HARDWARE_RANGES
 from server.kinds import JobStatus
 

@@ -20,7 +20,7 @@ from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel
 from starlette.responses import Response
 
-from engine.export.formats import FORMATS, GGUF, VARIANTS, FormatInfo, formats_help, variants_help
+from engine.export import FORMATS, GGUF, VARIANTS, FormatInfo, formats_help, variants_help
 from server.deps import JobDep, SessionDep, SettingsDep, StorageDep, current_key
 from server.downloads import archive_response
 from server.errors import ApiError, documented

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Depends, File, Form, Query, UploadFile
 from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel, Field
 
-from engine.data.formats import Family
+from engine.data import Family
 from server.deps import IdPath, SessionDep, SettingsDep, StorageDep, current_key
 from server.errors import ApiError, documented
 from server.limits import LimitedBodyRoute

@@ -260,8 +260,7 @@ def push(request: dict[str, Any]) -> dict[str, Any]:
     repo_id, folder = request["repo_id"], Path(request["folder"])
     merge = request.get("merge")
     if merge:  # the adapter merged into its base here, in this child: the worker never runs torch
-        from engine.model.export import merge_adapter
-        from engine.model.loading import resolve_model_path
+        from engine.model import merge_adapter, resolve_model_path
 
         merge_adapter(merge["adapter"], resolve_model_path(merge["base"], merge["models_dir"]), folder)
     (folder / "README.md").write_text(request["card"], encoding="utf-8")

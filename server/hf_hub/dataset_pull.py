@@ -19,7 +19,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from engine.errors import DiskFull
+from engine import DiskFull
 from server.hf_hub.download import DISK_FULL, Progress, download
 from server.services import transfers, uploads
 from server.services.failures import Refusal

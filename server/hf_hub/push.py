@@ -47,7 +47,7 @@ def _folder_size(folder: Path) -> int:
 
 
 def run_push(settings: Settings, sessions: sessionmaker[Session], row: HubTransfer, worker_id: str) -> str:
-    from engine.model.export import base_model_name
+    from engine.model import base_model_name
 
     plan = dict(row.plan)
     storage = open_storage(settings)

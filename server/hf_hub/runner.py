@@ -21,7 +21,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from engine.errors import DiskFull
+from engine import DiskFull
 from server.hf_hub import dataset_pull
 from server.hf_hub.download import DISK_FULL, download
 from server.hf_hub.progress import Reporter

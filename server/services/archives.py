@@ -13,8 +13,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.export.formats import CHECKPOINT, FORMATS, GGUF, MERGED, ExportFormat, FormatInfo
-from engine.training import checkpoint_layout as layout
+from engine import training as layout
+from engine.export import CHECKPOINT, FORMATS, GGUF, MERGED, ExportFormat, FormatInfo
 from server.services import checkpoints
 from server.services.failures import Invalid
 from server.settings import Settings
@@ -106,7 +106,7 @@ def checkpoint_archive(
             cannot take (``merged`` of a full checkpoint), a variant the format lacks, a model
             the format's exporter refuses (a GGUF of a family llama.cpp cannot run).
     """
-    from engine.model.export import base_model_name
+    from engine.model import base_model_name
 
     export, variant, param = choice.export, choice.variant, choice.param
     step = checkpoint.step
@@ -127,7 +127,7 @@ def checkpoint_archive(
     cache = settings.cache_dir
 
     def base_folder() -> Path:
-        from engine.model.loading import resolve_model_path
+        from engine.model import resolve_model_path
 
         path = str(model["path"])
         stored_base = f"models/{job.base_model}"  # a base model only the store holds
@@ -156,7 +156,7 @@ def checkpoint_archive(
 
 def _system_prompt(job: Job, storage: Storage) -> str | None:
     """The system prompt every conversation of the job's training file shares, if any."""
-    from engine.export.modelfile import system_prompt_of_file
+    from engine.export import system_prompt_of_file
 
     train = (job.config.get("data") or {}).get("train")
     try:

@@ -30,7 +30,7 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.engine import make_url
 
-from engine.training.checkpoint_layout import EXPORTS_DIR
+from engine.training import EXPORTS_DIR
 from server.db import make_engine, migrate, session_factory
 from server.settings import Settings
 from server.storage import LocalStorage, Storage, open_storage

@@ -23,11 +23,10 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from engine.errors import DiskFull
-from engine.export.formats import BuildOptions, ExportFormat
-from engine.model.export import model_bytes
-from engine.training import checkpoint_layout as layout
-from engine.training.checkpoint_layout import export_files
+from engine import DiskFull
+from engine import training as layout
+from engine.export import BuildOptions, ExportFormat
+from engine.training import export_files
 from server.storage import Storage, check_key
 from server.tables import Checkpoint
 
@@ -301,6 +300,8 @@ def built_archive(
     Raises:
         ValueError: the format's exporter refuses the model (e.g. a family llama.cpp cannot run).
     """
+    from engine.model import model_bytes  # loads torch: not in the API's start
+
     top = target.name.removesuffix(".tar")
 
     def build(work: Path) -> None:

@@ -24,10 +24,16 @@ from typing import IO, Any, BinaryIO
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
-from engine.data.encode import Report, validate
-from engine.data.formats import formats_listing, get_format
-from engine.data.read import SUFFIXES, Example, read_records
-from engine.data.sequences import ensure_chat_template
+from engine.data import (
+    SUFFIXES,
+    Example,
+    Report,
+    ensure_chat_template,
+    formats_listing,
+    get_format,
+    read_records,
+    validate,
+)
 from server.services.job_states import TERMINAL
 from server.storage import Storage, StorageUnavailable
 from server.tables import Dataset, Job, now

@@ -12,8 +12,7 @@ from typing import Any
 from sqlalchemy import and_, delete, func, or_, select, update
 from sqlalchemy.orm import Session
 
-from engine.config import TrainConfig
-from engine.errors import ConfigError
+from engine import ConfigError, TrainConfig
 from engine.methods import method_entry
 from server.kinds import METRIC_KINDS, EventKind, JobStatus
 from server.services import checkpoints, datasets, methods, tracking

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.data.formats import family_of
-from engine.errors import ConfigError
-from engine.methods import METHODS, TUNINGS, legacy, methods_listing
+from engine import ConfigError
+from engine.data import family_of
+from engine.methods import DEFAULT_OBJECTIVE, METHODS, TUNINGS, methods_listing, upgrade
 
 
 def listing() -> list[dict[str, Any]]:
@@ -20,7 +20,7 @@ def listing() -> list[dict[str, Any]]:
 
 def _upgraded(method: dict[str, Any]) -> dict[str, Any]:
     try:
-        out = legacy.upgrade(method)
+        out = upgrade(method)
     except ConfigError:  # contradicting forms: the objective the section names first
         out = {k: v for k, v in method.items() if k not in ("kind", "dpo_tuning")}
     return out if isinstance(out, dict) else {}
@@ -28,8 +28,8 @@ def _upgraded(method: dict[str, Any]) -> dict[str, Any]:
 
 def objective_of(method: dict[str, Any]) -> str:
     """The training method of a stored or requested ``method`` section (either form)."""
-    objective = _upgraded(method).get("objective", legacy.DEFAULT_OBJECTIVE)
-    return str(objective) if objective in METHODS else legacy.DEFAULT_OBJECTIVE
+    objective = _upgraded(method).get("objective", DEFAULT_OBJECTIVE)
+    return str(objective) if objective in METHODS else DEFAULT_OBJECTIVE
 
 
 def tuning_of(method: dict[str, Any]) -> str:

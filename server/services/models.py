@@ -10,8 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.model.families import FAMILIES, ModelKind, model_kind
-from engine.model.loading import DEMO_NAME, demo_source
+from engine.model import DEMO_NAME, FAMILIES, ModelKind, demo_source, model_kind
 
 
 @dataclass

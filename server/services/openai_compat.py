@@ -15,7 +15,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from engine.config import MAX_SEED
+from engine import MAX_SEED
 from engine.methods import METHODS
 from server.kinds import EventKind, JobStatus
 from server.services import checkpoints, integrations, methods

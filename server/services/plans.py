@@ -21,8 +21,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from engine.config import TrainConfig
-from engine.errors import ConfigError
+from engine import ConfigError, TrainConfig
 from engine.planner import (
     HARDWARE_RANGES,
     Hardware,
@@ -61,7 +60,7 @@ def token_lengths(dataset: Dataset, *, tokenizer_folder: Path, file: Path | None
     prompt with the preferred answer and with the rejected one, one after the other
     (``encode_pair``, as a DPO run batches them); a prompt row its prompt (``encode_prompt_row``:
     a GRPO run samples the completion)."""
-    from engine.data.encode import encode, encode_pair, encode_prompt_row
+    from engine.data import encode_example, encode_pair, encode_prompt_row
     from server.services.datasets import first_examples
 
     key = (dataset.id, dataset.sha256, str(tokenizer_folder))
@@ -79,7 +78,7 @@ def token_lengths(dataset: Dataset, *, tokenizer_folder: Path, file: Path | None
             elif ex.fields is not None:  # a prompt row
                 lengths.append(encode_prompt_row(ex, tokenizer, big).length)
             else:
-                lengths.append(encode(ex, tokenizer, big).length)
+                lengths.append(encode_example(ex, tokenizer, big).length)
         while len(_lengths) >= _CACHE_SIZE:
             _lengths.pop(next(iter(_lengths)))
         _lengths[key] = lengths
@@ -190,7 +189,7 @@ def model_config(name: str, *, settings: Settings) -> dict[str, Any]:
         reason = f"base model {name!r} cannot be fine-tuned: {found.unsupported_reason}"
         raise Invalid("unsupported_model", reason, param="base_model")
     if found.path is None:  # the demo before its first preparation: its config ships with the engine
-        from engine.model.loading import demo_config
+        from engine.model import demo_config
 
         return demo_config()
     return dict(json.loads((found.path / "config.json").read_text()))

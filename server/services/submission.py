@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from sqlalchemy.orm import Session
 
-from engine.errors import ConfigError
+from engine import ConfigError
 from server import queue
 from server.kinds import EventKind
 from server.schemas import JobCreate

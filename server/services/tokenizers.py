@@ -20,7 +20,7 @@ def load(folder: Path) -> Any:
     key = str(folder)
     with _lock:
         if key not in _tokenizers:
-            from engine.model.loading import load_tokenizer
+            from engine.model import load_tokenizer
 
             while len(_tokenizers) >= CACHED:
                 _tokenizers.pop(next(iter(_tokenizers)))

@@ -8,9 +8,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from engine.config import TrainConfig
-from engine.errors import ConfigError
-from engine.tracking import uris
+from engine import ConfigError, TrainConfig
+from engine.tracking import redact_url, uri_file_path, uri_problem
 
 FIELD = "tracking.mlflow.tracking_uri"
 
@@ -22,13 +21,13 @@ def home_path(uri: str, *, home: Path) -> Path | None:
     Raises:
         ConfigError: naming ``tracking.mlflow.tracking_uri``, when the folder is not inside ``home``.
     """
-    path = uris.file_path(uri)
+    path = uri_file_path(uri)
     if path is None:
         return None
     root = os.path.realpath(home)
     resolved = os.path.realpath(os.path.join(root, path))
     if os.path.commonpath([root, resolved]) != root:
-        shown = uris.redact_url(uri)
+        shown = redact_url(uri)
         message = (
             f"{FIELD}: a file: URI must name a folder inside the service's home (a relative path is "
             f"taken from there); {shown!r} is outside it"
@@ -55,7 +54,7 @@ def local_uri(uri: str, *, home: Path) -> str:
     Raises:
         ConfigError: a ``file:`` URI outside the home (a job stored before the rule).
     """
-    if uris.problem(uri) is not None:  # left for the config's validation to refuse
+    if uri_problem(uri) is not None:  # left for the config's validation to refuse
         return uri
     folder = home_path(uri, home=home)
     return folder.as_uri() if folder is not None else uri

@@ -115,8 +115,8 @@ def _evaluate(settings: Settings, sessions: sessionmaker[Session], evaluation_id
             "samples": row.num_samples,
         }
         about = {"id": row.id, "job_id": row.job_id, "step": row.step, "dataset_id": row.dataset_id}
-    from engine.inference.evaluate import evaluate_checkpoint
-    from engine.model.loading import resolve_model_path
+    from engine.inference import evaluate_checkpoint
+    from engine.model import resolve_model_path
 
     # the checkpoint, the dataset and the base model here: the store's own files, or pulled into
     # home/cache where the store is remote (``server.worker.files``)

@@ -29,8 +29,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from engine.errors import ConfigError
-from engine.training import checkpoint_layout as layout
+from engine import ConfigError
+from engine import training as layout
 from server.services import tracking
 
 if TYPE_CHECKING:

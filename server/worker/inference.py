@@ -70,7 +70,7 @@ def _error(status: int, code: str, message: str, param: str | None = None, **hea
 
 class Service:
     def __init__(self, *, token: str, gpus: int, cpu_max_params: int, release_grace_s: float) -> None:
-        from engine.inference.batching import Batcher
+        from engine.inference import Batcher
 
         self.token = token
         self.models = Models(gpus=gpus, cpu_max_params=cpu_max_params)
@@ -89,7 +89,7 @@ class Service:
 
 
 def _ids(body: GenerateBody, tokenizer: Any) -> list[int]:
-    from engine.inference.chat import prompt_ids
+    from engine.inference import prompt_ids
 
     if body.messages is not None:
         return prompt_ids(tokenizer, body.messages)
@@ -133,9 +133,8 @@ def create_app(service: Service) -> FastAPI:
 
     @app.post("/generate", dependencies=[Depends(authorized)], response_model=None)
     async def generate(body: GenerateBody, request: Request) -> StreamingResponse | JSONResponse:
-        from engine.inference.batching import Ask, Closed, End, Token
-        from engine.inference.chat import Sampling, stop_ids
-        from engine.model.loading import resolve_model_path
+        from engine.inference import Ask, Closed, End, Sampling, Token, stop_ids
+        from engine.model import resolve_model_path
 
         try:
             folder = str(await run_in_threadpool(resolve_model_path, body.model, body.models_dir))

@@ -51,7 +51,7 @@ def _load_base(folder: str, where: Placement) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from engine.model.loading import dense_load_kwargs, load_model
+    from engine.model import dense_load_kwargs, load_model
 
     if where == "cpu":
         return load_model(folder).eval()
@@ -86,7 +86,7 @@ class Models:
         Raises:
             Busy: a job trains on the devices it needs.
         """
-        from engine.inference.batching import Model
+        from engine.inference import Model
 
         with self._guard:
             hit = self.loaded.get(folder)
@@ -108,7 +108,7 @@ class Models:
         return loaded
 
     def tokenizer(self, folder: str) -> Any:
-        from engine.model.loading import load_tokenizer
+        from engine.model import load_tokenizer
 
         with self._guard:
             hit = self.tokenizers.get(folder)

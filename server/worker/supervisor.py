@@ -19,7 +19,7 @@ from types import TracebackType
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
-from engine.training import checkpoint_layout as layout
+from engine import training as layout
 from server.db import unavailable
 from server.kinds import EventKind, JobStatus
 from server.services import checkpoints, gpus, inference, jobs, placement

@@ -10,11 +10,9 @@ from typing import Any
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
-from engine.config import TrainConfig
-from engine.metrics import Sink
-from engine.tracking import TrackerSecrets, TrackingOptions
-from engine.tracking.trackers import TENSORBOARD_DIR
-from engine.training.checkpoint_layout import CheckpointKind
+from engine import Sink, TrainConfig
+from engine.tracking import TENSORBOARD_DIR, TrackerSecrets, TrackingOptions
+from engine.training import CheckpointKind
 from server.db import unavailable
 from server.kinds import EventKind
 from server.services import jobs, sweeps

@@ -22,9 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from engine.errors import DiskFull
-from engine.metrics import SavedCheckpoint, saved_message
-from engine.training.checkpoint_layout import CheckpointKind
+from engine import DiskFull, SavedCheckpoint, saved_message
+from engine.training import CheckpointKind
 from server.db import make_engine, session_factory
 from server.kinds import EventKind
 from server.services import checkpoints, jobs, progress
@@ -200,8 +199,7 @@ def main(argv: list[str]) -> int:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / ERROR_FILE).unlink(missing_ok=True)
     try:
-        from engine.config import TrainConfig
-        from engine.training.run import train
+        from engine import TrainConfig, train
 
         store = files.open_store(settings)
         with sessions() as session:

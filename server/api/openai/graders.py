@@ -15,7 +15,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.errors import ConfigError
+from engine import ConfigError
 from engine.graders import GRADER_TYPES, Grader, GradeResult, GraderJson, validate_grader
 from server.api.openai.shapes import documented
 from server.deps import current_key

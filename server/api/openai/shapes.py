@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, create_model
 
-from engine.config import MAX_SEED
+from engine import MAX_SEED
 from engine.graders import GraderJson
 from engine.methods import METHODS
 from server.schemas import (

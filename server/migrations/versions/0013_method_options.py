@@ -19,8 +19,8 @@ from typing import Any
 import sqlalchemy as sa
 from alembic import op
 
-from engine.errors import ConfigError
-from engine.methods.legacy import upgrade as upgrade_method
+from engine import ConfigError
+from engine.methods import upgrade as upgrade_method
 
 revision = "0013"
 down_revision = "0012"
