@@ -96,6 +96,13 @@ class GrpoOptions(MethodOptions):
         title="Steps per batch",
     )
 
+    base_bits: Literal[16, 4] = Field(
+        16,
+        description="GRPO samples on the host with the model's own weights: its base stays in 16 bits",
+        title="Base bits",
+        json_schema_extra={"enum": [16]},  # 4 is refused (below), with why
+    )
+
     def sequences_per_example(self) -> int:
         return self.group_size
 
