@@ -49,7 +49,9 @@ class Api:
     """A call into a library whose signature the caller depends on.
 
     ``positional``: how many arguments the caller passes by position (``self`` included);
-    ``keywords``: the names it passes; ``caller``: where (a test checks the engine's names there).
+    ``keywords``: the names it passes; ``caller``: where (a test checks the engine's names there);
+    ``keywords_at``: where the caller's keyword names are written when not in ``caller`` itself
+    (the arguments built in one module, passed as ``**`` in another).
     """
 
     module: str
@@ -57,6 +59,7 @@ class Api:
     positional: int
     keywords: tuple[str, ...]
     caller: str
+    keywords_at: str = ""
 
     @property
     def name(self) -> str:
@@ -66,12 +69,20 @@ class Api:
 MASK_KEYWORDS = ("config", "inputs_embeds", "attention_mask", "cache", "position_ids")
 LLAMA = "transformers.models.llama.modeling_llama"
 ENGINE_APIS = (
-    Api("transformers.masking_utils", "create_causal_mask", 0, MASK_KEYWORDS, "engine/model/adapter.py"),
+    Api(
+        "transformers.masking_utils",
+        "create_causal_mask",
+        0,
+        MASK_KEYWORDS,
+        "engine/model/block_context.py",
+        "engine/model/adapter.py",
+    ),
     Api(
         "transformers.masking_utils",
         "create_sliding_window_causal_mask",
         0,
         MASK_KEYWORDS,
+        "engine/model/block_context.py",
         "engine/model/adapter.py",
     ),
     Api(
@@ -79,7 +90,7 @@ ENGINE_APIS = (
         "LlamaDecoderLayer.forward",
         2,
         ("attention_mask", "position_embeddings", "position_ids", "cache", "use_cache"),
-        "engine/model/family_spec.py",
+        "engine/model/block_context.py",
     ),
     Api(LLAMA, "LlamaRotaryEmbedding.forward", 3, (), "engine/model/adapter.py"),
 )

@@ -197,7 +197,7 @@ def test_config_errors_name_the_field_and_value(tmp_path: Path) -> None:
     small = TrainConfig.parse({"data": {"train": "x.jsonl"}, "hyper": {"batch_size": 2}})
     assert small.engine.num_microbatches == 2
     assert TrainConfig.parse(small.model_dump()).engine.num_microbatches == 2
-    kinds = r"method.kind='qlora': must be \"lora\", \"full\", \"dpo\", \"orpo\" or \"grpo\""
+    kinds = r"method.kind='qlora': must be \"lora\", \"full\", \"dpo\", \"orpo\", \"kto\" or \"grpo\""
     with pytest.raises(ValueError, match=kinds):
         TrainConfig.parse({"data": {"train": "x.jsonl"}, "method": {"kind": "qlora"}})
     with pytest.raises(ValueError, match=r"data: Field required"):
