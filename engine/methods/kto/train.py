@@ -34,6 +34,7 @@ import torch
 from engine.data.batches import collate_pairs, split_validation
 from engine.data.encode import load_unpaired
 from engine.data.sequences import Encoded, EncodedPair, EncodedUnpaired
+from engine.errors import ConfigError
 from engine.kinds import EngineEvent
 from engine.methods.base import MethodRun
 from engine.methods.reference_file import read_reference, row_key, write_reference
@@ -289,9 +290,20 @@ class KtoRun(MethodRun):
         chunk = config.hyper.batch_size
         self.train: list[EncodedPair] = as_pairs(rows, chunk, data.max_length)
         self.validation: list[EncodedPair] = as_pairs(held, chunk, data.max_length)
-        self.labels = {
-            _key(p): r.label for p, r in zip(self.train + self.validation, rows + held, strict=True)
-        }
+        # a batch's rows find their labels by their tokens: rows of the same tokens (and the same
+        # mismatched row) must agree
+        self.labels: dict[bytes, bool] = {}
+        lines: dict[bytes, int] = {}
+        for pair, r in zip(self.train + self.validation, rows + held, strict=True):
+            key = _key(pair)
+            if key in self.labels and self.labels[key] != r.label:
+                raise ConfigError(
+                    "data.train",
+                    f"lines {lines[key]} and {r.line}: the same prompt and completion labelled both "
+                    "desirable and undesirable",
+                    value=r.line,
+                )
+            self.labels[key], lines[key] = r.label, r.line
         self.beta, self.lora = float(m.beta), bool(m.lora)
         self.weights = (float(m.desirable_weight), float(m.undesirable_weight))
         self.table: dict[bytes, float] = {}

@@ -99,3 +99,12 @@ def test_kto_trains_on_unpaired_rows_only(workspace: Path) -> None:
     with pytest.raises(ConfigError) as err:  # a field of another method
         config(workspace, "bad-4", method={"group_size": 4})
     assert err.value.field == "method.group_size"
+
+
+def test_rows_of_the_same_tokens_must_agree_on_their_label(workspace: Path, tmp_path: Path) -> None:
+    rows = [{"prompt": "2 plus 2?", "completion": "4", "label": i != 1} for i in range(4)]
+    path = tmp_path / "contradicting.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ConfigError) as err:
+        train(config(workspace, str(tmp_path / "out"), data={"train": str(path), "validation_fraction": 0.0}))
+    assert err.value.field == "data.train" and "lines 1 and 2" in str(err.value), err.value
