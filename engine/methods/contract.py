@@ -265,6 +265,9 @@ class Method:
         metric_keys: the metrics it logs besides ``loss/train`` and ``loss/val``.
         charts: how the job page draws them.
         order: its place in listings (the web form's choices).
+        example: what one example of its data is called in plans ("pair", "row").
+        example_sequences: the sequences an example trains as, in plans ("2 sequences
+            (preferred and rejected)").
     """
 
     name: str
@@ -276,6 +279,8 @@ class Method:
     metric_keys: tuple[str, ...]
     charts: tuple[Chart, ...] = ()
     order: int = 100
+    example: str = "example"
+    example_sequences: str = "1 sequence"
 
     @property
     def module(self) -> str:

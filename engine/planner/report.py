@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from engine.errors import ConfigError
+from engine.methods import METHODS
 from engine.methods.reference import reference_seconds
 from engine.planner.fit import assess, base_variants, longest_sequence, pcie_traffic
 from engine.planner.memory import CUDA_OVERHEAD_BYTES
@@ -136,16 +137,16 @@ class PlanReport:
                 f"{100 * self.bubble:.1f}% (closed form {100 * self.closed_form_bubble:.1f}%)"
             )
         a = self.assumptions
-        if a.get("objective", "sft") != "sft" and a.get("sequences_per_example") == 2:  # preference pairs
-            pairs = a.get("reference_pairs")
+        if a.get("objective", "sft") != "sft" and a.get("sequences_per_example") == 2:  # pairs, rows
+            pairs, example = a.get("reference_pairs"), a.get("example", "pair")
             lines.append(
-                f"{a['objective'].upper()}: 2 sequences a pair ({a['sequences_per_step']:,} a step); "
+                f"{a['objective'].upper()}: 2 sequences a {example} ({a['sequences_per_step']:,} a step); "
                 + (
                     "no reference pass"
                     if not a.get("needs_reference")
-                    else f"reference pass over {pairs:,} pairs: {self.reference_s:.1f} s (in the ETA)"
+                    else f"reference pass over {pairs:,} {example}s: {self.reference_s:.1f} s (in the ETA)"
                     if pairs is not None and self.reference_s is not None
-                    else "reference pass not counted (the pair count is unknown)"
+                    else f"reference pass not counted (the {example} count is unknown)"
                 )
             )
         if self.rollout is not None and self.rollout_s is not None:
@@ -335,6 +336,8 @@ def _report(shape: Shape, hardware: Hardware, workload: Workload) -> PlanReport:
             "sequences_per_step": w.sequences,
             "sequences_per_example": w.sequences_per_example,
             "reference_pairs": w.reference_pairs if w.needs_reference else None,
+            "example": METHODS[w.objective].example,
+            "example_sequences": METHODS[w.objective].example_sequences,
         },
     )
 

@@ -280,6 +280,12 @@ def test_a_method_with_no_script_of_its_own_is_offered_planned_and_charted(
     }
     expected = {"objective": "kto", "tuning": "lora", "lora_r": 4} | own | {"desirable_weight": 1.5}
     assert answer.value.request.post_data_json["method"] == expected
+    # the plan says what a KTO example is and trains as (the plan's assumptions, from its method)
+    assumptions = answer.value.json()["assumptions"]
+    assert (assumptions["example"], assumptions["needs_reference"]) == ("row", True)
+    note = page.locator("#plan-dpo")
+    expect(note).to_contain_text(f"KTO: {assumptions['example_sequences']} per row")
+    expect(note).to_contain_text("reference pass over")
 
     with page.expect_request(lambda r: r.method == "POST" and r.url.endswith("/api/jobs")) as sent:
         page.get_by_role("button", name="Start fine-tune").click()

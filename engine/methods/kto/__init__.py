@@ -101,5 +101,7 @@ METHOD = Method(
             lines=(("KL", "kto/kl"),),
         ),
     ),
+    example="row",
+    example_sequences="2 sequences (the completion, and forward only a mismatched one for the KL estimate)",
     order=25,
 )

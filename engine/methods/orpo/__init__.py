@@ -73,5 +73,7 @@ METHOD = Method(
             share=True,
         ),
     ),
+    example="pair",
+    example_sequences="2 sequences (preferred and rejected)",
     order=20,
 )

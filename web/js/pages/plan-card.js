@@ -13,19 +13,20 @@ const SEQ_LIMITS = {
   context: "model context",
   planner: "planner range",
 };
-// A preference job (DPO, ORPO): each step trains 2 sequences a pair (the batch counts pairs); for
-// a method with a reference (DPO), before the first step one forward over every pair gives the
-// reference log-probabilities (POST /api/plan's reference_s, part of the ETA; null when the pair
-// count is unknown).
+// A method of whole examples (DPO, ORPO: pairs; KTO: rows): each step trains its sequences per
+// example (the batch counts examples; the plan's assumptions say what an example is and trains
+// as); for a method with a reference, before the first step one forward over every example gives
+// the reference log-probabilities (POST /api/plan's reference_s, part of the ETA; null when the
+// example count is unknown).
 function pairsNote(p) {
   const a = p.assumptions;
   const what = a.tuning === "lora" ? "the base model, adapter off" : "the initial weights";
   const pass = !a.needs_reference
     ? "no reference pass"
     : p.reference_s === null
-      ? "the reference pass is not counted (pick a dataset for its pair count)"
-      : `the reference pass over ${a.reference_pairs.toLocaleString("en-US")} pairs (${what}) takes ${duration(p.reference_s)}, in the ETA`;
-  return `${a.objective.toUpperCase()}: 2 sequences (preferred and rejected) per pair, ${a.sequences_per_step} a step; ${pass}.`;
+      ? `the reference pass is not counted (pick a dataset for its ${a.example} count)`
+      : `the reference pass over ${a.reference_pairs.toLocaleString("en-US")} ${a.example}s (${what}) takes ${duration(p.reference_s)}, in the ETA`;
+  return `${a.objective.toUpperCase()}: ${a.example_sequences} per ${a.example}, ${a.sequences_per_step} a step; ${pass}.`;
 }
 
 // A GRPO job: each step first samples its completions, on the first GPU when the model fits there,
