@@ -51,7 +51,7 @@ MAX_SEED = 2**32 - 1
 
 class _Strict(BaseModel):
     # no inf or NaN (JSON has neither; Python's parser takes ``Infinity``): no bound holds them
-    model_config = ConfigDict(extra="forbid", frozen=False, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", frozen=False, allow_inf_nan=False, defer_build=True)
 
 
 class ModelSpec(_Strict):

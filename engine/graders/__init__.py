@@ -26,6 +26,7 @@ runs under the confinement this box gives (``engine.graders.sandbox``: ``detect_
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
@@ -68,7 +69,12 @@ __all__ = [
 
 # type -> class; a ``multi`` grader's sub-graders may be any of them, ``multi`` included
 GRADER_TYPES: dict[str, type[Grader]] = {kind: GRADERS[kind] for kind in GRADER_SPECS}
-_SPEC: TypeAdapter[GraderSpec] = TypeAdapter(GraderSpec)
+
+
+@functools.cache
+def _spec_adapter() -> TypeAdapter[GraderSpec]:
+    """The union's validator, built on first use (importing the graders builds no schema)."""
+    return TypeAdapter(GraderSpec)
 
 
 def parse_grader(spec: Any, field: str = "grader") -> GraderSpec:
@@ -80,7 +86,7 @@ def parse_grader(spec: Any, field: str = "grader") -> GraderSpec:
             the message lists each (``grader.graders.b.operation: Input should be ... (got "x")``).
     """
     try:
-        return _SPEC.validate_python(spec)
+        return _spec_adapter().validate_python(spec)
     except ValidationError as exc:
         errors = exc.errors()
         lines = []

@@ -128,6 +128,7 @@ class Spec(BaseModel):
         serialize_by_alias=True,
         json_schema_mode_override="validation",  # one schema of a spec, in requests and answers
         json_schema_extra=null_allowed,
+        defer_build=True,  # built on first use: importing the graders costs no schema building
     )
 
     type: str

@@ -269,7 +269,7 @@ GraderSpec = Annotated[
     Field(discriminator="type"),
     WrapValidator(_located),
 ]
-MultiSpec.model_rebuild()
+# MultiSpec refers to GraderSpec, defined after it: its schema is completed on first use (defer_build)
 # type -> its spec, in the union's order
 GRADER_SPECS: dict[str, type[Spec]] = {
     get_args(spec.model_fields["type"].annotation)[0]: spec for spec in get_args(get_args(GraderSpec)[0])

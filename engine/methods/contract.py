@@ -63,7 +63,7 @@ class MethodOptions(BaseModel):
     """
 
     # no inf or NaN (JSON has neither; Python's parser takes ``Infinity``): no bound holds them
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, defer_build=True)
 
     objective: str = Field(
         "sft",
