@@ -1,0 +1,1 @@
+"""The manual's examples, run (tests/docs/examples.py reads the pages)."""
