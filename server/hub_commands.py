@@ -71,8 +71,11 @@ def cmd_datasets_pull(args: argparse.Namespace) -> int:
 
 
 def cmd_checkpoints_push(args: argparse.Namespace) -> int:
-    """Push a checkpoint to a Hub repo (``POST /api/jobs/{id}/checkpoints/{step}/push`` does the
-    same): queued here, uploaded by a worker; prints the progress until it is done."""
+    """Push a checkpoint to a Hub repo in an export format (``--format``, ``--variant``; the
+    hidden ``--merged`` is the older ``--format merged``), as ``POST /api/jobs/{id}/checkpoints/
+    {step}/push`` does: queued here, built and uploaded by a worker; prints the progress until it
+    is done."""
+    from engine.export import CHECKPOINT, MERGED
     from server.db import migrated_sessions
     from server.hf_hub.child import HubError
     from server.services import hub, jobs
@@ -80,6 +83,13 @@ def cmd_checkpoints_push(args: argparse.Namespace) -> int:
     from server.storage import open_storage
 
     settings = get_settings()
+    if args.merged and args.format not in (None, MERGED.name):
+        print(
+            f"--merged: the same as --format merged; leave it out beside --format {args.format}",
+            file=sys.stderr,
+        )
+        return 2
+    format = MERGED.name if args.merged else args.format or CHECKPOINT.name
     sessions = migrated_sessions(settings.url)
     with sessions() as session:
         job = jobs.get_job(session, job_id=args.job_id)
@@ -95,13 +105,14 @@ def cmd_checkpoints_push(args: argparse.Namespace) -> int:
                 step=args.step,
                 repo_id=args.repo_id,
                 private=args.private,
-                merged=args.merged,
+                format=format,
+                variant=args.variant,
             )
         except (HubError, Refusal) as exc:
             return _refused(exc, settings, args)
         transfer_id, target = row.id, row.target
     doing = "pushing" if created else "already pushing"
-    print(f"{doing} step {args.step} of job {args.job_id} to {target}: {transfer_id}")
+    print(f"{doing} step {args.step} of job {args.job_id} ({format}) to {target}: {transfer_id}")
     return 0 if args.no_wait else follow(sessions, transfer_id, label=args.repo_id)
 
 
@@ -148,6 +159,8 @@ def follow(sessions: sessionmaker[Session], transfer_id: str, *, label: str) -> 
 
 def add_parsers(sub: Any, *, models: Any, checkpoints: Any) -> None:
     """``models pull``, ``checkpoints push`` (in those groups) and the ``datasets`` group."""
+    from engine.export import FORMATS, VARIANTS, formats_help, variants_help
+
     mpl = models.add_parser(
         "pull", help="pull a model from the Hugging Face Hub into the models folder (a worker downloads it)"
     )
@@ -174,6 +187,8 @@ def add_parsers(sub: Any, *, models: Any, checkpoints: Any) -> None:
     cp.add_argument("step", metavar="STEP", type=int, help="the checkpoint's step")
     cp.add_argument("repo_id", metavar="ORG/NAME", help="the Hub repo, created if needed")
     cp.add_argument("--private", action="store_true", help="create the repo private")
-    cp.add_argument("--merged", action="store_true", help="push the LoRA adapter merged into its base")
+    cp.add_argument("--format", choices=list(FORMATS), help=f"the export pushed: {formats_help()}")
+    cp.add_argument("--variant", choices=list(VARIANTS), help=variants_help())
+    cp.add_argument("--merged", action="store_true", help=argparse.SUPPRESS)  # deprecated: --format merged
     cp.add_argument("--no-wait", action="store_true", help="queue it and return")
     cp.set_defaults(func=cmd_checkpoints_push)

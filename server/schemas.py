@@ -3,12 +3,25 @@
 from __future__ import annotations
 
 from datetime import datetime
+from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, StringConstraints, TypeAdapter, WithJsonSchema
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    JsonValue,
+    StringConstraints,
+    TypeAdapter,
+    ValidationInfo,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 
 from engine import CheckpointSpec, EngineSpec, EvalSpec, HyperSpec, MethodSpec, TrackingSpec
 from engine.data import FormatChoice
+from engine.export import CHECKPOINT, FORMATS, MERGED, formats_help, variants_help
 from engine.planner import HARDWARE_RANGES
 from server.kinds import JobStatus
 
@@ -713,12 +726,45 @@ class DatasetPullCreate(BaseModel):
     name: str | None = Field(None, min_length=1, max_length=255, pattern=LINE_PATTERN)
 
 
+# the export formats a push and a download take: the registry's names (``engine.export.formats``)
+ExportFormatName = StrEnum("ExportFormatName", {name: name for name in FORMATS})  # type: ignore[misc]
+
+
 class PushCreate(BaseModel):
+    """A checkpoint's push in one of the export formats (its own files, merged, a GGUF), as a
+    download exports it."""
+
     model_config = ConfigDict(extra="forbid")
 
     repo_id: str = REPO_ID_FIELD
     private: bool = Field(True, description="create the repo private (when it does not exist yet)")
-    merged: bool = Field(False, description="push the adapter merged into its base model")
+    format: ExportFormatName = Field(ExportFormatName(CHECKPOINT.name), description=formats_help())
+    variant: str | None = Field(
+        None, min_length=1, max_length=64, pattern=LINE_PATTERN, description=variants_help()
+    )
+    merged: bool = Field(
+        False,
+        deprecated=True,
+        description='deprecated: true is the same as "format": "merged" (refused beside another format)',
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _merged_is_a_format(cls, data: Any) -> Any:
+        """The deprecated ``merged: true`` read as ``format: "merged"`` when no format is given
+        (this and the check below are the one place it is read)."""
+        if isinstance(data, dict) and data.get("merged") is True and "format" not in data:
+            return {**data, "format": MERGED.name}
+        return data
+
+    @field_validator("merged")
+    @classmethod
+    def _merged_beside_a_format(cls, merged: bool, info: ValidationInfo) -> bool:
+        chosen = info.data.get("format")
+        if merged and chosen != MERGED.name:
+            shown = f"format={chosen}" if chosen is not None else "a format"
+            raise ValueError(f"true is the deprecated way to say format=merged: leave it out beside {shown}")
+        return merged
 
 
 TransferKind = Literal["pull", "push", "dataset_pull"]  # transfers.KINDS: a model pull is a "pull"
@@ -740,7 +786,7 @@ class TransferPublic(BaseModel):
     files: list[Any]
     commit: str | None
     options: dict[str, Any] = Field(
-        description="a push's job_id, step, private, merged; a dataset pull's split, config, name"
+        description="a push's job_id, step, private, format, variant; a dataset pull's split, config, name"
     )
     dataset_id: str | None = Field(description="a dataset pull's stored dataset, once it succeeded")
     details: list[dict[str, Any]] = Field(

@@ -20,18 +20,18 @@ from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel
 from starlette.responses import Response
 
-from engine.export import FORMATS, GGUF, VARIANTS, FormatInfo, formats_help, variants_help
+from engine.export import GGUF, VARIANTS, FormatInfo, formats_help, variants_help
 from server.deps import JobDep, SessionDep, SettingsDep, StorageDep, current_key
 from server.downloads import archive_response
 from server.errors import ApiError, documented
-from server.schemas import MAX_INT, TAR_FILE, CheckpointsPublic
+from server.schemas import MAX_INT, TAR_FILE, CheckpointsPublic, ExportFormatName
 from server.services import archives, checkpoints
 from server.storage import Storage
 from server.tables import Checkpoint, Job
 
 StepPath = Annotated[int, PathParam(ge=0, le=MAX_INT)]
-# the values a download accepts, from the export-format registry (``engine.export.formats``)
-ExportFormatName = StrEnum("ExportFormatName", {name: name for name in FORMATS})  # type: ignore[misc]
+# the values a download accepts, from the export-format registry (``engine.export.formats``; its
+# formats: ``schemas.ExportFormatName``, which a push takes too)
 ExportVariant = StrEnum("ExportVariant", {name: name for name in VARIANTS})  # type: ignore[misc]
 GgufQuant = StrEnum("GgufQuant", {name: name for name in GGUF.variants})  # type: ignore[misc]
 

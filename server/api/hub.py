@@ -171,7 +171,8 @@ def push_checkpoint(
     body: PushCreate,
     response: Response,
 ) -> Any:
-    """Push a checkpoint to a Hub repo (created if needed) with a model card (a worker uploads it)."""
+    """Push a checkpoint to a Hub repo (created if needed) with a model card (a worker builds the
+    export in the format asked for, as a download does, and uploads it)."""
     try:
         row, created = hub.request_push(
             session,
@@ -181,7 +182,8 @@ def push_checkpoint(
             step=step,
             repo_id=body.repo_id,
             private=body.private,
-            merged=body.merged,
+            format=body.format.value,
+            variant=body.variant,
         )
     except HubError as exc:
         raise refused(exc, settings, repo_id=body.repo_id) from exc

@@ -250,37 +250,82 @@ def inspect_dataset(request: dict[str, Any]) -> dict[str, Any]:
     return {"sha": revision, "files": [f.as_dict() for f in files], "origin": origin}
 
 
+def _built(build: dict[str, Any]) -> Path:
+    """The folder a push uploads: the checkpoint's export built in its format by the registry's
+    builder (``engine.export.formats``, as a download builds it), here in this child: the worker
+    never runs torch. The checkpoint's own files are their folder itself, nothing built.
+
+    Raises:
+        Failure: ``disk_full`` (the build's model copies would not fit), ``export_failed`` (the
+            format's exporter refused the model).
+    """
+    from engine.export import BuildOptions, format_named
+    from engine.model import model_bytes, resolve_model_path
+
+    export = format_named(build["format"])
+    source, out = Path(build["source"]), Path(build["out"])
+    base = resolve_model_path(build["base"], build["models_dir"]) if build.get("base") else None
+    if export.model_copies:
+        needed = model_bytes(base or source) * export.model_copies
+        free = shutil.disk_usage(out.parent).free
+        if free < needed:
+            raise Failure(
+                "disk_full",
+                f"the {export.name} build needs about {needed:,} bytes in {out.parent} but its disk has"
+                f" {free:,} bytes free: nothing was sent",
+            )
+    options = BuildOptions(
+        variant=build.get("variant"), base=base, system=build.get("system"), comment=build.get("comment")
+    )
+    try:
+        return export.build(source, out, options).folder
+    except ValueError as exc:
+        raise Failure("export_failed", f"format: {export.name}: {exc}: nothing was sent") from exc
+
+
 def push(request: dict[str, Any]) -> dict[str, Any]:
-    """Create the repo if needed and commit a folder's files (the card as ``README.md``) in one
-    commit. The weights go first, one file at a time (by Xet or LFS, as the Hub says), each
-    reported as it lands; the small text files then travel in the commit itself."""
+    """Build the export (:func:`_built`), create the repo if needed and commit the export's files
+    and the model card (``README.md``, written for the files built) in one commit. The weights go
+    first, one file at a time (by Xet or LFS, as the Hub says), each reported as it lands; the
+    small text files then travel in the commit itself.
+
+    ``leave_out``: top-level names of the folder not sent (the resume state); ``replace``: new
+    text for some of its files (by relative path)."""
     from huggingface_hub import CommitOperationAdd
 
-    api = _api(request)
-    repo_id, folder = request["repo_id"], Path(request["folder"])
-    merge = request.get("merge")
-    if merge:  # the adapter merged into its base here, in this child: the worker never runs torch
-        from engine.model import merge_adapter, resolve_model_path
+    from server.hf_hub.card import model_card
 
-        merge_adapter(merge["adapter"], resolve_model_path(merge["base"], merge["models_dir"]), folder)
-    (folder / "README.md").write_text(request["card"], encoding="utf-8")
-    files = sorted(p for p in folder.rglob("*") if p.is_file())
-    emit("total", total=sum(p.stat().st_size for p in files))
+    api = _api(request)
+    repo_id = request["repo_id"]
+    folder = _built(request["build"])
+    leave_out = set(request.get("leave_out") or ())
+    contents: dict[str, Path | bytes] = {
+        rel: p
+        for p in sorted(folder.rglob("*"))
+        for rel in [p.relative_to(folder).as_posix()]
+        if p.is_file() and rel.split("/")[0] not in leave_out
+    }
+    contents |= {rel: text.encode() for rel, text in (request.get("replace") or {}).items()}
+    card = model_card(**request["card"], files=sorted(contents))
+    contents["README.md"] = card.encode()
+    sizes = {rel: len(c) if isinstance(c, bytes) else c.stat().st_size for rel, c in contents.items()}
+    total_bytes = sum(sizes.values())
+    emit("total", total=total_bytes)
     url = api.create_repo(repo_id, private=bool(request.get("private")), exist_ok=True)
     operations = [
-        CommitOperationAdd(path_in_repo=p.relative_to(folder).as_posix(), path_or_fileobj=str(p))
-        for p in files
+        CommitOperationAdd(path_in_repo=rel, path_or_fileobj=c if isinstance(c, bytes) else str(c))
+        for rel, c in sorted(contents.items())
     ]
     done = 0
     emit("progress", done=done)
-    for operation, path in sorted(zip(operations, files, strict=True), key=lambda o: -o[1].stat().st_size):
+    for operation in sorted(operations, key=lambda o: -sizes[o.path_in_repo]):
         api.preupload_lfs_files(repo_id, additions=[operation], free_memory=False)
         if operation._upload_mode == "lfs":
-            done += path.stat().st_size
+            done += sizes[operation.path_in_repo]
             emit("progress", done=done)
     info = api.create_commit(repo_id, operations=operations, commit_message=request["message"])
-    emit("progress", done=sum(p.stat().st_size for p in files))
-    return {"url": str(url), "commit": info.oid, "files": [p.relative_to(folder).as_posix() for p in files]}
+    emit("progress", done=total_bytes)
+    return {"url": str(url), "commit": info.oid, "files": sorted(contents), "bytes": total_bytes}
 
 
 COMMANDS = {

@@ -1,18 +1,21 @@
-"""A checkpoint pushed to a Hub repo (the worker's side of a ``push`` transfer): the adapter, the
-full model, or the adapter merged into its base, with a model card, in one commit."""
+"""A checkpoint pushed to a Hub repo (the worker's side of a ``push`` transfer) in one of the
+export formats (``engine.export.formats``): its own files (the adapter, or the full model), the
+adapter merged into its base, or a GGUF folder for llama.cpp and Ollama; built by the format's
+builder in the Hub client's child process, then committed with a model card in one commit."""
 
 from __future__ import annotations
 
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from engine.export import CHECKPOINT, MERGED, ExportFormat, format_named
 from server.hf_hub import child
-from server.hf_hub.card import model_card
 from server.hf_hub.progress import Reporter
-from server.services import checkpoints, datasets, jobs, transfers
+from server.services import archives, checkpoints, datasets, jobs, transfers
 from server.services.checkpoints import STATE
 from server.settings import Settings
 from server.storage import open_storage
@@ -39,11 +42,15 @@ def explain(exc: child.HubError, settings: Settings, *, repo_id: str) -> tuple[s
         )
     if exc.kind == "offline":
         return "hub_offline", exc.message
+    if exc.kind in ("disk_full", "export_failed"):
+        return exc.kind, exc.message
     return "hub_error", f"the push to {repo_id} failed: {exc.message}"
 
 
-def _folder_size(folder: Path) -> int:
-    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+def push_format(plan: dict[str, Any]) -> ExportFormat:
+    """The export format a push's plan asks for (a plan queued before pushes had formats says
+    ``merged``: true or false)."""
+    return format_named(str(plan.get("format") or (MERGED.name if plan.get("merged") else CHECKPOINT.name)))
 
 
 def run_push(settings: Settings, sessions: sessionmaker[Session], row: HubTransfer, worker_id: str) -> str:
@@ -70,40 +77,43 @@ def run_push(settings: Settings, sessions: sessionmaker[Session], row: HubTransf
         session.expunge_all()
     model = job.config["model"]
     base_name = base_model_name(model.get("name"), Path(model["path"]))
-    kind = "merged" if plan.get("merged") else checkpoint.kind
+    export = push_format(plan)
+    variant = export.variant_of(plan.get("variant"))
+    kind = export.what(checkpoint.kind)  # adapter, full, merged, gguf
+    tag = export.tag(checkpoint.kind, variant)  # adapter, merged, gguf-q8_0
     source = checkpoints.export_folder(storage, storage.key_of(checkpoint.path), cache=settings.cache_dir)
+    base = (
+        archives.base_path(job, settings=settings, storage=storage)
+        if export.needs_base(checkpoint.kind)
+        else None
+    )
+    fixed = checkpoints.adapter_config(source, base_name=base_name) if kind == "adapter" else {}
     work = settings.cache_dir / "hub-push" / row.id
     shutil.rmtree(work, ignore_errors=True)
-    folder = work / "model"
-    merge = None
-    if kind == "merged":
-        work.mkdir(parents=True)
-        path = str(model["path"])
-        stored_base = f"models/{job.base_model}"
-        if (
-            path != "demo"
-            and not (Path(path) / "config.json").is_file()
-            and storage.exists(f"{stored_base}/config.json")
-        ):
-            path = str(storage.local_copy(stored_base, settings.cache_dir, folder=True))
-        merge = {"adapter": str(source), "base": path, "models_dir": str(settings.models_dir)}
-    else:
-        shutil.copytree(
-            source, folder, ignore=lambda d, names: [n for n in names if d == str(source) and n in LEAVE_OUT]
-        )
-        for name, data in checkpoints.adapter_config(folder, base_name=base_name).items():
-            (folder / name).write_bytes(data)
-    card = model_card(
-        repo_id=row.repo_id,
-        kind=kind,
-        base_model=base_name,
-        job_name=job.name,
-        step=checkpoint.step,
-        config=job.config,
-        datasets=hub_ids,
-        dataset_names=names,
-        metrics=checkpoint.metrics or {},
-    )
+    work.mkdir(parents=True)
+    # built by the format's builder in the child (the worker never runs torch), as a download is
+    build = {
+        "format": export.name,
+        "variant": variant,
+        "source": str(source),
+        "base": base,
+        "models_dir": str(settings.models_dir),
+        "system": archives.system_prompt(job, storage),
+        "comment": f"{row.repo_id}: step {checkpoint.step} of the Roundhouse fine-tune {job.name!r}",
+        "out": str(work / "export"),
+    }
+    card = {
+        "repo_id": row.repo_id,
+        "kind": kind,
+        "variant": variant,
+        "base_model": base_name,
+        "job_name": job.name,
+        "step": checkpoint.step,
+        "config": job.config,
+        "datasets": hub_ids,
+        "dataset_names": names,
+        "metrics": checkpoint.metrics or {},
+    }
     reporter = Reporter(settings, sessions, row, worker_id)
     try:
         result = child.run(
@@ -114,10 +124,11 @@ def run_push(settings: Settings, sessions: sessionmaker[Session], row: HubTransf
             cancelled=reporter.cancelled,
             repo_id=row.repo_id,
             private=bool(plan.get("private")),
-            folder=str(folder),
+            build=build,
+            leave_out=list(LEAVE_OUT),
+            replace={name: data.decode() for name, data in fixed.items()},
             card=card,
-            merge=merge,
-            message=f"Roundhouse: {job.name}, step {checkpoint.step} ({kind})",
+            message=f"Roundhouse: {job.name}, step {checkpoint.step} ({tag})",
         )
     except child.Cancelled:
         with sessions() as session:
@@ -131,8 +142,8 @@ def run_push(settings: Settings, sessions: sessionmaker[Session], row: HubTransf
             )
         return transfers.FAILED
     finally:
-        size = _folder_size(folder) if folder.is_dir() else 0
         shutil.rmtree(work, ignore_errors=True)
+    size = int(result.get("bytes") or 0)
     plan |= {"commit": result.get("commit"), "files": result.get("files", []), "kind": kind}
     with sessions() as session:
         transfers.finish(

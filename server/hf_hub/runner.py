@@ -37,7 +37,8 @@ STAGING = ".pulls"
 SOURCE_FILE = ".hub-source.json"  # in a pulled model's folder: where it came from
 FULL = (errno.ENOSPC, errno.EDQUOT)
 # what a transfer was asked to do besides its repo and revision: a push's, a dataset pull's
-OPTIONS = ("job_id", "step", "private", "merged", "split", "config", "name")
+# (``merged``: a push queued before pushes had formats)
+OPTIONS = ("job_id", "step", "private", "format", "variant", "merged", "split", "config", "name")
 
 
 def staging_folder(settings: Settings, *, repo_id: str, sha: str) -> Path:

@@ -81,11 +81,11 @@ def formats_for(job: Job) -> list[FormatInfo]:
     """Every export format, each saying why the job's checkpoints cannot be exported so: a GGUF of
     a family it cannot write, when the base model's config is on this host (a format for LoRA
     checkpoints only says so in ``adapter_only``; each checkpoint has its kind)."""
-    architecture = _architecture(job)
-    return [f.info(refused=f.refusal(kind=None, architecture=architecture)) for f in FORMATS.values()]
+    found = architecture(job)
+    return [f.info(refused=f.refusal(kind=None, architecture=found)) for f in FORMATS.values()]
 
 
-def _architecture(job: Job) -> str | None:
+def architecture(job: Job) -> str | None:
     """The base model's architecture (``config.json``), when its folder is on this host."""
     try:
         config = json.loads((Path(str(job.config["model"]["path"])) / "config.json").read_text())
@@ -108,17 +108,11 @@ def checkpoint_archive(
     """
     from engine.model import base_model_name
 
-    export, variant, param = choice.export, choice.variant, choice.param
+    export, param = choice.export, choice.param
     step = checkpoint.step
     model = job.config["model"]
     base_name = base_model_name(model.get("name"), Path(model["path"]))
-    reason = export.refusal(kind=checkpoint.kind)
-    if reason is not None:
-        raise Invalid("invalid_request", f"{param}: {reason}", param=param)
-    try:
-        variant = export.variant_of(variant)
-    except ValueError as exc:
-        raise Invalid("invalid_request", str(exc), param="variant") from exc
+    variant = checked_variant(choice, kind=checkpoint.kind)
     name = archive_name(job, step, export.tag(checkpoint.kind, variant))
     key = export_key(storage, job, name)
     top = name.removesuffix(".tar")
@@ -126,23 +120,17 @@ def checkpoint_archive(
     text = checkpoints.readme(kind=what, base_name=base_name, top=top, step=step, job_name=job.name)
     cache = settings.cache_dir
 
-    def base_folder() -> Path:
-        from engine.model import resolve_model_path
-
-        path = str(model["path"])
-        stored_base = f"models/{job.base_model}"  # a base model only the store holds
-        here = path == "demo" or (Path(path) / "config.json").is_file()
-        if not here and storage.exists(f"{stored_base}/config.json"):
-            path = str(storage.local_copy(stored_base, cache, folder=True))
-        return resolve_model_path(path, settings.models_dir)
-
     def build(target: Path) -> Path:
         folder = checkpoints.export_folder(storage, storage.key_of(checkpoint.path), cache=cache)
         if export is CHECKPOINT:  # the checkpoint's own files, archived from where they are
             fixed = checkpoints.adapter_config(folder, base_name=base_name) if what == "adapter" else {}
             return checkpoints.build_archive(folder, target, readme=text, replace=fixed)
-        base = base_folder() if export.needs_base(checkpoint.kind) else None
-        system = _system_prompt(job, storage)
+        base = (
+            base_folder(job, settings=settings, storage=storage)
+            if export.needs_base(checkpoint.kind)
+            else None
+        )
+        system = system_prompt(job, storage)
         try:
             return checkpoints.built_archive(
                 export, folder, base=base, target=target, readme=text, variant=variant, system=system
@@ -154,7 +142,43 @@ def checkpoint_archive(
     return Archive(key=key, filename=name, local=local)
 
 
-def _system_prompt(job: Job, storage: Storage) -> str | None:
+def checked_variant(choice: ExportChoice, *, kind: str, architecture: str | None = None) -> str | None:
+    """The variant an export of a checkpoint of ``kind`` (whose base model is ``architecture``,
+    when known) uses: the one asked for, else the format's default.
+
+    Raises:
+        Invalid: the format refuses the checkpoint (``merged`` of a full checkpoint, a GGUF of a
+            family it cannot write), naming the request's field that chose the format; a variant
+            the format lacks (``variant``).
+    """
+    reason = choice.export.refusal(kind=kind, architecture=architecture)
+    if reason is not None:
+        raise Invalid("invalid_request", f"{choice.param}: {reason}", param=choice.param)
+    try:
+        return choice.export.variant_of(choice.variant)
+    except ValueError as exc:
+        raise Invalid("invalid_request", str(exc), param="variant") from exc
+
+
+def base_path(job: Job, *, settings: Settings, storage: Storage) -> str:
+    """The job's base model as a merge takes it (``model.path``, ``demo`` as it is): this host's
+    folder, else the store's copy pulled into the cache (a base model only the store holds)."""
+    path = str(job.config["model"]["path"])
+    stored_base = f"models/{job.base_model}"
+    here = path == "demo" or (Path(path) / "config.json").is_file()
+    if not here and storage.exists(f"{stored_base}/config.json"):
+        path = str(storage.local_copy(stored_base, settings.cache_dir, folder=True))
+    return path
+
+
+def base_folder(job: Job, *, settings: Settings, storage: Storage) -> Path:
+    """The folder of the job's base model (:func:`base_path`; the demo model prepared on first use)."""
+    from engine.model import resolve_model_path
+
+    return resolve_model_path(base_path(job, settings=settings, storage=storage), settings.models_dir)
+
+
+def system_prompt(job: Job, storage: Storage) -> str | None:
     """The system prompt every conversation of the job's training file shares, if any."""
     from engine.export import system_prompt_of_file
 

@@ -13,10 +13,11 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from engine.export import CHECKPOINT, format_named
 from server.hf_hub import child, dataset_pull
 from server.hf_hub.files import RemoteFile, has_weights, total
 from server.hf_hub.runner import remove_staging, staging_folder
-from server.services import checkpoints, jobs, models, transfers
+from server.services import archives, checkpoints, jobs, models, transfers
 from server.services.failures import Conflict, Invalid, NotFound, TooLarge
 from server.settings import Settings
 from server.storage import Storage
@@ -228,16 +229,27 @@ def request_push(
     step: int,
     repo_id: str,
     private: bool,
-    merged: bool,
+    format: str = CHECKPOINT.name,
+    variant: str | None = None,
 ) -> tuple[HubTransfer, bool]:
-    """Queue a checkpoint's push to ``repo_id``; a push to that repo under way is returned as is.
+    """Queue a checkpoint's push to ``repo_id`` in an export format of the registry
+    (``engine.export.formats``: the checkpoint's own files, merged, a GGUF in one of its variants);
+    a push to that repo under way is returned as is.
+
+    The format is checked here as a download checks it (``archives.checked_variant``), so a format
+    the checkpoint cannot take is refused before anything is built or sent.
 
     Raises:
-        NotFound: no checkpoint at ``step``. Invalid: ``merged`` for a checkpoint that is not a
-        LoRA adapter. Conflict: no token is set (``hub_token_required``). child.HubError: the Hub
-        is off here (``offline``).
+        NotFound: no checkpoint at ``step``. Invalid: no such format, a format the checkpoint
+        cannot take (``merged`` of a full checkpoint, a GGUF of a family it cannot write), both
+        naming ``format``; a variant the format lacks (``variant``). Conflict: no token is set
+        (``hub_token_required``). child.HubError: the Hub is off here (``offline``).
     """
     check_repo_id(repo_id)
+    try:
+        export = format_named(format)
+    except ValueError as exc:
+        raise Invalid("invalid_request", str(exc), param="format") from exc
     if settings.hub_offline:
         raise child.HubError("offline", "the Hub is off here (ROUNDHOUSE_HUB_OFFLINE=1): nothing was sent")
     if settings.hub_token is None:
@@ -249,9 +261,15 @@ def request_push(
     checkpoint = checkpoints.get(session, job_id=job.id, step=step, storage=storage)
     if checkpoint is None:
         raise NotFound(f"job {job.id!r} has no checkpoint at step {step}", param="step")
-    if merged and checkpoint.kind != "adapter":
-        raise Invalid("invalid_request", "merged: only a LoRA adapter can be merged", param="merged")
-    plan: dict[str, Any] = {"job_id": job.id, "step": step, "private": private, "merged": merged}
+    choice = archives.ExportChoice(export, variant)
+    chosen = archives.checked_variant(choice, kind=checkpoint.kind, architecture=archives.architecture(job))
+    plan: dict[str, Any] = {
+        "job_id": job.id,
+        "step": step,
+        "private": private,
+        "format": export.name,
+        "variant": chosen,
+    }
     url = f"{settings.hub_endpoint.rstrip('/')}/{repo_id}"
     return transfers.create(
         session,

@@ -1,9 +1,11 @@
 """Checkpoint pushes to a local server that speaks the Hub's API (``tests/utils/fake_hub.py``),
 through the real ``huggingface_hub`` client run by a real worker: the repo created, the adapter's
 weights uploaded by Git LFS and the rest in one NDJSON commit, the model card's metadata and
-sections read back, the pushed adapter loaded with ``PeftModel``; a merged push by the CLI; a token without
-write access refused with the setting named; unknown jobs and steps, and a missing token, refused
-at once."""
+sections read back, the pushed adapter loaded with ``PeftModel``; a merged push by the CLI
+(``--format merged``) and by the deprecated ``merged: true``; a GGUF push (q8_0), the files a GGUF
+download holds with a card that says so; a token without write access refused with the setting
+named; unknown jobs and steps, a missing token, and a format the checkpoint cannot take (naming
+``format``, ``variant`` or ``merged``) refused at once."""
 
 from __future__ import annotations
 
@@ -61,8 +63,8 @@ def card_of(files: dict[str, bytes]) -> tuple[dict[str, Any], str]:
     return yaml.safe_load(meta), body
 
 
-def checkpoint_files(client: TestClient, job_id: str, step: int) -> dict[str, bytes]:
-    r = client.get(f"/api/jobs/{job_id}/checkpoints/{step}/download")
+def checkpoint_files(client: TestClient, job_id: str, step: int, **params: str) -> dict[str, bytes]:
+    r = client.get(f"/api/jobs/{job_id}/checkpoints/{step}/download", params=params)
     assert r.status_code == 200, r.text[:300]
     with tarfile.open(fileobj=io.BytesIO(r.content)) as tar:
         return {
@@ -91,6 +93,89 @@ def test_a_push_is_refused_at_once_without_a_job_a_step_or_a_token(tmp_path: Pat
         assert r.json()["error"]["code"] == "hub_token_required"
         assert "ROUNDHOUSE_HUB_TOKEN" in r.json()["error"]["message"]
     assert hub.created == []
+
+
+def recorded_checkpoint(client: TestClient, job: dict[str, Any], *, kind: str, step: int = 2) -> None:
+    """A checkpoint of ``kind`` on the job, recorded as the worker records it (a folder with no
+    weights: the pushes below are refused before anything reads it)."""
+    from server.services import checkpoints
+
+    folder = Path(job["config"]["output_dir"]) / "checkpoints" / f"step_{step:06d}"
+    folder.mkdir(parents=True)
+    with client.app.state.sessions() as session:  # type: ignore[attr-defined]
+        checkpoints.record(session, job_id=job["id"], step=step, path=str(folder), kind=kind, metrics={})
+
+
+def test_a_format_the_checkpoint_cannot_take_is_refused_before_anything_is_sent(
+    tmp_path: Path, hub: FakeHub
+) -> None:
+    settings = settings_for(tmp_path, hub)
+    tiny_model_folder(settings.models_dir / "tiny")
+    tiny_model_folder(settings.models_dir / "tiny-moe", "qwen3_moe")  # a family GGUF cannot write
+    with api(settings) as client:
+        data = dataset(client)
+        full = start_job(client, data, base_model="tiny", method={"kind": "full"})
+        lora = start_job(client, data, base_model="tiny")
+        moe = start_job(client, data, base_model="tiny-moe")
+        recorded_checkpoint(client, full, kind="full")
+        recorded_checkpoint(client, lora, kind="adapter")
+        recorded_checkpoint(client, moe, kind="adapter")
+
+        def refused(job: dict[str, Any], body: dict[str, Any]) -> tuple[int, str | None, str]:
+            r = client.post(f"/api/jobs/{job['id']}/checkpoints/2/push", json={"repo_id": "me/x"} | body)
+            return r.status_code, r.json()["error"]["param"], r.json()["error"]["message"]
+
+        status, param, message = refused(full, {"format": "merged"})
+        assert (status, param) == (422, "format") and "only a LoRA adapter can be merged" in message, message
+        # the deprecated merged=true is format=merged, and is refused so too
+        assert refused(full, {"merged": True})[:2] == (422, "format")
+        status, param, message = refused(moe, {"format": "gguf"})
+        assert (status, param) == (422, "format"), message
+        assert "Qwen3MoeForCausalLM cannot be exported yet" in message, message
+        status, param, message = refused(lora, {"format": "gguf", "variant": "q2_k"})
+        assert (status, param) == (422, "variant") and "q8_0" in message, message  # the variants named
+        assert refused(lora, {"format": "merged", "variant": "q8_0"})[:2] == (422, "variant")
+        status, param, message = refused(lora, {"format": "onnx"})
+        assert (status, param) == (422, "format") and "gguf" in message, message
+        # merged=true beside another format: one of the two, named
+        status, param, message = refused(lora, {"merged": True, "format": "gguf"})
+        assert (status, param) == (422, "merged") and "format=gguf" in message, message
+        assert client.get("/api/transfers", params={"kind": "push"}).json()["data"] == []
+
+        # the formats it can take are queued, the legacy merged=true as format=merged
+        queued = {}
+        for repo, body in [
+            ("me/a", {}),
+            ("me/m", {"merged": True}),
+            ("me/g", {"format": "gguf", "variant": "q4_k_m"}),
+            ("me/d", {"format": "gguf"}),
+        ]:
+            r = client.post(f"/api/jobs/{lora['id']}/checkpoints/2/push", json={"repo_id": repo} | body)
+            assert r.status_code == 202, r.text
+            queued[repo] = (r.json()["options"]["format"], r.json()["options"]["variant"])
+        assert queued == {
+            "me/a": ("checkpoint", None),
+            "me/m": ("merged", None),
+            "me/g": ("gguf", "q4_k_m"),
+            "me/d": ("gguf", "q8_0"),  # the format's default variant
+        }
+    assert hub.created == []
+
+
+def test_the_push_s_formats_in_the_schema_are_the_registry_s(tmp_path: Path, hub: FakeHub) -> None:
+    from engine.export import FORMATS, formats_help
+
+    with api(settings_for(tmp_path, hub)) as client:
+        schema = client.get("/openapi.json").json()
+    body = schema["paths"]["/api/jobs/{job_id}/checkpoints/{step}/push"]["post"]["requestBody"]
+    push = schema["components"]["schemas"][
+        body["content"]["application/json"]["schema"]["$ref"].rsplit("/")[-1]
+    ]
+    fields = push["properties"]
+    named = schema["components"]["schemas"][fields["format"]["$ref"].rsplit("/")[-1]]
+    assert named["enum"] == list(FORMATS) and fields["format"]["default"] == "checkpoint"
+    assert fields["format"]["description"] == formats_help()
+    assert fields["merged"]["deprecated"] and "format" in fields["merged"]["description"]
 
 
 @pytest.mark.slow
@@ -149,7 +234,7 @@ def test_push_round_trip_with_a_real_worker(tmp_path: Path, hub: FakeHub) -> Non
 
             # the adapter merged into its base, pushed by the CLI: a plain transformers model
             done = subprocess.run(
-                roundhouse("checkpoints", "push", job["id"], "2", "me/tiny-merged", "--merged"),
+                roundhouse("checkpoints", "push", job["id"], "2", "me/tiny-merged", "--format", "merged"),
                 env=child_env(**settings.child_environment()),
                 capture_output=True,
                 text=True,
@@ -164,8 +249,50 @@ def test_push_round_trip_with_a_real_worker(tmp_path: Path, hub: FakeHub) -> Non
             assert meta["library_name"] == "transformers" and meta["base_model"] == "tiny"
             assert 'AutoModelForCausalLM.from_pretrained("me/tiny-merged")' in body
             AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+
+            # the deprecated merged=true: the same merged model
+            legacy = client.post(url, json={"repo_id": "me/tiny-legacy", "merged": True})
+            assert legacy.status_code == 202 and legacy.json()["options"]["format"] == "merged", legacy.text
+            final = progress_events(client, legacy.json()["id"])[-1]
+            assert final["status"] == "succeeded", (final["error"], worker.tail())
+            again = read_back(hub, "me/tiny-legacy", tmp_path / "legacy")
+            assert sorted(again) == sorted(files) and again["config.json"] == files["config.json"]
+
+            # a GGUF in q8_0: the folder a download of the same format holds, with a GGUF's card
+            gguf = client.post(url, json={"repo_id": "me/tiny-gguf", "format": "gguf", "variant": "q8_0"})
+            assert gguf.status_code == 202, gguf.text
+            final = progress_events(client, gguf.json()["id"])[-1]
+            assert final["status"] == "succeeded", (final["error"], worker.tail())
+            files = read_back(hub, "me/tiny-gguf", tmp_path / "gguf")
+            assert sorted(files) == ["Modelfile", "README.md", "adapter-f32.gguf", "model-q8_0.gguf"]
+            assert files["model-q8_0.gguf"][:4] == b"GGUF" and hub.received["lfs"] >= len(
+                files["model-q8_0.gguf"]
+            )
+            assert "FROM ./model-q8_0.gguf" in files["Modelfile"].decode()
+            ours = checkpoint_files(client, job["id"], 2, format="gguf", variant="q8_0")
+            assert files["model-q8_0.gguf"] == ours["model-q8_0.gguf"]
+            assert files["adapter-f32.gguf"] == ours["adapter-f32.gguf"]
+            meta, body = card_of(files)
+            assert meta["library_name"] == "gguf" and meta["base_model"] == "tiny"
+            assert {"gguf", "q8_0", "roundhouse"} <= set(meta["tags"]), meta
+            assert "a GGUF (q8_0) for llama.cpp and Ollama" in body
+            assert "hf download me/tiny-gguf" in body and "tiny-gguf/model-q8_0.gguf" in body
+            assert "--lora tiny-gguf/adapter-f32.gguf" in body and "ollama create" in body
+
+            # --merged (hidden, deprecated) is --format merged: beside another format it is refused
+            both = subprocess.run(
+                roundhouse("checkpoints", "push", job["id"], "2", "me/x", "--merged", "--format", "gguf"),
+                env=child_env(**settings.child_environment()),
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert both.returncode == 2 and "--format gguf" in both.stderr, (both.stdout, both.stderr)
             listed = client.get("/api/transfers", params={"kind": "push"}).json()["data"]
-            assert [t["status"] for t in listed] == ["succeeded", "succeeded", "failed"]
+            assert [t["status"] for t in listed] == ["succeeded"] * 4 + ["failed"]
+            assert [t["options"]["format"] for t in listed] == ["gguf", "merged", "merged"] + [
+                "checkpoint"
+            ] * 2
             assert json.loads(json.dumps(listed))  # the listing is plain JSON
         finally:
             hub.token_writes = True

@@ -1,7 +1,8 @@
 """The Hub in the browser, against the local server that stands in for it (``Server.hub``): the
 Models page lists the local models, pulls a tiny model by repo id with a progress bar (a worker
 downloads it), lists it as pulled from the Hub, and deletes it showing the bytes freed; a
-checkpoint's row pushes it to a Hub repo and shows the push's progress and the repo's link."""
+checkpoint's row pushes it to a Hub repo and shows the push's progress and the repo's link, then
+pushes it as a GGUF in the format and variant chosen in its form."""
 
 from __future__ import annotations
 
@@ -93,3 +94,27 @@ def test_push_a_checkpoint_from_its_row(page: Page, server: Server, made: dict[s
     pushed = server.hub.repos[("model", "me/web-push")]
     assert {"adapter_model.safetensors", "adapter_config.json", "README.md"} <= set(pushed.files)
     assert pushed.private and b"library_name: peft" in pushed.files["README.md"]
+
+    # the formats the job's listing allows, as the downloads offer them; a GGUF in the chosen variant
+    choice = panel.locator("select.push-format")
+    expect(choice.locator("option")).to_have_count(3)
+    assert choice.locator("option").evaluate_all("os => os.map(o => o.value)") == [
+        "checkpoint",
+        "merged",
+        "gguf",
+    ]
+    expect(panel.locator("select.push-variant")).to_be_hidden()
+    choice.select_option("gguf")
+    expect(panel.locator("select.push-variant")).to_have_value("q8_0")  # the format's default
+    panel.locator("select.push-variant").select_option("f16")
+    panel.locator("input.push-repo").fill("me/web-gguf")
+    screenshot(page, "checkpoint-push-gguf")
+    panel.locator("button.push-submit").click()
+    line = panel.locator('.transfer[data-repo="me/web-gguf"]')
+    expect(line.locator(".transfer-status")).to_have_text("succeeded", timeout=120_000)
+    pushed = server.hub.repos[("model", "me/web-gguf")]
+    assert {"model-f16.gguf", "adapter-f32.gguf", "Modelfile", "README.md"} <= set(pushed.files), sorted(
+        pushed.files
+    )
+    assert b"library_name: gguf" in pushed.files["README.md"]
+    assert not any(name.endswith(".safetensors") for name in pushed.files)

@@ -1,7 +1,7 @@
 // One row of the job page's checkpoints table: step, kind, losses, age, and its downloads (the
 // adapter or model, then one per export format the API lists for the job: the merged model of an
 // adapter, a GGUF folder for llama.cpp and Ollama in the chosen variant, ...; clearing the cached
-// merged build); Push sends it to a Hub repo.
+// merged build); Push sends it to a Hub repo in one of the same formats.
 
 import { api, downloadUrl } from "../api.js";
 import { age, el, errorBox, number } from "../widgets.js";
@@ -51,22 +51,55 @@ function formatDownload(jobId, step, f) {
   return [select, link];
 }
 
-// The downloads of every format but the checkpoint's own files (the row's first link), filled in
-// once the job's formats are known; a format refused for the checkpoint is left out.
+// The formats of the job's listing the checkpoint can be exported in, but its own files (the
+// row's first download, the push's first choice): a format refused for it is left out.
+function usableFormats(formats, c) {
+  return formats.filter((f) => f.name !== "checkpoint" && !f.refused && !(f.adapter_only && c.kind !== "adapter"));
+}
+
+// The downloads of every usable format, filled in once the job's formats are known.
 function formatDownloads(jobId, c, onError) {
   const holder = el("span", { class: "export-formats" });
   exportFormats(jobId)
     .then((formats) => {
-      const usable = formats.filter(
-        (f) => f.name !== "checkpoint" && !f.refused && !(f.adapter_only && c.kind !== "adapter"),
-      );
-      holder.replaceChildren(...usable.flatMap((f) => formatDownload(jobId, c.step, f)));
+      holder.replaceChildren(...usableFormats(formats, c).flatMap((f) => formatDownload(jobId, c.step, f)));
     })
     .catch(onError);
   return holder;
 }
 
-// The Push button and, under the row, its form (repo id, private, merged) and the push's progress.
+// The push's format select (the checkpoint's own files, named as its first download, then each
+// usable format once the job's formats are known) and the variant select of a format that has
+// variants (a GGUF's quantization, its default chosen), as the downloads offer them.
+function pushFormat(jobId, c) {
+  const offered = new Map();
+  const format = el(
+    "select",
+    { class: "push-format", "aria-label": "Format pushed" },
+    el("option", { value: "checkpoint", text: c.kind === "adapter" ? "Adapter" : "Model" }),
+  );
+  const variant = el("select", { class: "push-variant", "aria-label": "Format variant", hidden: true });
+  format.addEventListener("change", () => {
+    const f = offered.get(format.value);
+    variant.hidden = !f?.variants.length;
+    variant.replaceChildren(...(f?.variants ?? []).map((v) => el("option", { value: v, text: v })));
+    if (f?.default_variant) variant.value = f.default_variant;
+    format.title = f?.summary ?? "";
+  });
+  exportFormats(jobId)
+    .then((formats) => {
+      for (const f of usableFormats(formats, c)) {
+        offered.set(f.name, f);
+        format.append(el("option", { value: f.name, text: f.label, title: f.summary }));
+      }
+    })
+    .catch(() => {}); // the row's downloads say why the formats are missing
+  const chosen = () => ({ format: format.value, ...(variant.hidden ? {} : { variant: variant.value }) });
+  return { format, variant, chosen };
+}
+
+// The Push button and, under the row, its form (repo id, private, the format and its variant)
+// and the push's progress.
 function pushControls(jobId, c) {
   const repo = el("input", {
     type: "text",
@@ -79,7 +112,7 @@ function pushControls(jobId, c) {
     "aria-label": "Hub repo id",
   });
   const isPrivate = el("input", { type: "checkbox", class: "push-private", checked: true });
-  const merged = el("input", { type: "checkbox", class: "push-merged" });
+  const pushed = pushFormat(jobId, c);
   const problem = el("div", { class: "push-error" });
   const progress = el("div", { class: "push-progress", "aria-live": "polite" });
   const send = el("button", { type: "submit", class: "push-submit", text: "Push to the Hub" });
@@ -88,7 +121,8 @@ function pushControls(jobId, c) {
     { class: "push-form toolbar" },
     repo,
     el("label", {}, isPrivate, " private"),
-    c.kind === "adapter" ? el("label", { title: "the adapter merged into its base model" }, merged, " merged") : null,
+    pushed.format,
+    pushed.variant,
     send,
   );
   const panel = el("tr", { class: "push-panel", hidden: true }, el("td", { colspan: 6 }, form, problem, progress));
@@ -100,7 +134,7 @@ function pushControls(jobId, c) {
     try {
       const t = await api(`/jobs/${jobId}/checkpoints/${c.step}/push`, {
         method: "POST",
-        body: { repo_id: repo.value.trim(), private: isPrivate.checked, merged: merged.checked },
+        body: { repo_id: repo.value.trim(), private: isPrivate.checked, ...pushed.chosen() },
       });
       if (line) line.close();
       line = transferLine(t, {
