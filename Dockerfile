@@ -78,6 +78,8 @@ RUN groupadd --gid "${GID}" roundhouse \
 COPY --from=build /opt/venv /opt/venv
 # the browser UI: static files, served by the API (the installed package holds only Python)
 COPY web /opt/roundhouse/web
+# the manual, served at /guide: the folder beside the web UI's (server/guide/pages.py)
+COPY docs /opt/roundhouse/docs
 
 USER roundhouse
 WORKDIR /data

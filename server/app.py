@@ -17,6 +17,7 @@ from server.api import (
     evaluations,
     generate,
     gpus,
+    guide,
     health,
     hub,
     jobs,
@@ -93,9 +94,11 @@ def create_app(settings: Settings | None = None, *, apply_migrations: bool = Tru
 
     @app.get("/openapi.json", include_in_schema=False, dependencies=[Depends(current_key)])
     def openapi() -> JSONResponse:
+        """The OpenAPI schema of every documented route (what /docs and /redoc read)."""
         return JSONResponse(app.openapi())
 
     app.include_router(docs.router)  # /docs, /redoc and their scripts, served from here
+    app.include_router(guide.router)  # /guide: the manual of docs/, rendered
     app.include_router(login.router)
 
     web = settings.web_dir or WEB
@@ -104,6 +107,7 @@ def create_app(settings: Settings | None = None, *, apply_migrations: bool = Tru
 
     @app.get("/", include_in_schema=False)
     def index() -> HTMLResponse:
+        """The web UI's page (web/index.html)."""
         page = web / "index.html"
         return HTMLResponse(page.read_text() if page.is_file() else LANDING)
 

@@ -70,7 +70,7 @@ def test_health_is_public_and_every_other_route_needs_a_key(client: TestClient) 
                 assert r.status_code == 401, (method, path, r.status_code)
                 assert r.json()["error"]["code"] == "unauthorized"
                 checked += 1
-    assert checked == 2 * 72  # 72 routes behind a key (the OpenAPI pages, their assets and schema included)
+    assert checked == 2 * 74  # 74 routes behind a key (the OpenAPI pages, their assets and schema, the guide)
     # the login page rejects a wrong token and turns a good one into a cookie
     assert anonymous.get("/login", params={"token": "rh_wrong"}).status_code == 401
     with client.app.state.sessions() as session:  # type: ignore[attr-defined]
