@@ -40,7 +40,8 @@ class Batcher:
 
     The last incomplete batch of an epoch is dropped. ``state_dict()`` records the position,
     so a resumed run sees exactly the batches it would have seen. Given preference pairs,
-    ``batch_size`` counts pairs and each batch is ``collate_pairs``'s (2 × batch_size rows).
+    ``batch_size`` counts pairs and each batch is ``collate_pairs``'s (2 × batch_size rows, and
+    ``rows``, the pairs' indices).
     With ``repeat`` each batch is served that many times in a row (GRPO's ``num_iterations``:
     the steps that train on one batch of completions); an epoch is then ``repeat`` times as many
     steps, and ``position`` counts the steps served.
@@ -93,7 +94,7 @@ class Batcher:
             return collate_prompts(prompts, self.pad_id, picked)
         pairs = [r for r in rows if isinstance(r, EncodedPair)]
         if pairs:
-            return collate_pairs(pairs, self.pad_id)
+            return collate_pairs(pairs, self.pad_id, picked)
         return collate([r for r in rows if isinstance(r, Encoded)], self.pad_id)
 
     def state_dict(self) -> dict[str, Any]:
@@ -129,9 +130,18 @@ def collate_prompts(items: list[PromptItem], pad_id: int, rows: list[int]) -> di
     return {"input_ids": ids, "attention_mask": mask, "rows": torch.tensor(rows, dtype=torch.long)}
 
 
-def collate_pairs(pairs: list[EncodedPair], pad_id: int) -> dict[str, torch.Tensor]:
-    """Preference pairs as ``collate``'s 2B rows: row 2i is pair i's chosen sequence, 2i + 1 its rejected."""
-    return collate([r for p in pairs for r in (p.chosen, p.rejected)], pad_id)
+def collate_pairs(
+    pairs: list[EncodedPair], pad_id: int, rows: list[int] | range | None = None
+) -> dict[str, torch.Tensor]:
+    """Preference pairs as ``collate``'s 2B rows: row 2i is pair i's chosen sequence, 2i + 1 its
+    rejected; with ``rows``, their indices among the run's pairs too (``[B]``: a method finds
+    each pair's stored values by them)."""
+    batch = collate([r for p in pairs for r in (p.chosen, p.rejected)], pad_id)
+    if rows is not None:
+        if len(rows) != len(pairs):
+            raise ValueError(f"collate_pairs: {len(rows)} row indices for {len(pairs)} pairs")
+        batch["rows"] = torch.tensor(list(rows), dtype=torch.long)
+    return batch
 
 
 def split_validation(examples: list[Any], fraction: float, seed: int) -> tuple[list[Any], list[Any]]:

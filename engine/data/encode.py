@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from engine.data.formats import Family, get_format, titles
 from engine.data.read import RowError, check_rows, file_kind
@@ -40,7 +40,7 @@ __all__ = [
     "ensure_chat_template",
     "load_encoded",
     "load_pairs",
-    "load_unpaired",
+    "load_rows",
     "rejected_example",
     "validate",
 ]
@@ -192,7 +192,7 @@ def _refused_file(path: str, found: str, *, field: str, wanted: Family, method: 
 
 
 def _load(
-    path: str, tokenizer: Any, *, fmt: str, max_length: int, field: str, wanted: Family, method: str = "dpo"
+    path: str, tokenizer: Any, *, fmt: str, max_length: int, field: str, wanted: Family, method: str
 ) -> list[EncodedRow]:
     """Every row of a file encoded, after checking that its rows are of the family ``wanted``."""
     if fmt != "auto" and _family(fmt) not in (None, wanted):
@@ -212,21 +212,60 @@ def _load(
     return encoded
 
 
-def load_encoded(
-    path: str, tokenizer: Any, *, fmt: str = "auto", max_length: int = 1024, field: str = "data.train"
-) -> list[Encoded]:
-    """Every example of a file, encoded.
+# each kind of encoded row: the format family whose rows encode to it, and the method named in
+# errors about them by default (a refusal of supervised rows names none)
+_KINDS: dict[type, tuple[Family, str]] = {
+    Encoded: ("supervised", "sft"),
+    EncodedPair: ("preference", "dpo"),
+    EncodedUnpaired: ("unpaired", "kto"),
+}
+
+Row = TypeVar("Row", Encoded, EncodedPair, EncodedUnpaired)
+
+
+def load_rows(
+    path: str,
+    tokenizer: Any,
+    kind: type[Row],
+    *,
+    fmt: str = "auto",
+    max_length: int = 1024,
+    field: str = "data.train",
+    method: str | None = None,
+) -> list[Row]:
+    """Every row of a file, encoded as ``kind``: ``Encoded`` (supervised rows), ``EncodedPair``
+    (preference rows, both sequences) or ``EncodedUnpaired`` (unpaired rows, the sequence and its
+    label).
 
     Args:
         field: the configuration field naming the file (``data.train``, ``data.validation``).
+        method: the method that trains on them, named in errors (None: DPO for pairs, KTO for
+            unpaired rows).
 
     Raises:
-        ConfigError: for ``field``: an unsupported file type, invalid rows listed by line, or
-            rows of a format that is not supervised (preference rows train with DPO; for
-            ``data.format`` when it names such a format).
+        ConfigError: for ``field``: an unsupported file type, invalid rows listed by line, or rows
+            of another format family than ``kind``'s (for ``data.format`` when it names such a
+            format).
     """
-    encoded = _load(path, tokenizer, fmt=fmt, max_length=max_length, field=field, wanted="supervised")
-    return [e for e in encoded if isinstance(e, Encoded)]
+    family, default = _KINDS[kind]
+    encoded = _load(
+        path,
+        tokenizer,
+        fmt=fmt,
+        max_length=max_length,
+        field=field,
+        wanted=family,
+        method=default if method is None else method,
+    )
+    return [e for e in encoded if isinstance(e, kind)]
+
+
+def load_encoded(
+    path: str, tokenizer: Any, *, fmt: str = "auto", max_length: int = 1024, field: str = "data.train"
+) -> list[Encoded]:
+    """Every example of a supervised file, encoded (``load_rows`` of ``Encoded``; preference rows
+    are refused, they train with DPO)."""
+    return load_rows(path, tokenizer, Encoded, fmt=fmt, max_length=max_length, field=field)
 
 
 def load_pairs(
@@ -238,42 +277,6 @@ def load_pairs(
     field: str = "data.train",
     method: str = "dpo",
 ) -> list[EncodedPair]:
-    """Every preference row of a file, encoded as its two sequences.
-
-    Args:
-        field: the configuration field naming the file (``data.train``, ``data.validation``).
-        method: the preference method that trains on them (named in errors).
-
-    Raises:
-        ConfigError: for ``field``: an unsupported file type, invalid rows listed by line, or rows
-            that are not preference rows (for ``data.format`` when it names another format).
-    """
-    encoded = _load(
-        path, tokenizer, fmt=fmt, max_length=max_length, field=field, wanted="preference", method=method
-    )
-    return [e for e in encoded if isinstance(e, EncodedPair)]
-
-
-def load_unpaired(
-    path: str,
-    tokenizer: Any,
-    *,
-    fmt: str = "auto",
-    max_length: int = 1024,
-    field: str = "data.train",
-    method: str = "kto",
-) -> list[EncodedUnpaired]:
-    """Every unpaired preference row of a file (KTO's), encoded: its sequence and its label.
-
-    Args:
-        field: the configuration field naming the file (``data.train``, ``data.validation``).
-        method: the method that trains on them (named in errors).
-
-    Raises:
-        ConfigError: for ``field``: an unsupported file type, invalid rows listed by line, or rows
-            that are not unpaired rows (for ``data.format`` when it names another format).
-    """
-    encoded = _load(
-        path, tokenizer, fmt=fmt, max_length=max_length, field=field, wanted="unpaired", method=method
-    )
-    return [e for e in encoded if isinstance(e, EncodedUnpaired)]
+    """Every preference row of a file, encoded as its two sequences (``load_rows`` of
+    ``EncodedPair``)."""
+    return load_rows(path, tokenizer, EncodedPair, fmt=fmt, max_length=max_length, field=field, method=method)

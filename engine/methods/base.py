@@ -7,8 +7,36 @@ from typing import Any
 
 import torch
 
+from engine.data.batches import split_validation
+from engine.data.encode import Row, load_rows
 from engine.metrics import Sink
 from engine.roundpipe import RoundPipe
+
+
+def load_split(config: Any, tokenizer: Any, kind: type[Row]) -> tuple[list[Row], list[Row]]:
+    """A run's training and validation rows, encoded as ``kind`` (``load_rows``); without a
+    validation file, ``data.validation_fraction`` of the training rows are held out by
+    ``hyper.seed``.
+
+    Raises:
+        ConfigError: for ``data.train`` or ``data.validation``: rows of another kind (the
+            method's name in the message), invalid rows by line, an unsupported file.
+    """
+    data, method = config.data, config.method.objective
+    train = load_rows(data.train, tokenizer, kind, fmt=data.format, max_length=data.max_length, method=method)
+    if data.validation:
+        validation = load_rows(
+            data.validation,
+            tokenizer,
+            kind,
+            fmt=data.format,
+            max_length=data.max_length,
+            field="data.validation",
+            method=method,
+        )
+        return train, validation
+    held: tuple[list[Row], list[Row]] = split_validation(train, data.validation_fraction, config.hyper.seed)
+    return held
 
 
 class MethodRun:

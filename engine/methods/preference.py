@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from engine.data.batches import collate_pairs, split_validation
-from engine.data.encode import Encoded, EncodedPair, load_pairs
-from engine.methods.base import MethodRun
+from engine.data.batches import collate_pairs
+from engine.data.encode import EncodedPair
+from engine.methods.base import MethodRun, load_split
 from engine.parallel.pairs import PairScores, policy_logps
 from engine.roundpipe import RoundPipe
 
@@ -78,38 +78,6 @@ def check_beta(beta: float, *, name: str = "beta") -> None:
         raise ValueError(f"{name}={beta!r}: must be a finite number > 0")
 
 
-def load_preference_data(config: Any, tokenizer: Any) -> tuple[list[EncodedPair], list[EncodedPair]]:
-    """The training and validation pairs of a preference run (``config`` a ``TrainConfig``),
-    holding out ``data.validation_fraction`` of the pairs when there is no validation file.
-
-    Raises:
-        ConfigError: rows that are not preference rows (``data.train``/``data.validation``),
-            invalid rows by line.
-    """
-    # data.packing and hyper.router_aux_loss were refused with the config (PreferenceOptions.check)
-    data, method = config.data, config.method.objective
-    train = load_pairs(data.train, tokenizer, fmt=data.format, max_length=data.max_length, method=method)
-    if data.validation:
-        val = load_pairs(
-            data.validation,
-            tokenizer,
-            fmt=data.format,
-            max_length=data.max_length,
-            field="data.validation",
-            method=method,
-        )
-        return train, val
-    held: tuple[list[EncodedPair], list[EncodedPair]] = split_validation(
-        train, data.validation_fraction, config.hyper.seed
-    )
-    return held
-
-
-def pair_rows(pairs: list[EncodedPair]) -> list[Encoded]:
-    """Both sequences of every pair, pairs interleaved (chosen, rejected, chosen, ...)."""
-    return [r for p in pairs for r in (p.chosen, p.rejected)]
-
-
 class PreferenceRun(MethodRun):
     """A preference run's pairs, its steps and its validation, under its method's objective.
 
@@ -119,19 +87,23 @@ class PreferenceRun(MethodRun):
 
     def __init__(self, config: Any, tokenizer: Any) -> None:
         super().__init__(config, tokenizer)
-        self.train, self.validation = load_preference_data(config, tokenizer)
+        # data.packing and hyper.router_aux_loss were refused with the config (PreferenceOptions.check)
+        self.train: list[EncodedPair]
+        self.validation: list[EncodedPair]
+        self.train, self.validation = load_split(config, tokenizer, EncodedPair)
         self.beta = float(config.method.beta)
         self.lora = bool(config.method.lora)
 
-    def objective(self, batch: dict[str, torch.Tensor], *, start: int | None = None) -> PreferenceObjective:
-        """The objective of a collated batch: a training batch (``start`` None) or the
-        validation pairs from ``start``."""
+    def objective(self, batch: dict[str, torch.Tensor], *, validation: bool = False) -> PreferenceObjective:
+        """The objective of a collated batch of training pairs, or of validation pairs; its
+        ``rows`` are the pairs' indices among them."""
         raise NotImplementedError
 
     def forward_backward(
         self, engine: RoundPipe, batch: dict[str, torch.Tensor]
     ) -> tuple[float, dict[str, float]]:
-        stats = batch_statistics(engine.forward_backward_pairs(self.objective(batch), **batch))
+        it = engine.forward_backward_pairs(self.objective(batch), **sequences(batch))
+        stats = batch_statistics(it)
         return stats.loss, stats.metrics()
 
     def validate(self, engine: RoundPipe, batch_size: int, pad_id: int) -> dict[str, float] | None:
@@ -141,8 +113,9 @@ class PreferenceRun(MethodRun):
         sums: dict[str, float] = {}
         for i in range(0, len(self.validation), batch_size):
             chunk = self.validation[i : i + batch_size]
-            batch = collate_pairs(chunk, pad_id)
-            stats = batch_statistics(engine.evaluate_pairs(self.objective(batch, start=i), **batch))
+            batch = collate_pairs(chunk, pad_id, range(i, i + len(chunk)))
+            it = engine.evaluate_pairs(self.objective(batch, validation=True), **sequences(batch))
+            stats = batch_statistics(it)
             for key, value in {"loss": stats.loss, **stats.metrics()}.items():
                 sums[key] = sums.get(key, 0.0) + value * stats.pairs
         n = len(self.validation)
@@ -154,3 +127,9 @@ class PreferenceRun(MethodRun):
     def validation_metrics(self, means: dict[str, float]) -> dict[str, float]:
         """The validation metrics it logs from the means of its step metrics over the pairs."""
         raise NotImplementedError
+
+
+def sequences(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A collated batch's token tensors (``input_ids``, ``labels``, ``attention_mask``), without
+    its ``rows``: the engine's pair calls take these."""
+    return {k: batch[k] for k in ("input_ids", "labels", "attention_mask")}

@@ -20,15 +20,13 @@ off (the base model) for a LoRA run, or on the initial weights for a full fine-t
 stored in the run folder (``dpo_reference.pt``, written atomically by
 ``engine.methods.reference_file``), so a resumed or redelivered run reads them instead of
 computing them again; the file carries a fingerprint of the pairs' tokens, the base model and
-the compute dtype, and is recomputed when any of them changed. A
-batch's rows find their reference values by their tokens (a digest of each row's ids and labels),
-whatever order the batcher drew them in.
+the compute dtype, and is recomputed when any of them changed. A batch's pairs find their
+reference values by their indices among the run's pairs (the ``rows`` the batcher serves),
+whatever order it drew them in.
 """
 
 from __future__ import annotations
 
-import hashlib
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,17 +34,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.data.batches import collate_pairs
-from engine.data.encode import EncodedPair
-from engine.kinds import EngineEvent
-from engine.methods.preference import (
-    PreferenceObjective,
-    PreferenceRun,
-    batch_statistics,
-    check_beta,
-    pair_rows,
-)
-from engine.methods.reference_file import read_reference, row_key, write_reference
+from engine.methods.preference import PreferenceObjective, PreferenceRun, batch_statistics, check_beta
+from engine.methods.reference_file import by_rows, fingerprint, stored_or_computed
 from engine.metrics import Sink
 from engine.parallel.objective import Upload
 from engine.roundpipe import RoundPipe
@@ -234,15 +223,12 @@ class DpoRun(PreferenceRun):
 
     def __init__(self, config: Any, tokenizer: Any) -> None:
         super().__init__(config, tokenizer)
-        self.table: dict[bytes, float] = {}
+        self.train_logps = torch.empty(0)
         self.validation_logps = torch.empty(0)
 
     def fingerprint(self, *, base: str, compute_dtype: str) -> str:
         """What the reference values depend on: every row's tokens, the base model, the dtype."""
-        h = hashlib.sha256(f"{base}|{compute_dtype}|{len(self.train)}|{len(self.validation)}".encode())
-        for row in pair_rows(self.train) + pair_rows(self.validation):
-            h.update(row_key(row.input_ids, row.labels))
-        return h.hexdigest()
+        return fingerprint(self.train, self.validation, base=base, compute_dtype=compute_dtype)
 
     def prepare(
         self,
@@ -262,59 +248,25 @@ class DpoRun(PreferenceRun):
         Raises:
             Cancelled: the run's cancel flag was set while computing.
         """
-        path = folder / REFERENCE_FILE
-        fingerprint = self.fingerprint(base=base, compute_dtype=compute_dtype)
-        stored = read_reference(path)
-        if stored is not None and stored.get("fingerprint") == fingerprint:
-            train, val = stored["train"], stored["validation"]
-            sink.event(EngineEvent.REFERENCE, f"reference log-probabilities read from {REFERENCE_FILE}", {})
-        else:
-            started = time.perf_counter()
-            train = self.reference_logps(engine, self.train, batch_size, pad_id)
-            val = self.reference_logps(engine, self.validation, batch_size, pad_id)
-            write_reference(path, {"fingerprint": fingerprint, "train": train, "validation": val})
-            n = len(self.train) + len(self.validation)
-            seconds = time.perf_counter() - started
-            what = "the base model (adapters off)" if self.lora else "the initial weights"
-            sink.event(
-                EngineEvent.REFERENCE,
-                f"reference log-probabilities of {n} pairs from {what} in {seconds:.1f} s",
-                {"pairs": n, "seconds": seconds},
-            )
-        self.table = {
-            row_key(row.input_ids, row.labels): float(v)
-            for row, v in zip(pair_rows(self.train), train.tolist(), strict=True)
-        }
-        self.validation_logps = val
+        self.train_logps, self.validation_logps = stored_or_computed(
+            engine,
+            folder / REFERENCE_FILE,
+            self.fingerprint(base=base, compute_dtype=compute_dtype),
+            self.train,
+            self.validation,
+            batch_size=batch_size,
+            pad_id=pad_id,
+            lora=self.lora,
+            sink=sink,
+        )
 
-    def reference_logps(
-        self, engine: RoundPipe, pairs: list[EncodedPair], batch_size: int, pad_id: int
-    ) -> torch.Tensor:
-        """``[2 * len(pairs)]`` the reference's log-probability of every row, in pair order."""
-        parts = [torch.empty(0)]
-        for i in range(0, len(pairs), batch_size):
-            batch = collate_pairs(pairs[i : i + batch_size], pad_id)
-            parts.append(engine.sequence_logps(**batch, adapters=not self.lora))
-        return torch.cat(parts)
-
-    def lookup(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """``[rows]`` the reference log-probabilities of a collated batch's rows."""
-        out = []
-        for ids, labels, mask in zip(
-            batch["input_ids"], batch["labels"], batch["attention_mask"], strict=True
-        ):
-            n = int(mask.sum())  # collate pads on the right
-            key = row_key(ids[:n], labels[:n])
-            if key not in self.table:
-                raise RuntimeError("a training row has no reference log-probability (prepare() first)")
-            out.append(self.table[key])
-        return torch.tensor(out, dtype=torch.float32)
-
-    def objective(self, batch: dict[str, torch.Tensor], *, start: int | None = None) -> DpoObjective:
-        if start is None:
-            return DpoObjective(self.beta, self.lookup(batch))
-        rows = int(batch["input_ids"].shape[0])
-        return DpoObjective(self.beta, self.validation_logps[2 * start : 2 * start + rows])
+    def objective(self, batch: dict[str, torch.Tensor], *, validation: bool = False) -> DpoObjective:
+        if "rows" not in batch:
+            raise RuntimeError("a DPO batch without its pairs' indices (collate_pairs' rows)")
+        logps = self.validation_logps if validation else self.train_logps
+        if logps.shape[0] != 2 * len(self.validation if validation else self.train):
+            raise RuntimeError("a DPO batch without reference log-probabilities (prepare() first)")
+        return DpoObjective(self.beta, by_rows(logps, batch["rows"]))
 
     def validation_metrics(self, means: dict[str, float]) -> dict[str, float]:
         return {

@@ -8,11 +8,13 @@ pairs them when it prepares its KL dataset; the pairing is fixed before training
 reference's log-probabilities of both rows are computed once.
 
 A batch travels as preference pairs do (``Batcher``: row ``2i`` the row, ``2i + 1`` its
-mismatched row). A step first measures the policy's log-probability of each mismatched row
-(forward only, ``RoundPipe.sequence_logps``): ``z = max(0, mean(policy - reference))`` over the
-batch, a constant of the step. Then the rows train under ``KtoObjective``: each micro-batch's
-summed loss from its rows' summed log-probabilities, divided by the batch's row count (the mean,
-as TRL's). Sequence log-probabilities are sums over the completion's tokens (TRL's KTO).
+mismatched row, and ``rows`` their indices, by which each finds its label and its reference
+values; the same prompt and completion may be on several lines, labelled alike or not). A step
+first measures the policy's log-probability of each mismatched row (forward only,
+``RoundPipe.sequence_logps``): ``z = max(0, mean(policy - reference))`` over the batch, a
+constant of the step. Then the rows train under ``KtoObjective``: each micro-batch's summed loss
+from its rows' summed log-probabilities, divided by the batch's row count (the mean, as TRL's).
+Sequence log-probabilities are sums over the completion's tokens (TRL's KTO).
 
 The reference is a LoRA run's base (adapters off) or a full fine-tune's initial weights; its
 log-probabilities of every row and mismatched row, training and validation, are computed before
@@ -22,8 +24,6 @@ rows, the base model and the dtype), as DPO's (``engine.methods.reference_file``
 
 from __future__ import annotations
 
-import hashlib
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,13 +31,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine.data.batches import collate_pairs, split_validation
-from engine.data.encode import load_unpaired
+from engine.data.batches import collate_pairs
 from engine.data.sequences import Encoded, EncodedPair, EncodedUnpaired
-from engine.errors import ConfigError
-from engine.kinds import EngineEvent
-from engine.methods.base import MethodRun
-from engine.methods.reference_file import read_reference, row_key, write_reference
+from engine.methods.base import MethodRun, load_split
+from engine.methods.reference_file import by_rows, fingerprint, stored_or_computed
 from engine.metrics import Sink
 from engine.parallel.objective import Upload
 from engine.parallel.tokens import TokenScores, reported
@@ -271,49 +268,35 @@ def as_pairs(rows: list[EncodedUnpaired], chunk: int, max_length: int) -> list[E
 
 class KtoRun(MethodRun):
     """A KTO run: its rows with their mismatched rows, the reference's log-probabilities of both,
-    its steps and its validation."""
+    its steps and its validation. A batch's rows find their labels and reference values by their
+    indices (the ``rows`` the batcher serves), so the same prompt and completion may appear on
+    several lines, labelled alike or not."""
 
     def __init__(self, config: Any, tokenizer: Any) -> None:
         super().__init__(config, tokenizer)
         data, m = config.data, config.method
-        rows = load_unpaired(data.train, tokenizer, fmt=data.format, max_length=data.max_length)
-        if data.validation:
-            held = load_unpaired(
-                data.validation,
-                tokenizer,
-                fmt=data.format,
-                max_length=data.max_length,
-                field="data.validation",
-            )
-        else:
-            rows, held = split_validation(rows, data.validation_fraction, config.hyper.seed)
+        rows, held = load_split(config, tokenizer, EncodedUnpaired)
         chunk = config.hyper.batch_size
         self.train: list[EncodedPair] = as_pairs(rows, chunk, data.max_length)
         self.validation: list[EncodedPair] = as_pairs(held, chunk, data.max_length)
-        # a batch's rows find their labels by their tokens: rows of the same tokens (and the same
-        # mismatched row) must agree
-        self.labels: dict[bytes, bool] = {}
-        lines: dict[bytes, int] = {}
-        for pair, r in zip(self.train + self.validation, rows + held, strict=True):
-            key = _key(pair)
-            if key in self.labels and self.labels[key] != r.label:
-                raise ConfigError(
-                    "data.train",
-                    f"lines {lines[key]} and {r.line}: the same prompt and completion labelled both "
-                    "desirable and undesirable",
-                    value=r.line,
-                )
-            self.labels[key], lines[key] = r.label, r.line
+        self.desirable = torch.tensor([r.label for r in rows], dtype=torch.bool)
+        self.validation_desirable = torch.tensor([r.label for r in held], dtype=torch.bool)
         self.beta, self.lora = float(m.beta), bool(m.lora)
         self.weights = (float(m.desirable_weight), float(m.undesirable_weight))
-        self.table: dict[bytes, float] = {}
+        self.train_logps = torch.empty(0)
+        self.validation_logps = torch.empty(0)
 
     def fingerprint(self, *, base: str, compute_dtype: str) -> str:
         """What the reference values depend on: every row's tokens and label, the base, the dtype."""
-        h = hashlib.sha256(f"kto|{base}|{compute_dtype}|{len(self.train)}|{len(self.validation)}".encode())
-        for pair in self.train + self.validation:
-            h.update(_key(pair) + (b"+" if self.labels[_key(pair)] else b"-"))
-        return h.hexdigest()
+        labels = torch.cat([self.desirable, self.validation_desirable]).tolist()
+        return fingerprint(
+            self.train,
+            self.validation,
+            base=base,
+            compute_dtype=compute_dtype,
+            tag="kto|",
+            marks=[b"+" if good else b"-" for good in labels],
+        )
 
     def prepare(
         self,
@@ -328,57 +311,37 @@ class KtoRun(MethodRun):
     ) -> None:
         """Read the stored reference log-probabilities, or compute and store them (before the
         engine resumes or steps: on the initial weights)."""
-        path = folder / REFERENCE_FILE
-        fingerprint = self.fingerprint(base=base, compute_dtype=compute_dtype)
-        stored = read_reference(path)
-        pairs = self.train + self.validation
-        if stored is not None and stored.get("fingerprint") == fingerprint:
-            values = stored["rows"]
-            sink.event(EngineEvent.REFERENCE, f"reference log-probabilities read from {REFERENCE_FILE}", {})
-        else:
-            started = time.perf_counter()
-            parts = [torch.empty(0)]
-            for i in range(0, len(pairs), batch_size):
-                batch = collate_pairs(pairs[i : i + batch_size], pad_id)
-                parts.append(engine.sequence_logps(**batch, adapters=not self.lora))
-            values = torch.cat(parts)
-            write_reference(path, {"fingerprint": fingerprint, "rows": values})
-            seconds = time.perf_counter() - started
-            what = "the base model (adapters off)" if self.lora else "the initial weights"
-            sink.event(
-                EngineEvent.REFERENCE,
-                f"reference log-probabilities of {len(pairs)} rows and their mismatched rows from {what} "
-                f"in {seconds:.1f} s",
-                {"rows": len(pairs), "seconds": seconds},
-            )
-        flat = values.tolist()
-        self.table = {}
-        for i, pair in enumerate(pairs):
-            self.table[row_key(pair.chosen.input_ids, pair.chosen.labels)] = flat[2 * i]
-            self.table[row_key(pair.rejected.input_ids, pair.rejected.labels)] = flat[2 * i + 1]
+        self.train_logps, self.validation_logps = stored_or_computed(
+            engine,
+            folder / REFERENCE_FILE,
+            self.fingerprint(base=base, compute_dtype=compute_dtype),
+            self.train,
+            self.validation,
+            batch_size=batch_size,
+            pad_id=pad_id,
+            lora=self.lora,
+            sink=sink,
+            unit="rows",
+            described="rows and their mismatched rows",
+        )
 
-    def _inputs(self, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
-        """A served batch (rows and mismatched rows interleaved) as ``forward_backward``'s arguments."""
-        ids, labels, mask = batch["input_ids"], batch["labels"], batch["attention_mask"]
-        refs, desirable = [], []
-        for r in range(ids.shape[0]):
-            n = int(mask[r].sum())  # collate pads on the right
-            key = row_key(ids[r, :n], labels[r, :n])
-            if key not in self.table:
-                raise RuntimeError("a training row has no reference log-probability (prepare() first)")
-            refs.append(self.table[key])
-        for r in range(0, ids.shape[0], 2):
-            n, k = int(mask[r].sum()), int(mask[r + 1].sum())
-            desirable.append(
-                self.labels[_pair_key(ids[r, :n], labels[r, :n], ids[r + 1, :k], labels[r + 1, :k])]
-            )
-        reference = torch.tensor(refs, dtype=torch.float32)
+    def _inputs(self, batch: dict[str, torch.Tensor], *, validation: bool = False) -> dict[str, Any]:
+        """A served batch (rows and mismatched rows interleaved, ``rows`` their indices among the
+        training or the validation rows) as ``forward_backward``'s arguments."""
+        if "rows" not in batch:
+            raise RuntimeError("a KTO batch without its rows' indices (collate_pairs' rows)")
+        logps = self.validation_logps if validation else self.train_logps
+        desirable = self.validation_desirable if validation else self.desirable
+        if logps.shape[0] != 2 * desirable.shape[0]:
+            raise RuntimeError("a KTO batch without reference log-probabilities (prepare() first)")
+        ids, labels, mask, rows = batch["input_ids"], batch["labels"], batch["attention_mask"], batch["rows"]
+        reference = by_rows(logps, rows)
         return {
             **_trimmed(ids[0::2], labels[0::2], mask[0::2], ""),
             **_trimmed(ids[1::2], labels[1::2], mask[1::2], "kl_"),
             "reference_logps": reference[0::2],
             "kl_reference_logps": reference[1::2],
-            "desirable": torch.tensor(desirable, dtype=torch.bool),
+            "desirable": desirable[rows.long()],
         }
 
     def forward_backward(
@@ -401,7 +364,8 @@ class KtoRun(MethodRun):
         losses, rewards, good = [], [], []
         kls = []
         for i in range(0, len(self.validation), batch_size):
-            x = self._inputs(collate_pairs(self.validation[i : i + batch_size], pad_id))
+            chunk = self.validation[i : i + batch_size]
+            x = self._inputs(collate_pairs(chunk, pad_id, range(i, i + len(chunk))), validation=True)
             policy_kl = engine.sequence_logps(
                 input_ids=x["kl_input_ids"], labels=x["kl_labels"], attention_mask=x["kl_attention_mask"]
             )
@@ -430,14 +394,6 @@ class KtoRun(MethodRun):
         if bool(desirable.any()) and bool((~desirable).any()):
             out["kto/val_reward_margin"] = float(reward[desirable].mean() - reward[~desirable].mean())
         return out
-
-
-def _key(pair: EncodedPair) -> bytes:
-    return _pair_key(pair.chosen.input_ids, pair.chosen.labels, pair.rejected.input_ids, pair.rejected.labels)
-
-
-def _pair_key(ids: Any, labels: Any, kl_ids: Any, kl_labels: Any) -> bytes:
-    return row_key(ids, labels) + row_key(kl_ids, kl_labels)
 
 
 def _trimmed(

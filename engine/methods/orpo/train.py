@@ -199,7 +199,7 @@ def evaluate(
 class OrpoRun(PreferenceRun):
     """The pairs of an ORPO run: no reference pass, nothing to prepare."""
 
-    def objective(self, batch: dict[str, torch.Tensor], *, start: int | None = None) -> OrpoObjective:
+    def objective(self, batch: dict[str, torch.Tensor], *, validation: bool = False) -> OrpoObjective:
         return OrpoObjective(self.beta)
 
     def validation_metrics(self, means: dict[str, float]) -> dict[str, float]:

@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from engine.data.batches import collate, pack, split_validation
-from engine.data.encode import Encoded, load_encoded
-from engine.methods.base import MethodRun
+from engine.data.batches import collate, pack
+from engine.data.encode import Encoded
+from engine.methods.base import MethodRun, load_split
 from engine.parallel.objective import Objective
 from engine.roundpipe import RoundPipe
 
@@ -22,13 +22,7 @@ from engine.roundpipe import RoundPipe
 def load_examples(config: Any, tokenizer: Any) -> tuple[list[Encoded], list[Encoded]]:
     """The training and validation examples of a supervised run (packed when asked)."""
     data = config.data
-    train = load_encoded(data.train, tokenizer, fmt=data.format, max_length=data.max_length)
-    if data.validation:
-        val = load_encoded(
-            data.validation, tokenizer, fmt=data.format, max_length=data.max_length, field="data.validation"
-        )
-    else:
-        train, val = split_validation(train, data.validation_fraction, config.hyper.seed)
+    train, val = load_split(config, tokenizer, Encoded)
     if data.packing:
         train = pack(train, data.max_length)
     return train, val

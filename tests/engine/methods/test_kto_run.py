@@ -101,10 +101,26 @@ def test_kto_trains_on_unpaired_rows_only(workspace: Path) -> None:
     assert err.value.field == "method.group_size"
 
 
-def test_rows_of_the_same_tokens_must_agree_on_their_label(workspace: Path, tmp_path: Path) -> None:
+def test_rows_of_the_same_tokens_may_carry_either_label(workspace: Path, tmp_path: Path) -> None:
+    # the same prompt and completion on four lines, one of them labelled undesirable (as TRL's KTO
+    # data may hold them): each row keeps its own label, found by its index in the batch
     rows = [{"prompt": "2 plus 2?", "completion": "4", "label": i != 1} for i in range(4)]
-    path = tmp_path / "contradicting.jsonl"
+    path = tmp_path / "both.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    with pytest.raises(ConfigError) as err:
-        train(config(workspace, str(tmp_path / "out"), data={"train": str(path), "validation_fraction": 0.0}))
-    assert err.value.field == "data.train" and "lines 1 and 2" in str(err.value), err.value
+    sink = ListSink()
+    data = {"train": str(path), "validation_fraction": 0.0}
+    result = train(config(workspace, str(tmp_path / "out"), data=data, eval={"every_steps": None}), sink)
+    assert result.status == "succeeded" and result.step == 4
+    assert sink.series("kto/desirable") == [3.0] * 4 and sink.series("kto/undesirable") == [1.0] * 4
+    # every row (and its mismatched row, the same completion) has the same log-ratio r, so a step's
+    # loss is TRL's: (3 * (1 - sigmoid(beta (r - z))) + 1.5 * (1 - sigmoid(beta (z - r)))) / 4
+    beta, weight = 0.5, 1.5
+    chosen, rejected = sink.series("kto/chosen_reward"), sink.series("kto/rejected_reward")
+    assert chosen == rejected
+    assert chosen[-1] != 0.0  # the policy moved
+    for loss, reward, kl in zip(sink.series("loss/train"), chosen, sink.series("kto/kl"), strict=True):
+        r = reward / beta
+        assert kl == pytest.approx(max(0.0, r), abs=1e-6)
+        good = 1 - torch.sigmoid(torch.tensor(beta * (r - kl)))
+        bad = 1 - torch.sigmoid(torch.tensor(beta * (kl - r)))
+        assert loss == pytest.approx(float(3 * good + weight * bad) / 4, abs=1e-6)
