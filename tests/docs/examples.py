@@ -262,7 +262,13 @@ def heading_slugs(page: Path) -> set[str]:
         heading = re.match(r"^ {0,3}#{1,6}\s+(.*?)\s*#*\s*$", line)
         if heading is None or n in inside:
             continue
-        text = re.sub(r"[`*_]|\[([^\]]*)\]\([^)]*\)", lambda m: m.group(1) or "", heading.group(1))
+        # emphasis marks and code fences go, a link keeps its text; an underscore inside a word
+        # (string_check) is text, and GitHub keeps it
+        text = re.sub(
+            r"[`*]|(?<![A-Za-z0-9])_+|_+(?![A-Za-z0-9])|\[([^\]]*)\]\([^)]*\)",
+            lambda m: m.group(1) or "",
+            heading.group(1),
+        )
         slug = re.sub(r"[^\w\- ]", "", text.lower()).replace(" ", "-")
         count = seen.get(slug, 0)
         seen[slug] = count + 1
@@ -276,7 +282,9 @@ def broken_links(page: Path) -> list[str]:
     problems: list[str] = []
     for line, target in links(page):
         path_part, _, anchor = target.partition("#")
-        dest = (page.parent / path_part).resolve() if path_part else page
+        # a path from / is from the repository's root, as GitHub reads it (the service's /docs: docs/)
+        base = ROOT if path_part.startswith("/") else page.parent
+        dest = (base / path_part.lstrip("/")).resolve() if path_part else page
         where = f"{relative(page)}:{line}"
         if not dest.exists():
             problems.append(f"{where}: {target} -> no such file")
