@@ -3,7 +3,8 @@ that has a ```console or ```python block, run in its order in a folder of its ow
 examples.py says how a page is read); and the pages' markers and relative links are checked.
 
 ``pytest tests/docs -k grpo`` runs one page; a failure names the page, the block's line, the
-command and its output."""
+command and its output. Each page's commands and their whole output are kept in
+test-artifacts/docs/<page>.txt (the sample output a page shows comes from there)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,9 @@ from tests.utils import ROOT, child_env
 # the interpreter the examples' ``python`` and ``roundhouse`` come from (the project's environment)
 BIN = Path(sys.executable).parent
 COMMAND_TIMEOUT_S = 600.0  # one command or python block (a job waited for on a busy machine)
+SLOW_BLOCK_S = 5.0  # a block that takes longer is named in the summary with its seconds
+# each page's commands and their whole output, for writing a page's sample output from a real run
+TRANSCRIPTS = ROOT / "test-artifacts" / "docs"
 
 PAGES = examples.pages()
 RUNNABLE = [p for p in PAGES if examples.runnable(examples.parse(p)[0])]
@@ -36,7 +40,8 @@ class Shell:
     (a variable exported or a folder entered stays for the next), stdin from /dev/null, stdout and
     stderr together."""
 
-    def __init__(self, cwd: Path, env: dict[str, str]) -> None:
+    def __init__(self, cwd: Path, env: dict[str, str], transcript: Path | None = None) -> None:
+        self.transcript = transcript
         self.proc = subprocess.Popen(
             ["bash", "--noprofile", "--norc"],
             stdin=subprocess.PIPE,
@@ -54,7 +59,15 @@ class Shell:
         self.proc.stdin.flush()
 
     def run(self, command: str, *, timeout: float) -> tuple[int | None, str]:
-        """The command's exit status (None: it timed out or ended the shell) and its output."""
+        """The command's exit status (None: it timed out or ended the shell) and its output (kept in
+        the transcript too, when the shell has one)."""
+        rc, output = self._run(command, timeout=timeout)
+        if self.transcript is not None:
+            with self.transcript.open("a", encoding="utf-8") as out:
+                out.write(f"$ {command}\n{output}[exit status: {rc}]\n\n")
+        return rc, output
+
+    def _run(self, command: str, *, timeout: float) -> tuple[int | None, str]:
         token = f"__done_{uuid.uuid4().hex}"
         self.send(f"{{\n{command}\n}} </dev/null 2>&1\nprintf '\\n{token} %d\\n' $?")
         assert self.proc.stdout is not None
@@ -129,17 +142,22 @@ def test_page(
     started = time.monotonic()
     counts = {"run": 0, "file": 0, "illustration": 0}
     not_run: list[str] = []
-    shell = Shell(folder, env)
+    slow: list[str] = []  # the blocks that took a while, with their seconds
+    transcript = TRANSCRIPTS / f"{page_id(page)}.txt"
+    transcript.parent.mkdir(parents=True, exist_ok=True)
+    transcript.unlink(missing_ok=True)
+    shell = Shell(folder, env, transcript)
     try:
         for block in blocks:
             role = block.role
+            began = time.monotonic()
             if role == "file":
                 target = folder / block.value
                 target.parent.mkdir(parents=True, exist_ok=True)
                 target.write_text(substitute(block.text, base_url), encoding="utf-8")
                 counts["file"] += 1
             elif role in ("not run", "run by"):
-                not_run.append(f"{block.line} ({role}: {block.value})")
+                not_run.append(f"line {block.line}: {role}: {block.value}")
             elif role == "illustration":
                 counts["illustration"] += 1
             elif role == "console":
@@ -151,13 +169,17 @@ def test_page(
                 script.write_text(substitute(block.text, base_url), encoding="utf-8")
                 run_one(shell, f"python {script.relative_to(folder)}", f"{block.where} (python)")
                 counts["run"] += 1
+            took = time.monotonic() - began
+            if took >= SLOW_BLOCK_S:
+                slow.append(f"line {block.line}: {took:.1f} s")
     finally:
         shell.close()
         seconds = time.monotonic() - started
         summary = (
             f"{page_id(page)}: {counts['run']} run, {counts['file']} files, {len(not_run)} not run, "
             f"{counts['illustration']} illustrations; {seconds:.1f} s"
-            + "".join(f"\n    not run: line {n}" for n in not_run)
+            + (f" ({', '.join(slow)})" if slow else "")
+            + "".join(f"\n    not run: {n}" for n in not_run)
         )
         request.node.user_properties.append((SUMMARY, summary))
 
