@@ -110,6 +110,10 @@ class MlflowTracker:
                 os.environ[var] = value
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
+        if self.spec.tracking_uri.startswith("file:"):
+            # a file: store is a tracking URI we accept (engine.tracking.uris); MLflow 3 refuses
+            # its file store unless this opts in
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         from mlflow import MlflowClient
         from mlflow.entities import Param, RunTag
 

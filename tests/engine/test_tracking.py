@@ -176,6 +176,24 @@ def test_a_real_mlflow_server_gets_params_metrics_and_the_adapter(
     assert max(m.step for m in client.get_metric_history(run.info.run_id, "loss/train")) == 6
 
 
+def test_a_file_store_gets_the_run(workspace: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ``file:`` tracking URI (allowed by the URI rules) logs to MLflow's file store, which MLflow 3
+    refuses unless MLFLOW_ALLOW_FILE_STORE opts in: the tracker opts in for such a URI."""
+    from mlflow import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "unset below; restored after the test")
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE")
+    uri = f"file:{workspace / 'mlruns'}"
+    sink = ListSink()
+    result = train(config(workspace, "ml-file", {"mlflow": {"tracking_uri": uri}}, steps=2), sink)
+    assert result.status == "succeeded"
+    assert not [e for e in sink.events if e[0] == "tracker"], sink.events
+    client = MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("roundhouse").experiment_id])
+    assert run.info.status == "FINISHED" and run.data.params["method.lora_r"] == "4"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss/train")] == [1, 2]
+
+
 def test_a_tracker_that_is_down_neither_fails_nor_slows_the_run(workspace: Path) -> None:
     port = free_port()  # nothing listens there
     tracking = {"mlflow": {"tracking_uri": f"http://127.0.0.1:{port}"}}
