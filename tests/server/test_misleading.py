@@ -1,7 +1,7 @@
 """What used to mislead: the plan of a CPU host and its ETA from the data's real token counts,
 ``/docs`` offline, exports that name their real base model (one top folder, a README, real
-mtimes), merged builds cached once and cleared, the login link of ``keys create``, and the
-README's settings table."""
+mtimes), merged builds cached once and cleared, and the login link of ``keys create`` (the settings'
+table is generated: docs/reference/settings.md, checked by tests/docs/test_reference.py)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from engine.planner import CPU_GFLOPS_PER_CORE, batch_length
 from server.services import gpus
 from server.settings import Settings
 from tests.server.test_checkpoints import adapter_checkpoint, verified
-from tests.utils import ROOT, child_env, roundhouse
+from tests.utils import child_env, roundhouse
 
 
 def upload(client: TestClient, rows: list[Any]) -> Any:
@@ -227,14 +227,3 @@ def test_the_login_link_is_boxed() -> None:
     assert lines[0] == lines[-1] and set(lines[0]) == {"+", "="}
     assert all(len(line) == len(lines[0]) and line.startswith("|") for line in lines[1:-1])
     assert re.search(r"Open: (http://\S+/login\?token=(rhl_\S+))", text).group(2) == "rhl_x"  # type: ignore[union-attr]
-
-
-def test_the_readme_lists_every_setting_with_its_default() -> None:
-    text = (ROOT / "README.md").read_text()
-    table = text[text.index("### Settings") :]
-    rows = dict(re.findall(r"^\| `(ROUNDHOUSE_\w+)` \| ([^|]+?) \| [^|]+ \|$", table, flags=re.M))
-    expected = {}
-    for name, f in Settings.model_fields.items():
-        default = f.default
-        expected[f"ROUNDHOUSE_{name.upper()}"] = "unset" if default is None else f"`{default}`"
-    assert rows == expected
