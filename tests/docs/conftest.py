@@ -9,11 +9,11 @@ at the end of the run from what each page's test recorded.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import signal
 import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,15 +68,18 @@ def demo_models(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
     (converting it takes half a minute), else prepared once for this session."""
     cache = getattr(request.config, "cache", None)
     models = cache.mkdir("roundhouse-demo-models") if cache is not None else tmp_path_factory.mktemp("models")
-    if not (models / DEMO_FOLDER / "config.json").is_file():
-        done = subprocess.run(
-            roundhouse("prepare-demo", "--models-dir", str(models)),
-            env=child_env(),
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        assert done.returncode == 0, f"roundhouse prepare-demo failed:\n{done.stdout}\n{done.stderr}"
+    # another pytest run of this checkout may be preparing the same folder: one at a time
+    with (models / ".lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (models / DEMO_FOLDER / "config.json").is_file():
+            done = subprocess.run(
+                roundhouse("prepare-demo", "--models-dir", str(models)),
+                env=child_env(),
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
+            assert done.returncode == 0, f"roundhouse prepare-demo failed:\n{done.stdout}\n{done.stderr}"
     return models
 
 
@@ -139,7 +142,3 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.write_sep("-", "docs examples")
         for line in sorted(lines):
             terminalreporter.write_line(line)
-
-
-# the interpreter the examples' ``python`` and ``roundhouse`` come from (the project's environment)
-BIN = Path(sys.executable).parent
