@@ -1,7 +1,8 @@
 """What the manual's examples run against: the demo model, prepared once and linked into each
 page's folder, and — for the pages that talk to the API — one real ``roundhouse serve
---with-worker --demo`` (SQLite, the no-server broker, the demo model and datasets), started the
-first time a page needs it and stopped at the end of the session.
+--with-worker --demo`` (SQLite, the no-server broker, the demo model and datasets, and a local
+Hub to pull from and push to: ``tests/docs/hub.py``), started the first time a page needs it and
+stopped at the end of the session.
 
 The examples' summary (blocks run and not run per page, and the seconds each page took) is printed
 at the end of the run from what each page's test recorded.
@@ -21,6 +22,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.docs.hub import docs_hub, hub_settings
 from tests.utils import LOGIN_LINE, Process, child_env, free_port, roundhouse
 
 DEMO_FOLDER = "smollm2-135m-instruct"  # what prepare_demo_model makes under a models folder
@@ -36,6 +38,7 @@ class Service:
     key: str
     home: Path
     process: Process
+    hub: dict[str, str]  # the Hub settings (tests/docs/hub.py), which the CLI's transfers read too
 
     @property
     def port(self) -> int:
@@ -48,6 +51,7 @@ class Service:
             "ROUNDHOUSE_KEY": self.key,
             "ROUNDHOUSE_HOME": str(self.home),
             "ROUNDHOUSE_PORT": str(self.port),
+            **self.hub,
         }
 
 
@@ -97,11 +101,12 @@ def docs_service(tmp_path_factory: pytest.TempPathFactory, demo_models: Path) ->
     tmp = tmp_path_factory.mktemp("docs-service")
     home = tmp / "home"
     link_tree(demo_models / DEMO_FOLDER, home / "models" / DEMO_FOLDER)
+    hub = docs_hub(demo_models / DEMO_FOLDER)  # a local Hub: docs/guides/hub.md pulls and pushes
     env = child_env(
         ROUNDHOUSE_HOME=str(home),
         ROUNDHOUSE_PORT=str(free_port()),
-        ROUNDHOUSE_HUB_OFFLINE="1",
         ROUNDHOUSE_TELEMETRY_SECONDS="1",
+        **hub_settings(hub),
     )
     process = Process(
         roundhouse("serve", "--with-worker", "--demo", "--new-login-key"), env=env, log=tmp / "serve.log"
@@ -120,10 +125,13 @@ def docs_service(tmp_path_factory: pytest.TempPathFactory, demo_models: Path) ->
             timeout=60,
         )
         assert done.returncode == 0, f"roundhouse keys create:\n{done.stderr}"
-        yield Service(base_url=base_url, key=done.stdout.strip(), home=home, process=process)
+        yield Service(
+            base_url=base_url, key=done.stdout.strip(), home=home, process=process, hub=hub_settings(hub)
+        )
         children = process.descendants()
     finally:
         stopped = process.stop(signal.SIGINT, grace=60)
+        hub.stop()
     assert stopped, f"the service did not stop within 60 s of SIGINT (killed):\n{process.tail()}"
     _, alive = psutil.wait_procs(children, timeout=30)
     for p in alive:
