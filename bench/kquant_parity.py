@@ -24,7 +24,8 @@ The models:
   row a multiple of 256: Q4_K and Q6_K throughout), and its blocks. The folder and its f16 GGUF
   are made once per ``--work`` folder (seeded: a later run with the same ``--work`` reuses them).
 
-Perplexity runs on ``--text`` (default: the project's README at HEAD, text the model never saw),
+Perplexity runs on ``--text`` (default: the project's README as of ``TEXT_REVISION``, the 1,590-line
+manual before it moved to docs/: text the model never saw, the same bytes from run to run),
 ``--ctx`` tokens per chunk, the first ``--chunks`` chunks. Times are wall clock and CPU seconds
 (this process's for our export, the child's for llama-quantize); llama-quantize and our export
 both use one thread per CPU; runs alternate (``--repeats`` of each, llama-quantize first),
@@ -53,6 +54,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "bench" / "results" / "kquant_parity.json"
+# the held-out text: the README of this revision (the one results/kquant_parity.json was measured on)
+TEXT_REVISION = "26b9c62"
 # SmolLM2-1.7B's sizes
 BIG = {
     "hidden_size": 2048,
@@ -428,7 +431,9 @@ def main() -> int:
     parser.add_argument("--llama-bin", type=Path, required=True)
     parser.add_argument("--llama-commit", required=True)
     parser.add_argument("--part", choices=["demo", "big", "families"], default="demo", help="what to measure")
-    parser.add_argument("--text", type=Path, default=None, help="held-out text (default: README.md at HEAD)")
+    parser.add_argument(
+        "--text", type=Path, default=None, help=f"held-out text (default: README.md at {TEXT_REVISION})"
+    )
     parser.add_argument("--ctx", type=int, default=512)
     parser.add_argument("--chunks", type=int, default=16, help="perplexity chunks (0: skip perplexity)")
     parser.add_argument("--repeats", type=int, default=3)
@@ -447,11 +452,13 @@ def main() -> int:
             text = work / "heldout.txt"
             text.write_bytes(
                 subprocess.run(
-                    ["git", "-C", str(ROOT), "show", "HEAD:README.md"], capture_output=True, check=True
+                    ["git", "-C", str(ROOT), "show", f"{TEXT_REVISION}:README.md"],
+                    capture_output=True,
+                    check=True,
                 ).stdout
             )
         part["perplexity_text"] = {
-            "file": str(args.text or "README.md at HEAD"),
+            "file": str(args.text or f"README.md at {TEXT_REVISION}"),
             "sha256": hashlib.sha256(text.read_bytes()).hexdigest(),
             "ctx": args.ctx,
             "chunks": args.chunks,
