@@ -64,8 +64,10 @@ class DataSpec(_Strict):
     validation: str | None = Field(None, description="validation file (same formats)")
     validation_fraction: float = Field(0.0, ge=0.0, le=0.5, description="held out from train when no file")
     format: FormatChoice = Field("auto", description="the rows' format (engine.data.formats), or auto-detect")
-    max_length: int = Field(1024, ge=8, le=1_048_576)
-    packing: bool = False
+    max_length: int = Field(1024, ge=8, le=1_048_576, description="tokens per sequence: a longer row is cut")
+    packing: bool = Field(
+        False, description="several short rows concatenated into one sequence of up to max_length"
+    )
 
 
 # the ``method`` section: the options of the method its ``objective`` names (``engine.methods``;
@@ -114,22 +116,40 @@ def override_method(raw: dict[str, Any], **given: Any) -> dict[str, Any]:
 
 
 class HyperSpec(_Strict):
-    epochs: float | None = Field(1.0, gt=0, le=1000)
-    max_steps: int | None = Field(None, ge=1, le=MAX_STEPS)
+    epochs: float | None = Field(
+        1.0, gt=0, le=1000, description="passes over the training rows (a fraction allowed)"
+    )
+    max_steps: int | None = Field(
+        None, ge=1, le=MAX_STEPS, description="optimizer steps to run; when set it decides the run's length"
+    )
     batch_size: int = Field(8, ge=1, le=1 << 20, description="sequences per optimizer step")
-    learning_rate: float = Field(2e-4, gt=0, le=10)
-    schedule: Literal["constant", "linear", "cosine"] = "cosine"
-    warmup_steps: int = Field(0, ge=0, le=MAX_STEPS)
-    weight_decay: float = Field(0.0, ge=0, le=10)
-    max_grad_norm: float | None = Field(1.0, gt=0, le=1e6)
-    optimizer: str = Field("adamw", json_schema_extra={"enum": list(optimizer_names())})
+    learning_rate: float = Field(2e-4, gt=0, le=10, description="the peak learning rate")
+    schedule: Literal["constant", "linear", "cosine"] = Field(
+        "cosine",
+        description="the learning rate after warm-up: constant, or decaying linearly or on a cosine to 0",
+    )
+    warmup_steps: int = Field(
+        0, ge=0, le=MAX_STEPS, description="steps of linear rise from 0 to learning_rate"
+    )
+    weight_decay: float = Field(0.0, ge=0, le=10, description="decoupled weight decay (AdamW), or L2 for SGD")
+    max_grad_norm: float | None = Field(
+        1.0, gt=0, le=1e6, description="gradients clipped to this global norm (null: no clipping)"
+    )
+    optimizer: str = Field(
+        "adamw", json_schema_extra={"enum": list(optimizer_names())}, description="the host-side optimizer"
+    )
     router_aux_loss: bool = Field(
         False, description="mixture-of-experts models: add the routers' load-balancing loss"
     )
     router_aux_loss_coef: float | None = Field(
         None, ge=0, le=1000, description="its weight (default: the model config's router_aux_loss_coef)"
     )
-    seed: int = Field(0, ge=0, le=MAX_SEED)
+    seed: int = Field(
+        0,
+        ge=0,
+        le=MAX_SEED,
+        description="seeds the data order, the validation split, LoRA's initialisation and dropout",
+    )
     max_nonfinite_steps: int = Field(
         3,
         ge=1,
@@ -158,11 +178,29 @@ class HyperSpec(_Strict):
 
 
 class EngineSpec(_Strict):
-    devices: Literal["auto"] | list[str] = "auto"
-    num_microbatches: int = Field(4, ge=1, le=4096)
-    async_optimizer: bool = False
-    compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    partition: dict[str, Any] | None = None
+    devices: Literal["auto"] | list[str] = Field(
+        "auto",
+        description='the workers: "auto" (every GPU of the host, else one CPU worker) or devices ("cuda:0")',
+    )
+    num_microbatches: int = Field(
+        4,
+        ge=1,
+        le=4096,
+        description="pieces a batch is cut into, which flow through the pipeline one after another",
+    )
+    async_optimizer: bool = Field(
+        False, description="the optimizer step overlaps the next step's compute (its weights one step behind)"
+    )
+    compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description='"auto": bfloat16 on GPU workers, float32 on CPU workers'
+    )
+    partition: dict[str, Any] | None = Field(
+        None,
+        description=(
+            "a fixed pipeline partition instead of the planner's: layer counts "
+            '{"forward": [...], "fused": N, "backward": [...]}'
+        ),
+    )
     tf32: bool = Field(True, description="float32 compute on GPUs: let matmuls use TensorFloat-32")
 
 
@@ -177,8 +215,10 @@ def resolve_compute_dtype(dtype: str, *, on_gpu: bool) -> str:
 
 
 class CheckpointSpec(_Strict):
-    every_steps: int = Field(100, ge=1, le=MAX_STEPS)
-    keep_last: int = Field(3, ge=1, le=10_000)
+    every_steps: int = Field(
+        100, ge=1, le=MAX_STEPS, description="a checkpoint every N steps (and at the end)"
+    )
+    keep_last: int = Field(3, ge=1, le=10_000, description="checkpoints kept: older ones are deleted")
 
 
 class EvalSpec(_Strict):
@@ -192,7 +232,9 @@ class MlflowSpec(_Strict):
     variables MLflow reads, never the config)."""
 
     tracking_uri: str = Field(..., min_length=1, max_length=2000, description="http(s)://host:port or file:")
-    experiment: str = Field("roundhouse", min_length=1, max_length=500)
+    experiment: str = Field(
+        "roundhouse", min_length=1, max_length=500, description="the MLflow experiment's name"
+    )
     log_adapter: bool = Field(False, description="log the final checkpoint's export as the run's artifact")
 
     @field_validator("tracking_uri")
@@ -207,10 +249,10 @@ class MlflowSpec(_Strict):
 class WandbSpec(_Strict):
     """A Weights & Biases project the run logs to (the API key: the settings, never the config)."""
 
-    project: str = Field(..., min_length=1, max_length=128)
-    entity: str | None = Field(None, min_length=1, max_length=128)
+    project: str = Field(..., min_length=1, max_length=128, description="the W&B project")
+    entity: str | None = Field(None, min_length=1, max_length=128, description="the W&B team or user")
     name: str | None = Field(None, min_length=1, max_length=128, description="the run's name")
-    tags: list[str] = Field(default_factory=list, max_length=20)
+    tags: list[str] = Field(default_factory=list, max_length=20, description="the run's tags")
     mode: Literal["online", "offline"] = Field("online", description='"offline" writes the run files only')
 
     @field_validator("tags")
@@ -225,22 +267,31 @@ class TrackingSpec(_Strict):
     """Experiment trackers the run's metrics also go to (``engine.tracking``)."""
 
     tensorboard: bool = Field(False, description="event files under output_dir/tensorboard")
-    mlflow: MlflowSpec | None = None
-    wandb: WandbSpec | None = None
+    mlflow: MlflowSpec | None = Field(None, description="log to an MLflow tracking server or folder")
+    wandb: WandbSpec | None = Field(None, description="log to Weights & Biases")
 
 
 class TrainConfig(_Strict):
     """A whole fine-tuning run."""
 
-    model: ModelSpec = Field(default_factory=lambda: ModelSpec())
-    data: DataSpec
+    model: ModelSpec = Field(default_factory=lambda: ModelSpec(), description="the base model")
+    data: DataSpec = Field(description="the training rows and how they become sequences")
     method: MethodSpec = Field(default_factory=lambda: methods.METHODS["sft"].defaults())
-    hyper: HyperSpec = Field(default_factory=lambda: HyperSpec())
-    engine: EngineSpec = Field(default_factory=lambda: EngineSpec())
-    checkpoint: CheckpointSpec = Field(default_factory=lambda: CheckpointSpec())
-    eval: EvalSpec = Field(default_factory=lambda: EvalSpec())
+    hyper: HyperSpec = Field(
+        default_factory=lambda: HyperSpec(), description="the optimizer and the run's length"
+    )
+    engine: EngineSpec = Field(
+        default_factory=lambda: EngineSpec(),
+        description="the RoundPipe engine: workers, micro-batches, precision",
+    )
+    checkpoint: CheckpointSpec = Field(
+        default_factory=lambda: CheckpointSpec(), description="when checkpoints are saved, how many are kept"
+    )
+    eval: EvalSpec = Field(default_factory=lambda: EvalSpec(), description="validation during the run")
     tracking: TrackingSpec = Field(default_factory=lambda: TrackingSpec())
-    output_dir: str = Field("runs/default", min_length=1)
+    output_dir: str = Field(
+        "runs/default", min_length=1, description="the run's folder: checkpoints, log, exports"
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainConfig:
