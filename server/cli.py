@@ -383,8 +383,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub = _subcommands(parser)
     settings = get_settings()
     s = sub.add_parser("serve", help="run the API (and, for one machine, a worker beside it)")
-    s.add_argument("--host", default=settings.host)
-    s.add_argument("--port", type=int, default=settings.port)
+    s.add_argument(
+        "--host", default=settings.host, help="the address to listen on (default: ROUNDHOUSE_HOST)"
+    )
+    s.add_argument(
+        "--port",
+        type=int,
+        default=settings.port,
+        help="the port to listen on, which login links name (default: ROUNDHOUSE_PORT)",
+    )
     s.add_argument("--with-worker", action="store_true", help="also start a worker in a child process")
     s.add_argument("--demo", action="store_true", help="prepare the demo model and datasets first")
     s.add_argument(
@@ -396,7 +403,11 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument(
         "--name", help="the worker's name (default roundhouse-PID@HOST, HOST: ROUNDHOUSE_WORKER_HOST)"
     )
-    w.add_argument("--loglevel", default="INFO")
+    w.add_argument(
+        "--loglevel",
+        default="INFO",
+        help="the Celery worker's log level: DEBUG, INFO, WARNING, ERROR or CRITICAL",
+    )
     w.set_defaults(func=cmd_worker)
     m = sub.add_parser("models", help="base models in the shared store")
     ms = m.add_subparsers(dest="models_command", required=True)
@@ -410,7 +421,7 @@ def build_parser() -> argparse.ArgumentParser:
     k = sub.add_parser("keys", help="API keys")
     ks = k.add_subparsers(dest="keys_command", required=True)
     kc = ks.add_parser("create", help="create an API key and print it with its login URL")
-    kc.add_argument("--name", default="cli")
+    kc.add_argument("--name", default="cli", help="the key's name, as `keys list` shows it")
     kc.set_defaults(func=cmd_keys_create)
     kl = ks.add_parser("list", help="every key: id, name, prefix, created, last used (never the key)")
     kl.set_defaults(func=cmd_keys_list)

@@ -111,12 +111,12 @@ def add_parser(sub: Any) -> None:
         c.add_argument("body", metavar="SWEEP.json", help="the body of POST /api/sweeps")
         c.set_defaults(func=lambda a, n=name: _run(a, n))
     ls = ps.add_parser("list", help="sweeps, newest first")
-    ls.add_argument("--limit", type=int, default=20)
+    ls.add_argument("--limit", type=int, default=20, help="the most sweeps listed")
     ls.set_defaults(func=lambda a: _run(a, "list"))
     for name, help_text in (
         ("show", "a sweep's trials: parameters, metric, state, time"),
         ("cancel", "cancel its trials"),
     ):
         c = ps.add_parser(name, help=help_text)
-        c.add_argument("sweep_id", metavar="SWEEP")
+        c.add_argument("sweep_id", metavar="SWEEP", help="the sweep's id, as `sweeps list` shows it")
         c.set_defaults(func=lambda a, n=name: _run(a, n))

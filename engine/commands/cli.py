@@ -448,12 +448,28 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="partition, schedule grid, fit and ETA of a run (a TrainConfig or flags)")
     p.add_argument("--config", help="a TrainConfig (JSON/YAML): the run to plan; the flags below override it")
     p.add_argument("--model", help="a local Hugging Face model folder (only its config is read)")
-    p.add_argument("--blocks", type=int, default=8)
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--workers", type=int, default=2)
+    p.add_argument(
+        "--blocks",
+        type=int,
+        default=8,
+        help="without --model or a config's model: the Llama's decoder blocks",
+    )
+    p.add_argument("--hidden", type=int, default=512, help="that Llama's hidden size (a head per 64)")
+    p.add_argument("--vocab", type=int, default=32000, help="that Llama's vocabulary size")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=2,
+        help="workers of the partition and schedule (and, without --cpu, the fit report's GPUs)",
+    )
     p.add_argument("--microbatches", type=int, default=None, help="default 4")
-    p.add_argument("--memory-budget-gb", type=float, default=None)
+    p.add_argument(
+        "--memory-budget-gb",
+        type=float,
+        default=None,
+        help="GiB a stage of the partition may hold: its 16-bit weights, twice over in a fused or "
+        "backward stage (default: no limit)",
+    )
     p.add_argument("--gpu-memory-gb", type=float, default=24.0, help="memory of each GPU (fit report)")
     p.add_argument("--gpu-tflops", type=float, default=165.0, help="peak bf16 rate of each GPU")
     p.add_argument("--efficiency", type=float, default=0.4, help="achieved fraction of the peak rate")
@@ -477,13 +493,23 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", "bfloat16", "float16", "float32"],
         help="default bfloat16 (or the config's)",
     )
-    p.add_argument("--async", dest="async_optimizer", action="store_true")
+    p.add_argument(
+        "--async",
+        dest="async_optimizer",
+        action="store_true",
+        help="the optimizer step overlaps the next step (engine.async_optimizer)",
+    )
     p.add_argument("--steps", type=int, default=None, help="steps of the job, for an ETA")
     p.set_defaults(func=cmd_plan)
     d = sub.add_parser("synthetic", help="train a small random model on a synthetic task over CPU workers")
-    d.add_argument("--workers", type=int, default=2)
-    d.add_argument("--steps", type=int, default=30)
-    d.add_argument("--async", dest="async_optimizer", action="store_true")
+    d.add_argument("--workers", type=int, default=2, help="CPU workers the pipeline runs over")
+    d.add_argument("--steps", type=int, default=30, help="optimizer steps (16 sequences each)")
+    d.add_argument(
+        "--async",
+        dest="async_optimizer",
+        action="store_true",
+        help="the optimizer step overlaps the next step (its weights one step behind)",
+    )
     d.set_defaults(func=cmd_synthetic)
 
     def with_models(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -491,21 +517,44 @@ def build_parser() -> argparse.ArgumentParser:
         return p
 
     t = with_models(sub.add_parser("train", help="fine-tune from a JSON/YAML TrainConfig"))
-    t.add_argument("config")
-    t.add_argument("--method", choices=METHOD_CHOICES, help="override method.kind")
+    t.add_argument("config", help="the run's TrainConfig file (.json, .yaml or .yml)")
+    t.add_argument(
+        "--method",
+        choices=METHOD_CHOICES,
+        help="override the method: lora or full (sft, tuned so), or the objective dpo, orpo or kto",
+    )
     t.add_argument("--beta", type=float, help="override method.beta (DPO's and KTO's beta, ORPO's lambda)")
-    t.add_argument("--dpo-tuning", choices=["lora", "full"], help="override method.dpo_tuning")
+    t.add_argument(
+        "--dpo-tuning",
+        choices=["lora", "full"],
+        help="override method.tuning of dpo, orpo or kto: what trains",
+    )
     t.set_defaults(func=cmd_train)
     v = with_models(sub.add_parser("validate-data", help="check a dataset file row by row"))
-    v.add_argument("file")
+    v.add_argument("file", help="the dataset file (.jsonl, .csv or .parquet)")
     v.add_argument("--model", help='a model folder or "demo" (for chat templates and token counts)')
-    v.add_argument("--format", default="auto", choices=["auto", *format_names()])
-    v.add_argument("--max-length", type=int, default=1024)
-    v.add_argument("--json", action="store_true")
+    v.add_argument(
+        "--format",
+        default="auto",
+        choices=["auto", *format_names()],
+        help="the rows' format (auto: told from the first row's fields)",
+    )
+    v.add_argument(
+        "--max-length",
+        type=int,
+        default=1024,
+        help="with --model: tokens a sequence is cut to (the share cut is reported)",
+    )
+    v.add_argument("--json", action="store_true", help="print the report as JSON")
     v.set_defaults(func=cmd_validate_data)
     e = sub.add_parser("export", help="copy a checkpoint's export, or merge a LoRA adapter into its base")
-    e.add_argument("checkpoint")
-    e.add_argument("--out", required=True)
+    e.add_argument("checkpoint", help="a checkpoint folder (or a model folder)")
+    e.add_argument(
+        "--out",
+        required=True,
+        help="the folder written: a new one for checkpoint; merged replaces it; gguf replaces its "
+        "variant's files",
+    )
     e.add_argument(
         "--format",
         choices=list(FORMATS),
@@ -526,14 +575,19 @@ def build_parser() -> argparse.ArgumentParser:
     g = with_models(sub.add_parser("generate", help="greedy completion of a prompt"))
     g.add_argument("model", help='a checkpoint, a model folder, or "demo"')
     g.add_argument("--adapter", help="a LoRA checkpoint to apply on the model")
-    g.add_argument("--prompt", required=True)
-    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--prompt", required=True, help="the user message (in the model's chat template)")
+    g.add_argument("--max-new-tokens", type=int, default=64, help="the most tokens generated")
     g.set_defaults(func=cmd_generate)
     ev = with_models(sub.add_parser("eval", help="exact-match accuracy on a held-out file"))
     ev.add_argument("model", help='a checkpoint, a model folder, or "demo"')
-    ev.add_argument("--adapter")
-    ev.add_argument("--data", required=True)
-    ev.add_argument("--max-new-tokens", type=int, default=16)
+    ev.add_argument("--adapter", help="a LoRA checkpoint to apply on the model")
+    ev.add_argument(
+        "--data",
+        required=True,
+        help="a dataset file with answers: each row's last assistant turn is the reference, the "
+        "turns before it the prompt",
+    )
+    ev.add_argument("--max-new-tokens", type=int, default=16, help="the most tokens of each answer")
     ev.set_defaults(func=cmd_eval)
     pd = with_models(
         sub.add_parser("prepare-demo", help="convert the packaged demo model into a model folder")

@@ -23,8 +23,12 @@ def add_demo_command(
     dm.add_argument(
         "--steps", type=int, default=None, help="default 30 (12 with --dpo: one pass over its 48 pairs)"
     )
-    dm.add_argument("--workers", type=int, default=1)
-    dm.add_argument("--output-dir", default="runs/demo")
+    dm.add_argument("--workers", type=int, default=1, help="CPU workers the pipeline runs over")
+    dm.add_argument(
+        "--output-dir",
+        default="runs/demo",
+        help="where the run writes its checkpoint (--dpo, --grpo: in dpo/ or grpo/ of the default)",
+    )
     dm.add_argument(
         "--dpo", action="store_true", help="preference tuning: answers' log-likelihoods before and after DPO"
     )

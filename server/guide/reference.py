@@ -297,6 +297,8 @@ def argument_rows(parser: argparse.ArgumentParser) -> list[list[str]]:
     for action in parser._actions:
         if isinstance(action, argparse._HelpAction | argparse._SubParsersAction):
             continue
+        if action.help == argparse.SUPPRESS:  # hidden from --help (a deprecated spelling)
+            continue
         metavar = action.metavar or (action.dest.upper() if action.option_strings else action.dest)
         takes = action.nargs != 0
         if action.option_strings:
