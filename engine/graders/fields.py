@@ -33,6 +33,7 @@ MAX_LENGTH = 10_000_000  # a length grader's bounds
 DEFAULT_TIMEOUT_S, MIN_TIMEOUT_S, MAX_TIMEOUT_S = 5.0, 0.01, 60.0
 DEFAULT_MEMORY_MB, MIN_MEMORY_MB, MAX_MEMORY_MB = 1024, 128, 16384
 OUTPUT_TEXT = "{{sample.output_text}}"
+KIND = "the grader's kind"  # every spec's type field
 # the error types raised here, whose messages say all (the others get the value given appended)
 OWN_ERRORS = "grader_"
 _ONE_LINE = re.compile(r"^[^\x00-\x1f\x7f]+$")

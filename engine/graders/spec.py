@@ -39,6 +39,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 from engine.graders.fields import (
     DEFAULT_MEMORY_MB,
     DEFAULT_TIMEOUT_S,
+    KIND,
     MAX_MEMORY_MB,
     MAX_PATTERN,
     MAX_TIMEOUT_S,
@@ -71,20 +72,28 @@ class StringCheckSpec(Spec):
     """OpenAI's string_check: 1 when input and reference compare as operation says, else 0. eq:
     equal; ne: not equal; like: input contains reference; ilike: the same, ignoring case."""
 
-    type: Literal["string_check"]
+    type: Literal["string_check"] = Field(description=KIND)
     input: TemplateText
     reference: TemplateText
-    operation: StringOperation
+    operation: StringOperation = Field(
+        description="the comparison: eq, input equals reference; ne, it does not; like, input contains "
+        "reference; ilike, the same, ignoring case (the others respect case)"
+    )
 
 
 class TextSimilaritySpec(Spec):
     """OpenAI's text_similarity: evaluation_metric of input against reference, in [0, 1] (cosine,
     which needs an embedding model, is not computed here)."""
 
-    type: Literal["text_similarity"]
+    type: Literal["text_similarity"] = Field(description=KIND)
     input: TemplateText
     reference: TemplateText
-    evaluation_metric: EvaluationMetric
+    evaluation_metric: EvaluationMetric = Field(
+        description="the similarity computed, in [0, 1]: fuzzy_match (rapidfuzz's ratio of the characters), "
+        "bleu (sacrebleu's sentence BLEU), gleu (nltk's sentence GLEU), meteor (nltk's METEOR, exact "
+        "and stem matches, no synonyms), rouge_1 to rouge_5 and rouge_l (rouge-score's F-measure); "
+        "cosine is refused (it needs an embedding model)"
+    )
 
     @field_validator("evaluation_metric")
     @classmethod
@@ -102,9 +111,12 @@ class RegexSpec(Spec):
     """Ours: 1 when pattern (Python's re syntax) is found in input, or matches all of it with
     full_match; else 0."""
 
-    type: Literal["regex"]
+    type: Literal["regex"] = Field(description=KIND)
     input: TemplateText = OUTPUT_TEXT
-    pattern: Annotated[str, StringConstraints(max_length=MAX_PATTERN), AfterValidator(unicode_text)]
+    pattern: Annotated[str, StringConstraints(max_length=MAX_PATTERN), AfterValidator(unicode_text)] = Field(
+        description="a regular expression in Python's re syntax, searched for in input (with full_match: "
+        "matched against all of it)"
+    )
     full_match: StrictBool = Field(False, description="the whole input must match")
     ignore_case: StrictBool = Field(False, description="match regardless of case")
 
@@ -131,7 +143,7 @@ def schema_validator(schema: Mapping[str, Any]) -> Any:
 class JsonSchemaSpec(Spec):
     """Ours: 1 when input parses as JSON and the value is valid against schema, else 0."""
 
-    type: Literal["json_schema"]
+    type: Literal["json_schema"] = Field(description=KIND)
     input: TemplateText = OUTPUT_TEXT
     json_schema: dict[str, Any] = Field(
         alias="schema", description="a JSON Schema; its $schema picks the draft (2020-12 when it names none)"
@@ -159,16 +171,26 @@ class LengthSpec(Spec):
     falling linearly to 0 at min_length (default 0) and at max_length (default twice the target).
     Without: 1 from min_length to max_length, falling to 0 over falloff units outside."""
 
-    type: Literal["length"]
+    type: Literal["length"] = Field(description=KIND)
     input: TemplateText = OUTPUT_TEXT
     unit: LengthUnit = Field(
         "characters",
         description="characters, or tokens: runs of letters, digits and underscores, and each other "
         "non-space character alone (not the model's tokenizer)",
     )
-    min_length: Bound | None = None
-    max_length: Bound | None = None
-    target_length: Bound | None = None
+    min_length: Bound | None = Field(
+        None,
+        description="with target_length: where the score reaches 0 below it (default 0); without: the "
+        "shortest length that scores 1 (default: no lower bound)",
+    )
+    max_length: Bound | None = Field(
+        None,
+        description="with target_length: where the score reaches 0 above it (default twice the target); "
+        "without: the longest length that scores 1 (default: no upper bound)",
+    )
+    target_length: Bound | None = Field(
+        None, description="the length that scores 1, the score falling linearly on either side of it"
+    )
     falloff: Bound = Field(0, description="without target_length: units outside over which 1 falls to 0")
 
     @model_validator(mode="after")
@@ -198,7 +220,7 @@ class PythonSpec(Spec):
     """OpenAI's python: source defines grade(sample, item) -> float, run in a sandboxed child
     process, each sample under timeout_s."""
 
-    type: Literal["python"]
+    type: Literal["python"] = Field(description=KIND)
     source: Text = Field(description="Python source defining grade(sample, item) -> float")
     image_tag: Annotated[str, StringConstraints(max_length=256), AfterValidator(unicode_text)] | None = Field(
         None, description="OpenAI's: accepted and not used"
@@ -215,7 +237,7 @@ class MultiSpec(Spec):
     """OpenAI's multi: graders by name, and calculate_output, a formula over their names (numbers,
     + - * /, parentheses, min and max) that makes one score of theirs."""
 
-    type: Literal["multi"]
+    type: Literal["multi"] = Field(description=KIND)
     graders: dict[str, GraderSpec] = Field(
         min_length=1,
         max_length=MAX_GRADERS,

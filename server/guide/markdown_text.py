@@ -195,6 +195,9 @@ def field_rows(
     ``only``/``skip`` pick fields by JSON name; ``describe(name, schema)`` may give a field's
     description, as Markdown, where its schema has none (a section's model docstring)."""
     schema = model.model_json_schema()
+    name = ref_name(schema)
+    if name is not None:  # a model that holds itself (a multi grader): its schema is in $defs
+        schema = schema["$defs"][name]
     properties: dict[str, Any] = schema.get("properties", {})
     infos = {(info.alias or name): info for name, info in model.model_fields.items()}
     wanted = set(only) if only is not None else set(properties)

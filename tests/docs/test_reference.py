@@ -48,6 +48,19 @@ def test_the_pages_say_what_the_code_says(built: dict[str, str]) -> None:
         assert f"]({name})" in built["index.md"], name
 
 
+def test_every_argument_and_every_grader_field_is_described(built: dict[str, str]) -> None:
+    """A row whose Description cell is "—" is a flag or a field the code says nothing of; an argument
+    hidden from --help is not listed; a grader that holds graders (multi) lists its fields too."""
+    for page in ("cli.md", "graders.md"):
+        rows = [line for line in built[page].splitlines() if line.startswith("| `")]
+        assert rows, page
+        bare = [row.split(" | ", 1)[0].removeprefix("| ") for row in rows if row.endswith("| — |")]
+        assert not bare, f"{page}: no description for {', '.join(bare)}"
+    assert "SUPPRESS" not in built["cli.md"]
+    multi = built["graders.md"].split("\n## multi\n", 1)[1]
+    assert "| `calculate_output` | string | required |" in multi and "| `graders` |" in multi
+
+
 def test_no_machine_or_environment_leaks_into_the_pages(
     built: dict[str, str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
