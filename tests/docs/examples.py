@@ -13,8 +13,9 @@ The conventions (docs/internals/testing.md tells them to writers):
 - ``<!-- run by: tests/path/test_file.py::test_name -->``: an existing test runs that command;
 - any other block is an illustration.
 
-A page's blocks run in their order, in one scratch folder per page; commands run one by one, each
-in a fresh ``bash`` (a file an earlier command wrote stays, a variable it set does not).
+A page's blocks run in their order, in one scratch folder per page; commands run one by one in
+one ``bash`` for the page (tests/docs/runner.py: a file an earlier command wrote stays, and so does
+a variable it exported or a folder it entered).
 """
 
 from __future__ import annotations
