@@ -44,6 +44,7 @@ def demo_config() -> dict[str, Any]:
         "head_dim": 64,
         "vocab_size": 49152,
         "tie_word_embeddings": True,
+        "max_position_embeddings": 8192,
     }
 
 
