@@ -86,10 +86,14 @@ def _bnb_reference(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Each quantized weight as bitsandbytes decodes it: its portable torch implementation (the
     arithmetic of its CUDA kernel). Its compiled CPU kernel of this version decodes these
     checkpoints differently (a 3x larger error against the original weights), so it is not the
-    reference."""
+    reference. The function is called as written, not through the ``torch.compile`` wrapper
+    bitsandbytes puts around it (which falls back to it when compiling fails): the same arithmetic,
+    without compiling a kernel for every shape and dtype first."""
     import bitsandbytes.functional as bf
     from bitsandbytes.backends.default.ops import _dequantize_4bit_compute
     from safetensors import safe_open
+
+    decode = getattr(_dequantize_4bit_compute, "__wrapped__", _dequantize_4bit_compute)
 
     out = {}
     with safe_open(folder / "model.safetensors", framework="pt") as f:
@@ -105,9 +109,7 @@ def _bnb_reference(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
             else:
                 absmax = state.absmax.float()
             codes = f.get_tensor(key).reshape(-1).view(torch.uint8)
-            out[key] = _dequantize_4bit_compute(
-                codes, absmax, state.code, state.blocksize, state.shape, dtype
-            )
+            out[key] = decode(codes, absmax, state.code, state.blocksize, state.shape, dtype)
     return out
 
 
