@@ -100,6 +100,14 @@ class WorkerProcess(Process):
         super().__init__(roundhouse("worker", "--loglevel", "INFO"), env=env, log=log)
         self.settings = settings
 
+    def end(self) -> None:
+        """Kill the worker's whole process group (its pool, training child and inference service)
+        and reap it: the cleanup after a test that checks nothing of the worker's own shutdown,
+        which would first wait out the broker's poll and the pool's exit (seconds a worker)."""
+        self.kill_group()
+        if self.proc is not None:
+            self.proc.wait()
+
 
 @pytest.fixture(params=["redis", "filesystem", "redis+postgresql"])
 def worker_settings(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Settings]:
@@ -140,9 +148,8 @@ def worker_client(worker_settings: Settings) -> Iterator[TestClient]:
 
 @pytest.fixture
 def workers(worker_settings: Settings, tmp_path: Path) -> Iterator[list[WorkerProcess]]:
-    """Start workers with ``workers.append(WorkerProcess(...).start())``; all stopped at the end."""
+    """Start workers with ``workers.append(WorkerProcess(...).start())``; all killed at the end."""
     started: list[WorkerProcess] = []
     yield started
     for w in started:
-        w.stop()
-        w.kill_group()
+        w.end()

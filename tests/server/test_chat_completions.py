@@ -51,8 +51,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LiveServe
             wait_ready(server.client(), worker)
             yield server, worker
         finally:
-            worker.stop()
-            worker.kill_group()
+            worker.end()
 
 
 def greedy(settings: Settings, messages: list[dict[str, str]], max_new_tokens: int) -> str:

@@ -71,8 +71,7 @@ def workers() -> Iterator[list[WorkerProcess]]:
     started: list[WorkerProcess] = []
     yield started
     for w in started:
-        w.stop()
-        w.kill_group()
+        w.end()
 
 
 def events(client: TestClient, job_id: str) -> list[dict[str, Any]]:

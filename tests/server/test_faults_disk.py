@@ -107,8 +107,7 @@ def test_a_full_disk_pauses_the_job_and_a_resume_after_freeing_space_ends_bitwis
                 assert ours.keys() == theirs.keys()
                 assert all(torch.equal(ours[k], theirs[k]) for k in ours), step
     finally:
-        worker.stop()
-        worker.kill_group()
+        worker.end()
 
 
 def test_an_upload_that_fills_the_disk_answers_507_and_leaves_nothing(

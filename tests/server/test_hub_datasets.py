@@ -349,7 +349,6 @@ def test_a_killed_worker_resumes_a_dataset_pull_and_the_cli_follows_one(tmp_path
                     d["name"] for d in client.get("/api/datasets").json()["data"]
                 }
             finally:
-                worker.stop()
-                worker.kill_group()
+                worker.end()
     finally:
         hub.bytes_per_s = None

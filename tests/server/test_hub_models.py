@@ -250,8 +250,7 @@ def test_a_pulled_sharded_model_trains_on_a_real_worker(tmp_path: Path, hub: Fak
             job = start_job(client, dataset(client), base_model="org/tiny")
             wait_for_job(client, job["id"], {"succeeded"}, timeout=TIMEOUT_S, logs=[worker])
         finally:
-            worker.stop()
-            worker.kill_group()
+            worker.end()
 
 
 @pytest.mark.slow
@@ -306,8 +305,7 @@ def test_cancel_mid_download_and_a_killed_worker_resumes(tmp_path: Path, hub: Fa
                 assert not (settings.models_dir / "org").exists()
                 assert "org/slow" not in {m["name"] for m in client.get("/api/models").json()["data"]}
             finally:
-                worker.stop()
-                worker.kill_group()
+                worker.end()
     finally:
         hub.bytes_per_s = None
 
@@ -371,7 +369,6 @@ def test_a_disk_that_fills_mid_pull_fails_it_naming_the_disk_and_leaves_nothing(
                 )
                 assert "org/roomy" in {m["name"] for m in client.get("/api/models").json()["data"]}
             finally:
-                worker.stop()
-                worker.kill_group()
+                worker.end()
     finally:
         hub.bytes_per_s = None

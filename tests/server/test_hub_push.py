@@ -296,5 +296,4 @@ def test_push_round_trip_with_a_real_worker(tmp_path: Path, hub: FakeHub) -> Non
             assert json.loads(json.dumps(listed))  # the listing is plain JSON
         finally:
             hub.token_writes = True
-            worker.stop()
-            worker.kill_group()
+            worker.end()

@@ -28,8 +28,7 @@ def test_a_pull_on_an_s3_store_lands_in_the_shared_models_store(
             events = progress_events(client, pull["id"])
             assert events[-1]["status"] == "succeeded", (events[-1], worker.tail())
         finally:
-            worker.stop()
-            worker.kill_group()
+            worker.end()
     bucket = settings.storage_url.removeprefix("s3://").split("/")[0]
     prefix = settings.storage_url.removeprefix(f"s3://{bucket}").strip("/")
     models = f"{prefix}/models/org/tiny/".lstrip("/")

@@ -94,8 +94,7 @@ def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LiveServer,
             wait_ready(server.client(), worker)
             yield server, worker
         finally:
-            worker.stop()
-            worker.kill_group()
+            worker.end()
 
 
 def adapter_bits(job: dict[str, Any], step: int) -> bytes:

@@ -128,8 +128,7 @@ def busy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LiveServer,
         try:
             yield server, worker
         finally:
-            worker.stop()
-            worker.kill_group()
+            worker.end()
 
 
 def upload(client: openai.OpenAI, content: bytes = CHAT, name: str = "rows.jsonl") -> str:
