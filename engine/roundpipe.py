@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -34,6 +34,7 @@ from engine.parallel.transfer import resolve_device
 from engine.planner.activations import model_shape
 from engine.scheduling.partition import Plan
 from engine.scheduling.schedule import build_schedule
+from engine.vision.batch import RowImages, check_images, context_inputs, join_images
 
 __all__ = ["Cancelled", "EngineConfig", "EngineError", "RoundPipe"]
 
@@ -135,6 +136,7 @@ class RoundPipe(SequenceMethods):
         input_ids: torch.Tensor,
         labels: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
+        images: Sequence[RowImages | None] | None = None,
     ) -> float:
         """Run forward and backward of one batch; gradients accumulate until ``step()``.
 
@@ -142,6 +144,8 @@ class RoundPipe(SequenceMethods):
             input_ids: ``[batch, seq]`` token ids.
             labels: ``[batch, seq]``, -100 where no loss is taken (shifted inside).
             attention_mask: ``[batch, seq]`` 1 for real tokens, 0 for padding.
+            images: a vision-language model's images, one entry per row: None for a text row,
+                else the row's image tensors (``engine.vision.pixels.row_pixels``).
 
         Returns:
             The mean loss over every label token of the whole batch.
@@ -155,7 +159,33 @@ class RoundPipe(SequenceMethods):
         mbs, total = split_batch(
             input_ids, labels, attention_mask, self.config.num_microbatches, pin=self.host.pinned
         )
+        self._attach_images(mbs, images)
         return self._train(mbs, total).loss_sum() / total
+
+    def _attach_images(self, mbs: list[MicroBatch], images: Sequence[RowImages | None] | None) -> None:
+        """Give each micro-batch its rows' images and the blocks' context inputs they need
+        (``engine.vision.batch``); a VLM's text-only batch gets its context inputs too."""
+        if images is None and self.adapted.vision is None:
+            return
+        rows = sum(int(mb.input_ids.shape[0]) for mb in mbs)
+        if images is not None:
+            if self.adapted.vision is None:
+                raise ValueError(
+                    f"images given to {self.adapted.architecture}, which is not a vision-language model"
+                )
+            check_images(images, rows)
+        start = 0
+        for mb in mbs:
+            n = int(mb.input_ids.shape[0])
+            joined = None if images is None else join_images(images[start : start + n])
+            start += n
+            extra = context_inputs(self.adapted, mb.input_ids, mb.attention_mask, joined)
+
+            def host(t: torch.Tensor) -> torch.Tensor:
+                return t.contiguous().pin_memory() if self.host.pinned else t.contiguous()
+
+            mb.images = None if joined is None else {k: host(v) for k, v in joined.items()}
+            mb.context = {k: host(v) for k, v in extra.items()} or None
 
     def _train(self, mbs: list[MicroBatch], total: int, objective: Objective | None = None) -> Iteration:
         """Launch a training iteration; return once its loss is handed over (its gradients
@@ -183,6 +213,7 @@ class RoundPipe(SequenceMethods):
         input_ids: torch.Tensor,
         labels: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
+        images: Sequence[RowImages | None] | None = None,
     ) -> float:
         """Mean loss of a batch without training: forward stages and the fused stage's forward.
 
@@ -191,7 +222,9 @@ class RoundPipe(SequenceMethods):
         Returns:
             The mean loss over every label token of the batch.
         """
-        return self.evaluate_counts(input_ids=input_ids, labels=labels, attention_mask=attention_mask)[0]
+        return self.evaluate_counts(
+            input_ids=input_ids, labels=labels, attention_mask=attention_mask, images=images
+        )[0]
 
     def evaluate_counts(
         self,
@@ -199,6 +232,7 @@ class RoundPipe(SequenceMethods):
         input_ids: torch.Tensor,
         labels: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
+        images: Sequence[RowImages | None] | None = None,
     ) -> tuple[float, int, int]:
         """``evaluate``, with what a token accuracy needs, from the same forward.
 
@@ -211,6 +245,7 @@ class RoundPipe(SequenceMethods):
         mbs, total = split_batch(
             input_ids, labels, attention_mask, m or self.config.num_microbatches, pin=self.host.pinned
         )
+        self._attach_images(mbs, images)
         it = self._launch(mbs, total, train=False)
         self.board.wait_for(lambda: it.remaining == 0, it)
         return it.loss_sum() / total, it.correct_tokens() or 0, total

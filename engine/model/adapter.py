@@ -39,6 +39,8 @@ from engine.model.loss import (
     chunked_token_logps,
     finish_logits,
 )
+from engine.vision.families import VISION_FAMILIES, vision_spec
+from engine.vision.layer import VisionInputLayer, vision_layer_parts
 
 
 class InputLayer(nn.Module):
@@ -181,11 +183,12 @@ class Context:
 
 
 def _unwrap(hf_model: nn.Module) -> tuple[Any, FamilySpec]:
-    """Return the ``*ForCausalLM`` inside a peft wrapper (or the model itself) and its family."""
+    """Return the ``*ForCausalLM`` (or VLM ``*ForConditionalGeneration``) inside a peft wrapper
+    (or the model itself) and its family (a VLM's: its language model's)."""
     model: Any = hf_model
     for _ in range(3):
         name = type(model).__name__
-        if name in FAMILIES:
+        if name in FAMILIES or name in VISION_FAMILIES:
             break
         inner = getattr(model, "base_model", None)
         if name.startswith("Peft") and inner is not None:
@@ -215,7 +218,9 @@ class AdaptedModel:
         self.hf_model = hf_model
         self.family = family
         self.architecture = family.architecture
-        self.config: Any = causal_lm.config
+        # a VLM's family facts (None: a text model); its blocks read its language model's config
+        self.vision = vision_spec(self.architecture)
+        self.config: Any = causal_lm.config if self.vision is None else causal_lm.config.get_text_config()
         refusal = family.refusal(self.config)
         if refusal is not None:
             raise ConfigError("model.path", refusal, value=self.architecture)
@@ -223,7 +228,24 @@ class AdaptedModel:
         blocks = list(attrgetter(family.blocks)(causal_lm)[: self.config.num_hidden_layers])
         embeddings, norm = attrgetter(family.embeddings, family.norm)(causal_lm)
         multiplier = self._config_float(family.embedding_multiplier)
-        self.layers: list[Layer] = [Layer(0, LayerKind.INPUT, InputLayer(embeddings, multiplier=multiplier))]
+        first: nn.Module = InputLayer(embeddings, multiplier=multiplier)
+        self.image_token_id: int | None = None
+        if self.vision is not None:
+            top = causal_lm.config
+            self.image_token_id = int(getattr(top, self.vision.image_token))
+            tower, projector = vision_layer_parts(causal_lm, self.vision)
+            first = VisionInputLayer(
+                embeddings,
+                tower,
+                projector,
+                spec=self.vision,
+                image_token_id=self.image_token_id,
+                patch_size=int(top.vision_config.patch_size),
+            )
+            if self.vision.positions == "mrope":
+                # the model's own 3-D position ids (no weights: read off the config and the grids)
+                self.rope_index = causal_lm.model.get_rope_index
+        self.layers: list[Layer] = [Layer(0, LayerKind.INPUT, first)]
         for i, block in enumerate(blocks):
             attention = family.attention_type(self.config, i)
             self.layers.append(
@@ -274,6 +296,7 @@ class AdaptedModel:
         hidden: torch.Tensor,
         attention_mask: torch.Tensor | None,
         upload: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        images: dict[str, torch.Tensor] | None = None,
     ) -> Context:
         """Masks, position ids and rotary tables for one micro-batch, on ``hidden``'s device.
 
@@ -286,6 +309,9 @@ class AdaptedModel:
         the masks and position ids are built on the host and copied up, because the mask
         functions inspect the mask's values (is there padding?), which on the device would make
         the host wait for the GPU at every micro-batch of every stage.
+
+        ``images``: what a VLM's micro-batch adds (``engine.vision.batch.context_inputs``, host
+        tensors): Qwen2.5-VL's 3-D rotary ``position_ids``, Gemma 3's ``token_type_ids``.
         """
         batch, seq = hidden.shape[0], hidden.shape[1]
         on_host = upload is not None and hidden.device.type != "cpu"
@@ -301,18 +327,33 @@ class AdaptedModel:
             "cache": None,
             "position_ids": position_ids,
         }
+        extra = images or {}
+        if "token_type_ids" in extra:
+            kwargs["token_type_ids"] = extra["token_type_ids"].to(where)
         context = self.family.context
         masks = context.masks(self.attention_types, kwargs)
+        rotary_positions = extra.get("position_ids")
         if on_host:
             assert upload is not None
             if not all(m is None or isinstance(m, torch.Tensor) for m in masks.values()):
                 # a mask object that cannot be copied (flex attention's): build it on the device
                 return self.build_context(
-                    rotary, hidden, None if attention_mask is None else upload(attention_mask)
+                    rotary,
+                    hidden,
+                    None if attention_mask is None else upload(attention_mask),
+                    images=None if images is None else {k: upload(v) for k, v in images.items()},
                 )
             masks = {k: None if m is None else upload(m) for k, m in masks.items()}
             position_ids = upload(position_ids)
-        tables = context.rotary_tables(rotary, hidden, position_ids, self.attention_types)
+            rotary_positions = None if rotary_positions is None else upload(rotary_positions)
+        elif rotary_positions is not None:
+            rotary_positions = rotary_positions.to(where)
+        tables = context.rotary_tables(
+            rotary,
+            hidden,
+            position_ids if rotary_positions is None else rotary_positions,
+            self.attention_types,
+        )
         return Context(masks, position_ids, tables)
 
 
@@ -327,8 +368,11 @@ def run_layer(
     per_token: bool = False,
     grad_scale: float = 1.0,
     count_correct: bool = False,
+    images: dict[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Run one layer on ``x``; ``call(*args, **kwargs)`` invokes (a copy of) ``layer.module``.
+
+    A VLM's input layer takes the micro-batch's ``images`` (its tensors on the layer's device).
 
     The output layer given ``labels`` returns the loss sum, not the logits (``grad_scale``: the
     gradient its caller will back-propagate into it); with ``count_correct`` ``[2]``: the loss
@@ -344,6 +388,8 @@ def run_layer(
         if count_correct:
             return call(x, labels, grad_scale=grad_scale, count_correct=True)  # type: ignore[no-any-return]
         return call(x, labels, grad_scale=grad_scale)  # type: ignore[no-any-return]
+    if layer.kind == LayerKind.INPUT and images:
+        return call(x, **images)  # type: ignore[no-any-return]
     if layer.kind != LayerKind.BLOCK:
         return call(x)  # type: ignore[no-any-return]
     if ctx is None:

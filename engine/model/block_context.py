@@ -77,4 +77,27 @@ class RotaryPerAttentionType(BlockContext):
         return {kind: rotary(hidden, position_ids, kind) for kind in attention_types}
 
 
+class BidirectionalImages(RotaryPerAttentionType):
+    """Gemma 3 with images: the tokens of one image attend to each other both ways (on top of
+    the causal mask, within the sliding window for sliding blocks), as the model's own forward
+    builds its masks when it is given ``token_type_ids`` (1 on image tokens).
+
+    ``mask_arguments`` may carry ``token_type_ids`` (``[b, s]``); without it the masks are the
+    text ones."""
+
+    def masks(self, attention_types: Sequence[str], mask_arguments: dict[str, Any]) -> dict[str, Any]:
+        arguments = dict(mask_arguments)
+        token_types = arguments.pop("token_type_ids", None)
+        if token_types is None:
+            return super().masks(attention_types, arguments)
+        from transformers.models.gemma3.modeling_gemma3 import (
+            create_masks_for_vision_model,
+            get_block_sequence_ids_for_mask,
+        )
+
+        blocks = get_block_sequence_ids_for_mask(token_types, device=arguments["inputs_embeds"].device)
+        masks = create_masks_for_vision_model(block_sequence_ids=blocks, **arguments)
+        return {kind: masks[kind] for kind in attention_types}
+
+
 LLAMA_CONTEXT = BlockContext()

@@ -27,6 +27,7 @@ from engine.errors import ConfigError
 from engine.model.block_context import RotaryPerAttentionType
 from engine.model.block_layout import FUSED_GATE_UP_MLP, FUSED_QKV_ATTENTION, LATENT_ATTENTION
 from engine.model.family_spec import LLAMA_LINEAR, FamilySpec, MoeSpec, config_value
+from engine.vision.families import is_vision_config, vision_refusal, vision_spec
 
 # GLM-4 fuses the MLP's gate and up projections; Phi-3 also fuses q/k/v
 GLM4_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -332,6 +333,10 @@ def model_kind(config: Any) -> ModelKind:
     if not archs:
         return ModelKind(None, False, "config.json names no architecture")
     spec = FAMILIES.get(archs[0])
+    if spec is None and is_vision_config(config):
+        # a vision-language model: trained through its language model's family
+        refusal = vision_refusal(config)
+        return ModelKind(archs[0], refusal is None, refusal)
     if spec is None:
         return ModelKind(
             archs[0],
@@ -373,6 +378,9 @@ def family_for(architecture: str) -> FamilySpec:
             the class and the supported list).
     """
     spec = FAMILIES.get(architecture)
+    vision = vision_spec(architecture)
+    if spec is None and vision is not None:
+        return vision.text
     if spec is None:
         raise ConfigError(
             "model.path",

@@ -193,8 +193,48 @@ def load_tokenizer(folder: str | Path) -> Any:
     return tokenizer
 
 
+def vision_architecture(folder: str | Path) -> str | None:
+    """The VLM class name of a model folder's ``config.json`` (None: a text model).
+
+    Raises:
+        ConfigError: (``model.path``) a vision-language model the engine does not train, naming why.
+    """
+    from engine.vision.families import is_vision_config, vision_refusal
+
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        return None
+    config = json.loads(path.read_text())
+    if not is_vision_config(config):
+        return None
+    refusal = vision_refusal(config)
+    if refusal is not None:
+        raise ConfigError("model.path", refusal, value=str((config.get("architectures") or [None])[0]))
+    return str(config["architectures"][0])
+
+
+def load_processor_for(folder: str | Path) -> Any:
+    """The processor of a VLM folder (``engine.vision.processing``: tokenizer, image processor),
+    its tokenizer given a chat template and a pad token as ``load_tokenizer`` does; None for a
+    text model."""
+    from engine.data.encode import ensure_chat_template
+    from engine.vision.processing import load_processor
+
+    architecture = vision_architecture(folder)
+    if architecture is None:
+        return None
+    processor = load_processor(folder, architecture)
+    tokenizer = processor.tokenizer
+    ensure_chat_template(tokenizer)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if getattr(processor, "chat_template", None) is None:
+        processor.chat_template = tokenizer.chat_template
+    return processor
+
+
 def load_model(folder: str | Path, dtype: str = "float32", *, keep_packed: bool = False) -> Any:
-    """The causal LM of a folder (in ``dtype``: a training run loads in its compute dtype, so
+    """The causal LM (or vision-language model) of a folder (in ``dtype``: a training run loads in its compute dtype, so
     the loaded weights are the engine's compute copies and host memory never holds two copies),
     in training mode, with dense weights.
 
@@ -220,7 +260,15 @@ def load_model(folder: str | Path, dtype: str = "float32", *, keep_packed: bool 
         model.train()
         return model
     kwargs = dense_load_kwargs(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype), **kwargs)
+    vision = vision_architecture(folder)
+    if vision is not None:
+        import transformers
+
+        # a VLM: its own *ForConditionalGeneration (vision tower, projector, language model)
+        model_class = getattr(transformers, vision)
+        model = model_class.from_pretrained(folder, dtype=getattr(torch, dtype), **kwargs)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype), **kwargs)
     if kwargs:
         _forget_quantization(model)
     packed = [name for name, p in model.named_parameters() if not p.is_floating_point()]

@@ -28,6 +28,10 @@ class MicroBatch:
     input_ids: Any
     labels: Any
     attention_mask: Any
+    # a VLM's micro-batch: its rows' image tensors for the input layer, and what the blocks'
+    # context needs of them (``engine.vision.batch``); None for text
+    images: dict[str, Any] | None = None
+    context: dict[str, Any] | None = None
 
 
 def split_batch(

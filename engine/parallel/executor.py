@@ -407,6 +407,9 @@ class Worker:
 
         lock = PARAMETRIZE_LOCK if self.parametrized[layer.index] else contextlib.nullcontext()
         objective = it.objective
+        images = it.microbatches[mb].images if layer.kind == LayerKind.INPUT else None
+        if images:
+            images = {k: self.link.upload(v) for k, v in images.items()}
         with self._rng(it, mb, layer.index), lock:
             return run_layer(
                 layer,
@@ -418,15 +421,17 @@ class Worker:
                 per_token=objective.per_token,
                 grad_scale=grad_scale,
                 count_correct=not objective.scores,
+                images=images,
             )
 
     def _context(self, it: Iteration, mb: int, hidden: torch.Tensor) -> Any:
-        am = it.microbatches[mb].attention_mask
+        batch = it.microbatches[mb]
+        am, extra = batch.attention_mask, batch.context
         if not self.link.is_cuda:
-            return self.context.model.build_context(self.rotary, hidden, am)
+            return self.context.model.build_context(self.rotary, hidden, am, images=extra)
         # built from the host copy of the mask and copied up: no wait for the GPU
         return self.context.model.build_context(
-            self.rotary, hidden, am, lambda t: self.link.upload(t.pin_memory())
+            self.rotary, hidden, am, lambda t: self.link.upload(t.pin_memory()), images=extra
         )
 
     def _forward(self, it: Iteration, stage: Stage, mb: int, params: Params, x: torch.Tensor) -> None:

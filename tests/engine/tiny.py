@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -105,7 +106,7 @@ def plain_loop(
     return losses, {k: v.detach().float().clone() for k, v in ref.state_dict().items()}
 
 
-def engine_loop(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]], config, **kwargs):
+def engine_loop(model: torch.nn.Module, batches: list[dict[str, Any]], config, **kwargs):
     """Train a copy of ``model`` with RoundPipe; returns losses, master weights and the engine's plan."""
     from engine import RoundPipe
 
