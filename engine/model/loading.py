@@ -234,9 +234,9 @@ def load_processor_for(folder: str | Path) -> Any:
 
 
 def load_model(folder: str | Path, dtype: str = "float32", *, keep_packed: bool = False) -> Any:
-    """The causal LM (or vision-language model) of a folder (in ``dtype``: a training run loads in its compute dtype, so
-    the loaded weights are the engine's compute copies and host memory never holds two copies),
-    in training mode, with dense weights.
+    """The causal LM (or vision-language model) of a folder (in ``dtype``: a training run loads
+    in its compute dtype, so the loaded weights are the engine's compute copies and host memory
+    never holds two copies), in training mode, with dense weights.
 
     A quantized folder is de-quantized on load (``dense_load_kwargs``, or for bitsandbytes
     ``engine.model.prequantized``) and the model keeps no trace of the quantization; with
