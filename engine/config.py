@@ -68,6 +68,10 @@ class DataSpec(_Strict):
     packing: bool = Field(
         False, description="several short rows concatenated into one sequence of up to max_length"
     )
+    image_store: str | None = Field(
+        None,
+        description="the folder of the service's content-addressed image store (sha256: image references)",
+    )
 
 
 # the ``method`` section: the options of the method its ``objective`` names (``engine.methods``;
