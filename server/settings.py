@@ -107,6 +107,13 @@ class Settings(BaseSettings):
             " bubblewrap's namespaces nor Landlock), guarded by Python audit hooks alone; off: refused"
         ),
     )
+    allow_image_urls: bool = Field(
+        False,
+        description=(
+            "fetch the http(s) image URLs an uploaded dataset's rows name (once, at the upload; the"
+            " images are stored with it); off: such a row is refused, naming its line"
+        ),
+    )
     hub_xet: bool = Field(
         True, description="pushes upload weights through Xet (hf-xet); off: Git LFS, for a Hub without Xet"
     )
