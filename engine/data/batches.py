@@ -1,9 +1,12 @@
 """Packing and batching: deterministic shuffles by seed, a resumable position. Preference pairs
 batch as two rows each (chosen, then rejected); prompts (GRPO) as left-padded prompts and their
-indices, whose completions the method samples."""
+indices, whose completions the method samples. Rows with images batch with their image tensors
+(``images``: one entry per row, made by a ``Pixels`` function such as
+``engine.vision.pixels.row_pixels``'s)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,6 +15,9 @@ import torch
 from engine.data.encode import Encoded, EncodedPair
 from engine.data.prompts import PromptItem
 from engine.errors import ConfigError
+
+# one row's image bytes -> its image tensors (what the engine's vision layer takes for the row)
+Pixels = Callable[[Sequence[bytes]], dict[str, torch.Tensor]]
 
 
 def pack(examples: list[Encoded], max_length: int) -> list[Encoded]:
@@ -22,15 +28,18 @@ def pack(examples: list[Encoded], max_length: int) -> list[Encoded]:
     out: list[Encoded] = []
     ids: list[int] = []
     labels: list[int] = []
+    images: tuple[bytes, ...] = ()
     first = examples[0].line if examples else 0
     for ex in examples:
         if ids and len(ids) + len(ex.input_ids) > max_length:
-            out.append(Encoded(first, ids, labels, len(ids), False))
-            ids, labels, first = [], [], ex.line
+            out.append(Encoded(first, ids, labels, len(ids), False, images))
+            ids, labels, images, first = [], [], (), ex.line
         ids = ids + ex.input_ids
         labels = labels + ex.labels
+        images = images + ex.images
     if ids:
-        out.append(Encoded(first, ids[:max_length], labels[:max_length], len(ids), len(ids) > max_length))
+        n = len(ids)
+        out.append(Encoded(first, ids[:max_length], labels[:max_length], n, n > max_length, images))
     return out
 
 
@@ -42,6 +51,7 @@ class Batcher:
     so a resumed run sees exactly the batches it would have seen. Given preference pairs,
     ``batch_size`` counts pairs and each batch is ``collate_pairs``'s (2 × batch_size rows, and
     ``rows``, the pairs' indices).
+    Rows with images need ``pixels`` (``collate``'s), which makes each row's image tensors.
     With ``repeat`` each batch is served that many times in a row (GRPO's ``num_iterations``:
     the steps that train on one batch of completions); an epoch is then ``repeat`` times as many
     steps, and ``position`` counts the steps served.
@@ -54,6 +64,7 @@ class Batcher:
     epoch: int = 0
     position: int = 0
     repeat: int = 1
+    pixels: Pixels | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.repeat, bool) or not isinstance(self.repeat, int) or self.repeat < 1:
@@ -80,7 +91,7 @@ class Batcher:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         return torch.randperm(len(self.examples), generator=g).tolist()
 
-    def next(self) -> dict[str, torch.Tensor]:
+    def next(self) -> dict[str, Any]:
         if self.position >= self.steps_per_epoch:
             self.epoch += 1
             self.position = 0
@@ -95,7 +106,7 @@ class Batcher:
         pairs = [r for r in rows if isinstance(r, EncodedPair)]
         if pairs:
             return collate_pairs(pairs, self.pad_id, picked)
-        return collate([r for r in rows if isinstance(r, Encoded)], self.pad_id)
+        return collate([r for r in rows if isinstance(r, Encoded)], self.pad_id, pixels=self.pixels)
 
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed}
@@ -104,8 +115,14 @@ class Batcher:
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
 
 
-def collate(rows: list[Encoded], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-pad rows to the longest: ``input_ids``, ``labels`` (-100 on padding), ``attention_mask``."""
+def collate(rows: list[Encoded], pad_id: int, pixels: Pixels | None = None) -> dict[str, Any]:
+    """Right-pad rows to the longest: ``input_ids``, ``labels`` (-100 on padding), ``attention_mask``;
+    and when a row has images, ``images``: one entry per row, None for a row without images, else
+    ``pixels(row.images)``.
+
+    Raises:
+        ValueError: rows with images and no ``pixels``.
+    """
     width = max(len(r.input_ids) for r in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     labels = torch.full((len(rows), width), -100, dtype=torch.long)
@@ -115,7 +132,13 @@ def collate(rows: list[Encoded], pad_id: int) -> dict[str, torch.Tensor]:
         ids[i, :n] = torch.tensor(r.input_ids)
         labels[i, :n] = torch.tensor(r.labels)
         mask[i, :n] = 1
-    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+    batch: dict[str, Any] = {"input_ids": ids, "labels": labels, "attention_mask": mask}
+    if any(r.images for r in rows):
+        if pixels is None:
+            line = next(r.line for r in rows if r.images)
+            raise ValueError(f"line {line}: a row with images, and no image processor to batch them")
+        batch["images"] = [pixels(r.images) if r.images else None for r in rows]
+    return batch
 
 
 def collate_prompts(items: list[PromptItem], pad_id: int, rows: list[int]) -> dict[str, torch.Tensor]:

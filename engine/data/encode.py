@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from engine.data.formats import Family, get_format, titles
-from engine.data.read import RowError, check_rows, file_kind
+from engine.data.read import RowError, check_rows
+from engine.data.rows import IMAGES_SFT_ONLY
 from engine.data.sequences import (
     FALLBACK_CHAT_TEMPLATE,
     Encoded,
@@ -58,6 +59,7 @@ class Report:
     tokens: dict[str, float] = field(default_factory=dict)
     truncated_share: float = 0.0
     max_length: int | None = None
+    images: int = 0  # the images of the valid rows
 
     @property
     def ok(self) -> bool:
@@ -74,6 +76,7 @@ class Report:
             "tokens": self.tokens,
             "truncated_share": self.truncated_share,
             "max_length": self.max_length,
+            "images": self.images,
         }
 
 
@@ -84,27 +87,39 @@ def validate(
     fmt: str = "auto",
     max_length: int = 1024,
     max_errors: int | None = None,
+    image_store: str | None = None,
 ) -> Report:
-    """Read every row of a dataset file and report its format, errors and token lengths.
+    """Read every row of a dataset file (or archive) and report its format, errors and token
+    lengths. A row's images are read and decoded, each error naming its line and field.
 
     Args:
         tokenizer: also encode every row (and report token lengths; both sequences of a
-            preference row count); without one the rows are only checked, one at a time.
+            preference row count); without one the rows are only checked, one at a time. A
+            vision-language model's processor encodes rows with images too (their tokens count).
         max_errors: report only the first errors (``errors_total`` counts all); None reports all.
+        image_store: the content-addressed image store's folder (``sha256:`` references).
 
     Raises:
-        ValueError: an unsupported file type.
+        ValueError: an unsupported file type, an archive that cannot be unpacked.
     """
-    return _checked(path, tokenizer=tokenizer, fmt=fmt, max_length=max_length, max_errors=max_errors)[0]
+    return _checked(
+        path,
+        tokenizer=tokenizer,
+        fmt=fmt,
+        max_length=max_length,
+        max_errors=max_errors,
+        image_store=image_store,
+    )[0]
 
 
 def _checked(
-    path: str, *, tokenizer: Any, fmt: str, max_length: int, max_errors: int | None
+    path: str, *, tokenizer: Any, fmt: str, max_length: int, max_errors: int | None, image_store: str | None
 ) -> tuple[Report, list[EncodedRow]]:
     """``validate``'s report and every valid row encoded (none without a tokenizer)."""
-    found = check_rows(path, fmt, keep=tokenizer is not None, max_errors=max_errors)
+    found = check_rows(path, fmt, keep=tokenizer is not None, max_errors=max_errors, image_store=image_store)
     report = Report(path, found.format, found.rows, found.errors, found.errors_total, max_length=max_length)
-    unit = "row" if file_kind(path) == "parquet" else "line"
+    report.images = found.images
+    unit = found.unit
 
     def fail(line: int, message: str) -> None:
         report.errors.append(RowError(line, message, unit))
@@ -192,15 +207,32 @@ def _refused_file(path: str, found: str, *, field: str, wanted: Family, method: 
 
 
 def _load(
-    path: str, tokenizer: Any, *, fmt: str, max_length: int, field: str, wanted: Family, method: str
+    path: str,
+    tokenizer: Any,
+    *,
+    fmt: str,
+    max_length: int,
+    field: str,
+    wanted: Family,
+    method: str,
+    image_store: str | None = None,
 ) -> list[EncodedRow]:
     """Every row of a file encoded, after checking that its rows are of the family ``wanted``."""
     if fmt != "auto" and _family(fmt) not in (None, wanted):
         raise ConfigError("data.format", _refused_format(fmt, wanted=wanted, method=method), value=fmt)
     try:
-        report, encoded = _checked(path, tokenizer=tokenizer, fmt=fmt, max_length=max_length, max_errors=20)
-    except ValueError as exc:  # an unsupported file type
+        report, encoded = _checked(
+            path, tokenizer=tokenizer, fmt=fmt, max_length=max_length, max_errors=20, image_store=image_store
+        )
+    except ValueError as exc:  # an unsupported file type, an archive that cannot be unpacked
         raise ConfigError(field, str(exc), value=path) from exc
+    if report.images and method != "sft":
+        raise ConfigError(
+            field,
+            f"{field}: {path} holds {report.images} images; method.objective {method!r} trains on text: "
+            f"{IMAGES_SFT_ONLY}",
+            value=path,
+        )
     if report.format is not None and _family(report.format) not in (None, wanted):
         message = _refused_file(path, report.format, field=field, wanted=wanted, method=method)
         raise ConfigError(field, message, value=path)
@@ -232,6 +264,7 @@ def load_rows(
     max_length: int = 1024,
     field: str = "data.train",
     method: str | None = None,
+    image_store: str | None = None,
 ) -> list[Row]:
     """Every row of a file, encoded as ``kind``: ``Encoded`` (supervised rows), ``EncodedPair``
     (preference rows, both sequences) or ``EncodedUnpaired`` (unpaired rows, the sequence and its
@@ -240,7 +273,8 @@ def load_rows(
     Args:
         field: the configuration field naming the file (``data.train``, ``data.validation``).
         method: the method that trains on them, named in errors (None: DPO for pairs, KTO for
-            unpaired rows).
+            unpaired rows); rows with images train with ``"sft"`` alone.
+        image_store: the content-addressed image store's folder (``data.image_store``).
 
     Raises:
         ConfigError: for ``field``: an unsupported file type, invalid rows listed by line, or rows
@@ -256,16 +290,25 @@ def load_rows(
         field=field,
         wanted=family,
         method=default if method is None else method,
+        image_store=image_store,
     )
     return [e for e in encoded if isinstance(e, kind)]
 
 
 def load_encoded(
-    path: str, tokenizer: Any, *, fmt: str = "auto", max_length: int = 1024, field: str = "data.train"
+    path: str,
+    tokenizer: Any,
+    *,
+    fmt: str = "auto",
+    max_length: int = 1024,
+    field: str = "data.train",
+    image_store: str | None = None,
 ) -> list[Encoded]:
     """Every example of a supervised file, encoded (``load_rows`` of ``Encoded``; preference rows
-    are refused, they train with DPO)."""
-    return load_rows(path, tokenizer, Encoded, fmt=fmt, max_length=max_length, field=field)
+    are refused, they train with DPO); ``tokenizer`` a processor for rows with images."""
+    return load_rows(
+        path, tokenizer, Encoded, fmt=fmt, max_length=max_length, field=field, image_store=image_store
+    )
 
 
 def load_pairs(

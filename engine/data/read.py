@@ -6,21 +6,31 @@ it knows no format itself.
 
 Locations are 1-based: a JSONL or CSV *line* (the CSV header is line 1), a Parquet *row*.
 In CSV files a ``messages`` cell holds the JSON-encoded list.
+
+A dataset may come as an archive (``engine.data.archives``: one data file and the images its
+rows name). A row's images (``engine.data.images``) are read and decoded as its row is checked:
+file names from the dataset's folder (an archive's root), ``sha256:`` references from the image
+store, each error naming the line and the field.
 """
 
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.data.archives import ARCHIVE_SUFFIXES, archive_suffix, unpacked
 from engine.data.formats import detect_format, format_names, get_format
+from engine.data.images import ImageReader, check_image
 from engine.data.rows import Example, RowError
 
 __all__ = [
+    "ARCHIVE_SUFFIXES",
     "FORMATS",
     "MAX_MESSAGE",
     "SUFFIXES",
@@ -28,6 +38,7 @@ __all__ = [
     "Example",
     "RowError",
     "check_rows",
+    "dataset_file",
     "detect_format",
     "file_kind",
     "read_examples",
@@ -44,15 +55,43 @@ MAX_MESSAGE = 300  # characters of one error message: a hostile row cannot make 
 
 
 def file_kind(path: str | Path) -> str:
+    """``"jsonl"``, ``"csv"``, ``"parquet"``, or ``"archive"`` (``ARCHIVE_SUFFIXES``).
+
+    Raises:
+        ValueError: another file type, naming those read.
+    """
+    if archive_suffix(path) is not None:
+        return "archive"
     suffix = Path(path).suffix.lower()
     if suffix not in SUFFIXES:
-        raise ValueError(f"{Path(path).name}: unsupported file type {suffix!r}; use {', '.join(SUFFIXES)}")
+        kinds = ", ".join((*SUFFIXES, *ARCHIVE_SUFFIXES))
+        raise ValueError(f"{Path(path).name}: unsupported file type {suffix!r}; use {kinds}")
     return suffix[1:]
 
 
+@contextmanager
+def dataset_file(path: str | Path) -> Iterator[tuple[Path, Path]]:
+    """The data file of a dataset and the folder its rows' image file names start from: the file
+    and its folder, or an archive's data file and root (unpacked while the context lasts).
+
+    Raises:
+        ValueError: an unsupported file type, an archive that cannot be unpacked.
+    """
+    if file_kind(path) != "archive":
+        yield Path(path), Path(path).parent
+        return
+    with unpacked(path) as found:
+        yield found.data, found.root
+
+
 def read_records(path: str | Path) -> Iterator[tuple[int, dict[str, Any] | RowError]]:
-    """Yield ``(location, record or RowError)`` for every row of the file, in order."""
+    """Yield ``(location, record or RowError)`` for every row of the file (of an archive's data
+    file), in order."""
     kind = file_kind(path)
+    if kind == "archive":
+        with dataset_file(path) as (data, _):
+            yield from read_records(data)
+        return
     if kind == "jsonl":
         yield from _jsonl(Path(path))
     elif kind == "csv":
@@ -156,13 +195,16 @@ def to_example(line: int, record: dict[str, Any], fmt: str) -> Example:
 @dataclass
 class Checked:
     """What ``check_rows`` found: the row format, the row count, the valid examples (when kept) and
-    the first errors, with the count of all of them."""
+    the first errors, with the count of all of them; how its errors name a location (``unit``)
+    and the images of its valid rows."""
 
     format: str | None
     rows: int
     examples: list[Example]
     errors: list[RowError]
     errors_total: int
+    unit: str = "line"
+    images: int = 0
 
 
 def _clip(message: str) -> str:
@@ -170,45 +212,71 @@ def _clip(message: str) -> str:
 
 
 def check_rows(
-    path: str | Path, fmt: str = "auto", *, keep: bool = True, max_errors: int | None = None
+    path: str | Path,
+    fmt: str = "auto",
+    *,
+    keep: bool = True,
+    max_errors: int | None = None,
+    image_store: str | Path | None = None,
 ) -> Checked:
-    """Read and check every row of a file, holding one row at a time unless ``keep``.
+    """Read and check every row of a file, holding one row at a time unless ``keep``. A row's
+    images are read and decoded (a kept example holds their bytes).
 
     Args:
         fmt: a format's name (``engine.data.formats``), or ``auto`` to detect it from the
             first row.
         keep: keep the valid examples (else they are checked and dropped).
         max_errors: keep only the first errors (all are counted); None keeps all.
+        image_store: the folder of the content-addressed image store (``sha256:`` references).
 
     Raises:
-        ValueError: an unsupported file type.
+        ValueError: an unsupported file type, an archive that cannot be unpacked.
     """
-    unit = "row" if file_kind(path) == "parquet" else "line"
-    found = Checked(None if fmt == "auto" else fmt, 0, [], [], 0)
+    with dataset_file(path) as (data, root):
+        unit = "row" if file_kind(data) == "parquet" else "line"
+        found = Checked(None if fmt == "auto" else fmt, 0, [], [], 0, unit)
+        reader = ImageReader(root, image_store)
 
-    def fail(error: RowError) -> None:
-        found.errors_total += 1
-        if max_errors is None or len(found.errors) < max_errors:
-            found.errors.append(RowError(error.line, _clip(error.message), error.unit))
+        def fail(error: RowError) -> None:
+            found.errors_total += 1
+            if max_errors is None or len(found.errors) < max_errors:
+                found.errors.append(RowError(error.line, _clip(error.message), error.unit))
 
-    for n, rec in read_records(path):
-        found.rows += 1
-        if isinstance(rec, RowError):
-            fail(rec)
-            continue
-        if found.format is None:
-            found.format = detect_format(rec)
-            if found.format is None:
-                keys = ", ".join(sorted(rec)) or "none"
-                fail(RowError(n, f"cannot tell the row format from its fields ({keys})", unit))
+        for n, rec in read_records(data):
+            found.rows += 1
+            if isinstance(rec, RowError):
+                fail(rec)
                 continue
-        try:
-            example = to_example(n, rec, found.format)
-            if keep:
-                found.examples.append(example)
-        except ValueError as exc:
-            fail(RowError(n, str(exc), unit))
+            if found.format is None:
+                found.format = detect_format(rec)
+                if found.format is None:
+                    keys = ", ".join(sorted(rec)) or "none"
+                    fail(RowError(n, f"cannot tell the row format from its fields ({keys})", unit))
+                    continue
+            try:
+                example = to_example(n, rec, found.format)
+                if example.images:
+                    example = _with_images(example, reader, keep=keep)
+                    found.images += len(example.images)
+                if keep:
+                    found.examples.append(example)
+            except ValueError as exc:
+                fail(RowError(n, str(exc), unit))
     return found
+
+
+def _with_images(example: Example, reader: ImageReader, *, keep: bool) -> Example:
+    """The example with its images read and decoded (their bytes kept when ``keep``).
+
+    Raises:
+        ValueError: naming the field: a missing image, an unreadable or oversized one.
+    """
+    read = []
+    for ref in example.images:
+        loaded = reader.read(ref)
+        check_image(loaded)
+        read.append(loaded if keep else ref)
+    return dataclasses.replace(example, images=tuple(read))
 
 
 def read_examples(

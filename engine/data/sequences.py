@@ -11,6 +11,13 @@ assistant turn, end-of-turn marker included), never on assistant turns of the pr
 preference row (KTO) is one such sequence and its label (``EncodedUnpaired``). A prompt row
 (GRPO) is its prompt alone (``PromptItem``), with the generation prompt of a chat prompt.
 
+A row with images (``Example.images``) encodes with a vision-language model's processor, given
+where a tokenizer is: each image's mark becomes the family's placeholder (``image_placeholder``),
+the conversation is rendered with the processor's tokenizer's chat template, and the processor
+expands each placeholder into the image's tokens (as many as the image's size gives); the
+assistant turns' character spans move by what the expansions before them added, and the loss
+covers them alone. The row's image bytes travel with its sequence (``Encoded.images``).
+
 Fallback: a tokenizer without a chat template gets ``FALLBACK_CHAT_TEMPLATE`` (ChatML-style
 ``<|im_start|>role ... <|im_end|>`` turns written as plain text, the end of each assistant turn
 followed by the EOS token), recorded with the exported tokenizer so inference renders the same.
@@ -21,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from engine.data.images import IMAGE_MARK, thumbnail
 from engine.data.rows import Example
 
 FALLBACK_CHAT_TEMPLATE = (
@@ -39,6 +47,8 @@ class Encoded:
     labels: list[int]
     length: int  # before truncation
     truncated: bool
+    # the row's image file bytes, in the order of its placeholders (a text row: none)
+    images: tuple[bytes, ...] = ()
 
     @property
     def trained_tokens(self) -> int:
@@ -101,8 +111,30 @@ class PromptItem:
     truncated: bool = False
 
 
+# the text each processor expands into one image's tokens, where it is not the processor's image token
+_PLACEHOLDERS = {"Qwen2_5_VLProcessor": "<|vision_start|><|image_pad|><|vision_end|>"}
+
+
+def is_processor(tokenizer: Any) -> bool:
+    """Whether ``tokenizer`` is a vision-language model's processor (it has an image processor)."""
+    return getattr(tokenizer, "image_processor", None) is not None
+
+
+def text_tokenizer(tokenizer: Any) -> Any:
+    """The tokenizer itself, or a processor's tokenizer."""
+    return tokenizer.tokenizer if is_processor(tokenizer) else tokenizer
+
+
+def image_placeholder(processor: Any) -> str:
+    """The text that stands for one image in a chat rendered for ``processor``: Qwen2.5-VL's
+    ``<|vision_start|><|image_pad|><|vision_end|>``, Gemma 3's ``<start_of_image>``, Idefics3's
+    ``<image>``."""
+    return _PLACEHOLDERS.get(type(processor).__name__) or str(processor.image_token)
+
+
 def ensure_chat_template(tokenizer: Any) -> None:
-    """Give a tokenizer without a chat template the documented fallback."""
+    """Give a tokenizer (a processor's tokenizer) without a chat template the documented fallback."""
+    tokenizer = text_tokenizer(tokenizer)
     if not getattr(tokenizer, "chat_template", None):
         tokenizer.chat_template = FALLBACK_CHAT_TEMPLATE
 
@@ -137,7 +169,16 @@ def encode(example: Example, tokenizer: Any, max_length: int) -> Encoded:
     """Token ids and loss labels of one example, truncated to ``max_length``.
 
     A preference row encodes as its prompt and preferred answer, an unpaired preference row as its
-    prompt and completion, the loss on that answer alone."""
+    prompt and completion, the loss on that answer alone. ``tokenizer`` may be a vision-language
+    model's processor: a row with images needs one.
+
+    Raises:
+        ValueError: a chat template that renders prefixes differently; a row with images and no
+            processor, or whose image tokens would be cut by ``max_length``.
+    """
+    if example.images:
+        return encode_images(example, tokenizer, max_length)
+    tokenizer = text_tokenizer(tokenizer)
     if example.messages is not None:
         answer_only = example.rejected is not None or example.label is not None
         text, spans = assistant_spans(tokenizer, example.messages, last_only=answer_only)
@@ -158,6 +199,65 @@ def encode(example: Example, tokenizer: Any, max_length: int) -> Encoded:
         labels.append(tok if trained else -100)
     n = len(ids)
     return Encoded(example.line, ids[:max_length], labels[:max_length], n, n > max_length)
+
+
+def encode_images(example: Example, processor: Any, max_length: int) -> Encoded:
+    """A chat row with images, encoded by a vision-language model's processor (the module's
+    docstring says how).
+
+    Raises:
+        ValueError: not a processor, images not read, a chat template that renders prefixes
+            differently, a processor that refuses the row, image tokens cut by ``max_length``.
+    """
+    from engine.vision.pixels import open_image  # PIL on first use: text rows never load it
+
+    if not is_processor(processor):
+        raise ValueError(
+            f"{example.images[0].field}: an image, but the model is a text model (images train a "
+            "vision-language model)"
+        )
+    if example.messages is None:
+        raise ValueError("only chat rows hold images")
+    data = tuple(ref.data for ref in example.images if ref.data is not None)
+    if len(data) != len(example.images):
+        raise ValueError(f"line {example.line}: the row's images were not read")
+    placeholder = image_placeholder(processor)
+    messages = [{**m, "content": m["content"].replace(IMAGE_MARK, placeholder)} for m in example.messages]
+    text, spans = assistant_spans(processor.tokenizer, messages)
+    try:
+        out = processor(
+            text=[text],
+            images=[[open_image(b) for b in data]],
+            add_special_tokens=False,
+            return_offsets_mapping=True,
+            return_text_replacement_offsets=True,
+        )
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"the model's processor refuses the row: {exc}") from None
+    replaced = sorted(out["text_replacement_offsets"][0], key=lambda r: r["span"][0])
+    if len(replaced) != len(data):
+        raise ValueError(f"{len(replaced)} image placeholders in the rendered text for {len(data)} images")
+
+    def moved(at: int) -> int:  # a position of the rendered text in the expanded text
+        # a replacement's new end less its old end: what every expansion up to it added
+        return at + max((r["new_span"][1] - r["span"][1] for r in replaced if r["span"][1] <= at), default=0)
+
+    spans = [(moved(a), moved(b)) for a, b in spans]
+    ids: list[int] = [int(t) for t in out["input_ids"][0]]
+    offsets = [(int(a), int(b)) for a, b in out["offset_mapping"][0]]
+    labels = [
+        tok if b > a and any(s <= a < e for s, e in spans) else -100
+        for tok, (a, b) in zip(ids, offsets, strict=True)
+    ]
+    last_image = replaced[-1]["new_span"][1]
+    tokens_of_images = sum(1 for a, _ in offsets if a < last_image)
+    if tokens_of_images > max_length:
+        raise ValueError(
+            f"the images' tokens end at token {tokens_of_images}, past max_length={max_length}: "
+            "raise data.max_length or give smaller images"
+        )
+    n = len(ids)
+    return Encoded(example.line, ids[:max_length], labels[:max_length], n, n > max_length, data)
 
 
 def rejected_example(example: Example) -> Example:
@@ -189,6 +289,7 @@ def encode_prompt(example: Example, tokenizer: Any, max_prompt_tokens: int) -> P
     Raises:
         ValueError: the row is not a prompt row, or its prompt encodes to no token.
     """
+    tokenizer = text_tokenizer(tokenizer)
     if example.messages is not None:
         text = _render(tokenizer, example.messages, generation=True)
         ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -229,15 +330,20 @@ def encode_unpaired(example: Example, tokenizer: Any, max_length: int) -> Encode
 
 def token_view(tokenizer: Any, ids: list[int], labels: list[int]) -> list[dict[str, Any]]:
     """Each token as its text and whether it is trained on (a preview's row)."""
+    tokenizer = text_tokenizer(tokenizer)
     return [
         {"text": tokenizer.decode([t]), "trained": lab != -100} for t, lab in zip(ids, labels, strict=True)
     ]
 
 
 def sequence_view(tokenizer: Any, encoded: Encoded) -> dict[str, Any]:
-    """A preview row of one sequence: its line, its tokens and whether it was cut."""
+    """A preview row of one sequence: its line, its tokens and whether it was cut; a row with
+    images also its images as small thumbnails (JPEG data URLs), in order."""
     tokens = token_view(tokenizer, encoded.input_ids, encoded.labels)
-    return {"line": encoded.line, "tokens": tokens, "truncated": encoded.truncated}
+    view: dict[str, Any] = {"line": encoded.line, "tokens": tokens, "truncated": encoded.truncated}
+    if encoded.images:
+        view["images"] = [thumbnail(b) for b in encoded.images]
+    return view
 
 
 def pair_view(tokenizer: Any, pair: EncodedPair) -> dict[str, Any]:

@@ -10,6 +10,7 @@ all read it.
 # isort: off
 # each module registers its format as it is imported: this order is the registry's
 from engine.data.formats import chat
+from engine.data.formats import sharegpt
 from engine.data.formats import instruction
 from engine.data.formats import prompt_completion
 from engine.data.formats import text
@@ -34,7 +35,7 @@ from engine.data.formats.base import (
     titles,
 )
 
-MODULES = (chat, instruction, prompt_completion, text, preference, prompts, kto)
+MODULES = (chat, sharegpt, instruction, prompt_completion, text, preference, prompts, kto)
 
 __all__ = [
     "FAMILIES",

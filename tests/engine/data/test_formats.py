@@ -30,7 +30,7 @@ from engine.data.rows import Example, text_field
 from tests.engine.tiny import tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[3]
-BUILT_IN = ("chat", "instruction", "prompt_completion", "text", "preference", "prompts", "kto")
+BUILT_IN = ("chat", "sharegpt", "instruction", "prompt_completion", "text", "preference", "prompts", "kto")
 
 
 class QuestionAnswer(DataFormat):
@@ -60,7 +60,7 @@ def test_the_registry_lists_the_built_in_formats_in_order() -> None:
     assert format_names() == BUILT_IN
     assert [m.__name__.rpartition(".")[2] for m in formats.MODULES] == list(BUILT_IN)
     assert {family_of(n) for n in format_names()} == set(FAMILIES)
-    assert titles("supervised") == "chat, instruction, prompt/completion or text"
+    assert titles("supervised") == "chat, ShareGPT/LLaVA, instruction, prompt/completion or text"
     for name in format_names():
         listing = get_format(name).listing()
         assert listing["name"] == name and listing["family"] in FAMILIES and listing["description"]
@@ -82,7 +82,9 @@ def test_the_run_configuration_takes_the_registrys_formats() -> None:
 
 
 def test_an_unknown_format_names_the_registered_ones(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match=r"unknown format 'nope'; use auto or one of chat, instruction, "):
+    with pytest.raises(
+        ValueError, match=r"unknown format 'nope'; use auto or one of chat, sharegpt, instruction, "
+    ):
         get_format("nope")
     p = tmp_path / "d.jsonl"
     p.write_text(json.dumps({"text": "a"}) + "\n")
@@ -97,7 +99,12 @@ def test_the_base_reader_imports_no_format_and_names_none() -> None:
         for node in ast.walk(ast.parse(source))
         if isinstance(node, ast.ImportFrom) and node.module is not None
     }
-    assert {m for m in imported if m.startswith("engine.")} == {"engine.data.formats", "engine.data.rows"}
+    assert {m for m in imported if m.startswith("engine.")} == {
+        "engine.data.archives",
+        "engine.data.formats",
+        "engine.data.images",
+        "engine.data.rows",
+    }
     for name in format_names():
         assert f'"{name}"' not in source and f"'{name}'" not in source, name
 

@@ -40,7 +40,7 @@ GOOD = chat(("user", "hi"), ("assistant", "hello"))
         (chat(("user", "hi"), ("assistant", "")), "line 2: messages[1].content is empty"),
         (
             json.dumps({"messages": [{"role": "user", "content": 5}]}),
-            "line 2: messages[0].content must be a string, got int",
+            "line 2: messages[0].content must be a string or a list of parts, got int",
         ),
         (
             chat(("user", "a"), ("user", "b"), ("assistant", "c")),
