@@ -1,7 +1,9 @@
 """Running a trained model: chat with a KV cache and sampling (``chat``: ``Sampling``,
 ``prompt_ids``, ``stop_ids``), continuous batching of many requests over one base and its
 adapters (``batching``: a ``Batcher`` of ``Model`` entries, fed ``Ask`` requests, answering
-``Token`` and ``End``), and a checkpoint's evaluation on a dataset (``evaluate_checkpoint``).
+``Token`` and ``End``), conversations with images as a VLM's prompt (``images``: ``chat_prompt``
+gives a ``Prompt``: token ids and the image tensors of its first forward), and a checkpoint's
+evaluation on a dataset (``evaluate_checkpoint``).
 
 The names below are this package's public face, each loaded on first use: importing
 ``engine.inference`` loads no torch.
@@ -16,6 +18,7 @@ if TYPE_CHECKING:
     from engine.inference.batching import Ask, Batcher, Closed, End, Model, Token
     from engine.inference.chat import Sampling, prompt_ids, stop_ids
     from engine.inference.evaluate import evaluate_checkpoint
+    from engine.inference.images import Prompt, architecture_of, chat_prompt
 
 # name -> the module that defines it (imported on first use)
 _HOMES = {
@@ -24,8 +27,11 @@ _HOMES = {
     "Closed": "engine.inference.batching",
     "End": "engine.inference.batching",
     "Model": "engine.inference.batching",
+    "Prompt": "engine.inference.images",
     "Sampling": "engine.inference.chat",
     "Token": "engine.inference.batching",
+    "architecture_of": "engine.inference.images",
+    "chat_prompt": "engine.inference.images",
     "evaluate_checkpoint": "engine.inference.evaluate",
     "prompt_ids": "engine.inference.chat",
     "stop_ids": "engine.inference.chat",
@@ -36,8 +42,11 @@ __all__ = [
     "Closed",
     "End",
     "Model",
+    "Prompt",
     "Sampling",
     "Token",
+    "architecture_of",
+    "chat_prompt",
     "evaluate_checkpoint",
     "prompt_ids",
     "stop_ids",

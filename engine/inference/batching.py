@@ -29,6 +29,7 @@ from typing import Any, Literal
 import torch
 
 from engine.inference.chat import Sampling, context_length, pick
+from engine.inference.images import Prompt, next_position, on_device, rope_holder
 from engine.inference.text import StopText
 
 BASE = "__base__"  # peft's adapter name for "no adapter" in a mixed batch
@@ -67,6 +68,8 @@ class Ask:
     """One request: a prompt's token ids and how to answer it, ``n`` times.
 
     ``emit`` is called from the decode thread with each ``Token`` and one ``End`` per choice.
+    ``inputs``: a VLM prompt's image tensors (``engine.inference.images.Prompt.inputs``), given
+    to its prefill only.
     ``adapter`` is a name from ``Model.adapter``; ``logprobs``: None for none, k for the chosen
     token's log-probability and the k likeliest. Choice i samples with ``seed + i``.
     """
@@ -81,6 +84,7 @@ class Ask:
     adapter: str | None = None
     logprobs: int | None = None
     cancel: threading.Event = field(default_factory=threading.Event)
+    inputs: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class Closed(RuntimeError):
@@ -130,6 +134,7 @@ class Model:
         self.closed = False
         self.context = context_length(module)
         self.device = next(module.parameters()).device
+        self.rope = rope_holder(module)  # Qwen2.5-VL's: where a prompt's images leave the positions
         # the KV cache's keyword: ``cache`` from transformers 5.2x, ``past_key_values`` before
         self.cache_keyword = (
             "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
@@ -334,8 +339,12 @@ class Batcher:
             for row in rows:
                 ask.emit(End(row.index, "cancelled", 0))
             return
-        logits, cache = model._forward(ids, mask, None, rows[:1])
+        logits, cache = model._forward(ids, mask, None, rows[:1], **on_device(ask.inputs, model.module))
         self.steps += 1
+        # a prompt's images may move the positions after it (Qwen2.5-VL's 3-D rotary positions)
+        position = next_position(model.rope, Prompt(ask.ids, ask.inputs))
+        for row in rows:
+            row.position = position
         logits = logits[0, -1].float().cpu()
         keep = []
         for i, row in enumerate(rows):

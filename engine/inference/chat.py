@@ -18,7 +18,14 @@ from typing import Any, Literal
 
 import torch
 
-from engine.data.encode import ensure_chat_template
+from engine.inference.images import (
+    Prompt,
+    architecture_of,
+    chat_prompt,
+    next_position,
+    on_device,
+    rope_holder,
+)
 
 ROLES = ("system", "user", "assistant")
 MAX_TOKENS = 4096  # the most new tokens one answer may ask for
@@ -71,25 +78,45 @@ class Finish:
     completion_tokens: int
 
 
-def check_messages(messages: list[dict[str, str]]) -> None:
-    """Raises:
-    ValueError: not a conversation that ends with a user turn (the message names the turn)."""
+def check_messages(messages: list[dict[str, Any]]) -> None:
+    """A conversation's shape: each message's ``content`` text, or a list of ``text`` and ``image``
+    parts (``engine.inference.images``).
+
+    Raises:
+        ValueError: not a conversation that ends with a user turn, or a bad part (the message
+            names the turn or the part)."""
     if not messages:
         raise ValueError("messages: give at least one message")
     for i, m in enumerate(messages):
         if m.get("role") not in ROLES:
             raise ValueError(f"messages.{i}.role: must be one of {', '.join(ROLES)} (got {m.get('role')!r})")
-        if not isinstance(m.get("content"), str):
-            raise ValueError(f"messages.{i}.content: must be text")
+        content = m.get("content")
+        if isinstance(content, str):
+            continue
+        if not isinstance(content, list):
+            raise ValueError(f"messages.{i}.content: must be text or a list of parts")
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text" and isinstance(part.get("text"), str):
+                continue
+            if kind == "image" and isinstance(part.get("image"), bytes | bytearray):
+                if m["role"] != "user":
+                    raise ValueError(f"messages.{i}.content.{j}: only a user message may hold an image")
+                continue
+            raise ValueError(
+                f"messages.{i}.content.{j}: a part is {{type: text, text}} or {{type: image, image}}"
+            )
     if messages[-1]["role"] != "user":
         raise ValueError(f"messages.{len(messages) - 1}.role: the last message must be the user's")
 
 
-def prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """The conversation rendered through the chat template, ready for the assistant's turn."""
-    ensure_chat_template(tokenizer)
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+def prompt_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
+    """The conversation rendered through the chat template, ready for the assistant's turn.
+
+    Raises:
+        ValueError: an image part (a text model's prompt; ``images.chat_prompt`` takes images).
+    """
+    return chat_prompt(tokenizer, messages).ids
 
 
 def stop_ids(model: Any, tokenizer: Any) -> set[int]:
@@ -129,7 +156,7 @@ def pick(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -
 
 def sample(
     model: Any,
-    ids: list[int],
+    ids: list[int] | Prompt,
     sampling: Sampling,
     *,
     stop: set[int],
@@ -138,31 +165,43 @@ def sample(
     """New token ids, one model step each, with the model's own KV cache; ends after a ``stop``
     token (yielded), after ``max_tokens``, at the model's context length, or when ``cancel`` is set.
 
+    ``ids`` may be a ``Prompt`` with images: its image tensors go into the first forward, and each
+    later step's position id is counted from where that forward left it (``next_position``).
+
     Raises:
         ValueError: ``ids`` is empty or already fills the model's context.
     """
     sampling.check()
+    prompt = ids if isinstance(ids, Prompt) else Prompt(list(ids))
     limit = context_length(model)
-    if not ids:
+    if not prompt.ids:
         raise ValueError("messages: the rendered conversation is empty")
-    if limit is not None and len(ids) >= limit:
-        raise ValueError(f"messages: the conversation is {len(ids)} tokens; the model's context is {limit}")
+    if limit is not None and len(prompt.ids) >= limit:
+        raise ValueError(
+            f"messages: the conversation is {len(prompt.ids)} tokens; the model's context is {limit}"
+        )
     generator = torch.Generator()
     if sampling.seed is None:
         generator.seed()
     else:
         generator.manual_seed(sampling.seed)
-    budget = sampling.max_tokens if limit is None else min(sampling.max_tokens, limit - len(ids))
+    budget = sampling.max_tokens if limit is None else min(sampling.max_tokens, limit - len(prompt.ids))
     device = next(model.parameters()).device
     with torch.inference_mode():
-        step = torch.tensor([ids], device=device)
+        step = torch.tensor([prompt.ids], device=device)
         mask = torch.ones_like(step)
+        extra = on_device(prompt.inputs, model)
         cache = None
+        position = 0
         for _ in range(budget):
             if cancel is not None and cancel.is_set():
                 return
             # only the new tokens go in; the cache holds every earlier position's keys and values
-            out = model(input_ids=step, attention_mask=mask, cache=cache, use_cache=True, logits_to_keep=1)
+            out = model(
+                input_ids=step, attention_mask=mask, cache=cache, use_cache=True, logits_to_keep=1, **extra
+            )
+            if cache is None:
+                position = next_position(rope_holder(model), prompt)
             cache = out.cache
             token = pick(out.logits[0, -1], sampling, generator)
             yield token
@@ -170,6 +209,8 @@ def sample(
                 return
             step = torch.tensor([[token]], device=device)
             mask = torch.cat([mask, torch.ones_like(step)], dim=1)
+            extra = {"position_ids": torch.tensor([[position]], device=device)}
+            position += 1
 
 
 class TextStream:
@@ -199,31 +240,35 @@ class TextStream:
 def chat_stream(
     model: Any,
     tokenizer: Any,
-    messages: list[dict[str, str]],
+    messages: list[dict[str, Any]],
     *,
     sampling: Sampling,
     cancel: threading.Event | None = None,
+    processor: Any = None,
 ) -> Iterator[Piece | Finish]:
     """The assistant's answer to ``messages``, as text pieces, then one ``Finish``.
 
     Args:
         model: a causal LM (a ``PeftModel`` too), in eval mode.
         tokenizer: its tokenizer; given the fallback chat template if it has none.
-        messages: ``[{"role", "content"}]``, ending with a user turn.
+        messages: ``[{"role", "content"}]``, ending with a user turn; content as text or a list
+            of text and image parts (``engine.inference.images``).
         sampling: temperature, top-p, max tokens, seed.
         cancel: set it (from any thread) to stop after the current token.
+        processor: a VLM's processor, for images (None: a text model, which refuses them).
 
     Raises:
-        ValueError: bad messages or sampling values, or a conversation longer than the context.
+        ValueError: bad messages or sampling values, an image a text model cannot take, or a
+            conversation longer than the context.
     """
     check_messages(messages)
     sampling.check()
-    ids = prompt_ids(tokenizer, messages)
+    prompt = chat_prompt(tokenizer, messages, processor=processor, architecture=architecture_of(model))
     stop = stop_ids(model, tokenizer)
     text = TextStream(tokenizer)
     count = 0
     reason: Literal["stop", "length", "cancelled"] = "length"
-    for token in sample(model, ids, sampling, stop=stop, cancel=cancel):
+    for token in sample(model, prompt, sampling, stop=stop, cancel=cancel):
         count += 1
         if token in stop:
             reason = "stop"
@@ -237,4 +282,4 @@ def chat_stream(
     rest = text.rest()
     if rest:
         yield Piece(rest)
-    yield Finish(reason, len(ids), count)
+    yield Finish(reason, len(prompt.ids), count)

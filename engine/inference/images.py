@@ -1,0 +1,202 @@
+"""A conversation with images, as a vision-language model's prompt: token ids and image tensors.
+
+A message's ``content`` is text, or a list of parts: ``{"type": "text", "text": ...}`` and
+``{"type": "image", "image": <the image file's bytes>}``. ``chat_prompt`` renders it:
+
+- a text model (a tokenizer): the chat template over the text; an image part is refused with a
+  ``ValueError`` naming it (``messages.<i>.content.<j>``);
+- a VLM (its processor): the chat template renders each image part, where the template knows
+  image parts (the families' own templates do), or else the family's placeholder in the text
+  (``PLACEHOLDERS``); the processor then expands each placeholder into the image's tokens and
+  makes the image tensors that the model's first forward takes (``Prompt.inputs``), exactly
+  what ``model.generate`` is given for the same conversation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from engine.data.sequences import ensure_chat_template
+
+# the text each family's chat template writes for one image part; the processor expands it
+PLACEHOLDERS = {
+    "Qwen2_5_VLForConditionalGeneration": "<|vision_start|><|image_pad|><|vision_end|>",
+    "Gemma3ForConditionalGeneration": "<start_of_image>",
+    "Idefics3ForConditionalGeneration": "<image>",
+    "SmolVLMForConditionalGeneration": "<image>",
+}
+# the model inputs that carry which positions hold image tokens, by the config attribute that
+# names the image token: the processor makes them, a prompt built from ids alone derives them
+TOKEN_TYPE_INPUTS = {
+    "Qwen2_5_VLForConditionalGeneration": "mm_token_type_ids",
+    "Gemma3ForConditionalGeneration": "token_type_ids",
+}
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A rendered prompt: its token ids (image tokens expanded) and the image tensors of its first
+    forward (``pixel_values`` and the family's others; empty for a text prompt)."""
+
+    ids: list[int]
+    inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def images(self) -> bool:
+        return bool(self.inputs)
+
+
+def parts(content: Any) -> list[dict[str, Any]]:
+    """A message's content as a list of parts (text content is one text part)."""
+    return [{"type": "text", "text": content}] if isinstance(content, str) else list(content)
+
+
+def image_fields(messages: list[dict[str, Any]]) -> list[str]:
+    """The field of every image part, in order (``messages.0.content.1``)."""
+    return [
+        f"messages.{i}.content.{j}"
+        for i, m in enumerate(messages)
+        for j, p in enumerate(parts(m.get("content", "")))
+        if p.get("type") == "image"
+    ]
+
+
+def text_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """The conversation with each message's text parts joined (no image part left).
+
+    Raises:
+        ValueError: an image part (the message names the first one).
+    """
+    found = image_fields(messages)
+    if found:
+        raise ValueError(f"{found[0]}: this model reads no images (it is a text-only model)")
+    return [
+        {"role": m["role"], "content": "".join(str(p.get("text", "")) for p in parts(m["content"]))}
+        for m in messages
+    ]
+
+
+def architecture_of(model: Any) -> str:
+    """The class name a model's config declares, else its class's (a ``PeftModel``'s base's)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    archs = getattr(getattr(base, "config", None), "architectures", None) or []
+    return str(archs[0]) if archs else type(base).__name__
+
+
+def _knows_image_parts(template: Any) -> bool:
+    return isinstance(template, str) and "image" in template
+
+
+def render(processor: Any, architecture: str, messages: list[dict[str, Any]]) -> tuple[str, list[bytes]]:
+    """The conversation's text, ready for the assistant's turn, and its images in order."""
+    tokenizer = processor.tokenizer
+    ensure_chat_template(tokenizer)
+    images = [p["image"] for m in messages for p in parts(m["content"]) if p.get("type") == "image"]
+    if _knows_image_parts(tokenizer.chat_template):
+        shown: list[dict[str, Any]] = [
+            {
+                "role": m["role"],
+                "content": [
+                    {"type": "image"} if p.get("type") == "image" else {"type": "text", "text": p["text"]}
+                    for p in parts(m["content"])
+                ],
+            }
+            for m in messages
+        ]
+    else:
+        placeholder = PLACEHOLDERS[architecture]
+        shown = [
+            {
+                "role": m["role"],
+                "content": "".join(
+                    placeholder if p.get("type") == "image" else str(p["text"]) for p in parts(m["content"])
+                ),
+            }
+            for m in messages
+        ]
+    text = tokenizer.apply_chat_template(shown, tokenize=False, add_generation_prompt=True)
+    return str(text), images
+
+
+def chat_prompt(
+    tokenizer: Any, messages: list[dict[str, Any]], *, processor: Any = None, architecture: str = ""
+) -> Prompt:
+    """The prompt of a conversation for the assistant's turn.
+
+    Args:
+        tokenizer: the model's tokenizer (given the fallback chat template if it has none).
+        messages: ``[{"role", "content"}]``, content as text or a list of parts.
+        processor: a VLM's processor (``engine.model.load_processor_for``); None for a text model.
+        architecture: the VLM's class name (``architecture_of``), with ``processor``.
+
+    Raises:
+        ValueError: an image for a text-only model, or an image that cannot be read (the message
+            names its field), or placeholders the processor cannot match to the images.
+    """
+    from engine.vision.pixels import open_image
+
+    fields = image_fields(messages)
+    if processor is None or not fields:
+        ensure_chat_template(tokenizer)
+        plain = text_messages(messages)
+        text = tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
+        return Prompt(list(tokenizer(text, add_special_tokens=False)["input_ids"]))
+    if architecture not in PLACEHOLDERS:
+        raise ValueError(f"{fields[0]}: images are not supported for {architecture or 'this model'}")
+    text, data = render(processor, architecture, messages)
+    images = []
+    for where, raw in zip(fields, data, strict=True):
+        try:
+            images.append(open_image(raw))
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from exc
+    # Qwen2.5-VL's processor takes one flat list; the others a list of images per text
+    grouped: Any = images if architecture == "Qwen2_5_VLForConditionalGeneration" else [images]
+    try:
+        out = processor(text=[text], images=grouped, return_tensors="pt", add_special_tokens=False)
+    except ValueError as exc:
+        raise ValueError(f"messages: {exc}") from exc
+    ids = [int(t) for t in out["input_ids"][0]]
+    inputs = {k: v for k, v in out.items() if k not in ("input_ids", "attention_mask")}
+    return Prompt(ids, inputs)
+
+
+def token_types(model: Any, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The input that marks image positions (``mm_token_type_ids``, ``token_type_ids``) for ids made
+    without the processor, as the processor would make it; empty where the family has none."""
+    name = TOKEN_TYPE_INPUTS.get(architecture_of(model))
+    if name is None:
+        return {}
+    config = model.config
+    token: Any = getattr(config, "image_token_id", None)
+    if token is None:
+        token = getattr(config, "image_token_index", None)
+    if token is None:
+        raise ValueError(f"{architecture_of(model)}: its config names no image token")
+    return {name: torch.eq(ids, int(token)).long()}
+
+
+def rope_holder(model: Any) -> Any:
+    """The submodule that keeps Qwen2.5-VL's ``rope_deltas`` after a forward with images (None:
+    a model without 3-D rotary positions)."""
+    return next((m for m in model.modules() if hasattr(m, "rope_deltas")), None)
+
+
+def next_position(holder: Any, prompt: Prompt) -> int:
+    """The position id of the first new token after ``prompt``'s forward: its length, moved by
+    the rotary offset its images left (Qwen2.5-VL counts an image's tokens as fewer positions)."""
+    if holder is None or not prompt.images or holder.rope_deltas is None:
+        return len(prompt.ids)
+    return len(prompt.ids) + int(holder.rope_deltas.reshape(-1)[0])
+
+
+def on_device(inputs: dict[str, torch.Tensor], model: Any) -> dict[str, torch.Tensor]:
+    """Image inputs on the model's device, floating ones in its dtype (the processor makes fp32)."""
+    param = next(model.parameters())
+    return {
+        k: v.to(param.device, dtype=param.dtype if v.is_floating_point() else v.dtype)
+        for k, v in inputs.items()
+    }
