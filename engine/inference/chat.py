@@ -20,7 +20,6 @@ import torch
 
 from engine.inference.images import (
     Prompt,
-    architecture_of,
     chat_prompt,
     next_position,
     on_device,
@@ -263,7 +262,7 @@ def chat_stream(
     """
     check_messages(messages)
     sampling.check()
-    prompt = chat_prompt(tokenizer, messages, processor=processor, architecture=architecture_of(model))
+    prompt = chat_prompt(tokenizer, messages, processor=processor)
     stop = stop_ids(model, tokenizer)
     text = TextStream(tokenizer)
     count = 0

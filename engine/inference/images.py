@@ -5,10 +5,10 @@ A message's ``content`` is text, or a list of parts: ``{"type": "text", "text": 
 
 - a text model (a tokenizer): the chat template over the text; an image part is refused with a
   ``ValueError`` naming it (``messages.<i>.content.<j>``);
-- a VLM (its processor): the chat template renders each image part, where the template knows
-  image parts (the families' own templates do), or else the family's placeholder in the text
-  (``PLACEHOLDERS``); the processor then expands each placeholder into the image's tokens and
-  makes the image tensors that the model's first forward takes (``Prompt.inputs``), exactly
+- a VLM (its processor): each image part becomes the family's placeholder in the text
+  (``engine.data.sequences.image_placeholder``), rendered by the chat template exactly as a
+  training row with images is; the processor then expands each placeholder into the image's
+  tokens and makes the image tensors that the model's first forward takes (``Prompt.inputs``),
   what ``model.generate`` is given for the same conversation.
 """
 
@@ -19,15 +19,8 @@ from typing import Any
 
 import torch
 
-from engine.data.sequences import ensure_chat_template
+from engine.data.sequences import ensure_chat_template, image_placeholder
 
-# the text each family's chat template writes for one image part; the processor expands it
-PLACEHOLDERS = {
-    "Qwen2_5_VLForConditionalGeneration": "<|vision_start|><|image_pad|><|vision_end|>",
-    "Gemma3ForConditionalGeneration": "<start_of_image>",
-    "Idefics3ForConditionalGeneration": "<image>",
-    "SmolVLMForConditionalGeneration": "<image>",
-}
 # the model inputs that carry which positions hold image tokens, by the config attribute that
 # names the image token: the processor makes them, a prompt built from ids alone derives them
 TOKEN_TYPE_INPUTS = {
@@ -86,51 +79,32 @@ def architecture_of(model: Any) -> str:
     return str(archs[0]) if archs else type(base).__name__
 
 
-def _knows_image_parts(template: Any) -> bool:
-    return isinstance(template, str) and "image" in template
-
-
-def render(processor: Any, architecture: str, messages: list[dict[str, Any]]) -> tuple[str, list[bytes]]:
+def render(processor: Any, messages: list[dict[str, Any]]) -> tuple[str, list[bytes]]:
     """The conversation's text, ready for the assistant's turn, and its images in order."""
     tokenizer = processor.tokenizer
     ensure_chat_template(tokenizer)
+    placeholder = image_placeholder(processor)
     images = [p["image"] for m in messages for p in parts(m["content"]) if p.get("type") == "image"]
-    if _knows_image_parts(tokenizer.chat_template):
-        shown: list[dict[str, Any]] = [
-            {
-                "role": m["role"],
-                "content": [
-                    {"type": "image"} if p.get("type") == "image" else {"type": "text", "text": p["text"]}
-                    for p in parts(m["content"])
-                ],
-            }
-            for m in messages
-        ]
-    else:
-        placeholder = PLACEHOLDERS[architecture]
-        shown = [
-            {
-                "role": m["role"],
-                "content": "".join(
-                    placeholder if p.get("type") == "image" else str(p["text"]) for p in parts(m["content"])
-                ),
-            }
-            for m in messages
-        ]
+    shown = [
+        {
+            "role": m["role"],
+            "content": "".join(
+                placeholder if p.get("type") == "image" else str(p["text"]) for p in parts(m["content"])
+            ),
+        }
+        for m in messages
+    ]
     text = tokenizer.apply_chat_template(shown, tokenize=False, add_generation_prompt=True)
     return str(text), images
 
 
-def chat_prompt(
-    tokenizer: Any, messages: list[dict[str, Any]], *, processor: Any = None, architecture: str = ""
-) -> Prompt:
+def chat_prompt(tokenizer: Any, messages: list[dict[str, Any]], *, processor: Any = None) -> Prompt:
     """The prompt of a conversation for the assistant's turn.
 
     Args:
         tokenizer: the model's tokenizer (given the fallback chat template if it has none).
         messages: ``[{"role", "content"}]``, content as text or a list of parts.
         processor: a VLM's processor (``engine.model.load_processor_for``); None for a text model.
-        architecture: the VLM's class name (``architecture_of``), with ``processor``.
 
     Raises:
         ValueError: an image for a text-only model, or an image that cannot be read (the message
@@ -144,19 +118,15 @@ def chat_prompt(
         plain = text_messages(messages)
         text = tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
         return Prompt(list(tokenizer(text, add_special_tokens=False)["input_ids"]))
-    if architecture not in PLACEHOLDERS:
-        raise ValueError(f"{fields[0]}: images are not supported for {architecture or 'this model'}")
-    text, data = render(processor, architecture, messages)
+    text, data = render(processor, messages)
     images = []
     for where, raw in zip(fields, data, strict=True):
         try:
             images.append(open_image(raw))
         except ValueError as exc:
             raise ValueError(f"{where}: {exc}") from exc
-    # Qwen2.5-VL's processor takes one flat list; the others a list of images per text
-    grouped: Any = images if architecture == "Qwen2_5_VLForConditionalGeneration" else [images]
     try:
-        out = processor(text=[text], images=grouped, return_tensors="pt", add_special_tokens=False)
+        out = processor(text=[text], images=[images], return_tensors="pt", add_special_tokens=False)
     except ValueError as exc:
         raise ValueError(f"messages: {exc}") from exc
     ids = [int(t) for t in out["input_ids"][0]]

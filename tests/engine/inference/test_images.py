@@ -15,7 +15,7 @@ import torch
 
 from engine.inference.batching import Ask, Batcher, End, Event, Model, Token
 from engine.inference.chat import Finish, Piece, Sampling, chat_stream, sample, stop_ids
-from engine.inference.images import Prompt, architecture_of, chat_prompt, next_position, rope_holder
+from engine.inference.images import Prompt, chat_prompt, next_position, rope_holder
 from tests.engine.tiny import tiny_tokenizer
 from tests.engine.tiny_vision import VLM_FAMILIES, png, tiny_processor, tiny_vlm
 
@@ -61,9 +61,7 @@ def vlm(family: str) -> tuple[Any, Any]:
 
 
 def prompt_of(model: Any, processor: Any, messages: list[dict[str, Any]]) -> Prompt:
-    return chat_prompt(
-        processor.tokenizer, messages, processor=processor, architecture=architecture_of(model)
-    )
+    return chat_prompt(processor.tokenizer, messages, processor=processor)
 
 
 @pytest.mark.parametrize("family", VLM_FAMILIES)
