@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
 
-from engine.model.families import DEFAULT_LORA_TARGETS, FAMILIES
+from engine.model.families import DEFAULT_LORA_TARGETS
 from engine.planner.memory import (
     Memory,
     base_bytes,
@@ -17,6 +17,7 @@ from engine.planner.memory import (
     layers_fit,
     memory_model,
 )
+from engine.planner.quantized import FP32_BYTES
 from engine.planner.shapes import Shape
 from engine.planner.workload import (
     DTYPE_BYTES,
@@ -57,7 +58,7 @@ class Assessment:
 def lora_targets(shape: Shape, workload: Workload) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The modules and parameters LoRA adapts, as the run resolves them (``engine.training.run``): the
     family's own modules when the run kept the default, ``"experts"`` its expert weights."""
-    spec = FAMILIES.get(shape.architecture or "")
+    spec = shape.family
     modules = workload.target_modules
     if spec is not None and tuple(modules) == tuple(DEFAULT_LORA_TARGETS):
         modules = spec.lora_targets
@@ -69,12 +70,20 @@ def lora_targets(shape: Shape, workload: Workload) -> tuple[tuple[str, ...], tup
 
 
 def trainable_per_layer(shape: Shape, workload: Workload) -> list[int]:
-    """Trainable parameters per engine layer: every weight, or the LoRA adapters of each block."""
+    """Trainable parameters per engine layer: every weight, or the LoRA adapters of each block;
+    a VLM's tower and projector in the input layer as ``vision_tower`` and ``projector`` say
+    (frozen by default, also in a full fine-tune)."""
     w = workload
+    vision = 0
+    if shape.tower is not None:
+        vision = shape.tower.trainable(tower=w.vision_tower, projector=w.projector, rank=w.lora_r)
     if w.tuning == "full":
-        return shape.layer_params()
+        params = shape.layer_params()
+        return [params[0] - (shape.tower.params if shape.tower is not None else 0) + vision, *params[1:]]
     modules, parameters = lora_targets(shape, w)
-    return list(_lora_per_layer(shape, w.lora_r, modules, parameters))
+    per_layer = list(_lora_per_layer(shape, w.lora_r, modules, parameters))
+    per_layer[0] += vision
+    return per_layer
 
 
 @lru_cache(maxsize=256)
@@ -108,8 +117,9 @@ def host_ram(
     bytes, a 4-bit base's packed), the trainable weights' fp32 masters, gradients and optimizer
     state (and a second copy in async mode), a full fine-tune's frozen copy of its initial
     weights in the compute dtype when GRPO's KL term needs a reference (``kl_reference``; a LoRA
-    run's reference is its base), and the inputs of the stages that recompute (``boundaries`` of
-    them) for every sequence of the batch (both of each DPO pair)."""
+    run's reference is its base), the inputs of the stages that recompute (``boundaries`` of
+    them) for every sequence of the batch (both of each DPO pair), and a VLM batch's images as
+    the tower takes them (fp32 pixel values)."""
     w = workload
     dtype = DTYPE_BYTES[w.compute_dtype]
     frozen_reference = w.kl_reference and w.tuning == "full"
@@ -120,6 +130,9 @@ def host_ram(
         "reference_weights_gb": (trainable * dtype / GB) if frozen_reference else 0.0,
         "stage_inputs_gb": boundaries * w.sequences * w.seq_len * shape.hidden * dtype / GB,
     }
+    if shape.tower is not None:
+        pixels = shape.tower.image(*w.image_size).pixel_values if w.images_per_row else 0
+        host["images_gb"] = w.sequences * w.images_per_row * pixels * FP32_BYTES / GB
     host["total_gb"] = sum(host.values())
     return host
 

@@ -34,6 +34,11 @@ prefetch are the blocks' *packed* bytes (what is uploaded), and a stage also hol
 
 A LoRA job's weights include its adapters' compute copy (uploaded with the base).
 
+A vision-language model's input layer holds its vision tower and projector
+(``engine.planner.vision``): their weights (and LoRA adapters) upload with it, and when either
+trains it keeps their activations over the micro-batch's image patches; the tower's MLP over
+those patches is a transient of the workspace, and its FLOPs are the input layer's time.
+
 Everything is per worker: the CUDA context (``CUDA_OVERHEAD_BYTES``) is per GPU, and when a run
 puts several workers on one GPU they divide what is left of its memory. The partition packs
 stages as the engine does (each layer's weights twice: its own and the prefetch), then checks
@@ -50,6 +55,7 @@ from functools import lru_cache
 from engine.planner.activations import block_bytes_per_token
 from engine.planner.quantized import FP32_BYTES, block_bytes
 from engine.planner.shapes import Shape
+from engine.planner.vision import ImageCost
 from engine.planner.workload import DTYPE_BYTES, GB, Hardware, Workload
 from engine.scheduling.partition import LayerCost, Plan, StageKind, auto_partition, fewest_stages
 
@@ -148,18 +154,31 @@ def memory_model(shape: Shape, workload: Workload, hardware: Hardware, trainable
     h = shape.hidden
     base = base_bytes(shape, d, w.base_bits)
     weights = list(base.weights)
-    if w.tuning == "lora":  # the adapters' compute copy rides with the base
-        weights = [b + n * d for b, n in zip(weights, trainable, strict=True)]
+    if w.tuning == "lora":  # the blocks' adapters' compute copy rides with the base
+        weights = [
+            b + (n * d if 0 < i <= shape.layers else 0)
+            for i, (b, n) in enumerate(zip(weights, trainable, strict=True))
+        ]
+    weights[0] += vision_adapters(shape, w) * d  # LoRA on the vision tower or projector
     grad_bytes = 4 + (d if d < 4 else 0)
     per_token, width = _activations(shape, w.compute_dtype)
     chunk = min(float(w.loss_chunk_tokens), t)
     logits = [0.0] * (shape.layers + 1) + [chunk * shape.vocab * (4 + 4 + d)]
     workers_per_gpu = w.workers_per_gpu()
+    activations = [t * a for a in per_token]
+    transient = 3 * t * width
+    images = microbatch_images(shape, w)
+    if images is not None and shape.tower is not None:
+        tower, (cost, count) = shape.tower, images
+        trains_tower = w.vision_tower != "frozen"
+        if trains_tower or w.projector != "frozen":
+            activations[0] += tower.activation_bytes(count * cost.patches, d, tower=trains_tower)
+        transient = max(transient, (3 if tower.gated else 2) * count * cost.patches * tower.intermediate)
     return Memory(
         capacity=(hardware.gpu_memory_gb * GB - CUDA_OVERHEAD_BYTES) / workers_per_gpu,
-        workspace=t * d * (3 * h + 3 * width),
+        workspace=t * d * 3 * h + transient * d,
         weights=weights,
-        activations=[t * a for a in per_token],
+        activations=activations,
         gradients=[float(n * grad_bytes) for n in trainable],
         logits=logits,
         decoded=list(base.decoded) if w.base_bits != 16 else [],
@@ -305,13 +324,53 @@ def layer_times(shape: Shape, workload: Workload, hardware: Hardware) -> list[tu
         score = shape.heads * shape.head_dim * 2
     else:
         score = shape.heads * (shape.mla.nope + shape.mla.rope + shape.mla.v)
-    times = [(0.0, 0.0)]  # the embedding lookup
+    times = [vision_times(shape, w, rate)]  # the embedding lookup (and a VLM's tower)
     for active in _active_params(shape):
         fwd = (2.0 * active + length * score) * t / rate
         times.append((fwd, bwd_factor * fwd))
     head = 2.0 * shape.hidden * shape.vocab * t / rate
     times.append((head, bwd_factor * head))
     return times
+
+
+def microbatch_images(shape: Shape, workload: Workload) -> tuple[ImageCost, float] | None:
+    """A VLM job's image: its cost (``Tower.image`` at ``workload.image_size``) and the images of
+    one micro-batch; None for a text model or a job without images."""
+    w = workload
+    if shape.tower is None or not w.images_per_row:
+        return None
+    return shape.tower.image(*w.image_size), w.sequences / w.num_microbatches * w.images_per_row
+
+
+def vision_adapters(shape: Shape, workload: Workload) -> int:
+    """The LoRA adapters' parameters on a VLM's tower and projector (``"lora"`` parts only)."""
+    w = workload
+    if shape.tower is None:
+        return 0
+    return shape.tower.trainable(
+        tower="lora" if w.vision_tower == "lora" else "frozen",
+        projector="lora" if w.projector == "lora" else "frozen",
+        rank=w.lora_r,
+    )
+
+
+def vision_times(shape: Shape, workload: Workload, rate: float) -> tuple[float, float]:
+    """Forward and backward seconds of a VLM's tower and projector over one micro-batch's images
+    (the input layer's; nothing for a text model): the backward runs through what trains (a
+    full part's weight gradients twice, a LoRA part's once) and through the projector when the
+    tower below it trains."""
+    w = workload
+    images = microbatch_images(shape, w)
+    if images is None or shape.tower is None:
+        return 0.0, 0.0
+    tower, (cost, count) = shape.tower, images
+    patches = count * cost.patches
+    body = tower.block_flops(patches, cost.patches) / rate
+    head = tower.projector_flops(patches) / rate
+    factor = {"frozen": 0.0, "lora": 1.0, "full": 2.0}
+    below = factor[w.vision_tower]
+    back = below * body + max(factor[w.projector], 1.0 if below else 0.0) * head
+    return body + head, back
 
 
 @lru_cache(maxsize=256)

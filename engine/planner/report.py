@@ -165,6 +165,16 @@ class PlanReport:
                 )
                 + f"; a step {self.step_s:.2f} s, {100 * (self.rollout_share or 0):.0f}% of it rollouts"
             )
+        vision = a.get("vision")
+        if vision:
+            size = "x".join(str(n) for n in vision["image_size"])
+            lines.append(
+                f"vision: tower {vision['tower_params'] / 1e6:,.1f}M ({vision['vision_tower']}), projector "
+                f"{vision['projector_params'] / 1e6:,.1f}M ({vision['projector']}) parameters in the input "
+                f"layer; {vision['images_per_row']:g} images a row of {size} pixels, each "
+                f"{vision['patches_per_image']:,} patches and "
+                f"{vision['image_tokens_per_image']:,} image tokens"
+            )
         if self.eta_s is not None:
             lines.append(f"ETA: {self.eta_s / 3600:.2f} h")
         if self.total_s is not None:
@@ -187,13 +197,18 @@ class PlanReport:
         return "\n".join(lines)
 
 
-def plan_job(config: dict[str, Any], hardware: Hardware, workload: Workload) -> PlanReport:
+def plan_job(
+    config: dict[str, Any], hardware: Hardware, workload: Workload, *, processor: dict[str, Any] | None = None
+) -> PlanReport:
     """Memory, fit and speed of a fine-tune on a box, and the longest sequence that fits.
 
     Args:
         config: the base model's ``config.json`` as a dict.
         hardware: the GPUs, link and host RAM.
         workload: sequence length, batch, method, engine settings and (optionally) steps.
+        processor: a vision-language model's image processor settings (its
+            ``preprocessor_config.json``), for what an image costs; the family's defaults when
+            None.
 
     Returns:
         A :class:`PlanReport`; ``fits`` is False with ``problems`` and ``suggestions`` when it does not.
@@ -202,7 +217,7 @@ def plan_job(config: dict[str, Any], hardware: Hardware, workload: Workload) -> 
         ConfigError: a bad config.json size or setting; ``field`` names it (a ``ValueError``).
     """
     check(workload, hardware)
-    shape = Shape.from_config(config)
+    shape = Shape.from_config(config, processor=processor)
     try:
         return _report(shape, hardware, workload)
     except (ZeroDivisionError, OverflowError) as exc:  # the ranges above should make this unreachable
@@ -235,6 +250,13 @@ def _report(shape: Shape, hardware: Hardware, workload: Workload) -> PlanReport:
             suggestions.append(f"more micro-batches (num_microbatches up to {w.batch_size})")
         else:
             suggestions.append("a shorter seq_len or a smaller batch_size")
+    vision = vision_facts(shape, w)
+    if vision is not None and vision["image_tokens_per_row"] > w.seq_len:
+        problems.append(
+            f"a row's {w.images_per_row:g} images of {w.image_size[0]}x{w.image_size[1]} pixels are "
+            f"{vision['image_tokens_per_row']:,.0f} image tokens, more than seq_len={w.seq_len}"
+        )
+        suggestions.append("fewer or smaller images a row, or a longer max_length")
     if a.limit(h) == "host_ram":
         problems.append(f"host RAM: needs {host['total_gb']:.1f} GB, the host has {h.host_ram_gb:g} GB")
         if stop == "host_ram" and longest:
@@ -338,8 +360,30 @@ def _report(shape: Shape, hardware: Hardware, workload: Workload) -> PlanReport:
             "reference_pairs": w.reference_pairs if w.needs_reference else None,
             "example": METHODS[w.objective].example,
             "example_sequences": METHODS[w.objective].example_sequences,
+            "vision": vision,
         },
     )
+
+
+def vision_facts(shape: Shape, workload: Workload) -> dict[str, Any] | None:
+    """What a VLM plan assumed of its tower and its images (None for a text model): the tower's
+    and the projector's weights, how they train, the images a row holds and their size, and
+    what one image is to the tower (patches) and to the language model (image tokens)."""
+    tower, w = shape.tower, workload
+    if tower is None:
+        return None
+    cost = tower.image(*w.image_size)
+    return {
+        "tower_params": tower.tower_params,
+        "projector_params": tower.projector_params,
+        "vision_tower": w.vision_tower,
+        "projector": w.projector,
+        "images_per_row": w.images_per_row,
+        "image_size": list(w.image_size),
+        "patches_per_image": cost.patches,
+        "image_tokens_per_image": cost.tokens,
+        "image_tokens_per_row": w.images_per_row * cost.tokens,
+    }
 
 
 def use_measured_overhead(report: PlanReport, *, overhead_s: float) -> PlanReport:

@@ -10,6 +10,10 @@ projections, latent attention, extra norms, biases, experts). A block's
 weights are every expert's (what is uploaded and kept in host RAM); its *active* weights are the
 ones a token runs through (the routed experts it picks, the shared experts, the router,
 attention), which is what its FLOPs count.
+
+A vision-language model is its language model's shape (``text_config``, laid out by its
+``VisionSpec.text``) with its vision tower and projector (``engine.planner.vision.Tower``) in the
+input layer, as the engine runs them.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from engine.errors import ConfigError
 from engine.model.block_layout import BlockKind, Mla, Moe
 from engine.model.families import FAMILIES, family_of_model_type, model_kind
 from engine.model.family_spec import BlockSizes, FamilySpec
+from engine.planner.vision import Tower
+from engine.vision.families import vision_spec
 
 __all__ = ["SHAPE_LIMITS", "Mla", "Moe", "Shape"]
 # the blocks of an architecture the engine does not train are counted as Llama's
@@ -78,11 +84,13 @@ class Shape:
     context: int | None = None  # max_position_embeddings, when the config gives a sane one
     # "mxfp4": the checkpoint stores the expert weights in MXFP4 (GPT-OSS), kept so in a 4-bit base
     stored_experts: str | None = None
+    tower: Tower | None = None  # a vision-language model's vision tower and projector
 
     @classmethod
-    def from_config(cls, config: dict[str, Any]) -> Shape:
+    def from_config(cls, config: dict[str, Any], *, processor: dict[str, Any] | None = None) -> Shape:
         """Read the sizes of a Llama-shaped or mixture-of-experts config (text config of a
-        multimodal one).
+        multimodal one, and a vision-language model's tower, its image costs by the image
+        processor's settings ``processor`` when given).
 
         Raises:
             ConfigError: a size is missing or not a positive integer (``field`` is its key).
@@ -103,7 +111,8 @@ class Shape:
                 f"config.json: num_attention_heads={heads} exceeds hidden_size={hidden} (no head_dim given)",
             )
         kind = _kind(cfg | {"architectures": config.get("architectures") or cfg.get("architectures")})
-        family = FAMILIES.get(kind.architecture or "")
+        family = _family(kind.architecture)
+        vision = vision_spec(kind.architecture)
         moe = None
         if kind.moe:
             moe = Moe(
@@ -137,7 +146,7 @@ class Shape:
             )
         kv_heads = sizes.get("num_key_value_heads", heads)
         # the norms and biases a block holds follow the family its (text) config's model_type names
-        layout = family_of_model_type(cfg.get("model_type"))
+        layout = vision.text if vision is not None else family_of_model_type(cfg.get("model_type"))
         extra = 0 if layout is None else layout.block_extra(BlockSizes(hidden, heads, kv_heads, head_dim))
         if mla is not None:  # the q and kv latents' norms
             extra = mla.q_rank + mla.kv_rank
@@ -157,7 +166,11 @@ class Shape:
             kv_heads=kv_heads,
             head_dim=head_dim,
             vocab=sizes["vocab_size"],
-            tied=bool(cfg.get("tie_word_embeddings", False)),
+            tied=bool(
+                (config if vision is not None and "tie_word_embeddings" in config else cfg).get(
+                    "tie_word_embeddings", False
+                )
+            ),  # a VLM's head is tied (or not) by its top config
             architecture=kind.architecture,
             qkv_bias=bias or (layout is not None and layout.qkv_bias),
             o_bias=bias,
@@ -166,12 +179,14 @@ class Shape:
             mla=mla,
             context=context,
             stored_experts="mxfp4" if stored else None,
+            tower=Tower.from_config(config, processor) if vision is not None else None,
         )
 
     @property
     def family(self) -> FamilySpec | None:
-        """The spec of the config's architecture (None when the engine does not train it)."""
-        return FAMILIES.get(self.architecture or "")
+        """The spec of the config's architecture (a VLM's: its language model's; None when the
+        engine does not train it)."""
+        return _family(self.architecture)
 
     def is_moe_block(self, block: int) -> bool:
         """Whether decoder block ``block`` (0-based) routes its tokens to experts."""
@@ -234,10 +249,12 @@ class Shape:
         return self.block_kind(block).active_params
 
     def layer_params(self) -> list[int]:
-        """Parameters per engine layer: input layer, each block, output layer (a tied head counts once)."""
+        """Parameters per engine layer: input layer (a VLM's vision tower and projector too), each
+        block, output layer (a tied head counts once)."""
         embed = self.vocab * self.hidden
         head = self.hidden + (0 if self.tied else embed)
-        return [embed, *[self.block_params(b) for b in range(self.layers)], head]
+        vision = self.tower.params if self.tower is not None else 0
+        return [embed + vision, *[self.block_params(b) for b in range(self.layers)], head]
 
     def mlp_width(self, block: int) -> int:
         """The MLP intermediate width one token's activations have in a block (its routed and
@@ -282,6 +299,12 @@ class Shape:
     def lora_params(self, rank: int, targets: tuple[str, ...], parameters: tuple[str, ...] = ()) -> int:
         """Trainable parameters of the LoRA adapters of every block."""
         return sum(self.lora_block_params(b, rank, targets, parameters) for b in range(self.layers))
+
+
+def _family(architecture: str | None) -> FamilySpec | None:
+    """The family spec of an architecture: a text family's, a VLM's language model's, else None."""
+    spec = vision_spec(architecture)
+    return spec.text if spec is not None else FAMILIES.get(architecture or "")
 
 
 def _leaf(target: str) -> str:

@@ -8,6 +8,7 @@ import random
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from engine.config import EngineConfig, TrainConfig, resolve_compute_dtype
 from engine.errors import ConfigError
@@ -41,6 +42,8 @@ WORKLOAD_LIMITS: dict[str, int] = {
     "loss_chunk_tokens": 1 << 30,
 }
 REFERENCE_PAIRS_LIMIT = 1 << 40  # pairs a DPO reference pass may cover
+IMAGES_PER_ROW_LIMIT = 1024  # images a VLM's training row may hold, on average
+IMAGE_EDGE_LIMIT = 1 << 16  # pixels along an image's edge
 # a workload's ``method``: what trains (supervised) or a method of the registry (engine.methods)
 METHODS = (*TUNINGS, *(name for name in METHOD_TABLE if name != "sft"))
 
@@ -121,6 +124,12 @@ class Workload:
     full fine-tune's frozen copy of its initial weights, which host RAM holds too). With
     ``num_iterations`` mu > 1 a batch of completions trains mu steps: it is sampled (and its
     log-probabilities measured) once every mu steps, and an epoch is mu times as many steps.
+
+    A vision-language model's job says how its vision tower and projector train
+    (``vision_tower``, ``projector``: ``"frozen"``, ``"lora"`` or ``"full"``, as ``method``'s
+    options) and what its rows hold: ``images_per_row`` images (on average) of ``image_size``
+    (width, height) pixels; the planner prices the tower's patches and the image tokens from
+    them (``engine.planner.vision``). A text model ignores them.
     """
 
     seq_len: int = 2048
@@ -151,6 +160,10 @@ class Workload:
     validation_rows: int = 0
     eval_every: int | None = None
     checkpoint_every: int = 100
+    vision_tower: str = "frozen"  # a VLM's tower: "frozen", "lora" or "full" (method.vision_tower)
+    projector: str = "frozen"  # a VLM's projector, likewise (method.projector)
+    images_per_row: float = 0.0  # images a training row holds, on average (from the data, or said)
+    image_size: tuple[int, int] = (448, 448)  # (width, height) of an image as the data holds it
 
     @property
     def objective(self) -> str:
@@ -200,6 +213,8 @@ class Workload:
         num_sequences: int | None = None,
         token_lengths: Sequence[int] | None = None,
         num_validation: int | None = None,
+        image_counts: Sequence[int] | None = None,
+        image_sizes: Sequence[tuple[int, int]] | None = None,
     ) -> Workload:
         """The workload of a run: the one place a ``TrainConfig`` becomes the planner's input.
 
@@ -215,6 +230,11 @@ class Workload:
             num_validation: rows of a separate validation file, when known: a DPO run's reference
                 pass covers them too (a held-out fraction is already among ``num_sequences``), and
                 each validation pass (``validation_rows``; else the fraction held out).
+
+            image_counts: a VLM run's images per training row (all rows, or a sample): their mean
+                is ``images_per_row``.
+            image_sizes: the (width, height) of those images (all, or a sample): their mean is
+                ``image_size``.
 
         Returns:
             The workload; ``steps`` is None when neither ``max_steps`` nor ``num_sequences`` is known.
@@ -287,6 +307,9 @@ class Workload:
             validation_rows=held or 0,
             eval_every=config.eval.every_steps,
             checkpoint_every=config.checkpoint.every_steps,
+            vision_tower=str(getattr(m, "vision_tower", "frozen")),
+            projector=str(getattr(m, "projector", "frozen")),
+            **_image_stats(image_counts, image_sizes),
         )
 
     def num_workers(self, hardware: Hardware) -> int:
@@ -317,6 +340,20 @@ def batch_length(
         [n for ex in examples[i : i + batch_size] for n in ex] for i in range(0, len(examples), batch_size)
     ]
     return sum(max(b) * len(b) for b in batches) / len(cut)
+
+
+def _image_stats(counts: Sequence[int] | None, sizes: Sequence[tuple[int, int]] | None) -> dict[str, Any]:
+    """A workload's ``images_per_row`` and ``image_size`` from the data's images (the defaults
+    for what is not given)."""
+    stats: dict[str, Any] = {}
+    if counts:
+        stats["images_per_row"] = sum(counts) / len(counts)
+    if sizes:
+        stats["image_size"] = (
+            max(1, round(sum(w for w, _ in sizes) / len(sizes))),
+            max(1, round(sum(h for _, h in sizes) / len(sizes))),
+        )
+    return stats
 
 
 def _is_gpu(device: str) -> bool:
@@ -381,6 +418,32 @@ def check(workload: Workload, hardware: Hardware) -> None:
             raise ConfigError(
                 "num_iterations", f"num_iterations={mu!r} must be an integer from 1 to 16", value=mu
             )
+    for label in ("vision_tower", "projector"):
+        mode = getattr(w, label)
+        if mode not in ("frozen", "lora", "full"):
+            raise ConfigError(label, f"{label}={mode!r} must be 'frozen', 'lora' or 'full'", value=mode)
+    per_row = w.images_per_row
+    if (
+        isinstance(per_row, bool)
+        or not isinstance(per_row, int | float)
+        or not 0 <= per_row <= IMAGES_PER_ROW_LIMIT
+    ):
+        raise ConfigError(
+            "images_per_row",
+            f"images_per_row={per_row!r} must be a number from 0 to {IMAGES_PER_ROW_LIMIT}",
+            value=per_row,
+        )
+    size = w.image_size
+    if not (
+        isinstance(size, tuple)
+        and len(size) == 2
+        and all(isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= IMAGE_EDGE_LIMIT for n in size)
+    ):
+        raise ConfigError(
+            "image_size",
+            f"image_size={size!r} must be (width, height), each an integer from 1 to {IMAGE_EDGE_LIMIT}",
+            value=size,
+        )
     if isinstance(w.base_bits, bool) or w.base_bits not in (16, 4):
         raise ConfigError("base_bits", f"base_bits={w.base_bits!r} must be 16 or 4", value=w.base_bits)
     if w.base_bits == 4 and w.tuning != "lora":
