@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, File, Form, Query, UploadFile
@@ -12,7 +13,14 @@ from engine.data import Family
 from server.deps import IdPath, SessionDep, SettingsDep, StorageDep, current_key
 from server.errors import ApiError, documented
 from server.limits import LimitedBodyRoute
-from server.schemas import LINE_PATTERN, DatasetPublic, DatasetsPublic, PreviewPublic, StatsPublic
+from server.schemas import (
+    LINE_PATTERN,
+    DatasetPublic,
+    DatasetsPublic,
+    PreviewPublic,
+    PreviewRow,
+    StatsPublic,
+)
 from server.services import datasets, tokenizers, uploads
 from server.settings import Settings
 from server.storage import Storage
@@ -48,6 +56,11 @@ def _found(session: SessionDep, dataset_id: str) -> Any:
     return found
 
 
+def _scratch(settings: Settings) -> Path:
+    """Where uploads arrive (and hold the image lock)."""
+    return settings.cache_dir / "incoming"
+
+
 def _file(storage: Storage, settings: Settings, dataset: Any) -> Any:
     """The dataset's file on this host (a copy in the cache when the store is remote)."""
     try:
@@ -63,20 +76,30 @@ async def upload_dataset(
     session: SessionDep,
     settings: SettingsDep,
     storage: StorageDep,
-    file: Annotated[UploadFile, File(description="JSONL, CSV or Parquet")],
+    file: Annotated[
+        UploadFile,
+        File(
+            description="JSONL, CSV or Parquet; or a zip, tar or tar.gz of one with the image files it names"
+        ),
+    ],
     name: Annotated[str | None, Form(max_length=255, pattern=LINE_PATTERN)] = None,
 ) -> Any:
-    """Upload a dataset file; it is validated row by row and kept only if every row is valid."""
-    return await run_in_threadpool(
-        uploads.upload,
-        session,
-        source=file.file,
-        filename=file.filename,
-        name=name,
-        storage=storage,
-        scratch=settings.cache_dir / "incoming",
-        max_bytes=settings.max_upload_bytes,
-    )
+    """Upload a dataset file, or a zip/tar of one with its images; it is validated row by row and
+    kept only if every row is valid (its images stored once each)."""
+
+    def upload() -> Any:
+        with datasets.fetching_urls(settings.allow_image_urls):
+            return uploads.upload(
+                session,
+                source=file.file,
+                filename=file.filename,
+                name=name,
+                storage=storage,
+                scratch=_scratch(settings),
+                max_bytes=settings.max_upload_bytes,
+            )
+
+    return await run_in_threadpool(upload)
 
 
 @router.get("/formats", response_model=DataFormatsPublic)
@@ -97,7 +120,18 @@ def get_dataset(session: SessionDep, dataset_id: IdPath) -> Any:
     return _found(session, dataset_id)
 
 
-@router.get("/{dataset_id}/preview", response_model=PreviewPublic, responses=documented(404))
+class PreviewImagesRow(PreviewRow):
+    images: list[str | None] | None = Field(
+        None,
+        description="a thumbnail (a data URL) of each image the row names, in order; null: one unreadable",
+    )
+
+
+class PreviewImagesPublic(PreviewPublic):
+    rows: list[PreviewImagesRow]  # type: ignore[assignment]
+
+
+@router.get("/{dataset_id}/preview", response_model=PreviewImagesPublic, responses=documented(404))
 def preview_dataset(
     session: SessionDep,
     settings: SettingsDep,
@@ -112,7 +146,13 @@ def preview_dataset(
     dataset = _found(session, dataset_id)
     tokenizer = tokenizers.of_model(model, models_dir=settings.models_dir, hf_cache=settings.hf_cache_dir)
     file = _file(storage, settings, dataset)
-    rows = datasets.preview(dataset, file=file, tokenizer=tokenizer, limit=limit, max_length=max_length)
+    try:
+        images_dir = datasets.local_images(storage, dataset, cache=settings.cache_dir)
+    except FileNotFoundError as exc:
+        raise ApiError(404, "not_found", f"dataset {dataset.id!r}: {exc}", param="dataset_id") from exc
+    rows = datasets.preview(
+        dataset, file=file, tokenizer=tokenizer, limit=limit, max_length=max_length, images_dir=images_dir
+    )
     return {"dataset_id": dataset.id, "model": model, "rows": rows}
 
 
@@ -134,11 +174,13 @@ def dataset_stats(
 
 
 @router.delete("/{dataset_id}", status_code=204, responses=documented(404, 409))
-def delete_dataset(session: SessionDep, storage: StorageDep, dataset_id: IdPath) -> None:
+def delete_dataset(
+    session: SessionDep, settings: SettingsDep, storage: StorageDep, dataset_id: IdPath
+) -> None:
     """Delete a dataset no unfinished job uses (a finished job keeps its record, and cannot resume)."""
     dataset = _found(session, dataset_id)
     user = datasets.in_use(session, dataset_id=dataset_id)
     if user is not None:
         message = f"dataset {dataset_id!r} is used by job {user!r}, which has not finished"
         raise ApiError(409, "in_use", message, param="dataset_id")
-    datasets.delete_dataset(session, dataset=dataset, storage=storage)
+    datasets.delete_dataset(session, dataset=dataset, storage=storage, lock_dir=_scratch(settings))

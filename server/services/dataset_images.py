@@ -153,9 +153,13 @@ class Resolver:
         if value.startswith("data:"):
             return self.staged.add(_data_url(value))
         digest = store_images.digest_of(value)
-        if digest is not None:
-            if digest not in self.staged.digests and not self.storage.exists(store_images.image_key(digest)):
-                raise ValueError(f"{value}: no such image in the store")
+        if digest is not None:  # a stored image: staged too, for the validation that reads them there
+            target = store_images.staged_path(self.staged.folder, digest)
+            if not target.is_file():
+                try:
+                    self.storage.get_file(store_images.image_key(digest), target)
+                except FileNotFoundError:
+                    raise ValueError(f"{value}: no such image in the store") from None
             self.staged.digests.add(digest)
             return value
         if value.startswith(("http://", "https://")):

@@ -3,21 +3,28 @@ engine's validator before storing. A dataset that finished jobs name is deleted 
 file and marking its row (``deleted_at``): the jobs keep their record, and only they see the row.
 
 An upload is copied into ``scratch/.incoming-<id><suffix>``, a file its process holds locked
-(``flock``) until the dataset's row is committed. What an upload cut short by a killed process
-left — that file, and the dataset's folder in the store, whole or partial, that no row names — is
-removed by ``sweep_incoming`` when the API starts again."""
+(``flock``) until the dataset's row is committed; an archive is unpacked, and the images staged,
+in ``scratch/.unpacked-<id>/``. Images are stored once each, by content (``server.storage.images``:
+the dataset's folder lists those it names), and go with the last dataset that names them. What an
+upload cut short by a killed process left — those files, the dataset's folder in the store, whole
+or partial, that no row names, and images no dataset names — is removed by ``sweep_incoming`` when
+the API starts again."""
 
 from __future__ import annotations
 
 import contextlib
 import errno
 import fcntl
+import gzip
 import hashlib
 import logging
 import os
 import re
+import shutil
 import uuid
+import zlib
 from collections.abc import Iterator
+from contextvars import ContextVar
 from pathlib import Path
 from typing import IO, Any, BinaryIO
 
@@ -34,16 +41,35 @@ from engine.data import (
     read_records,
     validate,
 )
+from engine.data.archives import ARCHIVE_SUFFIXES, Unpacked, archive_suffix, unpack
+from server.services import dataset_images
 from server.services.job_states import TERMINAL
-from server.storage import Storage, StorageUnavailable
+from server.storage import Storage, StorageUnavailable, images
 from server.tables import Dataset, Job, now
 
 log = logging.getLogger("roundhouse.datasets")
 CHUNK = 1 << 20
 FOLDER = "datasets"  # the store's folder of datasets
 INCOMING = ".incoming-"  # an upload's copy in the scratch folder: .incoming-<id><suffix>
+UNPACKED = ".unpacked-"  # beside it, its archive unpacked and its images staged: .unpacked-<id>/
 MAX_NAME = 120  # characters of a stored file name
+UNPACKED_FACTOR = 4  # an archive may unpack to this many times the upload limit (a "zip bomb" stops there)
 MAX_REPORTED_ERRORS = 100  # invalid rows listed in an upload's report; the rest are counted
+
+
+# whether an upload fetches its http(s) image URLs (the operator's allow_image_urls); the API sets
+# it around an upload (``fetching_urls``), the rest never fetch
+FETCH_URLS: ContextVar[bool] = ContextVar("fetch_urls", default=False)
+
+
+@contextlib.contextmanager
+def fetching_urls(allowed: bool) -> Iterator[None]:
+    """Uploads in this context fetch their http(s) image URLs when ``allowed``."""
+    token = FETCH_URLS.set(allowed)
+    try:
+        yield
+    finally:
+        FETCH_URLS.reset(token)
 
 
 class TooLarge(Exception):
@@ -73,26 +99,36 @@ def store_upload(
     scratch: Path,
     max_bytes: int,
     origin: dict[str, Any] | None = None,
+    fetch_urls: bool | None = None,
 ) -> tuple[Dataset | None, Report]:
-    """Copy an upload in chunks to a temporary file in ``scratch``, validate every row, and store
-    it (as ``datasets/<id>/<file name>``) only if it is valid; the temporary file always goes.
+    """Copy an upload in chunks to a temporary file in ``scratch``, unpack it when it is an
+    archive (``engine.data.archives``; at most ``UNPACKED_FACTOR`` times ``max_bytes`` unpacked),
+    store its images once each and rewrite their references (``dataset_images``), validate every
+    row, and store it (as ``datasets/<id>/<file name>``) only if it is valid; the temporary files
+    always go.
 
     Returns the stored dataset (None when invalid) and the validation report (its first
     ``MAX_REPORTED_ERRORS`` errors, and the count of all). ``origin``: where the file came from
-    when it was not uploaded (a Hub pull), recorded as the dataset's ``source``.
+    when it was not uploaded (a Hub pull), recorded as the dataset's ``source``. ``fetch_urls``:
+    whether http(s) image URLs are fetched (the operator's ``allow_image_urls``); None: as
+    ``fetching_urls`` says (default no).
 
     Raises:
         TooLarge: more than ``max_bytes`` arrived (nothing is kept).
-        ValueError: an unsupported file type.
+        ValueError: an unsupported file type; an archive that breaks a limit, or holds no data
+            file or several.
     """
     clean = safe_name(filename)
-    suffix = Path(clean).suffix.lower()
-    if suffix not in SUFFIXES:
-        raise ValueError(f"unsupported file type {suffix or '(none)'!r}; use {', '.join(SUFFIXES)}")
+    archive = archive_suffix(clean)
+    suffix = archive or Path(clean).suffix.lower()
+    if archive is None and suffix not in SUFFIXES:
+        kinds = ", ".join((*SUFFIXES, *ARCHIVE_SUFFIXES))
+        raise ValueError(f"unsupported file type {suffix or '(none)'!r}; use {kinds}")
     ident = uuid.uuid4().hex
-    folder, key = f"{FOLDER}/{ident}", f"{FOLDER}/{ident}/{clean}"
+    folder = f"{FOLDER}/{ident}"
     scratch.mkdir(parents=True, exist_ok=True)
     incoming = scratch / f"{INCOMING}{ident}{suffix}"
+    work = scratch / f"{UNPACKED}{ident}"
     digest, size = hashlib.sha256(), 0
     out = _held(incoming)  # locked until the row is committed or the upload given up
     try:
@@ -108,33 +144,96 @@ def store_upload(
             if exc.errno in (errno.ENOSPC, errno.EDQUOT) and exc.filename is None:
                 raise OSError(exc.errno, os.strerror(exc.errno), str(incoming)) from exc
             raise
-        report = validate(str(incoming), max_errors=MAX_REPORTED_ERRORS)
+        data_file, stored_name, roots = incoming, clean, []
+        if archive is not None:
+            found = _unpacked(incoming, work / "files", name=clean, max_bytes=UNPACKED_FACTOR * max_bytes)
+            data_file, stored_name = found.data, safe_name(found.data.name)
+            roots = list(dict.fromkeys([found.data.parent, found.root]))  # its folder, then the root
+        staged = dataset_images.Staged(work / "images")
+        fetch = FETCH_URLS.get() if fetch_urls is None else fetch_urls
+        resolver = dataset_images.Resolver(staged, storage=storage, roots=roots, fetch_urls=fetch)
+        rewritten = dataset_images.rewrite_file(
+            data_file, target=work / stored_name, resolve=resolver, max_errors=MAX_REPORTED_ERRORS
+        )
+        if rewritten.errors_total:
+            return None, Report(clean, None, 0, rewritten.errors, rewritten.errors_total)
+        final = rewritten.path or data_file
+        report = _validate(final, image_store=staged.folder if rewritten.has_images else None)
         report.path = clean
         if not report.ok:
             return None, report
-        storage.put_file(key, incoming)
         dataset = Dataset(
             id=ident,
             name=name or clean,
-            filename=clean,
-            path=key,
+            filename=stored_name,
+            path=f"{folder}/{stored_name}",
             format=report.format or "unknown",
             rows=report.rows,
             size_bytes=size,
             sha256=digest.hexdigest(),
             source=origin,
         )
-        try:
-            session.add(dataset)
-            session.commit()
-        except Exception:
-            session.rollback()
-            storage.delete_prefix(folder)
-            raise
+        _store(session, dataset=dataset, file=final, storage=storage, staged=staged, lock_dir=scratch)
         return dataset, report
     finally:
+        shutil.rmtree(work, ignore_errors=True)
         incoming.unlink(missing_ok=True)  # before the lock goes: a sweep never sees it unlocked
         out.close()
+
+
+def _unpacked(archive: Path, folder: Path, *, name: str, max_bytes: int) -> Unpacked:
+    """``unpack`` with its errors naming the upload (not its scratch copy).
+
+    Raises:
+        ValueError: as ``unpack``; also a damaged gzip stream.
+    """
+    try:
+        return unpack(archive, folder, max_bytes=max_bytes)
+    except (ValueError, gzip.BadGzipFile, zlib.error) as exc:
+        message = str(exc).replace(archive.name, name)
+        if not isinstance(exc, ValueError):
+            message = f"{name}: not a readable tar.gz archive ({exc})"
+        raise ValueError(message) from None
+
+
+def _validate(file: Path, *, image_store: Path | None) -> Report:
+    """The engine's validation of every row; with images, read from ``image_store`` (laid out as
+    the store)."""
+    if image_store is None:
+        return validate(str(file), max_errors=MAX_REPORTED_ERRORS)
+    return validate(str(file), max_errors=MAX_REPORTED_ERRORS, image_store=str(image_store))
+
+
+def _store(
+    session: Session,
+    *,
+    dataset: Dataset,
+    file: Path,
+    storage: Storage,
+    staged: dataset_images.Staged,
+    lock_dir: Path,
+) -> None:
+    """Store a valid dataset: its images (manifest first), its file, then its row. What fails
+    midway is taken back: the folder, and the images no other dataset names."""
+    folder = f"{FOLDER}/{dataset.id}"
+    try:
+        if staged.digests:
+            images.publish(
+                storage,
+                dataset_folder=folder,
+                staged=staged.folder,
+                digests=staged.digests,
+                lock_dir=lock_dir,
+            )
+        storage.put_file(dataset.path, file)
+        session.add(dataset)
+        session.commit()
+    except BaseException:
+        session.rollback()
+        with contextlib.suppress(Exception):  # the first failure is the one to tell
+            storage.delete_prefix(folder)
+            images.remove_unused(storage, staged.digests, datasets_folder=FOLDER, lock_dir=lock_dir)
+        raise
 
 
 def _held(path: Path) -> IO[bytes]:
@@ -175,6 +274,17 @@ def sweep_incoming(session: Session, *, storage: Storage, scratch: Path) -> list
                     continue
             path.unlink(missing_ok=True)
             swept.append(ident)
+    for work in sorted(scratch.glob(f"{UNPACKED}*")) if scratch.is_dir() else []:
+        ident = work.name.removeprefix(UNPACKED)
+        if not any(scratch.glob(f"{INCOMING}{ident}*")):  # its upload is over (or was swept above)
+            shutil.rmtree(work, ignore_errors=True)
+    try:
+        gone = images.sweep(storage, datasets_folder=FOLDER, lock_dir=scratch)
+    except StorageUnavailable:
+        log.warning("the store did not answer: images no dataset names are swept at the next start")
+        gone = []
+    if gone:
+        log.warning("removed %d image(s) no dataset names", len(gone))
     if swept:
         log.warning("removed what %d upload(s) cut short left: %s", len(swept), ", ".join(swept))
     return swept
@@ -201,16 +311,43 @@ def in_use(session: Session, *, dataset_id: str) -> str | None:
     return session.scalar(_users(dataset_id).where(Job.status.not_in(TERMINAL)).limit(1))
 
 
-def delete_dataset(session: Session, *, dataset: Dataset, storage: Storage) -> None:
+def delete_dataset(
+    session: Session, *, dataset: Dataset, storage: Storage, lock_dir: Path | None = None
+) -> None:
     """Delete the row (or, while finished jobs name it, mark it deleted), then its folder in the
-    store (``datasets/<id>``)."""
+    store (``datasets/<id>``), then the images it named that no other dataset names. ``lock_dir``:
+    the uploads' scratch folder, whose image lock keeps an upload on this host from naming an
+    image as it goes."""
     folder = f"{FOLDER}/{dataset.id}"
+    named = images.read_manifest(storage, folder)
     if session.scalar(_users(dataset.id).limit(1)) is None:
         session.delete(dataset)
     else:
         dataset.deleted_at = now()
     session.commit()
     storage.delete_prefix(folder)
+    images.remove_unused(storage, named, datasets_folder=FOLDER, lock_dir=lock_dir)
+
+
+def image_store(storage: Storage, *datasets: Dataset | None) -> str | None:
+    """What a job's ``data.image_store`` is when it trains on ``datasets``: the store's image
+    folder (its path where the store is this host's folder, else its key, which a worker pulls the
+    dataset's images from: ``local_images``), or None when none of them names an image."""
+    if not any(d is not None and images.has_images(storage, f"{FOLDER}/{d.id}") for d in datasets):
+        return None
+    own = storage.local_path(images.FOLDER)
+    return str(own) if own is not None else images.FOLDER
+
+
+def local_images(storage: Storage, dataset: Dataset, *, cache: Path) -> Path | None:
+    """The image store as a folder on this host with the images ``dataset`` names (the store's own
+    folder, or those images pulled into ``cache/images``); None when it names none.
+
+    Raises:
+        FileNotFoundError: an image it names is not stored.
+    """
+    named = images.read_manifest(storage, f"{FOLDER}/{dataset.id}")
+    return images.local_folder(storage, named, cache=cache) if named else None
 
 
 def forget_deleted(session: Session) -> None:
@@ -270,16 +407,42 @@ def first_examples(dataset: Dataset, limit: int, *, file: Path) -> Iterator[Exam
 
 
 def preview(
-    dataset: Dataset, *, file: Path, tokenizer: Any, limit: int, max_length: int
+    dataset: Dataset,
+    *,
+    file: Path,
+    tokenizer: Any,
+    limit: int,
+    max_length: int,
+    images_dir: Path | None = None,
 ) -> list[dict[str, Any]]:
     """The first rows rendered through the tokenizer's chat template, each token marked trained or
     not, as the dataset's format shows them (``DataFormat.preview``): a preference row as its
     prompt and both answers; a prompt row as its prompt (with the generation prompt of a chat
     prompt; nothing trained: GRPO samples the completions) and its other fields (``item``, what
-    a grader reads)."""
+    a grader reads). With ``images_dir`` (``local_images``), each row also has ``images``: a
+    thumbnail (a data URL) of each image it names, in order."""
     fmt = get_format(dataset.format)
     ensure_chat_template(tokenizer)
-    return [fmt.preview(ex, tokenizer, max_length) for ex in first_examples(dataset, limit, file=file)]
+    rows = [fmt.preview(ex, tokenizer, max_length) for ex in first_examples(dataset, limit, file=file)]
+    if images_dir is not None:
+        named = _row_images(file, limit)
+        for row in rows:
+            row["images"] = [
+                dataset_images.thumbnail(images.staged_path(images_dir, digest))
+                for digest in named.get(row["line"], [])
+            ]
+    return rows
+
+
+def _row_images(file: Path, limit: int) -> dict[int, list[str]]:
+    """The digests each of the first ``limit`` rows names, by line."""
+    found: dict[int, list[str]] = {}
+    for count, (line, record) in enumerate(read_records(str(file))):
+        if count >= limit:
+            break
+        if isinstance(record, dict):
+            found[line] = dataset_images.digests(record)
+    return found
 
 
 def token_stats(

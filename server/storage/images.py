@@ -160,3 +160,17 @@ def local_folder(storage: Storage, digests: Iterable[str], *, cache: Path) -> Pa
         if not target.is_file():
             storage.get_file(image_key(digest), target)
     return folder
+
+
+def folder_for(storage: Storage, dataset_keys: Iterable[str], *, cache: Path) -> Path:
+    """The image store as a folder on this host for a job that reads the dataset files
+    ``dataset_keys`` (``datasets/<id>/<file>``): ``local_folder`` of the images their folders'
+    manifests list (a worker's ``data.image_store`` when the store is remote).
+
+    Raises:
+        FileNotFoundError: an image they name is not stored.
+    """
+    named: set[str] = set()
+    for key in dataset_keys:
+        named |= read_manifest(storage, key.rsplit("/", 1)[0])
+    return local_folder(storage, named, cache=cache)

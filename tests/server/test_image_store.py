@@ -99,7 +99,7 @@ def test_every_place_a_row_names_an_image_is_rewritten(tmp_path: Path) -> None:
     (tmp_path / "pics").mkdir()
     (tmp_path / "pics" / "red.png").write_bytes(RED)
     resolve = resolver(tmp_path, roots=[tmp_path])
-    openai = {
+    openai: dict[str, Any] = {
         "messages": [
             {"role": "user", "content": [
                 {"type": "text", "text": "what?"},
