@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from engine.data.batches import split_validation
+from engine.data.batches import Pixels, split_validation
 from engine.data.encode import Row, load_rows
 from engine.metrics import Sink
 from engine.roundpipe import RoundPipe
@@ -44,16 +44,19 @@ class MethodRun:
 
     Args:
         config: the run's ``TrainConfig``.
-        tokenizer: the model's tokenizer.
+        tokenizer: the model's tokenizer (a vision-language model's processor).
 
     Attributes:
         train: what the batcher draws from (encoded examples or pairs).
         steps_per_batch: the optimizer steps each batch trains (GRPO's ``num_iterations``): the
             batcher serves every batch that many times in a row.
+        pixels: a vision-language model's row images to tensors
+            (``engine.vision.pixels.row_pixels``), set by the run; None for a text model.
     """
 
     train: list[Any]
     steps_per_batch: int = 1
+    pixels: Pixels | None = None
 
     def __init__(self, config: Any, tokenizer: Any) -> None:
         self.config = config

@@ -104,6 +104,23 @@ class MethodOptions(BaseModel):
         title="Base bits",
     )
 
+    vision_tower: Literal["frozen", "lora", "full"] = Field(
+        "frozen",
+        description=(
+            "a vision-language model's vision tower: kept frozen, adapted by LoRA (LoRA runs) or "
+            "trained whole; a text model takes only frozen"
+        ),
+        title="Vision tower",
+    )
+    projector: Literal["frozen", "lora", "full"] = Field(
+        "frozen",
+        description=(
+            "a vision-language model's projector (the layers between the vision tower and the "
+            "language model): frozen, LoRA (LoRA runs) or trained whole; a text model takes only frozen"
+        ),
+        title="Vision projector",
+    )
+
     # the common fields: the web form shows them once, above each method's own
     COMMON: ClassVar[tuple[str, ...]] = (
         "objective",
@@ -114,6 +131,8 @@ class MethodOptions(BaseModel):
         "target_modules",
         "target_parameters",
         "base_bits",
+        "vision_tower",
+        "projector",
     )
 
     @property

@@ -230,6 +230,7 @@ class AdaptedModel:
         multiplier = self._config_float(family.embedding_multiplier)
         first: nn.Module = InputLayer(embeddings, multiplier=multiplier)
         self.image_token_id: int | None = None
+        self.hf_config: Any = causal_lm.config  # a VLM's whole config (its vision_config too)
         if self.vision is not None:
             top = causal_lm.config
             self.image_token_id = int(getattr(top, self.vision.image_token))

@@ -29,7 +29,14 @@ from engine.methods import method_entry
 from engine.metrics import FanoutSink, NullSink, Sink
 from engine.model.export import base_model_name, save_export
 from engine.model.families import DEFAULT_LORA_TARGETS, family_for
-from engine.model.loading import checkpoint_dtype, load_model, load_tokenizer, resolve_model_path
+from engine.model.loading import (
+    checkpoint_dtype,
+    load_model,
+    load_processor_for,
+    load_tokenizer,
+    resolve_model_path,
+    vision_architecture,
+)
 from engine.roundpipe import RoundPipe
 from engine.tracking import TrackingOptions, warn_into
 from engine.tracking import start as start_trackers
@@ -47,6 +54,9 @@ from engine.training.checkpoint_layout import (
     latest,
     list_checkpoints,
 )
+from engine.vision import tuning
+from engine.vision.families import vision_spec
+from engine.vision.pixels import row_pixels
 
 T = TypeVar("T")
 
@@ -136,6 +146,50 @@ def lora_target_parameters(configured: Sequence[str], model: Any) -> list[str]:
     return names
 
 
+def tuned(model: Any, m: Any) -> Any:
+    """``model`` made ready for what the run's ``method`` section trains: every weight (a full
+    fine-tune, a VLM's frozen tower and projector left out), or a LoRA adapter (peft) on the
+    target modules, with a VLM's tower and projector frozen, adapted or trained whole as asked
+    (``engine.vision.tuning``).
+
+    Raises:
+        ConfigError: a target or a tower/projector setting the model cannot take.
+    """
+    architecture = type(model).__name__
+    vision = vision_spec(architecture)
+    tuning.check_options(vision, architecture, m)
+    if not m.lora:
+        if vision is not None:
+            tuning.freeze(model, vision, m)
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    targets = lora_targets(m.target_modules, architecture)
+    saved: list[str] = []
+    if vision is not None:
+        # the language model's layers by name, the tower's and projector's as asked
+        targets, saved = tuning.lora_modules(model, vision, targets, m)
+    parameters = lora_target_parameters(m.target_parameters, model)
+    lora = LoraConfig(
+        r=m.lora_r,
+        lora_alpha=m.lora_alpha,  # type: ignore[arg-type]  # peft accepts floats
+        lora_dropout=m.lora_dropout,
+        target_modules=targets,
+        target_parameters=parameters or None,
+        modules_to_save=saved or None,
+        task_type="CAUSAL_LM",
+    )
+    try:
+        wrapped = get_peft_model(model, lora)
+    except ValueError as exc:
+        raise ConfigError(
+            "method.target_modules", f"method.target_modules={targets}: {exc}", value=targets
+        ) from exc
+    if vision is not None and saved:
+        tuning.settle_saved(wrapped, vision, m)
+    return wrapped
+
+
 class Run:
     """The objects of one run; ``train()`` drives it."""
 
@@ -154,9 +208,17 @@ class Run:
         self.cancel = cancel
         self.folder = resolve_model_path(config.model.path, models_dir)
         self.base_name = base_model_name(config.model.name, self.folder)  # a hub id, never a path
-        self.tokenizer = load_tokenizer(self.folder)
+        # a vision-language model's processor (its tokenizer and image processor) encodes the data
+        self.processor = load_processor_for(self.folder)
+        self.tokenizer = load_tokenizer(self.folder) if self.processor is None else self.processor.tokenizer
         # the method's examples (or pairs), steps and validation
-        self.method = method_entry(config.method.objective).run_class()(config, self.tokenizer)
+        self.method = method_entry(config.method.objective).run_class()(
+            config, self.processor or self.tokenizer
+        )
+        pixels = None
+        if self.processor is not None:
+            pixels = row_pixels(self.processor, str(vision_architecture(self.folder)))
+            self.method.pixels = pixels
         train = self.method.train
         devices = devices_for(config.engine.devices)
         dtype = resolve_compute_dtype(config.engine.compute_dtype, on_gpu=devices[0].startswith("cuda"))
@@ -188,7 +250,9 @@ class Run:
         )
         self.pad_id = int(self.tokenizer.pad_token_id)
         # a method that trains each batch several steps (GRPO's num_iterations) is served it as often
-        self.batcher = Batcher(train, h.batch_size, h.seed, self.pad_id, repeat=self.method.steps_per_batch)
+        self.batcher = Batcher(
+            train, h.batch_size, h.seed, self.pad_id, repeat=self.method.steps_per_batch, pixels=pixels
+        )
         if h.max_steps is not None:
             self.total = h.max_steps
         else:
@@ -209,26 +273,7 @@ class Run:
             dtype="float32" if full_precision else self.compute_dtype,
             keep_packed=m.lora and m.base_bits == 4,
         )
-        if not m.lora:
-            return model
-        from peft import LoraConfig, get_peft_model
-
-        targets = lora_targets(m.target_modules, type(model).__name__)
-        parameters = lora_target_parameters(m.target_parameters, model)
-        lora = LoraConfig(
-            r=m.lora_r,
-            lora_alpha=m.lora_alpha,  # type: ignore[arg-type]  # peft accepts floats
-            lora_dropout=m.lora_dropout,
-            target_modules=targets,
-            target_parameters=parameters or None,
-            task_type="CAUSAL_LM",
-        )
-        try:
-            return get_peft_model(model, lora)
-        except ValueError as exc:
-            raise ConfigError(
-                "method.target_modules", f"method.target_modules={targets}: {exc}", value=targets
-            ) from exc
+        return tuned(model, m)
 
     def prepare(self) -> None:
         """The method's work before the first step (DPO's reference log-probabilities), on the

@@ -72,6 +72,13 @@ def context_inputs(
     is_image = input_ids == adapted.image_token_id
     if spec.positions == "mrope":
         grid = None if images is None else images.get("image_grid_thw")
+        merge = int(adapted.hf_config.vision_config.spatial_merge_size)
+        features = 0 if grid is None else int((grid.prod(-1) // merge**2).sum())
+        if features != int(is_image.sum()):
+            raise ValueError(
+                f"the images give {features} image features for {int(is_image.sum())} image tokens "
+                "(the data's image placeholders and its images disagree)"
+            )
         positions, _ = adapted.rope_index(
             input_ids,
             mm_token_type_ids=is_image.int(),

@@ -208,3 +208,58 @@ def tiny_vlm_folder(path: str | Path, family: str = "qwen2_5_vl") -> Path:
     model.save_pretrained(path)
     save_processor(tiny_processor(family), type(model).__name__, path)
     return Path(path)
+
+
+ARCHITECTURES = {
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+    "gemma3_vl": "Gemma3ForConditionalGeneration",
+    "idefics3": "Idefics3ForConditionalGeneration",
+}
+
+
+def vision_rows(family: str) -> list[tuple[str, list[bytes]]]:
+    """Four rows: two images of different sizes, one image, a text row, one more image.
+
+    Cut into 3 micro-batches (2, 1, 1 rows) the third micro-batch is the text row alone."""
+    ph = PLACEHOLDERS[family]
+    return [
+        (f"look {ph} at this {ph} two", [png(24, 16, 0), png(40, 30, 1)]),
+        (f"one {ph} x", [png(16, 16, 2)]),
+        ("no image here at all, only text", []),
+        (f"y {ph} z", [png(32, 20, 3)]),
+    ]
+
+
+def vision_batches(
+    family: str, processor: Any, rows: list[tuple[str, list[bytes]]] | None = None
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The same batch twice: as the family's processor gives it to the model's own forward (the
+    plain loop's keyword arguments, ``labels`` included) and as the engine takes it (``images``:
+    one entry per row, ``engine.vision.pixels.row_pixels``). Labels: every real token but the
+    first two of each row."""
+    from PIL import Image
+
+    from engine.vision.pixels import row_pixels
+
+    rows = vision_rows(family) if rows is None else rows
+    texts = [t for t, _ in rows]
+    pictures = [[Image.open(io.BytesIO(b)).convert("RGB") for b in images] for _, images in rows]
+    if family == "qwen2_5_vl":
+        flat = [p for row in pictures for p in row]
+        out = processor(text=texts, images=flat or None, return_tensors="pt", padding=True)
+    else:
+        out = processor(
+            text=texts, images=pictures if any(pictures) else None, return_tensors="pt", padding=True
+        )
+    labels = out["input_ids"].clone()
+    labels[out["attention_mask"] == 0] = -100
+    labels[:, :2] = -100
+    plain = dict(out, labels=labels)
+    pixels = row_pixels(processor, ARCHITECTURES[family])
+    engine = {
+        "input_ids": out["input_ids"],
+        "labels": labels,
+        "attention_mask": out["attention_mask"],
+        "images": [pixels(images) if images else None for _, images in rows],
+    }
+    return plain, engine

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
-from engine.data.batches import collate, pack
+from engine.data.batches import Pixels, collate, pack
 from engine.data.encode import Encoded
 from engine.methods.base import MethodRun, load_split
 from engine.parallel.objective import Objective
@@ -28,12 +26,15 @@ def load_examples(config: Any, tokenizer: Any) -> tuple[list[Encoded], list[Enco
     return train, val
 
 
-def evaluate(engine: RoundPipe, examples: list[Encoded], batch_size: int, pad_id: int) -> dict[str, float]:
+def evaluate(
+    engine: RoundPipe, examples: list[Encoded], batch_size: int, pad_id: int, pixels: Pixels | None = None
+) -> dict[str, float]:
     """``loss/val``, the token-weighted mean validation loss, and ``accuracy/val``, the share of
-    label tokens whose logits' argmax is the label."""
+    label tokens whose logits' argmax is the label (rows with images: ``pixels`` makes their
+    tensors)."""
     total, tokens, correct = 0.0, 0, 0
     for i in range(0, len(examples), batch_size):
-        batch = collate(examples[i : i + batch_size], pad_id)
+        batch = collate(examples[i : i + batch_size], pad_id, pixels)
         n = int((batch["labels"][:, 1:] != -100).sum())
         if n:
             mean, right, _ = engine.evaluate_counts(**batch)
@@ -50,15 +51,13 @@ class SupervisedRun(MethodRun):
         super().__init__(config, tokenizer)
         self.train, self.validation = load_examples(config, tokenizer)
 
-    def forward_backward(
-        self, engine: RoundPipe, batch: dict[str, torch.Tensor]
-    ) -> tuple[float, dict[str, float]]:
+    def forward_backward(self, engine: RoundPipe, batch: dict[str, Any]) -> tuple[float, dict[str, float]]:
         return engine.forward_backward(**batch), {}
 
     def validate(self, engine: RoundPipe, batch_size: int, pad_id: int) -> dict[str, float] | None:
         if not self.validation:
             return None
-        return evaluate(engine, self.validation, batch_size, pad_id)
+        return evaluate(engine, self.validation, batch_size, pad_id, self.pixels)
 
 
 RUN = SupervisedRun
