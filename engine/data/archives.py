@@ -70,8 +70,8 @@ def _zip_members(archive: Path) -> Iterator[_Member]:
             rel = member_path(info.filename)
             if rel is None or info.is_dir():
                 continue
-            mode = info.external_attr >> 16
-            if mode and not stat.S_ISREG(mode):
+            kind = stat.S_IFMT(info.external_attr >> 16)  # 0: no type recorded (a plain file)
+            if kind and kind != stat.S_IFREG:
                 raise ValueError(f"archive member {info.filename!r}: not a plain file (a link?)")
             if info.flag_bits & 0x1:
                 raise ValueError(f"archive member {info.filename!r}: encrypted")

@@ -117,12 +117,15 @@ class ImageReader:
     """Reads a row's images into bytes: relative file names from ``root`` (the dataset's folder or
     its archive's root), ``sha256:`` references from the image ``store``.
 
-    Repeated references are read once (the bytes are shared by the rows that name them).
+    With ``cache``, a repeated reference is read once (the rows that name it share the bytes).
     """
 
-    def __init__(self, root: str | Path | None, store: str | Path | None = None) -> None:
+    def __init__(
+        self, root: str | Path | None, store: str | Path | None = None, *, cache: bool = True
+    ) -> None:
         self.root = None if root is None else Path(root).resolve()
         self.store = None if store is None else Path(store)
+        self.cache = cache
         self._read: dict[str, bytes] = {}
 
     def read(self, ref: ImageRef) -> ImageRef:
@@ -140,7 +143,8 @@ class ImageReader:
                 found = self._bytes(ref.source)
             except ValueError as exc:
                 raise ValueError(f"{ref.field}: {exc}") from None
-            self._read[ref.source] = found
+            if self.cache:
+                self._read[ref.source] = found
         return ImageRef(ref.field, ref.source, found)
 
     def _bytes(self, source: str) -> bytes:

@@ -218,6 +218,7 @@ def check_rows(
     keep: bool = True,
     max_errors: int | None = None,
     image_store: str | Path | None = None,
+    limit: int | None = None,
 ) -> Checked:
     """Read and check every row of a file, holding one row at a time unless ``keep``. A row's
     images are read and decoded (a kept example holds their bytes).
@@ -228,6 +229,7 @@ def check_rows(
         keep: keep the valid examples (else they are checked and dropped).
         max_errors: keep only the first errors (all are counted); None keeps all.
         image_store: the folder of the content-addressed image store (``sha256:`` references).
+        limit: read no further than this many rows (a preview's); None reads them all.
 
     Raises:
         ValueError: an unsupported file type, an archive that cannot be unpacked.
@@ -235,7 +237,7 @@ def check_rows(
     with dataset_file(path) as (data, root):
         unit = "row" if file_kind(data) == "parquet" else "line"
         found = Checked(None if fmt == "auto" else fmt, 0, [], [], 0, unit)
-        reader = ImageReader(root, image_store)
+        reader = ImageReader(root, image_store, cache=keep)
 
         def fail(error: RowError) -> None:
             found.errors_total += 1
@@ -243,6 +245,8 @@ def check_rows(
                 found.errors.append(RowError(error.line, _clip(error.message), error.unit))
 
         for n, rec in read_records(data):
+            if limit is not None and found.rows >= limit:
+                break
             found.rows += 1
             if isinstance(rec, RowError):
                 fail(rec)
@@ -280,11 +284,12 @@ def _with_images(example: Example, reader: ImageReader, *, keep: bool) -> Exampl
 
 
 def read_examples(
-    path: str | Path, fmt: str = "auto", *, keep: bool = True
+    path: str | Path, fmt: str = "auto", *, keep: bool = True, image_store: str | Path | None = None
 ) -> tuple[str | None, int, list[Example], list[RowError]]:
-    """Read and check every row. Returns (format, rows, valid examples, every error).
+    """Read and check every row (its images read too). Returns (format, rows, valid examples,
+    every error).
 
     With ``keep=False`` the valid examples are checked and dropped (an upload's validation of a
     large file then holds one row at a time); ``check_rows`` also bounds the errors kept."""
-    found = check_rows(path, fmt, keep=keep)
+    found = check_rows(path, fmt, keep=keep, image_store=image_store)
     return found.format, found.rows, found.examples, found.errors
