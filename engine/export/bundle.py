@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from engine.export.gguf_families import family_for
 from engine.export.gguf_model import check_quant, export_adapter_gguf, export_gguf
 from engine.export.modelfile import modelfile, system_prompt_of_file
 from engine.training.checkpoint_layout import read_trainer_state
@@ -32,6 +33,18 @@ def recorded_system_prompt(checkpoint: Path) -> str | None:
     except AttributeError:
         return None
     return system_prompt_of_file(train) if isinstance(train, str) else None
+
+
+def check_exportable(folder: Path) -> None:
+    """Refuse a model folder whose family (or config) the GGUF export cannot write, from its
+    ``config.json`` alone: nothing is loaded, merged or written first.
+
+    Raises:
+        ValueError: naming the family and why (``gguf_families.family_for``).
+    """
+    from transformers import AutoConfig
+
+    family_for(AutoConfig.from_pretrained(folder))
 
 
 def export_gguf_folder(
@@ -61,23 +74,29 @@ def export_gguf_folder(
 
     Raises:
         ValueError: a bad quant, a LoRA adapter without its base, a family or config that
-            llama.cpp cannot run.
+            llama.cpp cannot run (a vision-language model among them), refused before anything
+            is merged or written.
     """
     from engine.model.export import is_adapter, merge_adapter
 
     check_quant(quant)
-    source, out = Path(source), Path(out)
+    source = Path(source)
+    adapter_base = None
+    if is_adapter(source):
+        if base is None:
+            raise ValueError(f"{source} is a LoRA adapter: give its base model folder")
+        adapter_base = Path(base)
+    check_exportable(adapter_base or source)
+    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     if system is None:
         system = recorded_system_prompt(source)
     files = []
-    if is_adapter(source):
-        if base is None:
-            raise ValueError(f"{source} is a LoRA adapter: give its base model folder")
+    if adapter_base is not None:
         with tempfile.TemporaryDirectory(prefix="gguf-merge-", dir=out) as work:
-            merged = merge_adapter(source, base, Path(work) / "merged")
+            merged = merge_adapter(source, adapter_base, Path(work) / "merged")
             info = export_gguf(merged, out / model_file_name(quant), quant=quant, name=name or source.name)
-        export_adapter_gguf(source, base, out / ADAPTER_FILE)
+        export_adapter_gguf(source, adapter_base, out / ADAPTER_FILE)
         files.append(ADAPTER_FILE)
     else:
         info = export_gguf(source, out / model_file_name(quant), quant=quant, name=name or source.name)

@@ -4,7 +4,9 @@ the API's accepted values (``/docs`` shows them) and the web UI (served by the A
 - ``checkpoint``: the checkpoint's own export, its adapter or model folder without the resume state.
 - ``merged``: a LoRA adapter merged into its base model, a full model folder (LoRA checkpoints only).
 - ``gguf``: a folder for llama.cpp and Ollama (``engine.export.bundle``) in one of its variants,
-  the GGUF quantizations ``engine.export.gguf_model`` writes; refused for a family it cannot write.
+  the GGUF quantizations ``engine.export.gguf_model`` writes; refused for a family it cannot write,
+  and for a vision-language model (its tower and projector would need llama.cpp's separate
+  ``mmproj`` file, which is not written).
 
 Each ``ExportFormat`` says when it is refused (before anything is built) and builds itself into a
 folder. A new format is one more entry of ``FORMATS``. Nothing heavy is imported here.
@@ -19,7 +21,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
-from engine.export.gguf_families import GGUF_FAMILIES
+from engine.export.gguf_families import GGUF_FAMILIES, vlm_gguf_refusal
 from engine.export.gguf_quants import QUANTS
 from engine.training.checkpoint_layout import CheckpointKind, export_files
 
@@ -98,6 +100,9 @@ class ExportFormat:
         if self.adapter_only and kind is not None and kind != CheckpointKind.ADAPTER:
             return "only a LoRA adapter can be merged"
         if self.name == GGUF.name and architecture is not None and architecture not in GGUF_FAMILIES:
+            vlm = vlm_gguf_refusal({"architectures": [architecture]})
+            if vlm is not None:
+                return vlm
             return (
                 f"{architecture} cannot be exported yet; the families exported are {', '.join(GGUF_FAMILIES)}"
             )

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.model.families import FAMILIES
+from engine.model.family_spec import config_value
+from engine.vision.families import NO_VLM_GGUF, is_vision_config, vision_spec
 
 Writer = Any  # gguf.GGUFWriter
 Metadata = Callable[[Any, Writer], None]
@@ -175,6 +177,9 @@ def family_for(config: Any) -> GgufFamily:
     """
     archs = value(config, "architectures") or []
     name = archs[0] if archs else type(config).__name__
+    vlm = vlm_gguf_refusal(config)
+    if vlm is not None:
+        raise ValueError(f"GGUF export: {vlm}")
     family = GGUF_FAMILIES.get(name)
     if family is None:
         spec = FAMILIES.get(name)
@@ -189,6 +194,20 @@ def family_for(config: Any) -> GgufFamily:
     if reason is not None:
         raise ValueError(f"GGUF export of {name}: {reason}")
     return family
+
+
+def vlm_gguf_refusal(config: Any) -> str | None:
+    """Why a vision-language model (a config object or ``config.json`` dict) has no GGUF export:
+    llama.cpp runs its vision tower and projector from a second file (its ``mmproj``), which is not
+    written, and a GGUF of the language model alone would drop the images. None: not a VLM."""
+    if not is_vision_config(config):
+        return None
+    archs = config_value(config, "architectures", None) or []
+    name = archs[0] if archs else type(config).__name__
+    spec = vision_spec(name)
+    if spec is None:
+        return f"{name}: {NO_VLM_GGUF}"
+    return f"{spec.display_name} ({name}): {spec.no_gguf}"
 
 
 SUPPORTED_ROPE = ("default", "linear", "yarn")

@@ -3,7 +3,10 @@
 - LoRA: a PEFT adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``) whose
   base model is recorded by name; optionally merged into the base as a full model folder.
 - Full fine-tune: a model folder (``config.json`` + ``model.safetensors``).
-Both carry the tokenizer and its chat template. The weights are the engine's fp32 masters.
+Both carry the tokenizer and its chat template, and a vision-language model's also its processor
+files (``engine.vision.processing.PROCESSOR_FILES``: the image processor's settings, the
+processor's options), copied from the base model's folder, so that the folder (or the adapter on
+its base) runs on images elsewhere as it does here. The weights are the engine's fp32 masters.
 """
 
 from __future__ import annotations
@@ -73,10 +76,35 @@ def is_adapter(folder: str | Path) -> bool:
     return kind_of(folder) == CheckpointKind.ADAPTER
 
 
+def copy_processor_files(source: str | Path | None, folder: str | Path) -> list[str]:
+    """Copy a vision-language model's processor files (``PROCESSOR_FILES``) that ``source`` has
+    and ``folder`` lacks into ``folder`` (what the folder's own tokenizer wrote stays); the names
+    copied. Nothing for a text model's folder (it has none of them) or no ``source``."""
+    from engine.vision.processing import PROCESSOR_FILES
+
+    if source is None:
+        return []
+    source, folder = Path(source), Path(folder)
+    copied = []
+    for name in PROCESSOR_FILES:
+        if (source / name).is_file() and not (folder / name).exists():
+            shutil.copy2(source / name, folder / name)
+            copied.append(name)
+    return copied
+
+
 def save_export(
-    model: Any, weights: dict[str, torch.Tensor], tokenizer: Any, folder: str | Path, *, base_name: str
+    model: Any,
+    weights: dict[str, torch.Tensor],
+    tokenizer: Any,
+    folder: str | Path,
+    *,
+    base_name: str,
+    base_folder: str | Path | None = None,
 ) -> None:
-    """Write ``weights`` (keyed like ``model.state_dict()``) as an adapter or a model folder.
+    """Write ``weights`` (keyed like ``model.state_dict()``) as an adapter or a model folder,
+    with ``tokenizer`` and, for a vision-language model, the processor files of its base model's
+    folder ``base_folder`` (:func:`copy_processor_files`).
 
     ``model`` is only used for its structure and config; its tensors are not modified.
     """
@@ -94,13 +122,21 @@ def save_export(
         model.config._name_or_path = base_name
         model.save_pretrained(folder, state_dict=weights)
     tokenizer.save_pretrained(folder)
+    copy_processor_files(base_folder, folder)
 
 
 def load_export(folder: str | Path, *, base: str | Path | None = None) -> Any:
-    """Load an export for inference: a model folder, or an adapter on its ``base`` folder."""
+    """Load an export for inference: a model folder (a vision-language model's as its
+    ``*ForConditionalGeneration``), or an adapter on its ``base`` folder."""
     from transformers import AutoModelForCausalLM
 
     if not is_adapter(folder):
+        from engine.model.loading import load_model, vision_architecture
+
+        if vision_architecture(folder) is not None:
+            model = load_model(folder)
+            model.eval()
+            return model
         return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     if base is None:
         raise ValueError(f"{folder} is a LoRA adapter: give the base model folder")
@@ -130,7 +166,9 @@ def model_bytes(folder: str | Path) -> int:
 
 
 def merge_adapter(adapter: str | Path, base: str | Path, out: str | Path) -> Path:
-    """Merge a LoRA adapter into its base model and write a full model folder."""
+    """Merge a LoRA adapter into its base model and write a full model folder, with the
+    adapter's tokenizer and a vision-language model's processor files (the adapter's, else its
+    base's)."""
     from transformers import AutoTokenizer
 
     model = load_export(adapter, base=base)
@@ -140,6 +178,8 @@ def merge_adapter(adapter: str | Path, base: str | Path, out: str | Path) -> Pat
     shutil.rmtree(tmp, ignore_errors=True)
     merged.save_pretrained(tmp)
     AutoTokenizer.from_pretrained(adapter).save_pretrained(tmp)
+    copy_processor_files(adapter, tmp)
+    copy_processor_files(base, tmp)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out
