@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from engine.inference.batching import Ask, Batcher, Closed, End, Model, Token
-    from engine.inference.chat import Sampling, prompt_ids, stop_ids
+    from engine.inference.chat import Sampling, check_messages, prompt_ids, stop_ids
     from engine.inference.evaluate import evaluate_checkpoint
+    from engine.inference.generate import load_processor
     from engine.inference.images import Prompt, architecture_of, chat_prompt
 
 # name -> the module that defines it (imported on first use)
@@ -32,7 +33,9 @@ _HOMES = {
     "Token": "engine.inference.batching",
     "architecture_of": "engine.inference.images",
     "chat_prompt": "engine.inference.images",
+    "check_messages": "engine.inference.chat",
     "evaluate_checkpoint": "engine.inference.evaluate",
+    "load_processor": "engine.inference.generate",
     "prompt_ids": "engine.inference.chat",
     "stop_ids": "engine.inference.chat",
 }
@@ -47,7 +50,9 @@ __all__ = [
     "Token",
     "architecture_of",
     "chat_prompt",
+    "check_messages",
     "evaluate_checkpoint",
+    "load_processor",
     "prompt_ids",
     "stop_ids",
 ]

@@ -9,7 +9,7 @@ import torch
 
 from engine.data.read import Example, read_examples
 from engine.model.export import is_adapter, load_export
-from engine.model.loading import load_model, load_tokenizer
+from engine.model.loading import load_model, load_processor_for, load_tokenizer
 from engine.training.checkpoint_layout import read_trainer_state
 
 
@@ -36,6 +36,16 @@ def load_for_inference(model: str | Path, *, adapter: str | Path | None = None) 
         tokenizer = load_tokenizer(model)
     loaded.eval()
     return loaded, tokenizer
+
+
+def load_processor(model: str | Path) -> Any:
+    """The processor of a VLM folder (a base model, a full fine-tuned export), which a LoRA
+    adapter on it uses too; None for a text model.
+
+    Raises:
+        ConfigError: (``model.path``) a vision-language model the engine does not support.
+    """
+    return load_processor_for(Path(model))
 
 
 def generate(

@@ -46,7 +46,8 @@ class GenerateBody(BaseModel):
     adapter: str | None = None  # a LoRA adapter's folder, served on the base
     parameters: int = 0  # the base model's parameter count
     models_dir: str = ""  # where "demo" is prepared
-    messages: list[dict[str, str]] | None = None
+    # content: text, or parts {"type": "text", "text"} and {"type": "image", "data": <base64 bytes>}
+    messages: list[dict[str, Any]] | None = None
     prompt: str | None = None
     n: int = Field(1, ge=1, le=128)
     temperature: float = 1.0
@@ -77,6 +78,17 @@ class Service:
         self.batcher = Batcher().start()
         self.release_grace_s = release_grace_s
         self.training_lock = threading.Lock()
+        self.processors: dict[str, Any] = {}  # model folder -> its VLM processor, or None
+        self.processors_lock = threading.Lock()
+
+    def processor(self, folder: str) -> Any:
+        """The processor of a VLM folder (its LoRA adapters use it too); None for a text model."""
+        from engine.inference import load_processor
+
+        with self.processors_lock:
+            if folder not in self.processors:
+                self.processors[folder] = load_processor(folder)
+            return self.processors[folder]
 
     def release(self, training: bool) -> list[str]:
         """A job starts (``training``) or ended: unload what is in the way; the names unloaded."""
@@ -88,12 +100,58 @@ class Service:
         return [m.model.name for m in going]
 
 
-def _ids(body: GenerateBody, tokenizer: Any) -> list[int]:
-    from engine.inference import prompt_ids
+def _messages(body: GenerateBody) -> list[dict[str, Any]]:
+    """The conversation with each image part's bytes decoded (the engine's image parts).
 
-    if body.messages is not None:
-        return prompt_ids(tokenizer, body.messages)
-    return list(tokenizer(body.prompt or "", add_special_tokens=True)["input_ids"])
+    Raises:
+        ValueError: an image part without valid base64 ``data`` (the message names it).
+    """
+    import base64
+    import binascii
+
+    out = []
+    for i, m in enumerate(body.messages or []):
+        content = m.get("content")
+        if isinstance(content, list):
+            parts = []
+            for j, part in enumerate(content):
+                if isinstance(part, dict) and part.get("type") == "image":
+                    try:
+                        part = {
+                            "type": "image",
+                            "image": base64.b64decode(part.get("data") or "", validate=True),
+                        }
+                    except (binascii.Error, ValueError):
+                        raise ValueError(f"messages.{i}.content.{j}: the image's base64 is invalid") from None
+                parts.append(part)
+            content = parts
+        out.append({**m, "content": content})
+    return out
+
+
+def _image_field(messages: list[dict[str, Any]]) -> str | None:
+    return next(
+        (
+            f"messages.{i}.content.{j}"
+            for i, m in enumerate(messages)
+            if isinstance(m.get("content"), list)
+            for j, p in enumerate(m["content"])
+            if isinstance(p, dict) and p.get("type") == "image"
+        ),
+        None,
+    )
+
+
+def _prompt(body: GenerateBody, messages: list[dict[str, Any]] | None, tokenizer: Any, processor: Any) -> Any:
+    """The request's prompt (``engine.inference.Prompt``): the chat through the template (and the
+    VLM's processor, for images), or a completion prompt as it is."""
+    from engine.inference import Prompt, chat_prompt
+
+    if messages is not None:
+        if processor is not None and _image_field(messages) is not None:
+            return chat_prompt(processor.tokenizer, messages, processor=processor)
+        return chat_prompt(tokenizer, messages)
+    return Prompt(list(tokenizer(body.prompt or "", add_special_tokens=True)["input_ids"]))
 
 
 def _budget(body: GenerateBody, prompt: int, context: int | None) -> int | JSONResponse:
@@ -133,11 +191,20 @@ def create_app(service: Service) -> FastAPI:
 
     @app.post("/generate", dependencies=[Depends(authorized)], response_model=None)
     async def generate(body: GenerateBody, request: Request) -> StreamingResponse | JSONResponse:
-        from engine.inference import Ask, Closed, End, Sampling, Token, stop_ids
+        from engine.inference import Ask, Closed, End, Sampling, Token, check_messages, stop_ids
         from engine.model import resolve_model_path
 
+        images = _image_field(body.messages or [])
         try:
             folder = str(await run_in_threadpool(resolve_model_path, body.model, body.models_dir))
+            processor = await run_in_threadpool(service.processor, folder) if images else None
+        except Exception as exc:  # a folder transformers cannot load
+            log.exception("loading the processor of %s failed", body.name)
+            return _error(500, "model_load_failed", f"{body.name}: could not be loaded: {exc}", "model")
+        if images and processor is None:  # before the model loads: it would not read them
+            message = f"{images}: {body.name} is a text-only model: it reads no images (give text parts only)"
+            return _error(400, "invalid_request", message, images)
+        try:
             loaded = await run_in_threadpool(
                 service.models.get, folder, parameters=body.parameters, name=body.name
             )
@@ -150,9 +217,18 @@ def create_app(service: Service) -> FastAPI:
             log.exception("loading %s failed", body.name)
             return _error(500, "model_load_failed", f"{body.name}: could not be loaded: {exc}", "model")
         try:
-            ids = _ids(body, tokenizer)
+            messages = _messages(body) if body.messages is not None else None
+            if messages is not None:
+                check_messages(messages)
+            prompt = await run_in_threadpool(_prompt, body, messages, tokenizer, processor)
+        except ValueError as exc:  # a bad part or image: the message names its field
+            field = str(exc).split(":", 1)[0]
+            param = field if field.startswith("messages.") else "messages"
+            message = str(exc) if field.startswith("messages") else f"messages: {exc}"
+            return _error(400, "invalid_request", message, param)
         except Exception as exc:  # the chat template refused the conversation
             return _error(400, "invalid_request", f"messages: {exc}", "messages")
+        ids = prompt.ids
         budget = _budget(body, len(ids), model.context)
         if isinstance(budget, JSONResponse):
             return budget
@@ -174,6 +250,7 @@ def create_app(service: Service) -> FastAPI:
             stop_texts=tuple(body.stop),
             adapter=adapter,
             logprobs=body.logprobs,
+            inputs=prompt.inputs,
         )
         try:
             service.batcher.submit(model, ask)

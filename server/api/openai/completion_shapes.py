@@ -40,13 +40,35 @@ class TextPart(_Request):
     text: str
 
 
+class ImageURL(_Request):
+    url: str = Field(
+        min_length=1,
+        description="a data:image/<type>;base64,... URL; an http(s) URL only where the operator allows "
+        "fetching images (ROUNDHOUSE_ALLOW_IMAGE_URLS)",
+    )
+    detail: Literal["auto", "low", "high"] | None = Field(None, description="accepted, not used")
+
+
+class ImagePart(_Request):
+    """An image for a vision-language model (a text-only model refuses it: 400 naming the part)."""
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    content: str | list[ContentPart]
     name: str | None = Field(None, max_length=64, description="accepted, not used")
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        """The text parts joined (image parts left out)."""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content if isinstance(p, TextPart))
 
 
 class _Sampling(_Request):

@@ -4,7 +4,9 @@ The route resolves the model name (a base model, ``ft:...``, ``...:ckpt-step-N``
 forwards the request to a worker's inference service (``server.services.inference``), which
 batches it with the other answers of its model; this process never loads a model. Errors come in
 OpenAI's shape: ``model_not_found`` (404), ``context_length_exceeded`` (400), ``gpus_training``
-and ``no_inference_worker`` (503, with ``Retry-After``).
+and ``no_inference_worker`` (503, with ``Retry-After``). A conversation may hold ``image_url``
+parts for a vision-language model (``server/api/openai/images.py``); a text-only model refuses
+them (400 naming the part).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from server.api.openai.completion_shapes import (
     Completion,
     CompletionCreate,
 )
+from server.api.openai.images import payload_messages
 from server.api.openai.shapes import documented
 from server.errors import ApiError, openai_body
 from server.services import generation, inference
@@ -181,9 +184,8 @@ def _sse(data: dict[str, Any]) -> str:
 @router.post("/chat/completions", response_model=ChatCompletion, responses={200: EVENT_STREAM})
 async def chat_completions(body: ChatCompletionCreate, request: Request) -> Any:
     """Answer a conversation through the model's chat template (OpenAI's chat completions)."""
-    messages = [
-        {"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages
-    ]
+    allow_urls = request.app.state.settings.allow_image_urls
+    messages = await payload_messages(body.messages, allow_urls=allow_urls)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     payload = {**_sampling(body), "messages": messages, "logprobs": logprobs}
     payload["max_tokens"] = body.max_completion_tokens or body.max_tokens
