@@ -3,8 +3,10 @@
 The row formats are one registry (``engine.data.formats``); ``format_names()`` lists them,
 ``formats_listing()`` describes them. ``read_records`` reads a file's rows (``SUFFIXES``: the
 file types), ``validate`` checks every row by its format and reports token lengths (``Report``),
-``encode_example`` and its kin turn rows into token sequences. The names below are this package's public
-face, each loaded on first use.
+``encode_example`` and its kin turn rows into token sequences. A dataset may be an archive of one
+data file and its images (``ARCHIVE_SUFFIXES``, ``unpack``); a row's images are references
+(``image_ref``: data URLs, file names, ``sha256:``) read as its row is checked. The names below
+are this package's public face, each loaded on first use.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from engine.data.archives import ARCHIVE_SUFFIXES, archive_suffix, unpack
     from engine.data.encode import (
         Report,
         encode_pair,
@@ -31,10 +34,17 @@ if TYPE_CHECKING:
         formats_listing,
         get_format,
     )
+    from engine.data.images import ImageRef, decode_data_url, image_ref
     from engine.data.read import SUFFIXES, Checked, Example, RowError, check_rows, read_examples, read_records
 
 # name -> the module that defines it (imported on first use)
 _HOMES = {
+    "ARCHIVE_SUFFIXES": "engine.data.archives",
+    "ImageRef": "engine.data.images",
+    "archive_suffix": "engine.data.archives",
+    "decode_data_url": "engine.data.images",
+    "image_ref": "engine.data.images",
+    "unpack": "engine.data.archives",
     "SUFFIXES": "engine.data.read",
     "Checked": "engine.data.read",
     "DataFormat": "engine.data.formats",
@@ -60,15 +70,19 @@ _HOMES = {
 # names the face gives under another name: a submodule called ``encode`` would shadow ``encode``
 _RENAMED = {"encode_example": "encode"}
 __all__ = [
+    "ARCHIVE_SUFFIXES",
     "SUFFIXES",
     "Checked",
     "DataFormat",
     "Example",
     "Family",
     "FormatChoice",
+    "ImageRef",
     "Report",
     "RowError",
+    "archive_suffix",
     "check_rows",
+    "decode_data_url",
     "detect_format",
     "encode_example",
     "encode_pair",
@@ -78,8 +92,10 @@ __all__ = [
     "format_names",
     "formats_listing",
     "get_format",
+    "image_ref",
     "read_examples",
     "read_records",
+    "unpack",
     "validate",
 ]
 

@@ -178,10 +178,12 @@ def encode(example: Example, tokenizer: Any, max_length: int) -> Encoded:
     """
     if example.images:
         return encode_images(example, tokenizer, max_length)
-    tokenizer = text_tokenizer(tokenizer)
+    processor, tokenizer = tokenizer, text_tokenizer(tokenizer)
     if example.messages is not None:
         answer_only = example.rejected is not None or example.label is not None
         text, spans = assistant_spans(tokenizer, example.messages, last_only=answer_only)
+        if is_processor(processor):
+            _check_placeholders(processor, text)
         special = False
     elif example.prompt is not None and example.completion is not None:
         text = example.prompt + example.completion + (tokenizer.eos_token or "")
@@ -222,6 +224,8 @@ def encode_images(example: Example, processor: Any, max_length: int) -> Encoded:
     if len(data) != len(example.images):
         raise ValueError(f"line {example.line}: the row's images were not read")
     placeholder = image_placeholder(processor)
+    for m in example.messages:
+        _check_placeholders(processor, m["content"])
     messages = [{**m, "content": m["content"].replace(IMAGE_MARK, placeholder)} for m in example.messages]
     text, spans = assistant_spans(processor.tokenizer, messages)
     try:
@@ -258,6 +262,21 @@ def encode_images(example: Example, processor: Any, max_length: int) -> Encoded:
         )
     n = len(ids)
     return Encoded(example.line, ids[:max_length], labels[:max_length], n, n > max_length, data)
+
+
+def _check_placeholders(processor: Any, text: str) -> None:
+    """Refuse text that holds the model's image placeholder token: the processor would take it for
+    an image.
+
+    Raises:
+        ValueError: naming the token.
+    """
+    token = str(processor.image_token)
+    if token in text:
+        raise ValueError(
+            f"the text holds {token!r}, the model's image placeholder: give images as image parts (or "
+            "as '<image>' with an images column)"
+        )
 
 
 def rejected_example(example: Example) -> Example:

@@ -340,3 +340,25 @@ def test_a_text_model_refuses_a_row_with_images(tmp_path: Path) -> None:
         "train a vision-language model)"
     ]
     assert validate(str(path)).ok and validate(str(path)).images == 1
+
+
+def test_an_archive_link_is_refused(tmp_path: Path) -> None:
+    import stat
+
+    with zipfile.ZipFile(tmp_path / "link.zip", "w") as zf:
+        zf.writestr("train.jsonl", ARCHIVED)
+        info = zipfile.ZipInfo("images/red.png")
+        info.external_attr = (stat.S_IFLNK | 0o777) << 16
+        zf.writestr(info, "/etc/passwd")
+    with pytest.raises(ValueError, match=r"archive member 'images/red\.png': not a plain file"):
+        check_rows(tmp_path / "link.zip")
+    with tarfile.open(tmp_path / "link.tar", "w") as tf:
+        data = ARCHIVED.encode()
+        member = tarfile.TarInfo("train.jsonl")
+        member.size = len(data)
+        tf.addfile(member, io.BytesIO(data))
+        link = tarfile.TarInfo("images/red.png")
+        link.type, link.linkname = tarfile.SYMTYPE, "/etc/passwd"
+        tf.addfile(link)
+    with pytest.raises(ValueError, match=r"archive member 'images/red\.png': not a plain file"):
+        check_rows(tmp_path / "link.tar")

@@ -211,3 +211,23 @@ def test_image_rows_with_a_text_model_fail_and_text_rows_encode_with_a_processor
     [row] = load_encoded(write(tmp_path / "t.jsonl", TEXT_ROW), processor)
     plain = load_encoded(str(tmp_path / "t.jsonl"), processor.tokenizer)[0]
     assert isinstance(row, Encoded) and row.input_ids == plain.input_ids and row.labels == plain.labels
+
+
+@pytest.mark.parametrize("family", VLM_FAMILIES)
+def test_text_holding_the_models_image_token_is_refused(tmp_path: Path, family: str) -> None:
+    processor = tiny_processor(family)
+    token = processor.image_token
+    literal = {
+        "messages": [{"role": "user", "content": f"what is {token}?"}, {"role": "assistant", "content": "x"}]
+    }
+    beside = {
+        "messages": [
+            {"role": "user", "content": [part(data_url(WIDE)), {"type": "text", "text": f"and {token}"}]},
+            {"role": "assistant", "content": "x"},
+        ]
+    }
+    report = validate(write(tmp_path / "t.jsonl", literal, beside), tokenizer=processor)
+    message = f"the text holds {token!r}, the model's image placeholder"
+    assert [e.line for e in report.errors] == [1, 2] and all(message in e.message for e in report.errors)
+    # a text model reads the token as text; the image of line 2 is what it refuses
+    assert [e.line for e in validate(str(tmp_path / "t.jsonl"), tokenizer=processor.tokenizer).errors] == [2]
