@@ -124,6 +124,8 @@ def lora_modules(
     save = [
         root for part, root in zip(PARTS, (tower, projector), strict=True) if getattr(options, part) == "full"
     ]
+    if tower in save and projector in save and _inside(projector, tower):
+        save.remove(projector)  # saved with the tower that holds it (peft does not nest the wrappers)
     return targets, save
 
 

@@ -59,6 +59,7 @@ def trained(model: Any) -> set[str]:
         ("lora", "frozen", "frozen", {"language"}),
         ("lora", "lora", "full", {"language", "tower", "projector"}),
         ("lora", "full", "frozen", {"language", "tower"}),
+        ("lora", "full", "full", {"language", "tower", "projector"}),
         ("full", "frozen", "full", {"language", "projector"}),
         ("full", "full", "full", {"language", "tower", "projector"}),
     ],
