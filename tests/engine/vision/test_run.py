@@ -84,7 +84,7 @@ def config(d: Path, out: str, **method: Any) -> TrainConfig:
 
 
 def test_a_vlm_trains_validates_and_resumes_bitwise(workspace: tuple[Path, str]) -> None:
-    d, family = workspace
+    d, _ = workspace
     whole = train(config(d, "whole", vision_tower="full", projector="full"))
     assert whole.status == "succeeded" and whole.step == 4
     assert "loss/val" in whole.metrics and torch.isfinite(torch.tensor(whole.metrics["loss/val"]))
@@ -96,6 +96,7 @@ def test_a_vlm_trains_validates_and_resumes_bitwise(workspace: tuple[Path, str])
     cfg.hyper.max_steps = 4
     resumed = train(cfg)
     assert resumed.step == 4
+    assert whole.checkpoint is not None and resumed.checkpoint is not None
     a = load_state(whole.checkpoint)[0]["masters"]
     b = load_state(resumed.checkpoint)[0]["masters"]
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
