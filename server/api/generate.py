@@ -14,20 +14,39 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
+from pydantic import Field
 from starlette.concurrency import run_in_threadpool
 
 from server import errors
+from server.api.openai.completion_shapes import ContentPart
 from server.api.openai.completions import FAILED, Answers, resolve
+from server.api.openai.images import payload_messages
 from server.errors import ApiError, documented
-from server.schemas import GENERATION_STREAM, GenerationCreate
+from server.schemas import GENERATION_STREAM, ChatMessage, GenerationCreate
 from server.services import generation, inference
 from server.services.generation import Target
 from server.streams import frame, stream_key
 
+
+class PlaygroundMessage(ChatMessage):
+    """A chat message whose content may hold images for a vision-language model: text, or text and
+    ``image_url`` parts as in OpenAI's chat completions (data URLs)."""
+
+    content: str | list[ContentPart] = Field(  # type: ignore[assignment]
+        description="text, or a list of {type: text, text} and {type: image_url, image_url: {url}} parts"
+    )
+
+
+class PlaygroundCreate(GenerationCreate):
+    """``GenerationCreate`` whose messages may hold images."""
+
+    messages: list[PlaygroundMessage] = Field(min_length=1, max_length=200)  # type: ignore[assignment]
+
+
 router = APIRouter(prefix="/api/generate", tags=["generate"], responses=documented(400, 401, 404, 422, 503))
 
 
-def find_target(request: Request, body: GenerationCreate) -> Target:
+def find_target(request: Request, body: PlaygroundCreate) -> Target:
     """The model the body names (a base model, a fine-tuned name, or a job's checkpoint), or a
     404/422 naming the field."""
     settings = request.app.state.settings
@@ -71,13 +90,19 @@ def _error(exc: inference.Unavailable) -> str:
     return frame(data=errors.body(exc.code, exc.message, exc.param), event="error")
 
 
-async def answer(request: Request, target: Target, body: GenerationCreate) -> AsyncIterator[str]:
+async def answer(request: Request, target: Target, body: PlaygroundCreate) -> AsyncIterator[str]:
     """The events of one answer as SSE frames; closing the stream stops the generation."""
     import httpx
 
     yield frame(data={"state": "loading", "model": target.name}, event="status")
+    allow_urls = request.app.state.settings.allow_image_urls
+    try:
+        messages = await payload_messages(body.messages, allow_urls=allow_urls)
+    except ApiError as exc:
+        yield frame(data=errors.body(exc.code, exc.message, exc.param), event="error")
+        return
     payload = {
-        "messages": [m.model_dump() for m in body.messages],
+        "messages": messages,
         "temperature": body.temperature,
         "top_p": body.top_p,
         "max_tokens": body.max_tokens,
@@ -121,7 +146,7 @@ async def answer(request: Request, target: Target, body: GenerationCreate) -> As
     dependencies=[Depends(stream_key)],
     responses={200: GENERATION_STREAM},
 )
-async def generate(body: GenerationCreate, request: Request) -> Any:
+async def generate(body: PlaygroundCreate, request: Request) -> Any:
     """Answer a chat on a worker's inference service, streamed: status, delta (text) events, then done."""
     target = await run_in_threadpool(find_target, request, body)
     return StreamingResponse(

@@ -221,3 +221,26 @@ def test_an_allowed_http_image_is_fetched_once_and_its_failures_name_the_part() 
     with pytest.raises(ApiError) as unreachable:  # allowed, but nothing answers there
         asyncio.run(image_bytes(part, "messages.0.content.0.image_url.url", allow_urls=True))
     assert "could not be fetched" in unreachable.value.message
+
+
+def sse(text: str) -> list[tuple[str, Any]]:
+    found = []
+    for block in text.split("\n\n"):
+        fields = dict(line.split(": ", 1) for line in block.splitlines() if line and not line.startswith(":"))
+        if "data" in fields:
+            found.append((fields.get("event", "message"), json.loads(fields["data"])))
+    return found
+
+
+def test_the_playground_takes_image_parts_and_names_a_bad_one(client: TestClient) -> None:
+    """``POST /api/generate`` takes the chat completions' parts; a refused image is the stream's
+    error event, naming the part (no worker is asked)."""
+    message = image_message("https://example.com/cat.png").model_dump(exclude_none=True)
+    r = client.post("/api/generate", json={"model": "tiny", "messages": [message]})
+    assert r.status_code == 200, r.text
+    kind, data = sse(r.text)[-1]
+    assert kind == "error" and data["error"]["param"] == "messages.0.content.1.image_url.url"
+    assert "ROUNDHOUSE_ALLOW_IMAGE_URLS" in data["error"]["message"]
+    video = {"role": "user", "content": [{"type": "video", "video": "x"}]}
+    r = client.post("/api/generate", json={"model": "tiny", "messages": [video]})
+    assert r.status_code == 422 and r.json()["error"]["param"].startswith("messages.0.content")

@@ -12,13 +12,24 @@ from __future__ import annotations
 import base64
 import binascii
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 
-from server.api.openai.completion_shapes import ChatMessage, ImagePart
+from server.api.openai.completion_shapes import ImagePart, TextPart
 from server.errors import ApiError
 from server.services.dataset_images import FETCH_TIMEOUT_S, MAX_IMAGE_BYTES
+
+
+class Message(Protocol):
+    """A chat message as the playground's and the chat completions' requests both give it."""
+
+    @property
+    def role(self) -> str: ...
+
+    @property
+    def content(self) -> str | Sequence[TextPart | ImagePart]: ...
+
 
 URLS_OFF = (
     "http(s) image URLs are not fetched on this server (its operator has not set "
@@ -86,7 +97,7 @@ async def image_bytes(part: ImagePart, param: str, *, allow_urls: bool) -> bytes
     raise _refuse(param, f"{url[:60]!r}: an image is a data:image/... URL (or an allowed http(s) URL)")
 
 
-async def payload_messages(messages: Sequence[ChatMessage], *, allow_urls: bool) -> list[dict[str, Any]]:
+async def payload_messages(messages: Sequence[Message], *, allow_urls: bool) -> list[dict[str, Any]]:
     """The conversation as the worker's ``/generate`` takes it: ``developer`` as ``system``; text
     content as text; parts as ``{"type": "text", "text"}`` and ``{"type": "image", "data": <base64>}``
     at the same indices (so the worker's errors name the request's part).
@@ -97,8 +108,13 @@ async def payload_messages(messages: Sequence[ChatMessage], *, allow_urls: bool)
     out: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
         role = "system" if m.role == "developer" else m.role
-        if isinstance(m.content, str) or not any(isinstance(p, ImagePart) for p in m.content):
-            out.append({"role": role, "content": m.text()})
+        if isinstance(m.content, str):
+            out.append({"role": role, "content": m.content})
+            continue
+        if not any(isinstance(p, ImagePart) for p in m.content):
+            out.append(
+                {"role": role, "content": "".join(p.text for p in m.content if isinstance(p, TextPart))}
+            )
             continue
         parts: list[dict[str, Any]] = []
         for j, p in enumerate(m.content):
