@@ -8,7 +8,10 @@ from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import Any
 
-# the small files of a model folder that training and export read (config, tokenizer, templates)
+from engine.vision.processing import PROCESSOR_FILES
+
+# the small files of a model folder that training and export read (config, tokenizer, templates;
+# a vision-language model's processor: its image processor's settings and options)
 MODEL_FILES = frozenset(
     {
         "config.json",
@@ -23,6 +26,7 @@ MODEL_FILES = frozenset(
         "merges.txt",
         "chat_template.jinja",
         "chat_template.json",
+        *PROCESSOR_FILES,
     }
 )
 SAFETENSORS_INDEX = "model.safetensors.index.json"

@@ -88,6 +88,8 @@ def run_push(settings: Settings, sessions: sessionmaker[Session], row: HubTransf
         else None
     )
     fixed = checkpoints.adapter_config(source, base_name=base_name) if kind == "adapter" else {}
+    if export is CHECKPOINT:  # a VLM checkpoint written without its processor files gets its base's
+        fixed |= archives.processor_files(job, source, settings=settings, storage=storage)
     work = settings.cache_dir / "hub-push" / row.id
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)

@@ -104,7 +104,8 @@ def checkpoint_archive(
     Raises:
         Invalid: (naming the request's field that chose the format) a format the checkpoint
             cannot take (``merged`` of a full checkpoint), a variant the format lacks, a model
-            the format's exporter refuses (a GGUF of a family llama.cpp cannot run).
+            the format's exporter refuses (a GGUF of a family llama.cpp cannot run, of a
+            vision-language model), before anything is built.
     """
     from engine.model import base_model_name
 
@@ -112,7 +113,7 @@ def checkpoint_archive(
     step = checkpoint.step
     model = job.config["model"]
     base_name = base_model_name(model.get("name"), Path(model["path"]))
-    variant = checked_variant(choice, kind=checkpoint.kind)
+    variant = checked_variant(choice, kind=checkpoint.kind, architecture=architecture(job))
     name = archive_name(job, step, export.tag(checkpoint.kind, variant))
     key = export_key(storage, job, name)
     top = name.removesuffix(".tar")
@@ -124,6 +125,7 @@ def checkpoint_archive(
         folder = checkpoints.export_folder(storage, storage.key_of(checkpoint.path), cache=cache)
         if export is CHECKPOINT:  # the checkpoint's own files, archived from where they are
             fixed = checkpoints.adapter_config(folder, base_name=base_name) if what == "adapter" else {}
+            fixed |= processor_files(job, folder, settings=settings, storage=storage)
             return checkpoints.build_archive(folder, target, readme=text, replace=fixed)
         base = (
             base_folder(job, settings=settings, storage=storage)
@@ -158,6 +160,23 @@ def checked_variant(choice: ExportChoice, *, kind: str, architecture: str | None
         return choice.export.variant_of(choice.variant)
     except ValueError as exc:
         raise Invalid("invalid_request", str(exc), param="variant") from exc
+
+
+def processor_files(job: Job, folder: Path, *, settings: Settings, storage: Storage) -> dict[str, bytes]:
+    """A vision-language model's processor files (``PROCESSOR_FILES``) that its base model's
+    folder has and the checkpoint's export ``folder`` lacks (a checkpoint written without
+    them), by name: what its download and its push add, so that either runs on images. Empty
+    for a text model."""
+    from engine.vision.families import vision_spec
+    from engine.vision.processing import PROCESSOR_FILES
+
+    if vision_spec(architecture(job)) is None:
+        return {}
+    missing = [name for name in PROCESSOR_FILES if not (folder / name).is_file()]
+    if not missing:
+        return {}
+    base = Path(base_path(job, settings=settings, storage=storage))
+    return {name: (base / name).read_bytes() for name in missing if (base / name).is_file()}
 
 
 def base_path(job: Job, *, settings: Settings, storage: Storage) -> str:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.model import DEMO_NAME, FAMILIES, ModelKind, demo_source, model_kind
+from engine.vision.families import vision_spec
 
 
 @dataclass
@@ -33,11 +34,11 @@ class BaseModelInfo:
 
 
 # readable names of a few common model classes the engine does not train whose stem reads badly
-# (the families it trains name themselves: ``FamilySpec.display_name``); any other class name is
+# (the families it trains name themselves: ``FamilySpec.display_name``, a vision-language
+# model's ``VisionSpec.display_name``); any other class name is
 # shortened to its stem ("BertForMaskedLM": "Bert", "Qwen2MoeForCausalLM": "Qwen2-MoE")
 OTHER_FAMILY_NAMES = {
     "Gemma2ForCausalLM": "Gemma 2",
-    "Gemma3ForConditionalGeneration": "Gemma 3",
     "GPT2LMHeadModel": "GPT-2",
 }
 _CLASS_SUFFIX = re.compile(r"(For[A-Z][A-Za-z0-9]*|LMHeadModel|Model)$")
@@ -55,6 +56,9 @@ def family_name(architecture: str | None) -> str | None:
     spec = FAMILIES.get(architecture)
     if spec is not None and spec.display_name:
         return spec.display_name
+    vision = vision_spec(architecture)
+    if vision is not None:
+        return vision.display_name
     if architecture in OTHER_FAMILY_NAMES:
         return OTHER_FAMILY_NAMES[architecture]
     stem = _CLASS_SUFFIX.sub("", architecture).replace("Moe", "-MoE")
