@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -71,6 +73,23 @@ def _file(storage: Storage, settings: Settings, dataset: Any) -> Any:
         ) from exc
 
 
+def _images(storage: Storage, settings: Settings, dataset: Any) -> Path | None:
+    """The image store's folder on this host with the dataset's images (None: it names none)."""
+    try:
+        return datasets.local_images(storage, dataset, cache=settings.cache_dir)
+    except FileNotFoundError as exc:
+        raise ApiError(404, "not_found", f"dataset {dataset.id!r}: {exc}", param="dataset_id") from exc
+
+
+@contextlib.contextmanager
+def _refused(model: str) -> Iterator[None]:
+    """A row the model cannot render (images, and a text model) as a 422 naming ``model``."""
+    try:
+        yield
+    except ValueError as exc:
+        raise ApiError(422, "invalid_request", f"model {model!r}: {exc}", param="model") from exc
+
+
 @router.post("", response_model=DatasetPublic, status_code=201, responses=documented(400, 413))
 async def upload_dataset(
     session: SessionDep,
@@ -121,9 +140,9 @@ def get_dataset(session: SessionDep, dataset_id: IdPath) -> Any:
 
 
 class PreviewImagesRow(PreviewRow):
-    images: list[str | None] | None = Field(
+    images: list[str] | None = Field(
         None,
-        description="a thumbnail (a data URL) of each image the row names, in order; null: one unreadable",
+        description="a row with images: a thumbnail (a JPEG data URL) of each, in the order of its text",
     )
 
 
@@ -145,14 +164,11 @@ def preview_dataset(
     answers; prompts: the prompt and its grader fields, ``item``)."""
     dataset = _found(session, dataset_id)
     tokenizer = tokenizers.of_model(model, models_dir=settings.models_dir, hf_cache=settings.hf_cache_dir)
-    file = _file(storage, settings, dataset)
-    try:
-        images_dir = datasets.local_images(storage, dataset, cache=settings.cache_dir)
-    except FileNotFoundError as exc:
-        raise ApiError(404, "not_found", f"dataset {dataset.id!r}: {exc}", param="dataset_id") from exc
-    rows = datasets.preview(
-        dataset, file=file, tokenizer=tokenizer, limit=limit, max_length=max_length, images_dir=images_dir
-    )
+    file, images_dir = _file(storage, settings, dataset), _images(storage, settings, dataset)
+    with _refused(model):
+        rows = datasets.preview(
+            dataset, file=file, tokenizer=tokenizer, limit=limit, max_length=max_length, images_dir=images_dir
+        )
     return {"dataset_id": dataset.id, "model": model, "rows": rows}
 
 
@@ -169,8 +185,11 @@ def dataset_stats(
     """Token-length histogram of the first rows, and the share longer than ``max_length``."""
     dataset = _found(session, dataset_id)
     tokenizer = tokenizers.of_model(model, models_dir=settings.models_dir, hf_cache=settings.hf_cache_dir)
-    file = _file(storage, settings, dataset)
-    return datasets.token_stats(dataset, file=file, tokenizer=tokenizer, max_length=max_length, limit=limit)
+    file, images_dir = _file(storage, settings, dataset), _images(storage, settings, dataset)
+    with _refused(model):
+        return datasets.token_stats(
+            dataset, file=file, tokenizer=tokenizer, max_length=max_length, limit=limit, images_dir=images_dir
+        )
 
 
 @router.delete("/{dataset_id}", status_code=204, responses=documented(404, 409))

@@ -24,10 +24,8 @@ from __future__ import annotations
 
 import base64
 import binascii
-import copy
 import csv
 import hashlib
-import io
 import json
 import os
 import tempfile
@@ -336,35 +334,3 @@ class _Writer:
                 self.parquet.close()
             if self.file is not None:
                 self.file.close()
-
-
-THUMBNAIL_PX = 128  # a preview thumbnail's longer side
-
-
-def digests(record: dict[str, Any]) -> list[str]:
-    """The ``sha256:<hex>`` images a stored row names, in order (a stored dataset names no other)."""
-    named: list[str] = []
-
-    def collect(value: Any, where: str) -> str:
-        if isinstance(value, str) and (digest := store_images.digest_of(value)) is not None:
-            named.append(digest)
-        return value  # type: ignore[no-any-return]
-
-    rewrite(copy.deepcopy(record), collect)  # on a copy: nothing changes
-    return named
-
-
-def thumbnail(path: Path) -> str | None:
-    """A small JPEG of the image file at ``path`` as a data URL (None: unreadable)."""
-    from PIL import Image, UnidentifiedImageError
-
-    try:
-        with Image.open(path) as image:
-            image.draft("RGB", (THUMBNAIL_PX, THUMBNAIL_PX))  # JPEG: decoded at a reduced size
-            small = image.convert("RGB")
-            small.thumbnail((THUMBNAIL_PX, THUMBNAIL_PX))
-    except (OSError, UnidentifiedImageError, ValueError, Image.DecompressionBombError):
-        return None
-    out = io.BytesIO()
-    small.save(out, format="JPEG", quality=80)
-    return "data:image/jpeg;base64," + base64.b64encode(out.getvalue()).decode("ascii")

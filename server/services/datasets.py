@@ -13,16 +13,15 @@ the API starts again."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import fcntl
-import gzip
 import hashlib
 import logging
 import os
 import re
 import shutil
 import uuid
-import zlib
 from collections.abc import Iterator
 from contextvars import ContextVar
 from pathlib import Path
@@ -41,8 +40,8 @@ from engine.data import (
     read_records,
     validate,
 )
-from engine.data.archives import ARCHIVE_SUFFIXES, Unpacked, archive_suffix, unpack
 from server.services import dataset_images
+from server.services.dataset_archives import ARCHIVE_SUFFIXES, archive_suffix, unpack
 from server.services.job_states import TERMINAL
 from server.storage import Storage, StorageUnavailable, images
 from server.tables import Dataset, Job, now
@@ -102,7 +101,7 @@ def store_upload(
     fetch_urls: bool | None = None,
 ) -> tuple[Dataset | None, Report]:
     """Copy an upload in chunks to a temporary file in ``scratch``, unpack it when it is an
-    archive (``engine.data.archives``; at most ``UNPACKED_FACTOR`` times ``max_bytes`` unpacked),
+    archive (``dataset_archives``; at most ``UNPACKED_FACTOR`` times ``max_bytes`` unpacked),
     store its images once each and rewrite their references (``dataset_images``), validate every
     row, and store it (as ``datasets/<id>/<file name>``) only if it is valid; the temporary files
     always go.
@@ -146,9 +145,16 @@ def store_upload(
             raise
         data_file, stored_name, roots = incoming, clean, []
         if archive is not None:
-            found = _unpacked(incoming, work / "files", name=clean, max_bytes=UNPACKED_FACTOR * max_bytes)
-            data_file, stored_name = found.data, safe_name(found.data.name)
-            roots = list(dict.fromkeys([found.data.parent, found.root]))  # its folder, then the root
+            root = work / "files"
+            data_file = unpack(
+                incoming,
+                name=clean,
+                folder=root,
+                member_bytes=max_bytes,
+                total_bytes=UNPACKED_FACTOR * max_bytes,
+            )
+            stored_name = safe_name(data_file.name)
+            roots = list(dict.fromkeys([data_file.parent, root]))  # its folder, then the root
         staged = dataset_images.Staged(work / "images")
         fetch = FETCH_URLS.get() if fetch_urls is None else fetch_urls
         resolver = dataset_images.Resolver(staged, storage=storage, roots=roots, fetch_urls=fetch)
@@ -179,21 +185,6 @@ def store_upload(
         shutil.rmtree(work, ignore_errors=True)
         incoming.unlink(missing_ok=True)  # before the lock goes: a sweep never sees it unlocked
         out.close()
-
-
-def _unpacked(archive: Path, folder: Path, *, name: str, max_bytes: int) -> Unpacked:
-    """``unpack`` with its errors naming the upload (not its scratch copy).
-
-    Raises:
-        ValueError: as ``unpack``; also a damaged gzip stream.
-    """
-    try:
-        return unpack(archive, folder, max_bytes=max_bytes)
-    except (ValueError, gzip.BadGzipFile, zlib.error) as exc:
-        message = str(exc).replace(archive.name, name)
-        if not isinstance(exc, ValueError):
-            message = f"{name}: not a readable tar.gz archive ({exc})"
-        raise ValueError(message) from None
 
 
 def _validate(file: Path, *, image_store: Path | None) -> Report:
@@ -394,16 +385,50 @@ def formats() -> list[dict[str, Any]]:
     return formats_listing()
 
 
-def first_examples(dataset: Dataset, limit: int, *, file: Path) -> Iterator[Example]:
+def first_examples(
+    dataset: Dataset, limit: int, *, file: Path, images_dir: Path | None = None
+) -> Iterator[Example]:
     """The first ``limit`` rows of a stored (valid) dataset from its ``file`` (``local_file``),
-    read no further than needed."""
+    read no further than needed; their images read from ``images_dir`` (``local_images``).
+
+    Raises:
+        ValueError: a row that changed on disk; an image that is not in ``images_dir``.
+    """
     fmt = get_format(dataset.format)
     for count, (line, record) in enumerate(read_records(str(file))):
         if count >= limit:
             return
         if not isinstance(record, dict):
             raise ValueError(f"dataset {dataset.id} changed on disk: {record}")
-        yield fmt.example(line, record)
+        example = fmt.example(line, record)
+        yield _with_images(example, images_dir) if example.images else example
+
+
+def _with_images(example: Example, images_dir: Path | None) -> Example:
+    """The example with the bytes of its images (``sha256:`` references: a stored dataset's)."""
+    read = []
+    for ref in example.images:
+        digest = images.digest_of(ref.source) if isinstance(ref.source, str) else None
+        path = images.staged_path(images_dir, digest) if images_dir is not None and digest else None
+        if path is None or not path.is_file():
+            raise ValueError(f"line {example.line}: {ref.field}: the image is not in the image store")
+        read.append(dataclasses.replace(ref, data=path.read_bytes()))
+    return dataclasses.replace(example, images=tuple(read))
+
+
+@contextlib.contextmanager
+def _at_line(line: int) -> Iterator[None]:
+    """A row's ``ValueError`` naming its line."""
+    try:
+        yield
+    except ValueError as exc:
+        message = str(exc)
+        raise ValueError(message if message.startswith("line ") else f"line {line}: {message}") from exc
+
+
+def _text_tokenizer(tokenizer: Any) -> Any:
+    """A processor's tokenizer (a vision-language model's), or the tokenizer itself."""
+    return tokenizer.tokenizer if getattr(tokenizer, "image_processor", None) is not None else tokenizer
 
 
 def preview(
@@ -415,47 +440,51 @@ def preview(
     max_length: int,
     images_dir: Path | None = None,
 ) -> list[dict[str, Any]]:
-    """The first rows rendered through the tokenizer's chat template, each token marked trained or
-    not, as the dataset's format shows them (``DataFormat.preview``): a preference row as its
-    prompt and both answers; a prompt row as its prompt (with the generation prompt of a chat
-    prompt; nothing trained: GRPO samples the completions) and its other fields (``item``, what
-    a grader reads). With ``images_dir`` (``local_images``), each row also has ``images``: a
-    thumbnail (a data URL) of each image it names, in order."""
+    """The first rows rendered through the tokenizer's chat template (a vision-language model's
+    processor for rows with images), each token marked trained or not, as the dataset's format
+    shows them (``DataFormat.preview``): a preference row as its prompt and both answers; a prompt
+    row as its prompt (with the generation prompt of a chat prompt; nothing trained: GRPO samples
+    the completions) and its other fields (``item``, what a grader reads); a row with images also
+    its ``images``, a thumbnail (a data URL) of each, in order, read from ``images_dir``
+    (``local_images``).
+
+    Raises:
+        ValueError: rows with images and a tokenizer that is no vision-language model's processor.
+    """
     fmt = get_format(dataset.format)
-    ensure_chat_template(tokenizer)
-    rows = [fmt.preview(ex, tokenizer, max_length) for ex in first_examples(dataset, limit, file=file)]
-    if images_dir is not None:
-        named = _row_images(file, limit)
-        for row in rows:
-            row["images"] = [
-                dataset_images.thumbnail(images.staged_path(images_dir, digest))
-                for digest in named.get(row["line"], [])
-            ]
+    ensure_chat_template(_text_tokenizer(tokenizer))
+    rows = []
+    for example in first_examples(dataset, limit, file=file, images_dir=images_dir):
+        with _at_line(example.line):
+            rows.append(fmt.preview(example, tokenizer, max_length))
     return rows
 
 
-def _row_images(file: Path, limit: int) -> dict[int, list[str]]:
-    """The digests each of the first ``limit`` rows names, by line."""
-    found: dict[int, list[str]] = {}
-    for count, (line, record) in enumerate(read_records(str(file))):
-        if count >= limit:
-            break
-        if isinstance(record, dict):
-            found[line] = dataset_images.digests(record)
-    return found
-
-
 def token_stats(
-    dataset: Dataset, *, file: Path, tokenizer: Any, max_length: int, limit: int, bins: int = 20
+    dataset: Dataset,
+    *,
+    file: Path,
+    tokenizer: Any,
+    max_length: int,
+    limit: int,
+    bins: int = 20,
+    images_dir: Path | None = None,
 ) -> dict[str, Any]:
     """Token lengths of the first ``limit`` rows as a histogram, with the share cut at ``max_length``
-    (every sequence of a row counts: both of a preference row; a prompt row's prompt alone)."""
+    (every sequence of a row counts: both of a preference row; a prompt row's prompt alone; a
+    row's image tokens with its text, by a vision-language model's processor).
+
+    Raises:
+        ValueError: rows with images and a tokenizer that is no vision-language model's processor.
+    """
     fmt = get_format(dataset.format)
-    ensure_chat_template(tokenizer)
+    ensure_chat_template(_text_tokenizer(tokenizer))
     lengths, truncated, sampled = [], 0, 0
-    for ex in first_examples(dataset, limit, file=file):
+    for ex in first_examples(dataset, limit, file=file, images_dir=images_dir):
         sampled += 1
-        for _, enc in fmt.sequences(fmt.encode(ex, tokenizer, max_length)):
+        with _at_line(ex.line):
+            encoded = fmt.encode(ex, tokenizer, max_length)
+        for _, enc in fmt.sequences(encoded):
             lengths.append(enc.length)
             truncated += enc.truncated
     top = max(lengths, default=0)

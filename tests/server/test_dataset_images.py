@@ -22,12 +22,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from fastapi.testclient import TestClient
+from PIL import Image
 
+from engine.model.loading import load_processor_for
 from server.app import create_app
 from server.services import datasets
 from server.settings import Settings
 from server.storage import open_storage
-from tests.engine.tiny_vision import png
+from tests.engine.tiny_vision import png, tiny_vlm_folder
 
 RED, BLUE, GREEN = png(12, 8, seed=1), png(9, 14, seed=2), png(10, 10, seed=3)
 
@@ -195,14 +197,14 @@ def test_a_tar_gz_of_sharegpt_rows_and_a_parquet_of_image_bytes(
     assert images_stored(settings) == sorted([sha(RED), sha(GREEN), sha(BLUE)])
 
 
-def bomb() -> bytes:
-    """A zip whose one member unpacks to far more than 4 x the test's 200 kB upload limit."""
+def bomb(members: int, size: int) -> bytes:
+    """A zip of ``members`` members of ``size`` zero bytes each: a few kB that unpack to much more."""
     out = io.BytesIO()
     with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED, compresslevel=9) as zf:
-        zf.writestr(plain("t.jsonl"), jsonl([chat_row("a.png")]))
-        with zf.open(plain("a.png"), "w") as member:
-            for _ in range(20):
-                member.write(bytes(100_000))
+        zf.writestr(plain("t.jsonl"), jsonl([chat_row("a0.png")]))
+        for k in range(members):
+            with zf.open(plain(f"a{k}.png"), "w") as member:
+                member.write(bytes(size))
     return out.getvalue()
 
 
@@ -214,7 +216,13 @@ BAD_ARCHIVES = {
     "link": ("x.tar.gz", lambda: tarred({"t.jsonl": ROW}, links={"a.png": "/etc/passwd"}), "link"),
     "no data file": ("x.zip", lambda: zipped({"a.png": RED}), "no data file"),
     "two data files": ("x.zip", lambda: zipped({"a.jsonl": b"", "b.csv": b""}), "2 data files"),
-    "bomb": ("x.zip", bomb, "unpacks to more than"),
+    # the test's upload limit is 200 kB: a member may hold as much, all of them 4 x that
+    "bomb": ("x.zip", lambda: bomb(6, 190_000), "x.zip: the archive unpacks to more than 800000 bytes"),
+    "big member": (
+        "x.zip",
+        lambda: bomb(1, 300_000),
+        "archive member 'a0.png': more than the limit of 200000",
+    ),
     "not a zip": ("x.zip", lambda: b"PK\x03\x04 not really", "not a readable zip"),
     "not a tar.gz": ("x.tar.gz", lambda: b"\x1f\x8b\x08 broken", "not a readable"),
     "missing image": (
@@ -305,3 +313,39 @@ def test_a_job_on_an_image_dataset_gets_the_image_store_and_a_text_one_none(
         assert datasets.image_store(storage, image_set) == str(settings.home.resolve() / "images")
         assert datasets.image_store(storage, text_set, None) is None
         assert datasets.image_store(storage, text_set, image_set) is not None
+
+
+def test_a_preview_shows_a_thumbnail_of_each_image_beside_its_row(
+    client: TestClient, settings: Settings, tmp_path: Path
+) -> None:
+    text_row = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+    big = png(300, 200, seed=4)
+    rows = [chat_row("a.png", "b.png"), text_row, chat_row("big.png")]
+    archive = zipped({"p.jsonl": jsonl(rows), "a.png": RED, "b.png": BLUE, "big.png": big})
+    dataset = upload(client, "p.zip", archive).json()
+    r = client.get(f"/api/datasets/{dataset['id']}/preview", params={"model": "tiny"})
+    assert r.status_code == 422, r.text  # a text model renders no image
+    error = r.json()["error"]
+    assert error["param"] == "model" and "'tiny'" in error["message"] and "line 1" in error["message"]
+
+    processor = load_processor_for(tiny_vlm_folder(tmp_path / "vlm", "qwen2_5_vl"))
+    storage = open_storage(settings)
+    with client.app.state.sessions() as session:  # type: ignore[attr-defined]
+        found = datasets.get_dataset(session, dataset_id=dataset["id"])
+        assert found is not None
+        file = datasets.local_file(storage, found, cache=settings.cache_dir)
+        images_dir = datasets.local_images(storage, found, cache=settings.cache_dir)
+        previewed = datasets.preview(
+            found, file=file, tokenizer=processor, limit=5, max_length=4096, images_dir=images_dir
+        )
+    assert [len(row.get("images") or []) for row in previewed] == [2, 0, 1]
+    thumbs = [*previewed[0]["images"], *previewed[2]["images"]]
+    assert all(t.startswith("data:image/jpeg;base64,") for t in thumbs)
+    sizes = [Image.open(io.BytesIO(base64.b64decode(t.split(",", 1)[1]))).size for t in thumbs]
+    assert sizes[:2] == [(12, 8), (9, 14)]  # smaller than a thumbnail: as they are
+    assert max(sizes[2]) < 300 and sizes[2][0] == round(sizes[2][1] * 1.5)  # the 300 x 200 one, smaller
+    assert any(t["trained"] for t in previewed[0]["tokens"])
+
+    text = upload(client, "t.jsonl", b'{"text": "plain words"}\n').json()
+    r = client.get(f"/api/datasets/{text['id']}/preview", params={"model": "tiny"})
+    assert r.status_code == 200 and r.json()["rows"][0]["images"] is None

@@ -122,7 +122,6 @@ def test_every_place_a_row_names_an_image_is_rewritten(tmp_path: Path) -> None:
     single = {"conversations": [], "image": RED}
     assert rewrite(single, resolve) and single["image"] == f"sha256:{sha(RED)}"
     assert not rewrite({"messages": [{"role": "user", "content": "text only"}]}, resolve)
-    assert dataset_images.digests(openai) == [sha(RED), sha(BLUE), sha(RED)]
 
 
 @pytest.mark.parametrize(
