@@ -1,5 +1,6 @@
 """A dataset packed as an archive (``.zip``, ``.tar``, ``.tar.gz``/``.tgz``): one data file (JSONL,
-CSV or Parquet) and the image files its rows name, relative to the archive's root.
+CSV or Parquet) and the image files its rows name, relative to the data file's folder or to the
+archive's root.
 
 ``unpack`` writes the members into a folder under limits counted as the bytes come out (an
 archive's headers may lie), and refuses a member whose name would leave the folder (absolute,
@@ -35,7 +36,7 @@ def archive_suffix(name: str | Path) -> str | None:
 
 @dataclass(frozen=True)
 class Unpacked:
-    """An unpacked archive: its one data file and the folder the rows' file names start from."""
+    """An unpacked archive: its one data file and the folder it was unpacked into (its root)."""
 
     data: Path
     root: Path

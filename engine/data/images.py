@@ -4,8 +4,8 @@ as the row is read, and how it is read into bytes (``ImageReader``).
 A row names an image by a reference or holds its bytes:
 
 - ``data:image/png;base64,...``: the image inline;
-- a file name relative to the dataset's folder, or to the root of the archive it came in
-  (``images/cat.png``; absolute names and ``..`` are refused);
+- a file name relative to the dataset's folder (``images/cat.png``); in an archive, relative to
+  its data file's folder, else to the archive's root (absolute names and ``..`` are refused);
 - ``sha256:<64 hex digits>``: a file of the content-addressed image store (``data.image_store``),
   ``<store>/<hex[:2]>/<hex>``;
 - bytes (a Parquet column of binary, or of ``{"bytes", "path"}`` structs as Hugging Face datasets
@@ -114,16 +114,23 @@ def decode_data_url(url: str) -> bytes:
 
 
 class ImageReader:
-    """Reads a row's images into bytes: relative file names from ``root`` (the dataset's folder or
-    its archive's root), ``sha256:`` references from the image ``store``.
+    """Reads a row's images into bytes: relative file names from ``folder`` (the data file's),
+    else from ``root`` (its archive's; by default ``folder``), never outside ``root``; ``sha256:``
+    references from the image ``store``.
 
     With ``cache``, a repeated reference is read once (the rows that name it share the bytes).
     """
 
     def __init__(
-        self, root: str | Path | None, store: str | Path | None = None, *, cache: bool = True
+        self,
+        folder: str | Path | None,
+        store: str | Path | None = None,
+        *,
+        root: str | Path | None = None,
+        cache: bool = True,
     ) -> None:
-        self.root = None if root is None else Path(root).resolve()
+        self.folder = None if folder is None else Path(folder).resolve()
+        self.root = self.folder if root is None else Path(root).resolve()
         self.store = None if store is None else Path(store)
         self.cache = cache
         self._read: dict[str, bytes] = {}
@@ -159,14 +166,15 @@ class ImageReader:
             if not path.is_file():
                 raise ValueError(f"{source}: not in the image store")
             return path.read_bytes()
-        if self.root is None:
+        if self.folder is None or self.root is None:
             raise ValueError(f"image file {source!r}: the dataset has no folder to read it from")
-        path = (self.root / source).resolve()
-        if not path.is_relative_to(self.root):
-            raise ValueError(f"image file {source!r} lies outside the dataset's folder")
-        if not path.is_file():
-            raise ValueError(f"image file {source!r} not found beside the dataset")
-        return path.read_bytes()
+        for base in dict.fromkeys((self.folder, self.root)):
+            path = (base / source).resolve()
+            if not path.is_relative_to(self.root):
+                raise ValueError(f"image file {source!r} lies outside the dataset's folder")
+            if path.is_file():
+                return path.read_bytes()
+        raise ValueError(f"image file {source!r} not found beside the dataset")
 
 
 def check_image(ref: ImageRef) -> None:

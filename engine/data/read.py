@@ -9,8 +9,8 @@ In CSV files a ``messages`` cell holds the JSON-encoded list.
 
 A dataset may come as an archive (``engine.data.archives``: one data file and the images its
 rows name). A row's images (``engine.data.images``) are read and decoded as its row is checked:
-file names from the dataset's folder (an archive's root), ``sha256:`` references from the image
-store, each error naming the line and the field.
+file names from the dataset's folder (in an archive, its data file's folder or its root),
+``sha256:`` references from the image store, each error naming the line and the field.
 """
 
 from __future__ import annotations
@@ -237,7 +237,7 @@ def check_rows(
     with dataset_file(path) as (data, root):
         unit = "row" if file_kind(data) == "parquet" else "line"
         found = Checked(None if fmt == "auto" else fmt, 0, [], [], 0, unit)
-        reader = ImageReader(root, image_store, cache=keep)
+        reader = ImageReader(data.parent, image_store, root=root, cache=keep)
 
         def fail(error: RowError) -> None:
             found.errors_total += 1

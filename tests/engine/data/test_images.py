@@ -282,6 +282,17 @@ def test_an_archive_must_hold_one_data_file_and_no_escaping_member(tmp_path: Pat
         check_rows(tmp_path / "bad.zip")
 
 
+def test_archive_names_start_from_the_data_files_folder_then_the_root(tmp_path: Path) -> None:
+    beside = json.dumps(openai_row(image("pics/red.png"), second=[image("images/blue.png")])) + "\n"
+    members = {"set/train.jsonl": beside.encode(), "set/pics/red.png": RED, "images/blue.png": BLUE}
+    found = check_rows(write_archive(tmp_path / "d.zip", members))
+    assert not found.errors and [r.data for r in found.examples[0].images] == [RED, BLUE]
+    outside = json.dumps(openai_row(image("set/../../x.png"))) + "\n"
+    assert errors_of(write_archive(tmp_path / "e.zip", {"set/train.jsonl": outside.encode()}))[0].endswith(
+        "give a file name relative to the dataset's folder (no absolute path, no '..')"
+    )
+
+
 def test_a_missing_image_of_an_archive_names_its_line(tmp_path: Path) -> None:
     path = write_archive(tmp_path / "d.zip", {"train.jsonl": ARCHIVED.encode(), "images/red.png": RED})
     assert errors_of(path) == [
@@ -362,3 +373,13 @@ def test_an_archive_link_is_refused(tmp_path: Path) -> None:
         tf.addfile(link)
     with pytest.raises(ValueError, match=r"archive member 'images/red\.png': not a plain file"):
         check_rows(tmp_path / "link.tar")
+
+
+def test_a_link_out_of_the_dataset_folder_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "outside.png").write_bytes(RED)
+    (tmp_path / "set").mkdir()
+    (tmp_path / "set" / "red.png").symlink_to(tmp_path / "outside.png")
+    errors = errors_of(jsonl(tmp_path / "set" / "t.jsonl", [openai_row(image("red.png"))]))
+    assert errors == [
+        "line 1: messages[0].content[0].image_url.url: image file 'red.png' lies outside the dataset's folder"
+    ]
