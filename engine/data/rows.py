@@ -82,7 +82,12 @@ def conversation(value: Any, name: str = "messages", *, end: str = "assistant") 
 
 
 def chat_turns(
-    value: Any, name: str = "messages", *, end: str = "assistant", images: Sequence[Any] | None = None
+    value: Any,
+    name: str = "messages",
+    *,
+    end: str = "assistant",
+    images: Sequence[Any] | None = None,
+    column: str = "images",
 ) -> tuple[list[dict[str, str]], tuple[ImageRef, ...]]:
     """Check a list of messages (``conversation``'s rules) whose content may hold images, and
     return the messages, each image as ``IMAGE_MARK`` in its text, and the images in order.
@@ -91,6 +96,7 @@ def chat_turns(
         images: the row's ``images`` column (the ShareGPT/LLaVA layout): the text's ``<image>``
             placeholders and its ``{"type": "image"}`` parts stand for them, one each, in order.
             None: images are given in the messages (``image_url`` parts).
+        column: the images column's name in errors (``"image"``: LLaVA's one image).
 
     Raises:
         ValueError: naming the message (and part) at fault: an image in an assistant turn, an
@@ -124,9 +130,11 @@ def chat_turns(
         if marks != len(images):
             raise ValueError(
                 f"{name}: {marks} image placeholder{'s' * (marks != 1)} ('{PLACEHOLDER}' or image parts) "
-                f"but {len(images)} image{'s' * (len(images) != 1)} in 'images'"
+                f"but {len(images)} image{'s' * (len(images) != 1)} in '{column}'"
             )
-        refs = [image_ref(v, f"images[{k}]") for k, v in enumerate(images)]
+        refs = [
+            image_ref(v, f"{column}[{k}]" if column == "images" else column) for k, v in enumerate(images)
+        ]
     return out, tuple(refs)
 
 

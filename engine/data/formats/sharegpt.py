@@ -42,7 +42,8 @@ class ShareGPT(DataFormat):
             if turns and turns[0].get("role") == "system":
                 raise ValueError(f"a 'system' field and a system turn in '{key}': give one")
             turns = [{"role": "system", "content": system}, *turns]
-        messages, images = chat_turns(turns, key, images=_images(record))
+        column = "image" if "image" in record else "images"
+        messages, images = chat_turns(turns, key, images=_images(record), column=column)
         return Example(line, messages=messages, images=images)
 
 

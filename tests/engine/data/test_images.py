@@ -122,6 +122,7 @@ def test_sharegpt_rows_pair_placeholders_with_the_images_column(tmp_path: Path) 
     )
     assert [r.data for r in first.images] == [RED, BLUE] and first.images[0].field == "images[0]"
     assert [r.data for r in second.images] == [RED] and [r.data for r in third.images] == [BLUE]
+    assert second.images[0].field == "image"
 
 
 @pytest.mark.parametrize(
@@ -184,6 +185,20 @@ def test_sharegpt_rows_pair_placeholders_with_the_images_column(tmp_path: Path) 
                 "images": ["big.png"],
             },
             "line 1: conversations[1]: an image in an assistant turn",
+        ),
+        (
+            {
+                "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "x"}],
+                "image": "no.png",
+            },
+            "line 1: conversations: 0 image placeholders ('<image>' or image parts) but 1 image in 'image'",
+        ),
+        (
+            {
+                "conversations": [{"from": "human", "value": "<image>"}, {"from": "gpt", "value": "x"}],
+                "image": "no.png",
+            },
+            "line 1: image: image file 'no.png' not found",
         ),
         (
             {"conversations": [{"from": "human", "value": "hi"}, {"from": "bot", "value": "x"}]},
