@@ -2,7 +2,8 @@
 // (dataset-pull.js), list, preview through a model's chat template with the trained tokens
 // highlighted (preference rows: the prompt, then both answers; prompt rows: the prompt, then the
 // fields a grader reads; KTO rows: whether the completion is desirable), token-length histogram,
-// delete. The row formats come from GET /api/datasets/formats.
+// delete. A row with images shows their thumbnails beside its tokens. An upload may be a zip or tar
+// of a data file and the images its rows name. The row formats come from GET /api/datasets/formats.
 
 import { api, upload } from "../api.js";
 import { age, bytes, el, errorBox, number } from "../widgets.js";
@@ -16,9 +17,23 @@ function tokens(list) {
   );
 }
 
+// A row's images as thumbnails (data URLs the preview carries), in the order its text names them.
+function thumbnails(images) {
+  return el(
+    "div",
+    { class: "thumbs" },
+    images.map((src, i) => el("img", { src, class: "thumb", alt: `image ${i + 1}`, title: `image ${i + 1}` })),
+  );
+}
+
 // One previewed row; a preference row is its prompt, then the preferred and the rejected answer
-// side by side (stacked on a narrow window).
+// side by side (stacked on a narrow window); a row with images, its thumbnails beside its tokens.
 function previewRow(r) {
+  const row = previewBody(r);
+  return r.images?.length ? el("div", { class: "with-images" }, thumbnails(r.images), row) : row;
+}
+
+function previewBody(r) {
   const where = el("div", { class: "muted small", text: `line ${r.line}${r.truncated ? " (truncated)" : ""}` });
   if (r.item)
     // a prompt row (GRPO): what the completions follow, and what its grader reads as item.<field>
@@ -64,7 +79,11 @@ function previewRow(r) {
 }
 
 export async function render(main) {
-  const input = el("input", { type: "file", id: "dataset-file", accept: ".jsonl,.csv,.parquet" });
+  const input = el("input", {
+    type: "file",
+    id: "dataset-file",
+    accept: ".jsonl,.csv,.parquet,.zip,.tar,.tar.gz,.tgz",
+  });
   const name = el("input", {
     type: "text",
     id: "dataset-name",
@@ -87,7 +106,7 @@ export async function render(main) {
   const drop = el(
     "div",
     { id: "drop-zone", class: "drop-zone" },
-    el("p", {}, "Drop a .jsonl, .csv or .parquet file here, or "),
+    el("p", {}, "Drop a .jsonl, .csv or .parquet file (or a .zip or .tar of one with its images) here, or "),
     el("label", { for: "dataset-file", class: "button", text: "Dataset file" }),
     input,
     shapes,
