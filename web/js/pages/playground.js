@@ -1,7 +1,10 @@
 // Playground: one prompt, two answers side by side, streamed: a base model's and a job checkpoint's.
 // Each side keeps its own conversation (each model sees its own earlier answers). Answers come from
 // POST /api/generate (server-sent events over a fetch: EventSource cannot POST), generated on the
-// API host's CPU, so a job training on the GPUs is not disturbed.
+// API host's CPU, so a job training on the GPUs is not disturbed. A message may carry images for a
+// vision-language model (dropped on the message box, pasted, or picked): they go as the chat
+// completions' image_url parts (data URLs) and show in the conversation; a text-only model refuses
+// them with an error naming the part.
 
 import { ApiError, api } from "../api.js";
 import { el, errorBox, field, number } from "../widgets.js";
@@ -28,6 +31,107 @@ async function readEvents(response, onEvent) {
       if (data.length) onEvent(name, JSON.parse(data.join("\n")));
     }
   }
+}
+
+const MAX_IMAGE_BYTES = 20 * 1024 * 1024; // the server's limit for one image
+
+// A file's bytes as a data URL.
+function dataUrl(file) {
+  return new Promise((resolve, reject) => {
+    const reader = new FileReader();
+    reader.onload = () => resolve(reader.result);
+    reader.onerror = () => reject(reader.error || new Error(`${file.name}: could not be read`));
+    reader.readAsDataURL(file);
+  });
+}
+
+// The images attached to the next message: thumbnails with a remove button until it is sent.
+class Attachments {
+  constructor(onError) {
+    this.urls = [];
+    this.onError = onError;
+    this.tray = el("ul", {
+      class: "attachments",
+      id: "playground-attachments",
+      "aria-label": "Images for the next message",
+    });
+  }
+
+  async add(files) {
+    for (const file of files) {
+      if (!file.type.startsWith("image/")) {
+        this.onError(new Error(`${file.name}: not an image (${file.type || "unknown type"})`));
+        continue;
+      }
+      if (file.size > MAX_IMAGE_BYTES) {
+        this.onError(new Error(`${file.name}: larger than the ${MAX_IMAGE_BYTES / 1024 / 1024} MiB an image may be`));
+        continue;
+      }
+      this.urls.push(await dataUrl(file));
+    }
+    this.show();
+  }
+
+  show() {
+    this.tray.replaceChildren(
+      ...this.urls.map((url, i) =>
+        el(
+          "li",
+          { class: "attachment" },
+          el("img", { src: url, alt: `image ${i + 1} for the next message` }),
+          el("button", {
+            type: "button",
+            class: "secondary small",
+            "aria-label": `Remove image ${i + 1}`,
+            text: "×",
+            onclick: () => {
+              this.urls.splice(i, 1);
+              this.show();
+            },
+          }),
+        ),
+      ),
+    );
+  }
+
+  // The images taken for a message (the tray is emptied).
+  take() {
+    const urls = this.urls;
+    this.urls = [];
+    this.show();
+    return urls;
+  }
+}
+
+// A message's content: its text, or its images (image_url parts) then its text.
+function content(text, images) {
+  if (!images.length) return text;
+  const parts = images.map((url) => ({ type: "image_url", image_url: { url } }));
+  return text ? [...parts, { type: "text", text }] : parts;
+}
+
+// A user turn: its images, then its text.
+function userTurn(message) {
+  const turn = el("li", { class: "turn user" });
+  if (typeof message.content === "string") {
+    turn.textContent = message.content;
+    return turn;
+  }
+  const images = message.content.filter((p) => p.type === "image_url");
+  if (images.length)
+    turn.append(
+      el(
+        "div",
+        { class: "turn-images" },
+        images.map((p, i) => el("img", { src: p.image_url.url, alt: `image ${i + 1}` })),
+      ),
+    );
+  const text = message.content
+    .filter((p) => p.type === "text")
+    .map((p) => p.text)
+    .join("");
+  if (text) turn.append(el("span", { text }));
+  return turn;
 }
 
 // One side of the comparison: its conversation, its column, its running answer.
@@ -61,10 +165,11 @@ class Side {
     this.chat.append(el("li", { class: "turn note muted", text }));
   }
 
-  // Ask for the answer to the conversation plus `prompt`; resolves when it is complete.
+  // Ask for the answer to the conversation plus `prompt` (text, or image and text parts); resolves
+  // when it is complete.
   async ask(target, prompt, sampling) {
     const user = { role: "user", content: prompt };
-    this.chat.append(el("li", { class: "turn user", text: prompt }));
+    this.chat.append(userTurn(user));
     const text = el("div", { class: "text" });
     const meta = el("div", { class: "meta muted small", text: "waiting…" });
     const turn = el("li", { class: "turn assistant", dataset: { state: "running" } }, text, meta);
@@ -153,6 +258,13 @@ export async function render(main, jobParam) {
   });
   const reset = el("button", { type: "button", id: "playground-reset", class: "secondary", text: "New conversation" });
   const formError = el("div", { id: "playground-error" });
+  const attachments = new Attachments((error) => formError.replaceChildren(errorBox(error)));
+  const picker = el("input", { type: "file", accept: "image/*", multiple: true });
+  picker.addEventListener("change", () => {
+    formError.replaceChildren();
+    attachments.add([...picker.files]).catch((e) => formError.replaceChildren(errorBox(e)));
+    picker.value = "";
+  });
 
   const base = new Side("base", "Base model");
   const tuned = new Side("tuned", "Fine-tuned");
@@ -195,7 +307,7 @@ export async function render(main, jobParam) {
     event.preventDefault();
     formError.replaceChildren();
     const text = prompt.value.trim();
-    if (!text) {
+    if (!text && !attachments.urls.length) {
       prompt.focus();
       return;
     }
@@ -209,14 +321,15 @@ export async function render(main, jobParam) {
       input.removeAttribute("aria-invalid");
     }
     prompt.value = "";
+    const message = content(text, attachments.take());
     send.disabled = true;
     stop.disabled = false;
     const asks = [];
-    if (baseSelect.value) asks.push(base.ask({ model: baseSelect.value }, text, sampling()));
+    if (baseSelect.value) asks.push(base.ask({ model: baseSelect.value }, message, sampling()));
     else base.note("No base model to ask.");
     if (jobSelect.value && stepSelect.value) {
       const checkpoint = { job_id: jobSelect.value, step: Number(stepSelect.value) };
-      asks.push(tuned.ask({ checkpoint }, text, sampling()));
+      asks.push(tuned.ask({ checkpoint }, message, sampling()));
     } else tuned.note("Pick a job with a checkpoint to compare with.");
     await Promise.all(asks);
     send.disabled = false;
@@ -228,9 +341,37 @@ export async function render(main, jobParam) {
     "form",
     { id: "playground-form", class: "card", onsubmit: submit },
     field("playground-prompt", "Message", prompt, "Enter sends; Shift+Enter starts a new line."),
+    field(
+      "playground-image",
+      "Image",
+      picker,
+      "for a vision-language model: pick images, or drop or paste them on the message box",
+    ),
+    attachments.tray,
     el("div", { class: "actions" }, send, stop, reset),
     formError,
   );
+  // images dropped anywhere on the form, or pasted into the message box
+  form.addEventListener("dragover", (e) => {
+    if (![...e.dataTransfer.types].includes("Files")) return;
+    e.preventDefault();
+    form.classList.add("dropping");
+  });
+  form.addEventListener("dragleave", (e) => {
+    if (!form.contains(e.relatedTarget)) form.classList.remove("dropping");
+  });
+  form.addEventListener("drop", (e) => {
+    e.preventDefault();
+    form.classList.remove("dropping");
+    formError.replaceChildren();
+    attachments.add([...e.dataTransfer.files]).catch((err) => formError.replaceChildren(errorBox(err)));
+  });
+  prompt.addEventListener("paste", (e) => {
+    const files = [...(e.clipboardData?.files || [])].filter((f) => f.type.startsWith("image/"));
+    if (!files.length) return;
+    e.preventDefault();
+    attachments.add(files).catch((err) => formError.replaceChildren(errorBox(err)));
+  });
   prompt.addEventListener("keydown", (e) => {
     if (e.key === "Enter" && !e.shiftKey && !e.isComposing) {
       e.preventDefault();
@@ -254,7 +395,7 @@ export async function render(main, jobParam) {
     el("h1", { text: "Playground" }),
     el("p", {
       class: "muted",
-      text: "The same prompt to a base model and to a fine-tuned checkpoint, answered side by side. Answers are generated on the API host's CPU: jobs training on the GPUs go on undisturbed.",
+      text: "The same prompt to a base model and to a fine-tuned checkpoint, answered side by side. Answers are generated on the API host's CPU: jobs training on the GPUs go on undisturbed. A vision-language model also takes images: drop them on the message box.",
     }),
     el(
       "section",
