@@ -35,7 +35,8 @@ prefetch are the blocks' *packed* bytes (what is uploaded), and a stage also hol
 A LoRA job's weights include its adapters' compute copy (uploaded with the base).
 
 A vision-language model's input layer holds its vision tower and projector
-(``engine.planner.vision``): their weights (and LoRA adapters) upload with it, and when either
+(``engine.planner.vision``): their weights (and LoRA adapters, and a LoRA run's trained copy of a
+part it trains whole) upload with it, and when either
 trains it keeps their activations over the micro-batch's image patches; the tower's MLP over
 those patches is a transient of the workspace, and its FLOPs are the input layer's time.
 
@@ -159,7 +160,8 @@ def memory_model(shape: Shape, workload: Workload, hardware: Hardware, trainable
             b + (n * d if 0 < i <= shape.layers else 0)
             for i, (b, n) in enumerate(zip(weights, trainable, strict=True))
         ]
-    weights[0] += vision_adapters(shape, w) * d  # LoRA on the vision tower or projector
+    # LoRA on the vision tower or projector, and the trained copies of the parts a LoRA run trains whole
+    weights[0] += (vision_adapters(shape, w) + vision_copies(shape, w)) * d
     grad_bytes = 4 + (d if d < 4 else 0)
     per_token, width = _activations(shape, w.compute_dtype)
     chunk = min(float(w.loss_chunk_tokens), t)
@@ -352,6 +354,21 @@ def vision_adapters(shape: Shape, workload: Workload) -> int:
         projector="lora" if w.projector == "lora" else "frozen",
         rank=w.lora_r,
     )
+
+
+def vision_copies(shape: Shape, workload: Workload) -> int:
+    """The parameters of the trained copies a LoRA run keeps beside a VLM's frozen tower or
+    projector when it trains one whole (peft's ``modules_to_save``: the copy trains, the original
+    stays); a tower that holds its projector (Qwen2.5-VL's) is copied with it."""
+    w, tower = workload, shape.tower
+    if tower is None or w.tuning != "lora":
+        return 0
+    count = 0
+    if w.vision_tower == "full":
+        count += tower.tower_params + (tower.projector_params if tower.projector_inside else 0)
+    if w.projector == "full" and not (tower.projector_inside and w.vision_tower == "full"):
+        count += tower.projector_params
+    return count
 
 
 def vision_times(shape: Shape, workload: Workload, rate: float) -> tuple[float, float]:

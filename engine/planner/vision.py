@@ -124,13 +124,20 @@ class Tower:
         """The tower's and the projector's weights."""
         return self.tower_params + self.projector_params
 
+    @property
+    def projector_inside(self) -> bool:
+        """Whether the projector is a module of the tower (Qwen2.5-VL's patch merger)."""
+        return self.features == "qwen2_5_vl"
+
     def trainable(self, *, tower: str, projector: str, rank: int) -> int:
         """The parameters that train: all of a ``full`` part, LoRA adapters of rank ``rank`` on
-        each linear of a ``lora`` part (r x (in + out) each), none of a frozen one."""
+        each linear layer of a ``lora`` part (r x (in + out) each; Gemma 3's projector is a bare
+        matrix, no linear layer), none of a frozen one (``engine.vision.tuning``)."""
         count = 0
+        adaptable = () if self.features == "gemma3" else self.projector_linears  # a bare matrix there
         for mode, total, linears, times in (
             (tower, self.tower_params, self.block_linears, self.depth),
-            (projector, self.projector_params, self.projector_linears, 1),
+            (projector, self.projector_params, adaptable, 1),
         ):
             if mode == "full":
                 count += total
