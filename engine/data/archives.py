@@ -94,12 +94,12 @@ def _tar_members(archive: Path) -> Iterator[_Member]:
 
 
 def unpack(archive: str | Path, folder: str | Path, *, max_bytes: int = MAX_UNPACKED) -> Unpacked:
-    """Write an archive's members into ``folder`` (at most ``MAX_MEMBERS``, ``max_bytes`` in all)
-    and find its data file.
+    """Write an archive's members into ``folder`` (new or empty; at most ``MAX_MEMBERS``,
+    ``max_bytes`` in all) and find its data file.
 
     Raises:
         ValueError: not an archive type, an unreadable archive, a member that breaks a limit or
-            would leave the folder (naming it), no data file or more than one.
+            would leave the folder (naming it), no data file or more than one, a folder not empty.
     """
     archive, folder = Path(archive), Path(folder)
     suffix = archive_suffix(archive)
@@ -107,6 +107,8 @@ def unpack(archive: str | Path, folder: str | Path, *, max_bytes: int = MAX_UNPA
         raise ValueError(f"{archive.name}: not an archive ({', '.join(ARCHIVE_SUFFIXES)})")
     kind = "zip" if suffix == ".zip" else "tar"
     folder.mkdir(parents=True, exist_ok=True)
+    if any(folder.iterdir()):
+        raise ValueError(f"unpack {archive.name}: the folder to unpack into is not empty")
     total = members = 0
     try:
         for name, rel, opened in _zip_members(archive) if kind == "zip" else _tar_members(archive):

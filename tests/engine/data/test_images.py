@@ -398,3 +398,20 @@ def test_a_link_out_of_the_dataset_folder_is_refused(tmp_path: Path) -> None:
     assert errors == [
         "line 1: messages[0].content[0].image_url.url: image file 'red.png' lies outside the dataset's folder"
     ]
+
+
+def test_unpack_counts_the_bytes_it_writes(tmp_path: Path) -> None:
+    from engine.data.archives import unpack
+
+    path = write_archive(tmp_path / "d.tar.gz", {"train.jsonl": ARCHIVED.encode(), "images/red.png": RED})
+    found = unpack(path, tmp_path / "out", max_bytes=len(ARCHIVED) + len(RED))
+    assert (
+        found.data == tmp_path / "out" / "train.jsonl"
+        and (found.root / "images" / "red.png").read_bytes() == RED
+    )
+    with pytest.raises(ValueError, match="the folder to unpack into is not empty"):
+        unpack(path, tmp_path / "out")
+    with pytest.raises(
+        ValueError, match=f"the archive unpacks to more than {len(ARCHIVED) + len(RED) - 1} bytes"
+    ):
+        unpack(path, tmp_path / "small", max_bytes=len(ARCHIVED) + len(RED) - 1)
