@@ -220,8 +220,9 @@ def _store(
         session.add(dataset)
         session.commit()
     except BaseException:
-        session.rollback()
         with contextlib.suppress(Exception):  # the first failure is the one to tell
+            session.rollback()
+        with contextlib.suppress(Exception):
             storage.delete_prefix(folder)
             images.remove_unused(storage, staged.digests, datasets_folder=FOLDER, lock_dir=lock_dir)
         raise

@@ -28,7 +28,7 @@ from engine.model.loading import load_processor_for
 from server.app import create_app
 from server.services import datasets
 from server.settings import Settings
-from server.storage import open_storage
+from server.storage import LocalStorage, open_storage
 from tests.engine.tiny_vision import png, tiny_vlm_folder
 
 RED, BLUE, GREEN = png(12, 8, seed=1), png(9, 14, seed=2), png(10, 10, seed=3)
@@ -349,3 +349,64 @@ def test_a_preview_shows_a_thumbnail_of_each_image_beside_its_row(
     text = upload(client, "t.jsonl", b'{"text": "plain words"}\n').json()
     r = client.get(f"/api/datasets/{text['id']}/preview", params={"model": "tiny"})
     assert r.status_code == 200 and r.json()["rows"][0]["images"] is None
+
+
+def test_a_store_failing_midway_takes_its_images_back(client: TestClient, settings: Settings) -> None:
+    class Failing(LocalStorage):
+        def put_file(self, key: str, path: Path) -> None:
+            if key.startswith("datasets/") and key.endswith(".jsonl"):
+                raise OSError(28, "No space left on device", key)
+            super().put_file(key, path)
+
+    kept = upload(client, "k.zip", zipped({"k.jsonl": jsonl([chat_row("k.png")]), "k.png": GREEN})).json()
+    archive = zipped({"t.jsonl": jsonl([chat_row("r.png", "k.png")]), "r.png": RED, "k.png": GREEN})
+    with client.app.state.sessions() as session, pytest.raises(OSError, match="No space left"):  # type: ignore[attr-defined]
+        datasets.store_upload(
+            session,
+            source=io.BytesIO(archive),
+            filename="t.zip",
+            name=None,
+            storage=Failing(settings.home),
+            scratch=settings.cache_dir / "incoming",
+            max_bytes=settings.max_upload_bytes,
+        )
+    assert images_stored(settings) == [sha(GREEN)]  # red went; green, which the kept dataset names, stays
+    assert sorted(p.name for p in (settings.home / "datasets").iterdir()) == [kept["id"]]
+    assert scratch_left(settings) == []
+
+
+def test_the_start_sweeps_what_an_upload_cut_short_left(client: TestClient, settings: Settings) -> None:
+    kept = upload(client, "k.zip", zipped({"k.jsonl": jsonl([chat_row("k.png")]), "k.png": GREEN})).json()
+    storage, scratch = open_storage(settings), settings.cache_dir / "incoming"
+    # an upload killed after storing its manifest and an image, before its row; and its scratch files
+    cut = "0123456789abcdef0123456789abcdef"
+    (scratch / f".incoming-{cut}.zip").write_bytes(b"PK")
+    (scratch / f".unpacked-{cut}" / "files").mkdir(parents=True)
+    (scratch / f".unpacked-{cut}" / "files" / "t.jsonl").write_bytes(b"{}")
+    storage.put_stream(f"datasets/{cut}/images.txt", io.BytesIO(f"{sha(RED)}\n".encode()))
+    storage.put_stream(f"images/{sha(RED)[:2]}/{sha(RED)}", io.BytesIO(RED))
+    storage.put_stream(f"images/{sha(BLUE)[:2]}/{sha(BLUE)}", io.BytesIO(BLUE))  # named by none
+    with client.app.state.sessions() as session:  # type: ignore[attr-defined]
+        assert datasets.sweep_incoming(session, storage=storage, scratch=scratch) == [cut]
+    assert images_stored(settings) == [sha(GREEN)]
+    assert sorted(p.name for p in (settings.home / "datasets").iterdir()) == [kept["id"]]
+    assert scratch_left(settings) == []
+
+
+def test_a_csv_in_an_archive_keeps_its_columns_and_names_its_images_by_hash(
+    client: TestClient, settings: Settings
+) -> None:
+    import csv
+
+    out = io.StringIO()
+    writer = csv.writer(out)
+    writer.writerow(["conversations", "images"])
+    writer.writerow([json.dumps([human("<image>What?"), gpt("red")]), json.dumps(["red.png"])])
+    writer.writerow([json.dumps([human("<image>And?"), gpt("blue")]), json.dumps(["blue.png"])])
+    r = upload(client, "c.zip", zipped({"c.csv": out.getvalue().encode(), "red.png": RED, "blue.png": BLUE}))
+    assert r.status_code == 201, r.text
+    stored = settings.home / "datasets" / r.json()["id"] / "c.csv"
+    with stored.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [json.loads(row["images"]) for row in rows] == [[f"sha256:{sha(RED)}"], [f"sha256:{sha(BLUE)}"]]
+    assert json.loads(rows[0]["conversations"])[0]["value"] == "<image>What?"
