@@ -111,6 +111,7 @@ def chat_turns(
     out = []
     refs: list[ImageRef] = []
     marks = 0
+    literal: int | None = None  # the first message whose text holds IMAGE_MARK itself
     for i, m in enumerate(value):
         if not isinstance(m, dict):
             raise ValueError(f"{name}[{i}] must be an object, got {type(m).__name__}")
@@ -124,8 +125,12 @@ def chat_turns(
             raise ValueError(f"{name}[{i}]: an image in an assistant turn (images go in the user's turns)")
         refs.extend(r for r in found if isinstance(r, ImageRef))
         marks += len(found)
+        if content.count(IMAGE_MARK) != len(found) and literal is None:
+            literal = i
         out.append({"role": role, "content": content})
     _check_turns(out, name, end)
+    if marks and literal is not None:  # in a row with images the character would be taken for one
+        raise ValueError(f"{name}[{literal}]: the text holds U+FFFC, the character that marks an image")
     if images is not None:
         if marks != len(images):
             raise ValueError(
@@ -168,8 +173,6 @@ def _content(content: Any, where: str, *, column: bool) -> tuple[str, list[Image
 def _text(value: Any, where: str, *, column: bool) -> tuple[str, list[ImageRef | None]]:
     if not isinstance(value, str):
         raise ValueError(f"{where} must be a string, got {type(value).__name__}")
-    if IMAGE_MARK in value:
-        raise ValueError(f"{where} holds U+FFFC, the character that marks an image here")
     if not column:
         return value, []
     count = value.count(PLACEHOLDER)

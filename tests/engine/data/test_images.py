@@ -85,6 +85,11 @@ def test_openai_rows_read_data_urls_and_files_beside_the_dataset(tmp_path: Path)
         {"role": "user", "content": "no image"},
         {"role": "assistant", "content": "fine"},
     ]
+    # a text row may hold the character that marks an image in a row with images
+    text_only = check_rows(
+        jsonl(tmp_path / "text.jsonl", [{"messages": [user(text("\ufffc")), answer("?")]}])
+    )
+    assert not text_only.errors and text_only.examples[0].images == ()
 
 
 def test_sharegpt_rows_pair_placeholders_with_the_images_column(tmp_path: Path) -> None:
@@ -157,6 +162,10 @@ def test_sharegpt_rows_pair_placeholders_with_the_images_column(tmp_path: Path) 
         (
             {"messages": [user(text("hi")), {"role": "assistant", "content": [image(data_url(RED))]}]},
             "line 1: messages[1]: an image in an assistant turn",
+        ),
+        (
+            openai_row(text("odd \ufffc"), image("big.png")),
+            "line 1: messages[0]: the text holds U+FFFC, the character that marks an image",
         ),
         (
             {"messages": [user({"type": "image_url"}), answer("x")]},
