@@ -15,6 +15,11 @@ not cut by ``max_length`` is answered by greedy generation from the tokens befor
 (at most ``max_new_tokens``); it matches when the generated text equals the reference, both
 whitespace-trimmed. The first ``samples`` rows with a reference are generated too and returned
 with their prompt and reference. Everything is deterministic (no sampling, rows in file order).
+
+Rows with images (a vision-language model's data) are encoded by the model's processor as training
+encodes them, and each forward and generation takes the row's image tensors
+(``engine.inference.images.image_inputs``); a sample shows its images as thumbnails. A text model
+refuses them, naming the row.
 """
 
 from __future__ import annotations
@@ -26,8 +31,17 @@ from typing import Any
 import torch
 
 from engine.data.encode import encode, ensure_chat_template
+from engine.data.images import IMAGE_MARK, thumbnail
 from engine.data.read import read_examples
-from engine.inference.generate import complete, load_for_inference, prompt_and_reference
+from engine.inference.generate import (
+    base_of,
+    complete,
+    load_for_inference,
+    load_processor,
+    prompt_and_reference,
+)
+from engine.inference.images import image_inputs, on_device, prefix_inputs
+from engine.vision.processing import PROCESSOR_FILES
 
 SHORT_ANSWER_TOKENS = 32
 
@@ -45,13 +59,17 @@ def _answer_start(labels: list[int]) -> int | None:
     return start
 
 
-def _row_scores(model: Any, ids: list[int], labels: list[int]) -> tuple[float, int, int]:
-    """(summed loss, label tokens, correct argmax predictions) of one encoded row."""
+def _row_scores(
+    model: Any, ids: list[int], labels: list[int], images: dict[str, torch.Tensor]
+) -> tuple[float, int, int]:
+    """(summed loss, label tokens, correct argmax predictions) of one encoded row (``images``: its
+    image tensors)."""
     device = next(model.parameters()).device
     inputs = torch.tensor([ids], device=device)
     target = torch.tensor(labels[1:], device=device)  # position t predicts token t + 1
     with torch.no_grad():
-        logits = model(input_ids=inputs, attention_mask=torch.ones_like(inputs)).logits[0, :-1].float()
+        out = model(input_ids=inputs, attention_mask=torch.ones_like(inputs), **on_device(images, model))
+        logits = out.logits[0, :-1].float()
     keep = target != -100
     if not bool(keep.any()):
         return 0.0, 0, 0
@@ -69,11 +87,15 @@ def evaluate(
     max_new_tokens: int = 64,
     samples: int = 5,
     max_length: int = 1024,
+    processor: Any = None,
+    image_store: str | Path | None = None,
 ) -> dict[str, Any]:
     """Score a loaded model (``model.eval()``) on the first ``max_rows`` rows of a dataset file.
 
     Args:
         path: a JSONL, CSV or Parquet file in one of the row shapes ``engine.data`` reads.
+        processor: a VLM's processor (``load_processor``), for rows with images.
+        image_store: the content-addressed image store the rows' ``sha256:`` images are in.
         max_new_tokens: the longest generated answer (exact match and samples).
         samples: how many rows with a reference answer to return generated, with their references.
         max_length: rows are truncated to this many tokens, as in training.
@@ -81,26 +103,37 @@ def evaluate(
     Returns:
         ``rows``, ``rows_total``, ``label_tokens``, ``loss``, ``perplexity``, ``token_accuracy``,
         ``exact_match`` (a share, None without a short answer), ``exact_match_rows``,
-        ``exact_match_correct``, ``short_answer_tokens``, ``max_new_tokens``, ``max_length`` and
-        ``samples`` (``line``, ``prompt``, ``reference``, ``output``, ``short``, ``match``).
+        ``exact_match_correct``, ``short_answer_tokens``, ``max_new_tokens``, ``max_length``,
+        ``image_rows`` (rows with images) and ``samples`` (``line``, ``prompt``, ``reference``,
+        ``output``, ``short``, ``match``, ``images``: thumbnails as data URLs).
 
     Raises:
-        ValueError: an unsupported file, invalid rows (by line), a bad limit, or no label token.
+        ValueError: an unsupported file, invalid rows (by line), a bad limit, no label token, or
+            a row with images for a text model (naming the row).
     """
     if max_rows < 1 or max_new_tokens < 1 or samples < 0:
         raise ValueError(
             f"max_rows={max_rows} and max_new_tokens={max_new_tokens} must be >= 1, samples >= 0"
         )
-    _, total, examples, errors = read_examples(path)
+    _, total, examples, errors = read_examples(path, image_store=image_store)
     if errors:
         raise ValueError(f"{Path(path).name}: " + "; ".join(str(e) for e in errors[:10]))
     ensure_chat_template(tokenizer)
     loss_sum, tokens, correct = 0.0, 0, 0
-    short_rows = short_correct = 0
+    short_rows = short_correct = image_rows = 0
     shown: list[dict[str, Any]] = []
     for ex in examples[:max_rows]:
-        enc = encode(ex, tokenizer, max_length)
-        row_loss, row_tokens, row_correct = _row_scores(model, enc.input_ids, enc.labels)
+        try:
+            enc = encode(ex, processor if processor is not None and ex.images else tokenizer, max_length)
+            images = (
+                image_inputs(processor, model, enc.images, torch.tensor([enc.input_ids]))
+                if enc.images
+                else {}
+            )
+        except ValueError as exc:
+            raise ValueError(f"{Path(path).name}: line {ex.line}: {exc}") from None
+        image_rows += bool(enc.images)
+        row_loss, row_tokens, row_correct = _row_scores(model, enc.input_ids, enc.labels, images)
         loss_sum, tokens, correct = loss_sum + row_loss, tokens + row_tokens, correct + row_correct
         found = prompt_and_reference(ex)
         start = _answer_start(enc.labels)
@@ -113,12 +146,16 @@ def evaluate(
         )
         if not short and len(shown) >= samples:
             continue
-        output = complete(model, tokenizer, enc.input_ids[:start], max_new_tokens=max_new_tokens)
+        # the answer comes after every image (images are in user turns): the prompt has them all
+        inputs = prefix_inputs(images, start)
+        output = complete(
+            model, tokenizer, enc.input_ids[:start], max_new_tokens=max_new_tokens, inputs=inputs
+        )
         match = output.strip() == reference.strip() if short else None
         short_rows += short
         short_correct += bool(match)
         if len(shown) < samples:
-            last = prompt[-1]["content"] if prompt else ""
+            last = prompt[-1]["content"].replace(IMAGE_MARK, "<image>") if prompt else ""
             shown.append(
                 {
                     "line": ex.line,
@@ -127,6 +164,7 @@ def evaluate(
                     "output": output,
                     "short": short,
                     "match": match,
+                    "images": [thumbnail(b) for b in enc.images],
                 }
             )
     if tokens == 0:
@@ -145,6 +183,7 @@ def evaluate(
         "short_answer_tokens": SHORT_ANSWER_TOKENS,
         "max_new_tokens": max_new_tokens,
         "max_length": max_length,
+        "image_rows": image_rows,
         "samples": shown,
     }
 
@@ -159,19 +198,34 @@ def pick_device(model: Any) -> str:
     return "cuda:0" if need * 4 // 3 < free else "cpu"
 
 
+def _processor(checkpoint: str | Path, base: str | Path | None) -> Any:
+    """The processor of a checkpoint's VLM (None for a text model): a full checkpoint's own, else
+    (a LoRA adapter, or a folder without processor files) its base's."""
+    from engine.model.export import is_adapter
+
+    if base is None and is_adapter(checkpoint):
+        base = base_of(checkpoint)
+    if base is not None and (is_adapter(checkpoint) or not (Path(checkpoint) / PROCESSOR_FILES[0]).is_file()):
+        return load_processor(base)
+    return load_processor(checkpoint)
+
+
 def evaluate_checkpoint(
     checkpoint: str | Path,
     data: str | Path,
     *,
     base: str | Path | None = None,
     device: str | None = None,
+    image_store: str | Path | None = None,
     **limits: Any,
 ) -> dict[str, Any]:
     """Load a checkpoint (a model folder, or a LoRA adapter on ``base``, else on the base model
     its run recorded) and ``evaluate`` it on ``data``; ``limits`` are ``evaluate``'s keywords.
+    A VLM's rows with images are read with its processor (the checkpoint's, or its base's).
 
     Args:
         device: where to run; None picks one (``pick_device``).
+        image_store: the image store of the data's ``sha256:`` images.
 
     Returns:
         ``evaluate``'s result plus ``device``.
@@ -179,8 +233,9 @@ def evaluate_checkpoint(
     model, tokenizer = (
         load_for_inference(base, adapter=checkpoint) if base is not None else load_for_inference(checkpoint)
     )
+    processor = _processor(checkpoint, base)
     device = device or pick_device(model)
     model.to(device)
-    result = evaluate(model, tokenizer, data, **limits)
+    result = evaluate(model, tokenizer, data, processor=processor, image_store=image_store, **limits)
     result["device"] = device
     return result

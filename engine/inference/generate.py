@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from engine.data.read import Example, read_examples
+from engine.inference.images import on_device
 from engine.model.export import is_adapter, load_export
 from engine.model.loading import load_model, load_processor_for, load_tokenizer
 from engine.training.checkpoint_layout import read_trainer_state
@@ -59,13 +60,22 @@ def generate(
     return complete(model, tokenizer, ids, max_new_tokens=max_new_tokens)
 
 
-def complete(model: Any, tokenizer: Any, ids: list[int], *, max_new_tokens: int = 64) -> str:
-    """Greedy continuation of prompt token ids (on the model's device), special tokens removed."""
+def complete(
+    model: Any,
+    tokenizer: Any,
+    ids: list[int],
+    *,
+    max_new_tokens: int = 64,
+    inputs: dict[str, torch.Tensor] | None = None,
+) -> str:
+    """Greedy continuation of prompt token ids (on the model's device), special tokens removed;
+    ``inputs``: a VLM prompt's image tensors (``engine.inference.images``)."""
     prompt = torch.tensor([ids], device=next(model.parameters()).device)
     with torch.no_grad():
         out = model.generate(
             prompt,
             attention_mask=torch.ones_like(prompt),
+            **on_device(inputs or {}, model),
             max_new_tokens=max_new_tokens,
             do_sample=False,
             pad_token_id=tokenizer.pad_token_id,
@@ -94,6 +104,8 @@ def exact_match(model: Any, tokenizer: Any, path: str | Path, *, max_new_tokens:
     correct = 0
     samples: list[dict[str, Any]] = []
     for ex in examples:
+        if ex.images:
+            raise ValueError(f"{path}: line {ex.line}: a row with images: evaluate it (evaluate_checkpoint)")
         found = prompt_and_reference(ex)
         if found is None:
             raise ValueError(f"{path}: line {ex.line}: text rows have no reference answer")

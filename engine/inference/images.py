@@ -14,6 +14,8 @@ A message's ``content`` is text, or a list of parts: ``{"type": "text", "text": 
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -170,3 +172,29 @@ def on_device(inputs: dict[str, torch.Tensor], model: Any) -> dict[str, torch.Te
         k: v.to(param.device, dtype=param.dtype if v.is_floating_point() else v.dtype)
         for k, v in inputs.items()
     }
+
+
+def image_inputs(
+    processor: Any, model: Any, images: Sequence[bytes], ids: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """The image tensors of a forward over ``ids`` (``[1, length]``, image tokens already expanded,
+    as ``engine.data`` encodes a row with images) and its ``images``: what the processor gives
+    besides the ids, for a row the processor did not tokenize here.
+
+    Raises:
+        ValueError: an image that cannot be read.
+    """
+    from engine.vision.pixels import open_image
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    accepted = inspect.signature(base.forward).parameters
+    out = processor.image_processor(images=[[open_image(b) for b in images]], return_tensors="pt")
+    found = {k: v for k, v in out.items() if k in accepted and isinstance(v, torch.Tensor)}
+    return found | token_types(base, ids)
+
+
+def prefix_inputs(inputs: dict[str, torch.Tensor], length: int) -> dict[str, torch.Tensor]:
+    """A row's image inputs for its first ``length`` tokens (a prompt holding all its images): the
+    per-token ones (``TOKEN_TYPE_INPUTS``) cut to ``length``, the image tensors as they are."""
+    per_token = set(TOKEN_TYPE_INPUTS.values())
+    return {k: v[..., :length] if k in per_token else v for k, v in inputs.items()}
