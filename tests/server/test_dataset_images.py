@@ -29,7 +29,12 @@ from server.app import create_app
 from server.services import datasets
 from server.settings import Settings
 from server.storage import LocalStorage, open_storage
+from server.storage import images as store_images
 from tests.engine.tiny_vision import png, tiny_vlm_folder
+from tests.server.test_storage import s3_app
+from tests.utils.s3 import S3Server, s3_server, s3_settings
+
+__all__ = ["s3_server", "s3_settings"]  # fixtures used here
 
 RED, BLUE, GREEN = png(12, 8, seed=1), png(9, 14, seed=2), png(10, 10, seed=3)
 
@@ -410,3 +415,28 @@ def test_a_csv_in_an_archive_keeps_its_columns_and_names_its_images_by_hash(
         rows = list(csv.DictReader(f))
     assert [json.loads(row["images"]) for row in rows] == [[f"sha256:{sha(RED)}"], [f"sha256:{sha(BLUE)}"]]
     assert json.loads(rows[0]["conversations"])[0]["value"] == "<image>What?"
+
+
+def test_on_an_s3_store_images_live_in_the_store_and_are_pulled_where_read(
+    settings: Settings, s3_server: S3Server, tmp_path: Path
+) -> None:
+    client, storage = s3_app(settings, s3_server)
+    with client:
+        archive = zipped({"s.jsonl": jsonl([chat_row("r.png", "b.png")]), "r.png": RED, "b.png": BLUE})
+        r = upload(client, "s.zip", archive)
+        assert r.status_code == 201, r.text
+        ident = r.json()["id"]
+        keys = [key for key, _ in storage.list("images")]
+        assert keys == sorted(f"images/{h[:2]}/{h}" for h in (sha(RED), sha(BLUE)))
+        assert images_stored(settings) == []  # nothing in the home folder: the store has them
+        with client.app.state.sessions() as session:  # type: ignore[attr-defined]
+            found = datasets.get_dataset(session, dataset_id=ident)
+            assert found is not None
+            assert datasets.image_store(storage, found) == "images"  # a key: the worker pulls
+            pulled = datasets.local_images(storage, found, cache=tmp_path / "cache")
+        assert pulled == tmp_path / "cache" / "images"
+        assert (pulled / sha(RED)[:2] / sha(RED)).read_bytes() == RED
+        worker = store_images.folder_for(storage, [f"datasets/{ident}/s.jsonl"], cache=tmp_path / "worker")
+        assert sorted(p.name for p in worker.rglob("*") if p.is_file()) == sorted([sha(RED), sha(BLUE)])
+        assert client.delete(f"/api/datasets/{ident}").status_code == 204
+        assert storage.list("images") == [] and storage.list("datasets") == []
