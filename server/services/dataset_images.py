@@ -25,6 +25,7 @@ from __future__ import annotations
 import base64
 import binascii
 import csv
+import dataclasses
 import hashlib
 import json
 import os
@@ -36,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from engine.data import RowError, read_records
+from engine.data import Example, RowError, read_records
 from server.storage import Storage
 from server.storage import images as store_images
 
@@ -334,3 +335,15 @@ class _Writer:
                 self.parquet.close()
             if self.file is not None:
                 self.file.close()
+
+
+def with_images(example: Example, images_dir: Path | None) -> Example:
+    """The example with the bytes of its images (``sha256:`` references: a stored dataset's)."""
+    read = []
+    for ref in example.images:
+        digest = store_images.digest_of(ref.source) if isinstance(ref.source, str) else None
+        path = store_images.staged_path(images_dir, digest) if images_dir is not None and digest else None
+        if path is None or not path.is_file():
+            raise ValueError(f"line {example.line}: {ref.field}: the image is not in the image store")
+        read.append(dataclasses.replace(ref, data=path.read_bytes()))
+    return dataclasses.replace(example, images=tuple(read))

@@ -13,7 +13,6 @@ the API starts again."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import errno
 import fcntl
 import hashlib
@@ -164,7 +163,8 @@ def store_upload(
         if rewritten.errors_total:
             return None, Report(clean, None, 0, rewritten.errors, rewritten.errors_total)
         final = rewritten.path or data_file
-        report = _validate(final, image_store=staged.folder if rewritten.has_images else None)
+        store = str(staged.folder) if rewritten.has_images else None  # the staged images, by hash
+        report = validate(str(final), max_errors=MAX_REPORTED_ERRORS, image_store=store)
         report.path = clean
         if not report.ok:
             return None, report
@@ -185,14 +185,6 @@ def store_upload(
         shutil.rmtree(work, ignore_errors=True)
         incoming.unlink(missing_ok=True)  # before the lock goes: a sweep never sees it unlocked
         out.close()
-
-
-def _validate(file: Path, *, image_store: Path | None) -> Report:
-    """The engine's validation of every row; with images, read from ``image_store`` (laid out as
-    the store)."""
-    if image_store is None:
-        return validate(str(file), max_errors=MAX_REPORTED_ERRORS)
-    return validate(str(file), max_errors=MAX_REPORTED_ERRORS, image_store=str(image_store))
 
 
 def _store(
@@ -402,19 +394,7 @@ def first_examples(
         if not isinstance(record, dict):
             raise ValueError(f"dataset {dataset.id} changed on disk: {record}")
         example = fmt.example(line, record)
-        yield _with_images(example, images_dir) if example.images else example
-
-
-def _with_images(example: Example, images_dir: Path | None) -> Example:
-    """The example with the bytes of its images (``sha256:`` references: a stored dataset's)."""
-    read = []
-    for ref in example.images:
-        digest = images.digest_of(ref.source) if isinstance(ref.source, str) else None
-        path = images.staged_path(images_dir, digest) if images_dir is not None and digest else None
-        if path is None or not path.is_file():
-            raise ValueError(f"line {example.line}: {ref.field}: the image is not in the image store")
-        read.append(dataclasses.replace(ref, data=path.read_bytes()))
-    return dataclasses.replace(example, images=tuple(read))
+        yield dataset_images.with_images(example, images_dir) if example.images else example
 
 
 @contextlib.contextmanager
