@@ -146,3 +146,34 @@ def test_sha256_images_come_from_the_store_and_a_text_model_refuses_image_rows(t
     text_model = tiny_model("llama", vocab_size=max(96, len(tokenizer))).eval()
     with pytest.raises(ValueError, match=r"eval\.jsonl: line 1: .*text model"):
         evaluate(text_model, tokenizer, path, image_store=store)
+
+
+def test_a_vlm_checkpoint_folder_and_a_lora_adapter_on_one_evaluate_with_their_processor(
+    tmp_path: Path,
+) -> None:
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    from engine.inference.evaluate import evaluate_checkpoint
+    from tests.engine.tiny_vision import tiny_vlm_folder
+
+    base = tiny_vlm_folder(tmp_path / "base", "qwen2_5_vl")
+    path = write(tmp_path / "eval.jsonl", ROWS)
+    torch.manual_seed(3)
+    lora = LoraConfig(r=4, target_modules=r".*language_model.*\.(q_proj|v_proj)", init_lora_weights=False)
+    get_peft_model(tiny_vlm("qwen2_5_vl"), lora).save_pretrained(str(tmp_path / "adapter"))
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):  # as an export has
+        if (base / name).is_file():
+            (tmp_path / "adapter" / name).write_bytes((base / name).read_bytes())
+    processor = tiny_processor("qwen2_5_vl")
+    whole = evaluate_checkpoint(base, path, device="cpu", max_new_tokens=4)
+    assert whole["image_rows"] == 2
+    assert whole["loss"] == pytest.approx(
+        evaluate(
+            tiny_vlm("qwen2_5_vl").eval(), processor.tokenizer, path, processor=processor, max_new_tokens=4
+        )["loss"],
+        rel=1e-6,
+    )
+    tuned = evaluate_checkpoint(tmp_path / "adapter", path, base=base, device="cpu", max_new_tokens=4)
+    reference = PeftModel.from_pretrained(tiny_vlm("qwen2_5_vl"), str(tmp_path / "adapter")).eval()
+    expected = evaluate(reference, processor.tokenizer, path, processor=processor, max_new_tokens=4)
+    assert tuned["loss"] == pytest.approx(expected["loss"], rel=1e-6) and tuned["loss"] != whole["loss"]
