@@ -54,10 +54,13 @@ Resolve = Callable[[Any, str], str]
 @dataclass
 class Staged:
     """The images of one upload, staged in ``folder`` (laid out as the store) before they are
-    stored; ``digests``: those its rows name."""
+    stored; ``digests``: those its rows name; ``max_bytes``: what they may come to, each image
+    counted once (None: no limit)."""
 
     folder: Path
+    max_bytes: int | None = None
     digests: set[str] = field(default_factory=set)
+    total: int = 0
 
     def add(self, data: bytes) -> str:
         """Stage ``data`` (once per content); its ``sha256:<hex>`` reference."""
@@ -68,6 +71,7 @@ class Staged:
         digest = hashlib.sha256(data).hexdigest()
         target = store_images.staged_path(self.folder, digest)
         if not target.is_file():
+            self.charge(len(data))
             target.parent.mkdir(parents=True, exist_ok=True)
             fd, name = tempfile.mkstemp(dir=target.parent, suffix=".tmp")
             with os.fdopen(fd, "wb") as out:
@@ -75,6 +79,16 @@ class Staged:
             os.replace(name, target)
         self.digests.add(digest)
         return store_images.reference(digest)
+
+    def charge(self, size: int) -> None:
+        """Count ``size`` more bytes of images.
+
+        Raises:
+            ValueError: past ``max_bytes``.
+        """
+        self.total += size
+        if self.max_bytes is not None and self.total > self.max_bytes:
+            raise ValueError(f"the dataset's images come to more than {self.max_bytes} bytes")
 
 
 def rewrite(record: dict[str, Any], resolve: Resolve) -> bool:
@@ -159,6 +173,7 @@ class Resolver:
                     self.storage.get_file(store_images.image_key(digest), target)
                 except FileNotFoundError:
                     raise ValueError(f"{value}: no such image in the store") from None
+                self.staged.charge(target.stat().st_size)
             self.staged.digests.add(digest)
             return value
         if value.startswith(("http://", "https://")):

@@ -51,7 +51,9 @@ FOLDER = "datasets"  # the store's folder of datasets
 INCOMING = ".incoming-"  # an upload's copy in the scratch folder: .incoming-<id><suffix>
 UNPACKED = ".unpacked-"  # beside it, its archive unpacked and its images staged: .unpacked-<id>/
 MAX_NAME = 120  # characters of a stored file name
-UNPACKED_FACTOR = 4  # an archive may unpack to this many times the upload limit (a "zip bomb" stops there)
+# an archive may unpack to this many times the upload limit (a "zip bomb" stops there), and a
+# dataset's images (fetched ones too) come to as much
+UNPACKED_FACTOR = 4
 MAX_REPORTED_ERRORS = 100  # invalid rows listed in an upload's report; the rest are counted
 
 
@@ -154,7 +156,7 @@ def store_upload(
             )
             stored_name = safe_name(data_file.name)
             roots = list(dict.fromkeys([data_file.parent, root]))  # its folder, then the root
-        staged = dataset_images.Staged(work / "images")
+        staged = dataset_images.Staged(work / "images", max_bytes=UNPACKED_FACTOR * max_bytes)
         fetch = FETCH_URLS.get() if fetch_urls is None else fetch_urls
         resolver = dataset_images.Resolver(staged, storage=storage, roots=roots, fetch_urls=fetch)
         rewritten = dataset_images.rewrite_file(

@@ -212,3 +212,11 @@ def test_rewrite_file_reports_each_bad_line_and_writes_nothing(tmp_path: Path) -
     assert done.errors_total == 5 and [e.line for e in done.errors] == [1, 2, 3] and done.path is None
     assert "images[0]: 'missing0.png': no such file" in done.errors[0].message
     assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_the_images_of_one_upload_may_come_to_a_limit(tmp_path: Path) -> None:
+    staged = Staged(tmp_path / "staged", max_bytes=len(RED) + len(BLUE))
+    staged.add(RED), staged.add(BLUE), staged.add(RED)  # the same bytes twice: counted once
+    assert staged.total == len(RED) + len(BLUE)
+    with pytest.raises(ValueError, match=f"come to more than {len(RED) + len(BLUE)} bytes"):
+        staged.add(png(4, 4, seed=9))
