@@ -23,7 +23,16 @@ def load_split(config: Any, tokenizer: Any, kind: type[Row]) -> tuple[list[Row],
             method's name in the message), invalid rows by line, an unsupported file.
     """
     data, method = config.data, config.method.objective
-    train = load_rows(data.train, tokenizer, kind, fmt=data.format, max_length=data.max_length, method=method)
+    store = data.image_store  # where sha256: image references are read (the service's store)
+    train = load_rows(
+        data.train,
+        tokenizer,
+        kind,
+        fmt=data.format,
+        max_length=data.max_length,
+        method=method,
+        image_store=store,
+    )
     if data.validation:
         validation = load_rows(
             data.validation,
@@ -33,6 +42,7 @@ def load_split(config: Any, tokenizer: Any, kind: type[Row]) -> tuple[list[Row],
             max_length=data.max_length,
             field="data.validation",
             method=method,
+            image_store=store,
         )
         return train, validation
     held: tuple[list[Row], list[Row]] = split_validation(train, data.validation_fraction, config.hyper.seed)
