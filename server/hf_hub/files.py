@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import Any
 
-from engine.vision.processing import PROCESSOR_FILES
+from engine.vision import PROCESSOR_FILES
 
 # the small files of a model folder that training and export read (config, tokenizer, templates;
 # a vision-language model's processor: its image processor's settings and options)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from engine import training as layout
 from engine.export import CHECKPOINT, FORMATS, GGUF, MERGED, ExportFormat, FormatInfo
+from engine.vision import PROCESSOR_FILES, vision_spec
 from server.services import checkpoints
 from server.services.failures import Invalid
 from server.settings import Settings
@@ -167,9 +168,6 @@ def processor_files(job: Job, folder: Path, *, settings: Settings, storage: Stor
     folder has and the checkpoint's export ``folder`` lacks (a checkpoint written without
     them), by name: what its download and its push add, so that either runs on images. Empty
     for a text model."""
-    from engine.vision.families import vision_spec
-    from engine.vision.processing import PROCESSOR_FILES
-
     if vision_spec(architecture(job)) is None:
         return {}
     missing = [name for name in PROCESSOR_FILES if not (folder / name).is_file()]

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.model import DEMO_NAME, FAMILIES, ModelKind, demo_source, model_kind
-from engine.vision.families import vision_spec
+from engine.vision import vision_spec
 
 
 @dataclass
