@@ -240,9 +240,11 @@ def cmd_validate_data(args: argparse.Namespace) -> int:
 
     tokenizer = None
     if args.model:
-        from engine.model.loading import load_tokenizer, resolve_model_path
+        from engine.model.loading import load_processor_for, load_tokenizer, resolve_model_path
 
-        tokenizer = load_tokenizer(resolve_model_path(args.model, args.models_dir))
+        folder = resolve_model_path(args.model, args.models_dir)
+        # a vision-language model's processor encodes rows with images (its tokenizer inside)
+        tokenizer = load_processor_for(folder) or load_tokenizer(folder)
     report = validate(args.file, tokenizer=tokenizer, fmt=args.format, max_length=args.max_length)
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
