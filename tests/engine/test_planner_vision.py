@@ -240,3 +240,15 @@ def test_predicted_host_bytes_are_what_the_engine_holds_after_a_step(
     measured = weights + optimizer
     predicted = (report.host_ram["weights_gb"] + report.host_ram["optimizer_gb"]) * 1e9
     assert abs(predicted - measured) <= 0.1 * measured
+
+
+def test_the_workload_of_a_vlm_run_takes_its_tower_settings_and_the_data_s_images() -> None:
+    options = {"kind": "lora", "vision_tower": "lora", "projector": "full"}
+    config = TrainConfig.model_validate(
+        {"model": {"path": "m"}, "data": {"train": "t.jsonl"}, "method": options}
+    )
+    job = Workload.from_train_config(config, image_counts=[1, 2, 3, 2], image_sizes=[(10, 20), (30, 40)])
+    assert (job.vision_tower, job.projector) == ("lora", "full")
+    assert job.images_per_row == 2.0 and job.image_size == (20, 30)
+    plain = Workload.from_train_config(config)
+    assert plain.images_per_row == 0 and plain.image_size == Workload().image_size
