@@ -279,7 +279,7 @@ def rewrite_file(source: Path, *, target: Path, resolve: Resolve, max_errors: in
                     errors.append(RowError(line, str(exc), unit))
                 continue
             if has and out is None:  # the first row with images: the rows before it, as they are
-                out = _Writer(target).__enter__()
+                out = _Writer(target, source=source).__enter__()
                 for earlier, before in read_records(source):
                     if earlier >= line:
                         break
@@ -296,13 +296,29 @@ def rewrite_file(source: Path, *, target: Path, resolve: Resolve, max_errors: in
     return Rewritten(True, target, errors, total)
 
 
+def _parquet_schema(source: Path) -> Any:
+    """The source's Parquet schema with its image columns as the rewrite leaves them: ``images`` a
+    list of references, ``image`` one (their bytes went into the store)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    with source.open("rb") as f:
+        schema = pq.ParquetFile(f).schema_arrow
+    for name, kind in (("images", pa.list_(pa.string())), ("image", pa.string())):
+        at = schema.get_field_index(name)
+        if at >= 0:
+            schema = schema.set(at, pa.field(name, kind))
+    return schema
+
+
 class _Writer:
     """Rows written to a JSONL, CSV or Parquet file as they come (Parquet: in batches)."""
 
     BATCH = 1024
 
-    def __init__(self, target: Path) -> None:
+    def __init__(self, target: Path, *, source: Path) -> None:
         self.target, self.kind = target, target.suffix.lower()
+        self.schema = _parquet_schema(source) if self.kind == ".parquet" else None
         self.batch: list[dict[str, Any]] = []
         self.parquet: Any = None
         self.csv: csv.DictWriter[str] | None = None
@@ -334,10 +350,11 @@ class _Writer:
         if not self.batch:
             return
         if self.parquet is None:
-            table = pa.Table.from_pylist(self.batch)
-            self.parquet = pq.ParquetWriter(self.target, table.schema)
-        else:  # the first batch's schema (a later batch's nulls take its types)
-            table = pa.Table.from_pylist(self.batch, schema=self.parquet.schema.to_arrow_schema())
+            self.parquet = pq.ParquetWriter(self.target, self.schema)
+        try:
+            table = pa.Table.from_pylist(self.batch, schema=self.schema)
+        except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:  # a column of mixed types
+            raise ValueError(f"the rows cannot be written back as Parquet: {exc}") from None
         self.parquet.write_table(table)
         self.batch = []
 
