@@ -163,7 +163,8 @@ class Resolver:
         if not isinstance(value, str) or not value.strip():
             got = "nothing" if value is None else repr(value) if value == "" else type(value).__name__
             raise ValueError(f"expected an image reference (a file name, a data: URL, bytes), got {got}")
-        if value.startswith("data:"):
+        scheme = value[:8].lower()
+        if scheme.startswith("data:"):
             return self.staged.add(_data_url(value))
         digest = store_images.digest_of(value)
         if digest is not None:  # a stored image: staged too, for the validation that reads them there
@@ -176,7 +177,7 @@ class Resolver:
                 self.staged.charge(target.stat().st_size)
             self.staged.digests.add(digest)
             return value
-        if value.startswith(("http://", "https://")):
+        if scheme.startswith(("http://", "https://")):
             if not self.fetch_urls:
                 raise ValueError(
                     f"{_short(value)}: image URLs are not fetched on this server (its operator allows"
@@ -217,6 +218,7 @@ def _short(value: str) -> str:
 
 def _data_url(value: str) -> bytes:
     head, sep, body = value.partition(",")
+    head = head.lower()
     if not sep or not head.endswith(";base64"):
         raise ValueError(f"{_short(value[:60])}: a data URL must be data:image/<type>;base64,<data>")
     if not head.startswith("data:image/"):

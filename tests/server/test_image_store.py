@@ -128,6 +128,7 @@ def test_every_place_a_row_names_an_image_is_rewritten(tmp_path: Path) -> None:
     ("value", "says"),
     [
         ("https://example.com/cat.png", "ROUNDHOUSE_ALLOW_IMAGE_URLS=1"),
+        ("HTTP://EXAMPLE.COM/CAT.PNG", "ROUNDHOUSE_ALLOW_IMAGE_URLS=1"),
         ("../secret.png", "must stay inside the archive"),
         ("/etc/passwd", "must stay inside the archive"),
         ("pics/missing.png", "no such file in the archive"),
