@@ -168,10 +168,12 @@ class PlanReport:
         vision = a.get("vision")
         if vision:
             size = "x".join(str(n) for n in vision["image_size"])
+            per_row = vision["images_per_row"]
             lines.append(
                 f"vision: tower {vision['tower_params'] / 1e6:,.1f}M ({vision['vision_tower']}), projector "
                 f"{vision['projector_params'] / 1e6:,.1f}M ({vision['projector']}) parameters in the input "
-                f"layer; {vision['images_per_row']:g} images a row of {size} pixels, each "
+                f"layer; {per_row:g} image{'' if per_row == 1 else 's'} a row "
+                f"of {size} pixels, each "
                 f"{vision['patches_per_image']:,} patches and "
                 f"{vision['image_tokens_per_image']:,} image tokens"
             )

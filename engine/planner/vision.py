@@ -110,8 +110,8 @@ class Tower:
         vision = config.get("vision_config")
         if spec is None or not isinstance(vision, dict):
             return None
-        text = config.get("text_config") or {}
-        out = _size("text_config.hidden_size", text.get("hidden_size") if isinstance(text, dict) else None)
+        text = config.get("text_config") or config  # Qwen2.5-VL's own config.json: the text sizes on top
+        out = _size("hidden_size", text.get("hidden_size") if isinstance(text, dict) else None)
         settings = processor if isinstance(processor, dict) else {}
         if spec.features == "qwen2_5_vl":
             return _qwen(vision, out, settings)

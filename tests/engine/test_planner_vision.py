@@ -104,6 +104,9 @@ def test_the_defaults_without_a_processor_are_the_families_published_ones() -> N
     assert tower is not None
     assert tower.image(448, 448).tokens == 256 and tower.image(448, 448).patches == 1024
     assert 640e6 < tower.params < 680e6  # Qwen2.5-VL's 670M-parameter vision encoder
+    # its config.json on the Hub holds the text sizes at the top, without a text_config
+    flat = {k: v for k, v in qwen.items() if k != "text_config"} | {"hidden_size": 2048}
+    assert Tower.from_config(flat) == tower
     # Gemma 3's SigLIP at 896 pixels, pooled to 256 tokens whatever the image
     gemma = {
         "architectures": ["Gemma3ForConditionalGeneration"],
