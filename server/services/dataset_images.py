@@ -41,7 +41,6 @@ from engine.data import Example, RowError, read_records
 from server.storage import Storage
 from server.storage import images as store_images
 
-MAX_IMAGE_BYTES = 20 << 20  # one image's file
 FETCH_TIMEOUT_S = 30.0
 URL_SETTING = "ROUNDHOUSE_ALLOW_IMAGE_URLS"
 MESSAGE_LISTS = ("messages", "conversations")
@@ -49,6 +48,20 @@ IMAGE_COLUMNS = ("images", "image")
 PART_KEYS = ("image", "url", "path")  # where an {"type": "image"} part may give its image
 
 Resolve = Callable[[Any, str], str]
+
+
+def max_image_bytes() -> int:
+    """The largest image file the engine opens (``engine.vision.MAX_IMAGE_BYTES``), read when first
+    needed: its module loads torch, which the API does not at its start."""
+    from engine.vision import MAX_IMAGE_BYTES
+
+    return MAX_IMAGE_BYTES
+
+
+def __getattr__(name: str) -> int:  # MAX_IMAGE_BYTES, as the engine has it, on first use
+    if name == "MAX_IMAGE_BYTES":
+        return max_image_bytes()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass
@@ -64,8 +77,8 @@ class Staged:
 
     def add(self, data: bytes) -> str:
         """Stage ``data`` (once per content); its ``sha256:<hex>`` reference."""
-        if len(data) > MAX_IMAGE_BYTES:
-            raise ValueError(f"the image has {len(data)} bytes, more than the limit of {MAX_IMAGE_BYTES}")
+        if len(data) > (most := max_image_bytes()):
+            raise ValueError(f"the image has {len(data)} bytes, more than the limit of {most}")
         if not data:
             raise ValueError("the image is empty (0 bytes)")
         digest = hashlib.sha256(data).hexdigest()
@@ -204,10 +217,8 @@ class Resolver:
             path = root.joinpath(*rel.parts)
             if path.is_file() and not path.is_symlink():
                 size = path.stat().st_size
-                if size > MAX_IMAGE_BYTES:
-                    raise ValueError(
-                        f"{_short(name)}: {size} bytes, more than the limit of {MAX_IMAGE_BYTES}"
-                    )
+                if size > (most := max_image_bytes()):
+                    raise ValueError(f"{_short(name)}: {size} bytes, more than the limit of {most}")
                 return path.read_bytes()
         raise ValueError(f"{_short(name)}: no such file in the archive")
 
@@ -223,8 +234,8 @@ def _data_url(value: str) -> bytes:
         raise ValueError(f"{_short(value[:60])}: a data URL must be data:image/<type>;base64,<data>")
     if not head.startswith("data:image/"):
         raise ValueError(f"{_short(head)}: not an image (expected data:image/...)")
-    if len(body) > (MAX_IMAGE_BYTES * 4) // 3 + 4:
-        raise ValueError(f"the data URL's image is larger than the limit of {MAX_IMAGE_BYTES} bytes")
+    if len(body) > ((most := max_image_bytes()) * 4) // 3 + 4:
+        raise ValueError(f"the data URL's image is larger than the limit of {most} bytes")
     try:
         return base64.b64decode(body, validate=True)
     except (binascii.Error, ValueError):
@@ -232,17 +243,18 @@ def _data_url(value: str) -> bytes:
 
 
 def _fetch(url: str) -> bytes:
-    """The bytes at ``url`` (at most ``MAX_IMAGE_BYTES``)."""
+    """The bytes at ``url`` (at most ``max_image_bytes()``)."""
+    most = max_image_bytes()
     try:
         with urllib.request.urlopen(url, timeout=FETCH_TIMEOUT_S) as response:  # http(s) only: checked above
-            data: bytes = response.read(MAX_IMAGE_BYTES + 1)
+            data: bytes = response.read(most + 1)
     except urllib.error.HTTPError as exc:
         raise ValueError(f"{_short(url)}: the server answered HTTP {exc.code}") from None
     except (urllib.error.URLError, OSError, ValueError) as exc:
         reason = getattr(exc, "reason", exc)
         raise ValueError(f"{_short(url)}: could not be fetched ({reason})") from None
-    if len(data) > MAX_IMAGE_BYTES:
-        raise ValueError(f"{_short(url)}: larger than the limit of {MAX_IMAGE_BYTES} bytes")
+    if len(data) > most:
+        raise ValueError(f"{_short(url)}: larger than the limit of {most} bytes")
     return data
 
 

@@ -153,8 +153,8 @@ def test_a_bad_reference_is_refused_naming_its_field(tmp_path: Path, value: Any,
 def test_a_file_name_in_a_lone_data_file_and_an_oversized_image_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="upload a zip/tar"):
         rewrite({"images": ["a.png"]}, resolver(tmp_path))
-    big = b"\x89PNG" + bytes(dataset_images.MAX_IMAGE_BYTES)
-    with pytest.raises(ValueError, match=f"limit of {dataset_images.MAX_IMAGE_BYTES}"):
+    big = b"\x89PNG" + bytes(dataset_images.max_image_bytes())
+    with pytest.raises(ValueError, match=f"limit of {dataset_images.max_image_bytes()}"):
         rewrite({"images": [big]}, resolver(tmp_path))
 
 
@@ -219,3 +219,12 @@ def test_the_images_of_one_upload_may_come_to_a_limit(tmp_path: Path) -> None:
     assert staged.total == len(RED) + len(BLUE)
     with pytest.raises(ValueError, match=f"come to more than {len(RED) + len(BLUE)} bytes"):
         staged.add(png(4, 4, seed=9))
+
+
+def test_the_datasets_service_loads_no_torch_until_an_image_is_read() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, server.api.datasets, server.services.datasets; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr[-2000:]
