@@ -18,8 +18,8 @@ with their prompt and reference. Everything is deterministic (no sampling, rows 
 
 Rows with images (a vision-language model's data) are encoded by the model's processor as training
 encodes them, and each forward and generation takes the row's image tensors
-(``engine.inference.images.image_inputs``); a sample shows its images as thumbnails. A text model
-refuses them, naming the row.
+(``engine.inference.images``: ``image_inputs``, ``token_types``); a sample shows its images as
+thumbnails. A text model refuses them, naming the row.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from engine.inference.generate import (
     load_processor,
     prompt_and_reference,
 )
-from engine.inference.images import image_inputs, on_device, prefix_inputs
+from engine.inference.images import image_inputs, on_device, token_types
 from engine.vision.processing import PROCESSOR_FILES
 
 SHORT_ANSWER_TOKENS = 32
@@ -125,15 +125,12 @@ def evaluate(
     for ex in examples[:max_rows]:
         try:
             enc = encode(ex, processor if processor is not None and ex.images else tokenizer, max_length)
-            images = (
-                image_inputs(processor, model, enc.images, torch.tensor([enc.input_ids]))
-                if enc.images
-                else {}
-            )
+            images = image_inputs(processor, model, enc.images) if enc.images else {}
         except ValueError as exc:
             raise ValueError(f"{Path(path).name}: line {ex.line}: {exc}") from None
         image_rows += bool(enc.images)
-        row_loss, row_tokens, row_correct = _row_scores(model, enc.input_ids, enc.labels, images)
+        types = token_types(model, torch.tensor([enc.input_ids])) if images else {}
+        row_loss, row_tokens, row_correct = _row_scores(model, enc.input_ids, enc.labels, images | types)
         loss_sum, tokens, correct = loss_sum + row_loss, tokens + row_tokens, correct + row_correct
         found = prompt_and_reference(ex)
         start = _answer_start(enc.labels)
@@ -147,7 +144,7 @@ def evaluate(
         if not short and len(shown) >= samples:
             continue
         # the answer comes after every image (images are in user turns): the prompt has them all
-        inputs = prefix_inputs(images, start)
+        inputs = images | (token_types(model, torch.tensor([enc.input_ids[:start]])) if images else {})
         output = complete(
             model, tokenizer, enc.input_ids[:start], max_new_tokens=max_new_tokens, inputs=inputs
         )

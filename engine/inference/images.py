@@ -23,13 +23,6 @@ import torch
 
 from engine.data.sequences import ensure_chat_template, image_placeholder
 
-# the model inputs that carry which positions hold image tokens, by the config attribute that
-# names the image token: the processor makes them, a prompt built from ids alone derives them
-TOKEN_TYPE_INPUTS = {
-    "Qwen2_5_VLForConditionalGeneration": "mm_token_type_ids",
-    "Gemma3ForConditionalGeneration": "token_type_ids",
-}
-
 
 @dataclass(frozen=True)
 class Prompt:
@@ -137,18 +130,22 @@ def chat_prompt(tokenizer: Any, messages: list[dict[str, Any]], *, processor: An
 
 
 def token_types(model: Any, ids: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The input that marks image positions (``mm_token_type_ids``, ``token_type_ids``) for ids made
-    without the processor, as the processor would make it; empty where the family has none."""
-    name = TOKEN_TYPE_INPUTS.get(architecture_of(model))
-    if name is None:
+    """The input that marks image positions for ids made without the processor, as the processor
+    makes it: ``mm_token_type_ids`` for 3-D rotary positions (Qwen2.5-VL), ``token_type_ids`` for
+    bidirectional attention inside images (Gemma 3); empty for the other families and text models."""
+    from engine.model.block_context import BidirectionalImages
+    from engine.vision import vision_spec
+
+    spec = vision_spec(architecture_of(model))
+    if spec is None:
         return {}
-    config = model.config
-    token: Any = getattr(config, "image_token_id", None)
-    if token is None:
-        token = getattr(config, "image_token_index", None)
-    if token is None:
-        raise ValueError(f"{architecture_of(model)}: its config names no image token")
-    return {name: torch.eq(ids, int(token)).long()}
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    is_image = torch.eq(ids, int(getattr(base.config, spec.image_token))).long()
+    if spec.positions == "mrope":
+        return {"mm_token_type_ids": is_image}
+    if isinstance(spec.text.context, BidirectionalImages):
+        return {"token_type_ids": is_image}
+    return {}
 
 
 def rope_holder(model: Any) -> Any:
@@ -174,27 +171,17 @@ def on_device(inputs: dict[str, torch.Tensor], model: Any) -> dict[str, torch.Te
     }
 
 
-def image_inputs(
-    processor: Any, model: Any, images: Sequence[bytes], ids: torch.Tensor
-) -> dict[str, torch.Tensor]:
-    """The image tensors of a forward over ``ids`` (``[1, length]``, image tokens already expanded,
-    as ``engine.data`` encodes a row with images) and its ``images``: what the processor gives
-    besides the ids, for a row the processor did not tokenize here.
+def image_inputs(processor: Any, model: Any, images: Sequence[bytes]) -> dict[str, torch.Tensor]:
+    """The image tensors of a row's ``images`` for a forward of ``model``: what the processor gives
+    besides the ids, for a row it did not tokenize here (``engine.data`` encodes a row with images
+    with its image tokens expanded). With ``token_types`` of its ids, the forward's inputs.
 
     Raises:
         ValueError: an image that cannot be read.
     """
-    from engine.vision.pixels import open_image
+    from engine.vision import open_image
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     accepted = inspect.signature(base.forward).parameters
     out = processor.image_processor(images=[[open_image(b) for b in images]], return_tensors="pt")
-    found = {k: v for k, v in out.items() if k in accepted and isinstance(v, torch.Tensor)}
-    return found | token_types(base, ids)
-
-
-def prefix_inputs(inputs: dict[str, torch.Tensor], length: int) -> dict[str, torch.Tensor]:
-    """A row's image inputs for its first ``length`` tokens (a prompt holding all its images): the
-    per-token ones (``TOKEN_TYPE_INPUTS``) cut to ``length``, the image tensors as they are."""
-    per_token = set(TOKEN_TYPE_INPUTS.values())
-    return {k: v[..., :length] if k in per_token else v for k, v in inputs.items()}
+    return {k: v for k, v in out.items() if k in accepted and isinstance(v, torch.Tensor)}

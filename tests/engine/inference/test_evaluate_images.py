@@ -19,7 +19,7 @@ from engine.data.encode import encode
 from engine.data.images import IMAGE_MARK
 from engine.data.read import read_examples
 from engine.inference.evaluate import evaluate
-from engine.inference.images import chat_prompt, image_inputs, prefix_inputs
+from engine.inference.images import chat_prompt, image_inputs, token_types
 from tests.engine.tiny import tiny_model, tiny_tokenizer
 from tests.engine.tiny_vision import VLM_FAMILIES, png, tiny_processor, tiny_vlm
 
@@ -60,7 +60,7 @@ def test_image_rows_score_as_the_model_s_own_loss_and_generate_with_their_images
     for ex in examples:
         enc = encode(ex, processor if ex.images else tokenizer, 1024)
         ids = torch.tensor([enc.input_ids])
-        inputs = image_inputs(processor, model, enc.images, ids) if enc.images else {}
+        inputs = image_inputs(processor, model, enc.images) | token_types(model, ids) if enc.images else {}
         start = next(i for i, label in enumerate(enc.labels) if label != -100)
         # the answer's prompt is what the chat renders for the turns before it, images included
         messages = [
@@ -78,9 +78,12 @@ def test_image_rows_score_as_the_model_s_own_loss_and_generate_with_their_images
         ]
         prompt = chat_prompt(tokenizer, messages, processor=processor)
         assert prompt.ids == enc.input_ids[:start]
-        assert prompt.inputs.keys() == inputs.keys()
-        cut = prefix_inputs(inputs, start)
-        assert all(torch.equal(prompt.inputs[k], cut[k]) for k in inputs)
+        assert prompt.inputs.keys() == inputs.keys()  # the processor's, and those made from ids alone
+        if enc.images:  # the prompt's: the row's image tensors, its token types cut to the prompt
+            cut = image_inputs(processor, model, enc.images) | token_types(model, torch.tensor([prompt.ids]))
+            assert all(torch.equal(prompt.inputs[k], cut[k]) for k in cut)
+        else:
+            assert not prompt.inputs
         labels = torch.tensor([enc.labels])
         with torch.no_grad():
             out = model(input_ids=ids, labels=labels, **inputs)
