@@ -180,3 +180,11 @@ def test_a_vlm_checkpoint_folder_and_a_lora_adapter_on_one_evaluate_with_their_p
     reference = PeftModel.from_pretrained(tiny_vlm("qwen2_5_vl"), str(tmp_path / "adapter")).eval()
     expected = evaluate(reference, processor.tokenizer, path, processor=processor, max_new_tokens=4)
     assert tuned["loss"] == pytest.approx(expected["loss"], rel=1e-6) and tuned["loss"] != whole["loss"]
+
+
+def test_the_quick_exact_match_check_sends_image_rows_to_evaluate(tmp_path: Path) -> None:
+    from engine.inference.generate import exact_match
+
+    model, processor = tiny_vlm("gemma3_vl").eval(), tiny_processor("gemma3_vl")
+    with pytest.raises(ValueError, match=r"line 1: a row with images: evaluate it"):
+        exact_match(model, processor.tokenizer, write(tmp_path / "eval.jsonl", ROWS))
