@@ -18,7 +18,7 @@ import httpx
 
 from server.api.openai.completion_shapes import ImagePart, TextPart
 from server.errors import ApiError
-from server.services.dataset_images import FETCH_TIMEOUT_S, MAX_IMAGE_BYTES
+from server.services.dataset_images import FETCH_TIMEOUT_S, max_image_bytes
 
 
 class Message(Protocol):
@@ -47,11 +47,12 @@ def data_url_bytes(url: str, param: str) -> bytes:
     Raises:
         ApiError: (400, naming ``param``) not an image data URL, bad base64, too large, empty.
     """
+    limit = max_image_bytes()
     head, sep, body = url.partition(",")
     if not sep or not head.lower().startswith("data:image/") or not head.lower().endswith(";base64"):
         raise _refuse(param, f"{head[:60]!r}: a data URL must read data:image/<type>;base64,<data>")
-    if len(body) > (MAX_IMAGE_BYTES * 4) // 3 + 4:
-        raise _refuse(param, f"the image is larger than the limit of {MAX_IMAGE_BYTES} bytes")
+    if len(body) > (limit * 4) // 3 + 4:
+        raise _refuse(param, f"the image is larger than the limit of {limit} bytes")
     try:
         data = base64.b64decode(body, validate=True)
     except (binascii.Error, ValueError):
@@ -62,11 +63,12 @@ def data_url_bytes(url: str, param: str) -> bytes:
 
 
 async def fetch_image(client: httpx.AsyncClient, url: str, param: str) -> bytes:
-    """The bytes at an http(s) URL (at most ``MAX_IMAGE_BYTES``).
+    """The bytes at an http(s) URL (at most the engine's ``MAX_IMAGE_BYTES``).
 
     Raises:
         ApiError: (400, naming ``param``) it could not be fetched, or is too large.
     """
+    limit = max_image_bytes()
     try:
         async with client.stream("GET", url, follow_redirects=True, timeout=FETCH_TIMEOUT_S) as response:
             if response.status_code != 200:
@@ -74,8 +76,8 @@ async def fetch_image(client: httpx.AsyncClient, url: str, param: str) -> bytes:
             data = b""
             async for chunk in response.aiter_bytes():
                 data += chunk
-                if len(data) > MAX_IMAGE_BYTES:
-                    raise _refuse(param, f"{url[:120]!r}: larger than the limit of {MAX_IMAGE_BYTES} bytes")
+                if len(data) > limit:
+                    raise _refuse(param, f"{url[:120]!r}: larger than the limit of {limit} bytes")
     except httpx.HTTPError as exc:
         raise _refuse(param, f"{url[:120]!r}: could not be fetched ({exc.__class__.__name__})") from None
     if not data:
