@@ -15,12 +15,14 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import gzip
 import hashlib
 import logging
 import os
 import re
 import shutil
 import uuid
+import zlib
 from collections.abc import Iterator
 from contextvars import ContextVar
 from pathlib import Path
@@ -30,17 +32,19 @@ from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
 from engine.data import (
+    ARCHIVE_SUFFIXES,
     SUFFIXES,
     Example,
     Report,
+    archive_suffix,
     ensure_chat_template,
     formats_listing,
     get_format,
     read_records,
+    unpack,
     validate,
 )
 from server.services import dataset_images
-from server.services.dataset_archives import ARCHIVE_SUFFIXES, archive_suffix, unpack
 from server.services.job_states import TERMINAL
 from server.storage import Storage, StorageUnavailable, images
 from server.tables import Dataset, Job, now
@@ -102,7 +106,7 @@ def store_upload(
     fetch_urls: bool | None = None,
 ) -> tuple[Dataset | None, Report]:
     """Copy an upload in chunks to a temporary file in ``scratch``, unpack it when it is an
-    archive (``dataset_archives``; at most ``UNPACKED_FACTOR`` times ``max_bytes`` unpacked),
+    archive (``engine.data.unpack``; at most ``UNPACKED_FACTOR`` times ``max_bytes`` unpacked),
     store its images once each and rewrite their references (``dataset_images``), validate every
     row, and store it (as ``datasets/<id>/<file name>``) only if it is valid; the temporary files
     always go.
@@ -146,13 +150,8 @@ def store_upload(
             raise
         data_file, stored_name, roots = incoming, clean, []
         if archive is not None:
-            root = work / "files"
-            data_file = unpack(
-                incoming,
-                name=clean,
-                folder=root,
-                member_bytes=max_bytes,
-                total_bytes=UNPACKED_FACTOR * max_bytes,
+            data_file, root = _unpacked(
+                incoming, work / "files", name=clean, max_bytes=UNPACKED_FACTOR * max_bytes
             )
             stored_name = safe_name(data_file.name)
             roots = list(dict.fromkeys([data_file.parent, root]))  # its folder, then the root
@@ -187,6 +186,22 @@ def store_upload(
         shutil.rmtree(work, ignore_errors=True)
         incoming.unlink(missing_ok=True)  # before the lock goes: a sweep never sees it unlocked
         out.close()
+
+
+def _unpacked(archive: Path, folder: Path, *, name: str, max_bytes: int) -> tuple[Path, Path]:
+    """``unpack``: the archive's data file and its root, its errors naming the upload (not its
+    scratch copy).
+
+    Raises:
+        ValueError: as ``unpack``; also a damaged gzip stream.
+    """
+    try:
+        found = unpack(archive, folder, max_bytes=max_bytes)
+    except ValueError as exc:
+        raise ValueError(str(exc).replace(archive.name, name)) from None
+    except (gzip.BadGzipFile, zlib.error) as exc:  # a damaged stream found while reading members
+        raise ValueError(f"{name}: not a readable tar.gz archive ({exc})") from None
+    return found.data, found.root
 
 
 def _store(
