@@ -22,8 +22,6 @@ its own format (JSONL, CSV, Parquet), each reference rewritten.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import csv
 import dataclasses
 import hashlib
@@ -37,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from engine.data import Example, RowError, read_records
+from engine.data import Example, RowError, decode_data_url, read_records
 from server.storage import Storage
 from server.storage import images as store_images
 
@@ -236,10 +234,7 @@ def _data_url(value: str) -> bytes:
         raise ValueError(f"{_short(head)}: not an image (expected data:image/...)")
     if len(body) > ((most := max_image_bytes()) * 4) // 3 + 4:
         raise ValueError(f"the data URL's image is larger than the limit of {most} bytes")
-    try:
-        return base64.b64decode(body, validate=True)
-    except (binascii.Error, ValueError):
-        raise ValueError(f"{_short(head)}: the data URL's base64 is invalid") from None
+    return decode_data_url(value)
 
 
 def _fetch(url: str) -> bytes:
