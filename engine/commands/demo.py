@@ -3,6 +3,7 @@
 roundhouse demo [--steps N]                   before/after accuracy of a short LoRA fine-tune
 roundhouse demo --dpo [--model M]             answers' log-likelihoods before/after a few DPO steps
 roundhouse demo --grpo [--model M]            graded answers' mean reward before/after a few GRPO steps
+roundhouse demo --vlm                         pictures' colours named before/after a VLM fine-tune
 """
 
 from __future__ import annotations
@@ -21,13 +22,16 @@ def add_demo_command(
         sub.add_parser("demo", help="accuracy before and after a short LoRA fine-tune of the demo")
     )
     dm.add_argument(
-        "--steps", type=int, default=None, help="default 30 (12 with --dpo: one pass over its 48 pairs)"
+        "--steps",
+        type=int,
+        default=None,
+        help="default 30 (12 with --dpo: one pass over its 48 pairs; 12 with --grpo)",
     )
     dm.add_argument("--workers", type=int, default=1, help="CPU workers the pipeline runs over")
     dm.add_argument(
         "--output-dir",
         default="runs/demo",
-        help="where the run writes its checkpoint (--dpo, --grpo: in dpo/ or grpo/ of the default)",
+        help="where the run writes its checkpoint (--dpo, --grpo, --vlm: in dpo/, grpo/, vlm/ of the default)",
     )
     dm.add_argument(
         "--dpo", action="store_true", help="preference tuning: answers' log-likelihoods before and after DPO"
@@ -36,6 +40,11 @@ def add_demo_command(
         "--grpo",
         action="store_true",
         help="reinforcement fine-tuning: graded answers' reward before and after GRPO",
+    )
+    dm.add_argument(
+        "--vlm",
+        action="store_true",
+        help="a vision-language model (the demo model behind a new tower) learns to name pictures' colours",
     )
     dm.add_argument("--dpo-tuning", choices=["lora", "full"], help="--dpo: train an adapter (default) or all")
     dm.add_argument("--beta", type=float, default=None, help="--dpo: the DPO beta (default 0.1)")
@@ -47,12 +56,15 @@ def add_demo_command(
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    if args.dpo and args.grpo:
-        raise ValueError("--dpo and --grpo: choose one demo")
+    chosen = [f"--{name}" for name in ("dpo", "grpo", "vlm") if getattr(args, name)]
+    if len(chosen) > 1:
+        raise ValueError(f"{' and '.join(chosen)}: choose one demo")
     if args.dpo:
         return cmd_demo_dpo(args)
     if args.grpo:
         return cmd_demo_grpo(args)
+    if args.vlm:
+        return cmd_demo_vlm(args)
     import time
 
     from engine import demo
@@ -119,6 +131,25 @@ def cmd_demo_grpo(args: argparse.Namespace) -> int:
         workers=args.workers,
         output_dir=Path(args.output_dir) / "grpo" if args.output_dir == "runs/demo" else args.output_dir,
         learning_rate=args.learning_rate or 2e-3,
+        sink=ProgressSink(),
+    )
+    print("\n".join(describe(result)))
+    return 0
+
+
+def cmd_demo_vlm(args: argparse.Namespace) -> int:
+    from engine.commands.common import ProgressSink
+    from engine.demo.vlm import describe, run_demo
+
+    steps = args.steps or 30
+    print(
+        f"VLM demo: the demo model behind a new vision tower, {steps} steps of 8 pictures (LoRA, tower full)"
+    )
+    result = run_demo(
+        args.models_dir,
+        Path(args.output_dir) / "vlm" if args.output_dir == "runs/demo" else args.output_dir,
+        steps=steps,
+        workers=args.workers,
         sink=ProgressSink(),
     )
     print("\n".join(describe(result)))

@@ -308,7 +308,9 @@ class Run:
         method_state = self.method.state_dict()  # e.g. a GRPO batch the next steps train on
 
         def fill(tmp: Path) -> None:
-            save_export(self.model, weights, self.tokenizer, tmp, base_name=self.base_name)
+            save_export(
+                self.model, weights, self.tokenizer, tmp, base_name=self.base_name, base_folder=self.folder
+            )
             trainer_state = {
                 "step": self.step,
                 "total_steps": self.total,

@@ -46,3 +46,33 @@ def test_prepare_demo_model_from_the_package(tmp_path: Path) -> None:
         reference = model(**batch).loss.item()
     with RoundPipe(model, EngineConfig(num_microbatches=2, lr=0.0, optimizer="sgd")) as rp:
         assert abs(rp.forward_backward(**batch) - reference) < 1e-4
+
+
+@pytest.mark.slow
+def test_the_vlm_demo_assembles_a_vlm_and_trains_its_tower(tmp_path: Path) -> None:
+    """Two steps of the VLM demo: the assembled model is the demo's language model behind a new
+    tower; the run trains the tower, its checkpoint carries the processor files, and both
+    measurements are taken on the held-out pictures (the full demo's figures are in the docs)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from engine.demo.vlm import COLOURS, make_rows, prepare_demo_vlm, run_demo
+    from engine.model.loading import load_model, load_processor_for, prepare_demo_model
+
+    folder = prepare_demo_vlm(tmp_path / "models")
+    vlm = load_model(folder)
+    text = load_model(prepare_demo_model(tmp_path / "models"))
+    assert type(vlm).__name__ == "Idefics3ForConditionalGeneration"
+    assert torch.equal(
+        vlm.model.text_model.layers[3].mlp.up_proj.weight, text.model.layers[3].mlp.up_proj.weight
+    )
+    processor = load_processor_for(folder)
+    assert processor is not None and processor.image_seq_len == 16
+    rows = make_rows(6, seed=5)
+    assert [r["messages"][1]["content"] for r in rows] == list(COLOURS)
+    result = run_demo(tmp_path / "models", tmp_path / "out", steps=2, heldout=3)
+    assert result["steps"] == 2 and result["before"]["rows"] == result["after"]["rows"] == 3
+    checkpoint = Path(result["checkpoint"])
+    assert (checkpoint / "preprocessor_config.json").is_file()
+    saved = load_file(checkpoint / "adapter_model.safetensors")
+    assert any("vision_model" in k for k in saved) and any("connector" in k for k in saved)

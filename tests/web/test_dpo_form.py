@@ -80,7 +80,9 @@ def test_a_dpo_job_from_the_new_job_page(
     dpo_options, rank = page.locator("#dpo-options"), page.locator("#lora-r")
     expect(dpo_options).to_be_hidden()
     expect(rank).to_be_visible()
-    expect(page.locator("#dataset-fit")).to_contain_text("chat, instruction, prompt/completion or text")
+    expect(page.locator("#dataset-fit")).to_contain_text(
+        "chat, ShareGPT/LLaVA, instruction, prompt/completion or text"
+    )
 
     # DPO: the training set moves to the preference pairs; its own fields appear
     page.check("input#method-dpo")

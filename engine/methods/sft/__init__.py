@@ -24,11 +24,12 @@ METHOD = Method(
     name="sft",
     title="Supervised fine-tuning",
     description=(
-        "next-token cross entropy on the answers of chat, instruction, prompt/completion or text rows"
+        "next-token cross entropy on the answers of chat (with images, for a vision-language model), "
+        "ShareGPT/LLaVA, instruction, prompt/completion or text rows"
     ),
     options=SftOptions,
     data_format="supervised",
-    needs="chat, instruction, prompt/completion or text rows",
+    needs="chat, ShareGPT/LLaVA, instruction, prompt/completion or text rows",
     metric_keys=("accuracy/train", "accuracy/val"),
     charts=(
         Chart(
