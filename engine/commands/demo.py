@@ -31,7 +31,7 @@ def add_demo_command(
     dm.add_argument(
         "--output-dir",
         default="runs/demo",
-        help="where the run writes its checkpoint (--dpo, --grpo, --vlm: in dpo/, grpo/, vlm/ of the default)",
+        help="where the run writes its checkpoint (--dpo, --grpo, --vlm: dpo/, grpo/, vlm/ in the default)",
     )
     dm.add_argument(
         "--dpo", action="store_true", help="preference tuning: answers' log-likelihoods before and after DPO"
