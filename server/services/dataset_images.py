@@ -56,12 +56,6 @@ def max_image_bytes() -> int:
     return MAX_IMAGE_BYTES
 
 
-def __getattr__(name: str) -> int:  # MAX_IMAGE_BYTES, as the engine has it, on first use
-    if name == "MAX_IMAGE_BYTES":
-        return max_image_bytes()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 @dataclass
 class Staged:
     """The images of one upload, staged in ``folder`` (laid out as the store) before they are
