@@ -51,6 +51,22 @@ def build():
     return model, batches
 
 
+def timed(train_step, batches: list, steps: int, finish=None, *, warmup: int = 2) -> float:
+    """Seconds ``steps`` calls of ``train_step`` take after ``warmup`` untimed ones, cycling
+    through ``batches``; ``finish`` (the engine's ``synchronize``) ends the work in flight before
+    the clock starts and before it stops."""
+    for i in range(warmup):
+        train_step(batches[i % len(batches)])
+    if finish:
+        finish()
+    t0 = time.perf_counter()
+    for i in range(steps):
+        train_step(batches[i % len(batches)])
+    if finish:
+        finish()
+    return time.perf_counter() - t0
+
+
 def child(variant: str, steps: int) -> dict:
     import torch
 
@@ -82,16 +98,7 @@ def child(variant: str, steps: int) -> dict:
 
         finish = rp.synchronize
         info = {"sink": sink, "rp": rp}
-    for i in range(warmup):
-        train_step(batches[i % len(batches)])
-    if finish:
-        finish()
-    t0 = time.perf_counter()
-    for i in range(steps):
-        train_step(batches[i % len(batches)])
-    if finish:
-        finish()
-    seconds = time.perf_counter() - t0
+    seconds = timed(train_step, batches, steps, finish, warmup=warmup)
     out = {
         "variant": variant,
         "tokens_per_s": steps * BATCH * SEQ / seconds,
