@@ -183,14 +183,34 @@ class Tower:
         return 2.0 * weights * rows
 
     def activation_bytes(self, patches: float, dtype_bytes: int, *, tower: bool) -> float:
-        """Bytes autograd keeps for ``patches`` patches when the tower trains (``tower``: every
-        block's norm inputs, q/k/v, attention output, MLP intermediates) or only the projector
-        (its input and hidden)."""
-        h, i = self.hidden, self.intermediate
-        mlp = (3 if self.gated else 2) * i
-        per_patch = float(self.depth * (2 * h + 3 * h + h + h + mlp) if tower else 0)
-        merged = self.merge * self.merge if self.features != "gemma3" else 1
-        per_patch += sum(a for _, a, _ in self.projector_linears) / merged
+        """Bytes autograd keeps for ``patches`` patches when the tower trains (``tower``) or only
+        the projector, in values per patch as the families' own modules save them (measured
+        with saved-tensor hooks in fp32: ``tests/engine/test_planner_vision_memory.py``):
+
+        - the projector's inputs: Qwen2.5-VL's merger 4h (its norm's input, the MLP's input and
+          hidden), Idefics3's connector h (the pixel-shuffled features), Gemma 3's pooled tokens'
+          norm and projection input 2h a pooled token;
+        - a trained tower's blocks: 13h + 4i + 2 heads a block in Qwen2.5-VL's (RMSNorm inputs,
+          q/k before and after the rotary embedding, v, the attention output, gate/up/activation
+          and product of the gated MLP), 8h + 2i + 4 + heads in SigLIP's (LayerNorm inputs and
+          statistics, q/k/v, the attention output, fc1 and its activation); besides them the
+          rotary tables and windowed reorder (Qwen2.5-VL: h + 2 head_dim), the last norm's and
+          pooling's inputs (SigLIP), and the patch embedding's input, the pixel values.
+        """
+        h, i, heads = self.hidden, self.intermediate, self.heads
+        if self.features == "qwen2_5_vl":
+            per_patch = 4.0 * h
+            block, extra = 13.0 * h + 4.0 * i + 2.0 * heads, h + 2.0 * (h // heads)
+            pixels = 3 * self.temporal * self.patch * self.patch
+        else:
+            per_tile = (self.image_size // self.patch) ** 2
+            pooled = self.tokens_per_image / per_tile if self.features == "gemma3" else 0.0
+            per_patch = 2.0 * pooled * h if self.features == "gemma3" else float(h)
+            block = 8.0 * h + 2.0 * i + 4.0 + heads
+            extra = (2.0 + pooled) * h + 3.0 if self.features == "gemma3" else h + 4.0
+            pixels = 3 * self.patch * self.patch
+        if tower:
+            per_patch += self.depth * block + extra + pixels
         return float(patches * per_patch * dtype_bytes)
 
 
