@@ -39,6 +39,7 @@ from engine.planner.memory import CUDA_OVERHEAD_BYTES, Memory, layer_times, memo
 from engine.planner.overheads import Overheads, measured_overhead, overheads
 from engine.planner.report import PlanReport, calibrate, hardware_label, plan_job, use_measured_overhead
 from engine.planner.shapes import SHAPE_LIMITS, Shape
+from engine.planner.vision import image_stats
 from engine.planner.workload import (
     CPU_GFLOPS_PER_CORE,
     DTYPE_BYTES,
@@ -70,6 +71,7 @@ __all__ = [
     "bytes_per_trainable_param",
     "calibrate",
     "hardware_label",
+    "image_stats",
     "layer_times",
     "longest_sequence",
     "measured_overhead",

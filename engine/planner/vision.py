@@ -27,7 +27,9 @@ sizes) refine the image costs when given; else the families' defaults.
 
 from __future__ import annotations
 
+import io
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -212,6 +214,29 @@ class Tower:
         if tower:
             per_patch += self.depth * block + extra + pixels
         return float(patches * per_patch * dtype_bytes)
+
+
+def image_stats(rows: Iterable[Sequence[bytes]]) -> tuple[list[int], list[tuple[int, int]]]:
+    """What a dataset's rows hold, for ``Workload.from_train_config``: each row's image count and
+    each image's (width, height), read from the image file's header (an image that does not open
+    is left out of the sizes: a dataset's validation refuses it).
+
+    Args:
+        rows: each row's image file bytes (``engine.data``'s ``Example.images``, read).
+    """
+    from PIL import Image, UnidentifiedImageError  # only where a plan reads images
+
+    counts: list[int] = []
+    sizes: list[tuple[int, int]] = []
+    for images in rows:
+        counts.append(len(images))
+        for data in images:
+            try:
+                with Image.open(io.BytesIO(data)) as image:
+                    sizes.append((int(image.width), int(image.height)))
+            except (OSError, UnidentifiedImageError, ValueError):
+                continue
+    return counts, sizes
 
 
 def _qwen(vision: dict[str, Any], out: int, processor: dict[str, Any]) -> Tower:

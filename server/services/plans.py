@@ -28,6 +28,7 @@ from engine.planner import (
     Shape,
     Workload,
     calibrate,
+    image_stats,
     measured_overhead,
     plan_job,
     use_measured_overhead,
@@ -42,8 +43,10 @@ from server.tables import Dataset, Job, Worker
 
 NOT_READ = "(not read: planning only)"  # the training file and output folder a plan never touches
 TOKEN_COUNT_ROWS = 20_000  # rows a plan tokenizes (the first ones): their lengths stand for all
+IMAGE_ROWS = 2_000  # rows whose images a VLM's plan reads (the first ones): they stand for all
 _CACHE_SIZE = 16  # datasets x tokenizers whose counts are kept
 _lengths: dict[tuple[str, str, str], list[int]] = {}
+_images: dict[tuple[str, str], tuple[list[int], list[tuple[int, int]]]] = {}  # by dataset and file
 _counting = threading.Lock()  # one count at a time
 REFERENCE_CANDIDATES = 50  # the latest finished jobs of the host a plan looks through for its references
 REFERENCE_RUNS = (
@@ -92,6 +95,7 @@ def workload(
     on_gpu: bool = True,
     token_lengths: Sequence[int] | None = None,
     num_validation: int | None = None,
+    images: tuple[list[int], list[tuple[int, int]]] | None = None,
     home: Path,
 ) -> Workload:
     """The workload of a job request, through the TrainConfig ``POST /api/jobs`` would build.
@@ -105,6 +109,7 @@ def workload(
         token_lengths: the training rows' token counts (``token_lengths``), when known.
         num_validation: the validation dataset's rows, when one is named (a DPO job's reference
             pass covers them too).
+        images: a VLM job's training rows' image counts and image sizes (``image_rows``).
 
     Raises:
         ValueError: an invalid section; a ``ConfigError`` whose ``field`` is the dotted field name.
@@ -123,7 +128,31 @@ def workload(
         num_sequences=num_sequences,
         token_lengths=token_lengths,
         num_validation=num_validation,
+        image_counts=images[0] if images else None,
+        image_sizes=images[1] if images else None,
     )
+
+
+def image_rows(
+    dataset: Dataset, *, file: Path, images_dir: Path | None
+) -> tuple[list[int], list[tuple[int, int]]]:
+    """The image count of each of the dataset's first ``IMAGE_ROWS`` rows and the (width,
+    height) of their images (``engine.planner.image_stats``); read once per dataset file, then
+    remembered by this process.
+
+    Raises:
+        ValueError: a row that changed on disk, an image not in ``images_dir``.
+    """
+    from server.services.datasets import first_examples
+
+    key = (dataset.id, dataset.sha256)
+    if key not in _images:
+        rows = first_examples(dataset, IMAGE_ROWS, file=file, images_dir=images_dir)
+        stats = image_stats([r.data for r in ex.images if r.data is not None] for ex in rows)
+        while len(_images) >= _CACHE_SIZE:
+            _images.pop(next(iter(_images)))
+        _images[key] = stats
+    return _images[key]
 
 
 def hardware(
@@ -195,6 +224,19 @@ def model_config(name: str, *, settings: Settings) -> dict[str, Any]:
     return dict(json.loads((found.path / "config.json").read_text()))
 
 
+def processor_settings(name: str, *, settings: Settings) -> dict[str, Any] | None:
+    """The image processor's settings of the base model ``name`` (its folder's
+    ``preprocessor_config.json``): what an image costs a VLM; None where it has none (a text
+    model, or a folder without one: the family's defaults)."""
+    folder = models.usable_folder(name, settings.models_dir, settings.hf_cache_dir)
+    file = folder / "preprocessor_config.json" if folder is not None else None
+    try:
+        found = json.loads(file.read_text()) if file is not None and file.is_file() else None
+    except (OSError, ValueError):
+        return None
+    return found if isinstance(found, dict) else None
+
+
 def _dataset(session: Session, dataset_id: str | None, *, param: str) -> Dataset | None:
     if dataset_id is None:
         return None
@@ -224,6 +266,21 @@ def _token_lengths(
         file = datasets.local_file(storage, dataset, cache=settings.cache_dir)
         return token_lengths(dataset, tokenizer_folder=folder, file=file) or None
     except (OSError, ValueError, KeyError, TypeError):  # an unreadable tokenizer or file: no counts
+        return None
+
+
+def _image_rows(
+    dataset: Dataset | None, *, settings: Settings, storage: Storage
+) -> tuple[list[int], list[tuple[int, int]]] | None:
+    """A VLM job's training rows' images (``image_rows``); None without a dataset or when its
+    file or images cannot be read (the plan then assumes no images)."""
+    if dataset is None:
+        return None
+    try:
+        file = datasets.local_file(storage, dataset, cache=settings.cache_dir)
+        pictures = datasets.local_images(storage, dataset, cache=settings.cache_dir)
+        return image_rows(dataset, file=file, images_dir=pictures)
+    except (OSError, ValueError):
         return None
 
 
@@ -322,7 +379,9 @@ def _rate_ratio(session: Session, *, settings: Settings, job: Job, hardware: Har
         )
         if measured.tokens_per_step is not None:
             past = replace(past, mean_seq_len=measured.tokens_per_step / past.sequences)
-        predicted = plan_job(model_config(job.base_model, settings=settings), hardware, past).tokens_per_s
+        own = model_config(job.base_model, settings=settings)
+        processor = processor_settings(job.base_model, settings=settings)
+        predicted = plan_job(own, hardware, past, processor=processor).tokens_per_s
     except ValueError as exc:  # e.g. the past job does not fit the hardware given: nothing to scale
         raise Invalid("invalid_request", str(exc), param="calibrate_job_id") from exc
     steady = statistics.median(measured.rates[1:] or measured.rates)
@@ -347,13 +406,11 @@ def plan(session: Session, *, request: PlanRequest, settings: Settings, storage:
         Invalid: an invalid config, section or hardware (naming the field).
         Conflict: the job to calibrate by has no throughput measured yet.
     """
-    config = (
-        request.config
-        if request.config is not None
-        else model_config(request.base_model or "demo", settings=settings)
-    )
+    name = request.base_model or "demo"
+    config = request.config if request.config is not None else model_config(name, settings=settings)
+    processor = processor_settings(name, settings=settings) if request.config is None else None
     try:
-        Shape.from_config(config)
+        vlm = Shape.from_config(config, processor=processor).tower is not None
     except ConfigError as exc:
         where = f"config.{exc.field}" if request.config is not None else "base_model"
         raise Invalid("invalid_config", str(exc), param=where) from exc
@@ -362,6 +419,7 @@ def plan(session: Session, *, request: PlanRequest, settings: Settings, storage:
     given = request.hardware.model_dump(exclude_none=True)
     host = request.placement.host if request.placement is not None else None
     box = hardware(session, given=given, stale_after=settings.telemetry_seconds * 5, host=host)
+    images = _image_rows(dataset, settings=settings, storage=storage) if vlm else None
     try:
         job = workload(
             request=request.model_dump(),
@@ -369,6 +427,7 @@ def plan(session: Session, *, request: PlanRequest, settings: Settings, storage:
             on_gpu=box.device != "cpu",
             token_lengths=_token_lengths(dataset, request, settings=settings, storage=storage),
             num_validation=int(validation.rows) if validation is not None else None,
+            images=images,
             home=settings.home,
         )
     except ValueError as exc:
@@ -398,7 +457,7 @@ def plan(session: Session, *, request: PlanRequest, settings: Settings, storage:
     if references:
         box = calibrate(box, predicted_tokens_per_s=1.0, measured_tokens_per_s=statistics.median(ratios))
     try:
-        report = plan_job(config, box, job)
+        report = plan_job(config, box, job, processor=processor)
     except ValueError as exc:  # a ConfigError names the field; the partitioner's own checks do not
         param = exc.field if isinstance(exc, ConfigError) else None
         if param in HARDWARE_RANGES:  # given, detected on a worker, or calibrated
@@ -409,4 +468,6 @@ def plan(session: Session, *, request: PlanRequest, settings: Settings, storage:
         overheads = [o for o in (_overhead(session, past) for past in references) if o is not None]
         if overheads:
             report = use_measured_overhead(report, overhead_s=statistics.median(overheads))
+    if report.assumptions["vision"] is not None:  # the images a row holds: the data's, or none assumed
+        report.assumptions["vision"]["images_from_data"] = bool(images and images[0])
     return report.to_dict() | {"calibrated_from": references[0].id if references else None}
