@@ -146,8 +146,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from engine.scheduling.schedule import build_schedule, render_grid
 
     config, rows = plan_config(args)
-    model = model_config(args, args.model or (config.model.path if args.config else None))
-    shape = Shape.from_config(model)
+    folder = args.model or (config.model.path if args.config else None)
+    model = model_config(args, folder)
+    processor = processor_settings(folder)
+    shape = Shape.from_config(model, processor=processor)
     costs: list[LayerCost] = proxy_costs(layer_bytes(shape))
     budget = args.memory_budget_gb * 2**30 if args.memory_budget_gb else None
     n, m = args.workers, config.engine.num_microbatches
@@ -166,14 +168,53 @@ def cmd_plan(args: argparse.Namespace) -> int:
     names = [st.name for st in plan.slots]
     kinds = [st.kind for st in plan.slots]
     print(render_grid(runs, slot_names=names, kinds=kinds, num_workers=n))
-    print(_fit_report(args, model, config, rows))
+    images = data_images(config) if args.config and shape.tower is not None else None
+    print(_fit_report(args, model, config, rows, processor=processor, images=images))
     return 0
 
 
+def processor_settings(folder: str | None) -> dict[str, Any] | None:
+    """A VLM folder's image processor settings (its ``preprocessor_config.json``, what an image
+    costs); None without one (a text model, the demo, a Llama of the flags' sizes)."""
+    file = Path(folder) / "preprocessor_config.json" if folder and folder != "demo" else None
+    if file is None or not file.is_file():
+        return None
+    try:
+        found = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError("model.path", f"model.path: {file} is not readable JSON ({exc})") from exc
+    return found if isinstance(found, dict) else None
+
+
+PLAN_IMAGE_ROWS = 2_000  # a VLM run's first rows whose images a plan reads: they stand for all
+
+
+def data_images(config: TrainConfig) -> tuple[list[int], list[tuple[int, int]]] | None:
+    """Each of a VLM run's first ``PLAN_IMAGE_ROWS`` training rows' image count and each image's
+    (width, height), read as the run reads them (``engine.data``, ``data.image_store``); None
+    when the training file is not there."""
+    from engine.data import read_examples
+    from engine.planner import image_stats
+
+    if not Path(config.data.train).is_file():
+        return None
+    d = config.data
+    _, _, examples, _ = read_examples(d.train, d.format, image_store=d.image_store)
+    rows = examples[:PLAN_IMAGE_ROWS]
+    return image_stats([r.data for r in ex.images if r.data is not None] for ex in rows)
+
+
 def _fit_report(
-    args: argparse.Namespace, model_config: dict[str, Any], config: TrainConfig, rows: int | None
+    args: argparse.Namespace,
+    model_config: dict[str, Any],
+    config: TrainConfig,
+    rows: int | None,
+    *,
+    processor: dict[str, Any] | None = None,
+    images: tuple[list[int], list[tuple[int, int]]] | None = None,
 ) -> str:
-    """The planner's answer for this model on the given box: memory, fit, tokens/s and ETA."""
+    """The planner's answer for this model on the given box: memory, fit, tokens/s and ETA (a
+    VLM's images as the training rows hold them, when read)."""
     from engine.planner import Hardware, Workload, plan_job
 
     detected = []
@@ -197,8 +238,16 @@ def _fit_report(
 
         cores = psutil.cpu_count() or 1
         hardware = Hardware.cpu_host(cores=cores, ram_gb=host_ram, detected=(*detected, "CPU cores"))
-    workload = Workload.from_train_config(config, num_sequences=rows, on_gpu=not args.cpu)
-    return "\n" + plan_job(model_config, hardware, workload).describe()
+    counts, sizes = images if images else (None, None)
+    workload = Workload.from_train_config(
+        config, num_sequences=rows, on_gpu=not args.cpu, image_counts=counts, image_sizes=sizes
+    )
+    report = plan_job(model_config, hardware, workload, processor=processor)
+    if report.assumptions["vision"] is not None:
+        where = f"from the first {len(counts)} training rows" if counts else "none assumed (no data read)"
+        report.assumptions["vision"]["images_from_data"] = bool(counts)
+        return f"\n{report.describe()}\nimages a row: {where}"
+    return "\n" + report.describe()
 
 
 def cmd_train(args: argparse.Namespace) -> int:

@@ -175,7 +175,8 @@ class PlanReport:
                 f"layer; {per_row:g} image{'' if per_row == 1 else 's'} a row "
                 f"of {size} pixels, each "
                 f"{vision['patches_per_image']:,} patches and "
-                f"{vision['image_tokens_per_image']:,} image tokens"
+                f"{vision['image_tokens_per_image']:,} image tokens "
+                f"({vision['image_tokens_per_row']:,.0f} a row)"
             )
         if self.eta_s is not None:
             lines.append(f"ETA: {self.eta_s / 3600:.2f} h")
