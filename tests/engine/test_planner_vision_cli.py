@@ -7,6 +7,7 @@ import base64
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -25,7 +26,7 @@ def data_url(data: bytes) -> str:
 def write_rows(path: Path) -> None:
     lines = []
     for i, sizes in enumerate(ROWS):
-        parts = [{"type": "text", "text": f"row {i}"}]
+        parts: list[dict[str, Any]] = [{"type": "text", "text": f"row {i}"}]
         parts += [{"type": "image_url", "image_url": {"url": data_url(png(w, h, seed=i))}} for w, h in sizes]
         messages = [{"role": "user", "content": parts}, {"role": "assistant", "content": "ok"}]
         lines.append(json.dumps({"messages": messages}))
