@@ -329,6 +329,10 @@ class PreviewRow(BaseModel):
         description="a prompt row's other fields, what a grader reads as item.<field> (e.g. "
         "reference_answer); its tokens are the prompt alone, nothing trained (GRPO samples the completions)",
     )
+    images: list[str] | None = Field(
+        None,
+        description="a row with images: a thumbnail (a JPEG data URL) of each, in the order of its text",
+    )
 
 
 class PreviewPublic(BaseModel):

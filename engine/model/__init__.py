@@ -22,9 +22,11 @@ if TYPE_CHECKING:
         demo_source,
         dense_load_kwargs,
         load_model,
+        load_processor_for,
         load_tokenizer,
         prepare_demo_model,
         resolve_model_path,
+        vision_architecture,
     )
 
 # name -> the module that defines it (imported on first use)
@@ -37,12 +39,14 @@ _HOMES = {
     "demo_source": "engine.model.loading",
     "dense_load_kwargs": "engine.model.loading",
     "load_model": "engine.model.loading",
+    "load_processor_for": "engine.model.loading",
     "load_tokenizer": "engine.model.loading",
     "merge_adapter": "engine.model.export",
     "model_bytes": "engine.model.export",
     "model_kind": "engine.model.families",
     "prepare_demo_model": "engine.model.loading",
     "resolve_model_path": "engine.model.loading",
+    "vision_architecture": "engine.model.loading",
 }
 __all__ = [
     "DEMO_NAME",
@@ -53,12 +57,14 @@ __all__ = [
     "demo_source",
     "dense_load_kwargs",
     "load_model",
+    "load_processor_for",
     "load_tokenizer",
     "merge_adapter",
     "model_bytes",
     "model_kind",
     "prepare_demo_model",
     "resolve_model_path",
+    "vision_architecture",
 ]
 
 

@@ -20,7 +20,6 @@ from server.schemas import (
     DatasetPublic,
     DatasetsPublic,
     PreviewPublic,
-    PreviewRow,
     StatsPublic,
 )
 from server.services import datasets, tokenizers, uploads
@@ -107,16 +106,16 @@ async def upload_dataset(
     kept only if every row is valid (its images stored once each)."""
 
     def upload() -> Any:
-        with datasets.fetching_urls(settings.allow_image_urls):
-            return uploads.upload(
-                session,
-                source=file.file,
-                filename=file.filename,
-                name=name,
-                storage=storage,
-                scratch=_scratch(settings),
-                max_bytes=settings.max_upload_bytes,
-            )
+        return uploads.upload(
+            session,
+            source=file.file,
+            filename=file.filename,
+            name=name,
+            storage=storage,
+            scratch=_scratch(settings),
+            max_bytes=settings.max_upload_bytes,
+            fetch_urls=settings.allow_image_urls,
+        )
 
     return await run_in_threadpool(upload)
 
@@ -139,18 +138,7 @@ def get_dataset(session: SessionDep, dataset_id: IdPath) -> Any:
     return _found(session, dataset_id)
 
 
-class PreviewImagesRow(PreviewRow):
-    images: list[str] | None = Field(
-        None,
-        description="a row with images: a thumbnail (a JPEG data URL) of each, in the order of its text",
-    )
-
-
-class PreviewImagesPublic(PreviewPublic):
-    rows: list[PreviewImagesRow]  # type: ignore[assignment]
-
-
-@router.get("/{dataset_id}/preview", response_model=PreviewImagesPublic, responses=documented(404))
+@router.get("/{dataset_id}/preview", response_model=PreviewPublic, responses=documented(404))
 def preview_dataset(
     session: SessionDep,
     settings: SettingsDep,

@@ -62,12 +62,14 @@ def build_config(
     validation_path: str | None,
     output_dir: Path | str,
     home: Path,
+    image_store: str | None = None,
 ) -> TrainConfig:
     """The engine's TrainConfig for a job request, by the engine's rules and the service's (a
-    ``file:`` tracking URI inside ``home``: ``services.tracking``). Raises ``ValueError`` naming
-    the bad field."""
+    ``file:`` tracking URI inside ``home``: ``services.tracking``). ``image_store``: the service's
+    image store when the datasets name images (``datasets.image_store``); it is the config's
+    ``data.image_store`` whatever the request says. Raises ``ValueError`` naming the bad field."""
     data = dict(request.get("data") or {})
-    data.update({"train": train_path, "validation": validation_path})
+    data.update({"train": train_path, "validation": validation_path, "image_store": image_store})
     raw = {
         "model": {"path": str(model_path), "name": request["base_model"]},
         "data": data,

@@ -70,6 +70,7 @@ def submit(session: Session, *, request: JobCreate, settings: Settings, storage:
             else None,
             output_dir=jobs.config_path(storage, output_dir),
             home=settings.home,
+            image_store=datasets.image_store(storage, train, validation),
         )
         jobs.check_formats(config=config, train=train, validation=validation)  # dpo: preference data
     except ValueError as exc:

@@ -23,9 +23,12 @@ def upload(
     storage: Storage,
     scratch: Path,
     max_bytes: int,
+    fetch_urls: bool = False,
     origin: dict[str, Any] | None = None,
 ) -> Dataset:
     """Store the file ``source`` reads (``datasets.store_upload``) and return its dataset.
+    ``fetch_urls``: whether its rows' http(s) image URLs are fetched and stored (the operator's
+    ``allow_image_urls``); otherwise such a row is refused, naming its line.
 
     Raises:
         TooLarge: more than ``max_bytes`` arrived (naming ``file``).
@@ -45,6 +48,7 @@ def upload(
             scratch=scratch,
             max_bytes=max_bytes,
             origin=origin,
+            fetch_urls=fetch_urls,
         )
     except datasets.TooLarge as exc:
         raise TooLarge("too_large", str(exc), param="file") from exc

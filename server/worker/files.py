@@ -5,7 +5,8 @@ step_000123``). With the local folder store (keys relative to ``ROUNDHOUSE_HOME`
 home *is* the store: nothing is copied and the run writes under ``home/runs`` as always. With a
 remote store (S3) the worker fetches what the job needs into its own home before training:
 
-- its dataset files into ``home/cache/<key>``;
+- its dataset files into ``home/cache/<key>``, and the images they name into
+  ``home/cache/images/`` (the job's ``data.image_store``);
 - its base model: a folder of the worker's own models folder or Hugging Face cache, else the
   store's ``models/<name>/`` (``roundhouse models push NAME FOLDER`` puts one there) pulled into
   ``home/cache/models/<name>``;
@@ -107,6 +108,29 @@ def fetch_file(settings: Settings, store: Storage | None, value: str, *, field: 
         raise ConfigError(field, f"{field}: {value!r} is not in the store", value=value) from None
 
 
+def fetch_images(settings: Settings, store: Storage | None, data: dict[str, Any]) -> str:
+    """The image store's folder here for a job's ``data`` section (``data.image_store``): a path as
+    it is (the API host's own store folder, which is this host's too), else the images its
+    datasets' manifests list, pulled into ``home/cache/images`` (``storage.images.folder_for``).
+
+    Raises:
+        ConfigError: (``data.image_store``) an image a dataset names is not in the store.
+    """
+    value = str(data["image_store"])
+    if not _is_key(value):
+        return value
+    from server.storage import images
+
+    keys = [str(data[f]) for f in ("train", "validation") if data.get(f) and _is_key(str(data[f]))]
+    try:
+        folder = images.folder_for(
+            store or _home_store(settings), keys, cache=settings.home.resolve() / CACHE
+        )
+    except FileNotFoundError as exc:
+        raise ConfigError("data.image_store", f"data.image_store: {exc}", value=value) from None
+    return str(folder)
+
+
 def fetch_model(settings: Settings, store: Storage | None, *, path: str, name: str) -> str:
     """The base model's folder here: the config's path when it is a model folder on this host (or
     ``demo``), else the worker's own models folder or Hugging Face cache, else the store's
@@ -147,6 +171,8 @@ def local_config(
     host's home (``services.tracking.local_uri``; a ``ConfigError`` outside it)."""
     raw = dict(config)
     data = dict(raw.get("data") or {})
+    if data.get("image_store"):  # from the dataset keys, before they become local paths
+        data["image_store"] = fetch_images(settings, store, data)
     data["train"] = fetch_file(settings, store, str(data["train"]), field="data.train")
     if data.get("validation"):
         data["validation"] = fetch_file(settings, store, str(data["validation"]), field="data.validation")

@@ -73,6 +73,7 @@ async def create_file(
         storage=storage,
         scratch=settings.cache_dir / "incoming",
         max_bytes=settings.max_upload_bytes,
+        fetch_urls=settings.allow_image_urls,
     )
     return openai_compat.file_object(stored)
 
@@ -109,7 +110,9 @@ def retrieve_file(session: SessionDep, file_id: IdPath, results: ResultsDep) -> 
 
 
 @router.delete("/{file_id}", response_model=FileDeleted, responses=documented(404, 409))
-def delete_file(session: SessionDep, storage: StorageDep, file_id: IdPath, results: ResultsDep) -> Any:
+def delete_file(
+    session: SessionDep, settings: SettingsDep, storage: StorageDep, file_id: IdPath, results: ResultsDep
+) -> Any:
     """Delete a file that no unfinished fine-tuning job uses (finished jobs keep their record)."""
     if results is not None:
         message = f"{file_id!r} is the result file of job 'ftjob-{results.id}': it goes when the job does"
@@ -122,7 +125,9 @@ def delete_file(session: SessionDep, storage: StorageDep, file_id: IdPath, resul
         )
         raise ApiError(409, "in_use", message, param="file_id")
     ident = FILE + dataset.id
-    datasets.delete_dataset(session, dataset=dataset, storage=storage)
+    datasets.delete_dataset(
+        session, dataset=dataset, storage=storage, lock_dir=settings.cache_dir / "incoming"
+    )
     return {"id": ident, "object": "file", "deleted": True}
 
 
