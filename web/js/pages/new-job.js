@@ -5,7 +5,7 @@
 
 import { api } from "../api.js";
 import { bytes, el, errorBox, field, number } from "../widgets.js";
-import { methodOptions } from "./method-options.js";
+import { methodOptions, resolved } from "./method-options.js";
 import { planCard } from "./plan-card.js";
 
 function num(value, attrs = {}) {
@@ -217,6 +217,33 @@ export async function render(main) {
     el("label", { for: "lora-experts" }, expertsLora, " LoRA on the experts too (not only on attention)"),
     el("label", { for: "router-aux-loss" }, routerLoss, " Router load-balancing loss (the model's coefficient)"),
   );
+  // a vision-language model: how its vision tower and projector train (method.vision_tower,
+  // method.projector: the common fields' schema, from GET /api/methods); shown only for a VLM.
+  // GET /api/models does not say which models are VLMs: the plan of the chosen one does (its
+  // assumptions.vision), so the fields appear once the base model's first plan answers.
+  const visionModels = new Map(); // base model -> whether its plan priced a vision tower
+  const isVlm = () => visionModels.get(base.value) === true;
+  const visionSelect = (option) => {
+    const [p] = resolved(sft?.options_schema.properties[option] ?? { enum: ["frozen"], default: "frozen" });
+    const select = choice(
+      p.enum.map((v) => [v, v]),
+      p.default,
+    );
+    return [select, p];
+  };
+  const [towerSelect, towerSchema] = visionSelect("vision_tower");
+  const [projectorSelect, projectorSchema] = visionSelect("projector");
+  const visionOptions = el(
+    "fieldset",
+    { id: "vision-options", hidden: true },
+    el("legend", { text: "Vision-language model" }),
+    el(
+      "div",
+      { class: "grid" },
+      field("vision-tower", towerSchema.title ?? "Vision tower", towerSelect, towerSchema.description),
+      field("projector", projectorSchema.title ?? "Vision projector", projectorSelect, projectorSchema.description),
+    ),
+  );
   const name = el("input", { type: "text", placeholder: "defaults to model on dataset", maxlength: 255 });
   // placement: a job runs on one host's GPUs (GET /api/gpus lists the hosts)
   const placeHost = choice([
@@ -300,6 +327,10 @@ export async function render(main) {
       if (usesLora() && expertsLora.checked) b.method.target_parameters = ["experts"];
       if (routerLoss.checked) b.hyper.router_aux_loss = true;
     }
+    if (isVlm()) {
+      b.method.vision_tower = towerSelect.value;
+      b.method.projector = projectorSelect.value;
+    }
     return b;
   }
 
@@ -337,6 +368,7 @@ export async function render(main) {
 
   function update() {
     moeOptions.hidden = !isMoe();
+    visionOptions.hidden = !isVlm();
     showStored();
     showMethod();
     plan.schedule();
@@ -371,6 +403,7 @@ export async function render(main) {
     ),
     ...[...options.values()].map((o) => o.element),
     moeOptions,
+    visionOptions,
     el(
       "div",
       { class: "grid" },
@@ -485,7 +518,15 @@ export async function render(main) {
       }
     }
   });
-  const plan = planCard(body);
+  // a plan of a base model not seen before says whether it is a VLM: its fields show or hide
+  const plan = planCard(body, {
+    onPlan(p, sent) {
+      const vlm = Boolean(p.assumptions.vision);
+      const shown = visionModels.get(sent.base_model) === true;
+      visionModels.set(sent.base_model, vlm);
+      if (shown !== vlm) update();
+    },
+  });
   main.append(el("h1", { text: "New fine-tune" }), plan.element, form);
   update();
   return () => plan.stop();

@@ -84,9 +84,22 @@ function baseNote(p) {
   );
 }
 
+// A vision-language model's images (POST /api/plan's assumptions.vision): the image tokens a row
+// the plan assumed, from the images of the dataset's rows (their count and mean size) and what the
+// model's image processor makes of one image; none without a dataset of images.
+export function imageNote(v) {
+  const size = v.image_size.join("x");
+  const tower = `vision tower ${v.vision_tower}, projector ${v.projector}`;
+  if (!v.images_from_data || !v.images_per_row)
+    return `No images assumed (pick a dataset with images for their count and size); one ${size} image would be ${v.image_tokens_per_image.toLocaleString("en-US")} image tokens (${tower}).`;
+  const images = `${number(v.images_per_row)} image${v.images_per_row === 1 ? "" : "s"}`;
+  return `${number(v.image_tokens_per_row)} image tokens a row: ${images} a row of ${size} pixels on average (from the dataset's rows), each ${v.patches_per_image.toLocaleString("en-US")} patches and ${v.image_tokens_per_image.toLocaleString("en-US")} image tokens by the model's image processor (${tower}).`;
+}
+
 // The card (``element``); ``schedule()`` plans ``body()`` 300 ms after the last call, a newer
-// answer replacing an older one; ``stop()`` when the page goes.
-export function planCard(body) {
+// answer replacing an older one; ``stop()`` when the page goes. ``onPlan(plan, sent)``: each
+// answer, with the body it planned (the page learns from it whether the base model is a VLM).
+export function planCard(body, { onPlan = () => {} } = {}) {
   const planBox = el(
     "section",
     { id: "plan", class: "card", "aria-live": "polite" },
@@ -98,7 +111,8 @@ export function planCard(body) {
   async function refreshPlan() {
     const ticket = ++planTicket;
     try {
-      const p = await api("/plan", { method: "POST", body: body() });
+      const sent = body();
+      const p = await api("/plan", { method: "POST", body: sent });
       if (ticket !== planTicket) return;
       const a = p.assumptions;
       const cpu = a.device === "cpu";
@@ -172,6 +186,14 @@ export function planCard(body) {
                   el("dd", { id: "plan-reference", text: duration(p.reference_s) }),
                 )
               : null,
+            a.vision
+              ? el(
+                  "div",
+                  {},
+                  el("dt", { text: "image tokens a row" }),
+                  el("dd", { id: "plan-image-tokens", text: number(a.vision.image_tokens_per_row) }),
+                )
+              : null,
             p.rollout
               ? el(
                   "div",
@@ -196,12 +218,14 @@ export function planCard(body) {
             class: "muted small",
             text: `${p.partition ? `Stages ${p.partition}; ` : ""}${rate}; ${perSeq} (${hw}). An estimate: a finished job of this model on this box calibrates it (or the one POST /api/plan's calibrate_job_id names).`,
           }),
+          a.vision ? el("p", { id: "plan-images", class: "muted small", text: imageNote(a.vision) }) : null,
           p.rollout ? el("p", { id: "plan-grpo", class: "muted small", text: rolloutNote(p) }) : null,
           p.assumptions.objective !== "sft" && !p.rollout
             ? el("p", { id: "plan-dpo", class: "muted small", text: pairsNote(p) })
             : null,
         ].filter(Boolean),
       );
+      onPlan(p, sent);
     } catch (err) {
       if (ticket === planTicket) planBox.replaceChildren(el("h2", { text: "Fit and time" }), errorBox(err));
     }
