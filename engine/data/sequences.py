@@ -112,7 +112,10 @@ class PromptItem:
 
 
 # the text each processor expands into one image's tokens, where it is not the processor's image token
-_PLACEHOLDERS = {"Qwen2_5_VLProcessor": "<|vision_start|><|image_pad|><|vision_end|>"}
+_PLACEHOLDERS = {
+    "Qwen2_5_VLProcessor": "<|vision_start|><|image_pad|><|vision_end|>",
+    "Qwen3VLProcessor": "<|vision_start|><|image_pad|><|vision_end|>",
+}
 
 
 def is_processor(tokenizer: Any) -> bool:

@@ -40,7 +40,7 @@ from engine.model.loss import (
     finish_logits,
 )
 from engine.vision.families import VISION_FAMILIES, vision_spec
-from engine.vision.layer import VisionInputLayer, vision_layer_parts
+from engine.vision.layer import DeepstackBlock, VisionInputLayer, vision_layer_parts
 
 
 class InputLayer(nn.Module):
@@ -247,10 +247,15 @@ class AdaptedModel:
                 # the model's own 3-D position ids (no weights: read off the config and the grids)
                 self.rope_index = causal_lm.model.get_rope_index
         self.layers: list[Layer] = [Layer(0, LayerKind.INPUT, first)]
+        # Qwen3-VL: its first blocks each add a deepstack feature handed on by the input layer
+        deepstack = 0
+        if self.vision is not None and self.vision.deepstack:
+            deepstack = len(causal_lm.config.vision_config.deepstack_visual_indexes)
         for i, block in enumerate(blocks):
             attention = family.attention_type(self.config, i)
+            module = DeepstackBlock(block, int(self.config.hidden_size)) if i < deepstack else block
             self.layers.append(
-                Layer(i + 1, LayerKind.BLOCK, block, attention, arguments=family.context.block_arguments)
+                Layer(i + 1, LayerKind.BLOCK, module, attention, arguments=family.context.block_arguments)
             )
         lm_head = attrgetter(family.lm_head)(causal_lm)
         divisor = self._config_float(family.logits_divisor)

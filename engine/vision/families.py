@@ -17,13 +17,13 @@ other, with the tower's weights frozen or trained as ``method.vision_tower`` and
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from engine.model.block_context import LLAMA_CONTEXT, BidirectionalImages, BlockContext
 from engine.model.family_spec import FamilySpec, config_value
 
-Features = Literal["qwen2_5_vl", "gemma3", "idefics3"]
+Features = Literal["qwen2_5_vl", "qwen3_vl", "gemma3", "idefics3"]
 Positions = Literal["text", "mrope"]
 
 # llama.cpp keeps a VLM's vision tower and projector in a second file (its ``mmproj``), which the
@@ -59,6 +59,11 @@ class VisionSpec:
             grid (computed on the host per micro-batch); ``"text"``: positions 0..n-1.
         image_token: the config attribute with the id of the image placeholder token.
         no_gguf: why the family has no GGUF export.
+        deepstack: the tower's features from some of its intermediate layers are added to the
+            image tokens' hidden states after the first language blocks (Qwen3-VL's "deepstack",
+            one feature per block, ``vision_config.deepstack_visual_indexes``): the input layer
+            hands them on beside the hidden states, and each of those blocks takes its own
+            (``engine.vision.layer.DeepstackBlock``).
     """
 
     architecture: str
@@ -71,7 +76,7 @@ class VisionSpec:
     positions: Positions = "text"
     image_token: str = "image_token_id"
     no_gguf: str = NO_VLM_GGUF
-    notes: tuple[str, ...] = field(default=())
+    deepstack: bool = False
 
     def refusal(self, config: Any) -> str | None:
         """Why the engine cannot train a model with ``config`` (None when it can)."""
@@ -112,6 +117,26 @@ VISION_FAMILIES: dict[str, VisionSpec] = {
             projector="model.visual.merger",
             features="qwen2_5_vl",
             positions="mrope",
+        ),
+        VisionSpec(
+            "Qwen3VLForConditionalGeneration",
+            "Qwen3-VL",
+            "qwen3_vl",
+            _text(
+                "Qwen3VLForConditionalGeneration",
+                "model.language_model",
+                display_name="Qwen3-VL",
+                short_name="qwen3_vl",
+                model_type="qwen3_vl_text",
+                block_extra=lambda s: 2 * s.head_dim,  # q and k norms per head
+                no_gguf=NO_VLM_GGUF,
+                unmeasured="a vision-language model's activations are estimated",
+            ),
+            tower="model.visual",
+            projector="model.visual.merger",
+            features="qwen3_vl",
+            positions="mrope",
+            deepstack=True,
         ),
         VisionSpec(
             "Gemma3ForConditionalGeneration",
@@ -163,13 +188,9 @@ SUPPORTED_VLMS = tuple(VISION_FAMILIES)
 
 # VLMs the engine refuses, with the reason
 REFUSED_VLMS: dict[str, str] = {
-    "Qwen3VLForConditionalGeneration": (
-        "Qwen3-VL adds vision features into the hidden states of its first decoder blocks "
-        "(deepstack), which the engine's pipeline stages do not carry"
-    ),
     "Qwen3VLMoeForConditionalGeneration": (
-        "Qwen3-VL-MoE adds vision features into the hidden states of its first decoder blocks "
-        "(deepstack), which the engine's pipeline stages do not carry"
+        "the engine's vision-language path does not take mixture-of-experts language blocks yet "
+        "(the dense Qwen3-VL is supported)"
     ),
     "Gemma3nForConditionalGeneration": (
         "Gemma 3n's per-layer embeddings and audio tower are not layers the engine can split"

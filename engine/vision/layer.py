@@ -9,6 +9,12 @@ is embedded as text. The family's ``features`` picks how the tower is called:
 
 - ``qwen2_5_vl``: ``pixel_values [patches, C*T*P*P]`` and ``image_grid_thw [images, 3]``; the
   tower's patch merger (inside it) is the projector, its ``pooler_output`` the features.
+- ``qwen3_vl``: as Qwen2.5-VL; its tower also gives the deepstack features of some intermediate
+  layers, handed on beside the hidden states (``[b, s, d * (1 + deepstack)]``: the hidden states,
+  then each deepstack feature scattered at the image tokens, zero elsewhere) to the first
+  language blocks, each wrapped in a ``DeepstackBlock`` that adds its own after the block and
+  passes the rest on. Adding zero where there is no image leaves those hidden states as they are,
+  so this equals the model's own adding at the image positions alone.
 - ``gemma3``: ``pixel_values [images, C, H, W]``; the tower's last hidden state through the
   multi-modal projector.
 - ``idefics3``: ``pixel_values [tiles, C, H, W]`` and ``pixel_attention_mask [tiles, H, W]``; the
@@ -67,24 +73,32 @@ class VisionInputLayer(nn.Module):
             if wanted:
                 raise ValueError(f"{wanted} image tokens in a micro-batch without images")
             return hidden
-        features = self.image_features(hidden.dtype, **images)
+        features, deepstack = self.image_features(hidden.dtype, **images)
         if features.shape[0] != wanted:
             raise ValueError(
                 f"the images give {features.shape[0]} image features for {wanted} image tokens "
                 "(the data's image placeholders and its images disagree)"
             )
-        return hidden.masked_scatter(is_image.unsqueeze(-1), features.to(hidden.dtype))
+        where = is_image.unsqueeze(-1)
+        hidden = hidden.masked_scatter(where, features.to(hidden.dtype))
+        if not deepstack:
+            return hidden
+        extra = [torch.zeros_like(hidden).masked_scatter(where, f.to(hidden.dtype)) for f in deepstack]
+        return torch.cat([hidden, *extra], dim=-1)
 
-    def image_features(self, dtype: torch.dtype, **images: torch.Tensor) -> torch.Tensor:
-        """One feature vector per image token: ``[image tokens, d]``."""
+    def image_features(
+        self, dtype: torch.dtype, **images: torch.Tensor
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """One feature vector per image token (``[image tokens, d]``), and the deepstack features
+        (Qwen3-VL; else none)."""
         pixels = images["pixel_values"].to(dtype)
-        if self.features == "qwen2_5_vl":
+        if self.features in ("qwen2_5_vl", "qwen3_vl"):
             out = self.tower(pixels, grid_thw=images["image_grid_thw"])
-            return out.pooler_output  # type: ignore[no-any-return]
+            return out.pooler_output, list(getattr(out, "deepstack_features", None) or [])
         if self.features == "gemma3":
             assert self.projector is not None
             projected = self.projector(self.tower(pixel_values=pixels).last_hidden_state)
-            return projected.reshape(-1, projected.shape[-1])  # type: ignore[no-any-return]
+            return projected.reshape(-1, projected.shape[-1]), []
         if self.features == "idefics3":
             assert self.projector is not None
             mask = images["pixel_attention_mask"].bool()
@@ -93,8 +107,33 @@ class VisionInputLayer(nn.Module):
             patch_mask = patches.sum(dim=(-1, -2)) > 0
             last = self.tower(pixel_values=pixels, patch_attention_mask=patch_mask).last_hidden_state
             out = self.projector(last)
-            return out.reshape(-1, out.shape[-1])  # type: ignore[no-any-return]
+            return out.reshape(-1, out.shape[-1]), []
         raise ValueError(f"unknown image features {self.features!r}")
+
+
+class DeepstackBlock(nn.Module):
+    """A language block that adds its deepstack feature after it runs (Qwen3-VL).
+
+    Its input is ``[b, s, d * (1 + n)]``: the hidden states, then ``n`` deepstack features of
+    width ``d``, the first of them this block's. It returns the block's output plus that feature,
+    followed by the ``n - 1`` others for the next blocks. An input of width ``d`` (a micro-batch
+    without images) is the block's alone.
+    """
+
+    def __init__(self, block: nn.Module, width: int) -> None:
+        super().__init__()
+        self.block = block
+        self.width = width
+
+    def forward(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        d = self.width
+        out = self.block(x[..., :d] if x.shape[-1] > d else x, **kwargs)
+        out = out[0] if isinstance(out, tuple) else out
+        if x.shape[-1] == d:
+            return out  # type: ignore[no-any-return]
+        out = out + x[..., d : 2 * d]
+        rest = x[..., 2 * d :]
+        return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out
 
 
 def vision_layer_parts(model: Any, spec: VisionSpec) -> tuple[nn.Module, nn.Module | None]:

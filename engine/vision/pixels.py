@@ -52,7 +52,7 @@ def row_pixels(processor: Any, architecture: str) -> Callable[[Sequence[bytes]],
 
     def pixels(row: Sequence[bytes]) -> dict[str, torch.Tensor]:
         decoded = [open_image(b) for b in row]
-        if architecture == "Qwen2_5_VLForConditionalGeneration":
+        if architecture in ("Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration"):
             out = images(images=decoded, return_tensors="pt")
             return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
         out = images(images=[decoded], return_tensors="pt")

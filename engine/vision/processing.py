@@ -17,6 +17,7 @@ from typing import Any
 # what a family's processor keeps besides its tokenizer and image processor (processor_config.json)
 _OPTIONS = {
     "Qwen2_5_VLForConditionalGeneration": (),
+    "Qwen3VLForConditionalGeneration": (),
     "Gemma3ForConditionalGeneration": ("image_seq_length",),
     "Idefics3ForConditionalGeneration": ("image_seq_len",),
     "SmolVLMForConditionalGeneration": ("image_seq_len",),
@@ -33,11 +34,12 @@ def build_processor(architecture: str, image_processor: Any, tokenizer: Any, **o
     Raises:
         KeyError: an architecture the engine has no processor for.
     """
-    if architecture == "Qwen2_5_VLForConditionalGeneration":
-        from transformers import Qwen2_5_VLProcessor
+    if architecture in ("Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration"):
+        from transformers import Qwen2_5_VLProcessor, Qwen3VLProcessor
 
         # its __init__ insists on a video processor; images are all the engine feeds it
-        processor = object.__new__(Qwen2_5_VLProcessor)
+        kind = Qwen2_5_VLProcessor if architecture.startswith("Qwen2_5") else Qwen3VLProcessor
+        processor: Any = object.__new__(kind)
         processor.image_processor, processor.tokenizer = image_processor, tokenizer
         processor.video_processor = None
         processor.chat_template = getattr(tokenizer, "chat_template", None)
@@ -45,6 +47,10 @@ def build_processor(architecture: str, image_processor: Any, tokenizer: Any, **o
         processor.video_token = getattr(tokenizer, "video_token", None) or "<|video_pad|>"
         processor.image_token_id = tokenizer.convert_tokens_to_ids(processor.image_token)
         processor.video_token_id = tokenizer.convert_tokens_to_ids(processor.video_token)
+        for edge in ("start", "end"):  # Qwen3-VL's processor reads these too
+            token = getattr(tokenizer, f"vision_{edge}_token", None) or f"<|vision_{edge}|>"
+            setattr(processor, f"vision_{edge}_token", token)
+            setattr(processor, f"vision_{edge}_token_id", tokenizer.convert_tokens_to_ids(token))
         return processor
     if architecture == "Gemma3ForConditionalGeneration":
         from transformers import Gemma3Processor

@@ -21,9 +21,12 @@ from tests.engine.tiny import tiny_tokenizer
 
 # the families the tests build, by short name
 VLM_FAMILIES = ("qwen2_5_vl", "gemma3_vl", "idefics3")
+# and Qwen3-VL (its deepstack features), which the engine's tests add
+ENGINE_VLM_FAMILIES = (*VLM_FAMILIES, "qwen3_vl")
 
 _SPECIAL = {
     "qwen2_5_vl": ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"],
+    "qwen3_vl": ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"],
     "gemma3_vl": ["<start_of_image>", "<end_of_image>", "<image_soft_token>"],
     "idefics3": ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"]
     + [f"<row_{i + 1}_col_{j + 1}>" for i in range(6) for j in range(6)],
@@ -41,6 +44,7 @@ TEXT = dict(
 # each family's placeholder of one image in its chat text
 PLACEHOLDERS = {
     "qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>",
+    "qwen3_vl": "<|vision_start|><|image_pad|><|vision_end|>",
     "gemma3_vl": "<start_of_image>",
     "idefics3": "<image>",
 }
@@ -109,6 +113,34 @@ def _config(family: str, tok: Any, blocks: int) -> Any:
             vision_end_token_id=ids("<|vision_end|>"),
             tie_word_embeddings=False,
         )
+    if family == "qwen3_vl":
+        text["head_dim"] = 8
+        text["rope_parameters"] = {
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "mrope_section": [2, 1, 1],
+            "mrope_interleaved": True,
+        }
+        return transformers.Qwen3VLConfig(
+            text_config=text,
+            vision_config=dict(
+                depth=3,
+                hidden_size=16,
+                intermediate_size=32,
+                num_heads=2,
+                patch_size=4,
+                temporal_patch_size=2,
+                spatial_merge_size=2,
+                out_hidden_size=32,
+                num_position_embeddings=16,
+                deepstack_visual_indexes=[0, 1],
+            ),
+            image_token_id=ids("<|image_pad|>"),
+            video_token_id=ids("<|video_pad|>"),
+            vision_start_token_id=ids("<|vision_start|>"),
+            vision_end_token_id=ids("<|vision_end|>"),
+            tie_word_embeddings=False,
+        )
     if family == "gemma3_vl":
         text.update(head_dim=8, query_pre_attn_scalar=8, sliding_window=8, sliding_window_pattern=2)
         return transformers.Gemma3Config(
@@ -153,6 +185,7 @@ def tiny_vlm(family: str, *, blocks: int = 2, seed: int = 0) -> Any:
     config = _config(family, tok, blocks)
     cls = {
         "qwen2_5_vl": transformers.Qwen2_5_VLForConditionalGeneration,
+        "qwen3_vl": transformers.Qwen3VLForConditionalGeneration,
         "gemma3_vl": transformers.Gemma3ForConditionalGeneration,
         "idefics3": transformers.Idefics3ForConditionalGeneration,
     }[family]
@@ -167,13 +200,13 @@ def tiny_processor(family: str) -> Any:
     from engine.vision.processing import build_processor
 
     tok = vision_tokenizer(family)
-    if family == "qwen2_5_vl":
+    if family in ("qwen2_5_vl", "qwen3_vl"):
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
         images: Any = Qwen2VLImageProcessorPil(
             patch_size=4, temporal_patch_size=2, merge_size=2, min_pixels=8 * 8, max_pixels=32 * 32
         )
-        return build_processor("Qwen2_5_VLForConditionalGeneration", images, tok)
+        return build_processor(ARCHITECTURES[family], images, tok)
     if family == "gemma3_vl":
         from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
@@ -212,6 +245,7 @@ def tiny_vlm_folder(path: str | Path, family: str = "qwen2_5_vl") -> Path:
 
 ARCHITECTURES = {
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+    "qwen3_vl": "Qwen3VLForConditionalGeneration",
     "gemma3_vl": "Gemma3ForConditionalGeneration",
     "idefics3": "Idefics3ForConditionalGeneration",
 }
@@ -244,7 +278,7 @@ def vision_batches(
     rows = vision_rows(family) if rows is None else rows
     texts = [t for t, _ in rows]
     pictures = [[Image.open(io.BytesIO(b)).convert("RGB") for b in images] for _, images in rows]
-    if family == "qwen2_5_vl":
+    if family in ("qwen2_5_vl", "qwen3_vl"):
         flat = [p for row in pictures for p in row]
         out = processor(text=texts, images=flat or None, return_tensors="pt", padding=True)
     else:

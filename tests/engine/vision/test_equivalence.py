@@ -12,7 +12,7 @@ import torch
 
 from engine import EngineConfig
 from tests.engine.tiny import bitwise_equal, engine_loop
-from tests.engine.tiny_vision import VLM_FAMILIES, tiny_processor, tiny_vlm, vision_batches
+from tests.engine.tiny_vision import ENGINE_VLM_FAMILIES, tiny_processor, tiny_vlm, vision_batches
 
 STEPS = 3
 TOL = 1e-5
@@ -59,7 +59,7 @@ def frozen_tower(model: torch.nn.Module) -> torch.nn.Module:
 
 
 @pytest.mark.parametrize("tower", ["trained", "frozen"])
-@pytest.mark.parametrize("family", VLM_FAMILIES)
+@pytest.mark.parametrize("family", ENGINE_VLM_FAMILIES)
 def test_vlm_equals_the_plain_loop_for_1_to_3_workers_bitwise_across_them(family: str, tower: str) -> None:
     model = tiny_vlm(family)
     if tower == "frozen":
@@ -91,7 +91,7 @@ def test_vlm_equals_the_plain_loop_for_1_to_3_workers_bitwise_across_them(family
         assert not moved, moved[:3]
 
 
-@pytest.mark.parametrize("family", VLM_FAMILIES)
+@pytest.mark.parametrize("family", ENGINE_VLM_FAMILIES)
 def test_a_split_partition_gives_the_same_bits(family: str) -> None:
     """A hand-made partition (two forward stages, a fused stage, two backward stages that
     recompute): the input layer with the tower recomputed in a backward stage."""
@@ -139,3 +139,38 @@ def test_images_for_a_text_model_are_refused() -> None:
             rp.forward_backward(**batch, images=[None, None])
     finally:
         rp.close()
+
+
+def test_qwen3_vl_hands_its_deepstack_features_to_the_first_blocks() -> None:
+    """The input layer's output carries the hidden states and one deepstack feature per wrapped
+    block; the features count (the plain loop's loss moves with them, and so does the engine's)."""
+    from engine.model.adapter import AdaptedModel
+    from engine.vision.layer import DeepstackBlock
+
+    family = "qwen3_vl"
+    model = tiny_vlm(family)
+    adapted = AdaptedModel(model)
+    wrapped = [layer.index for layer in adapted.layers if isinstance(layer.module, DeepstackBlock)]
+    assert wrapped == [1, 2]  # deepstack_visual_indexes [0, 1]: the first two blocks
+    _, batch = vision_batches(family, tiny_processor(family))
+    rows = [0, 1]
+    from engine.vision.batch import join_images
+
+    images = join_images([batch["images"][r] for r in rows])
+    assert images is not None
+    with torch.no_grad():
+        out = adapted.layers[0].module(batch["input_ids"][rows], **images)
+    assert out.shape[-1] == 3 * model.config.text_config.hidden_size
+    plain_batch, engine_batch = vision_batches(family, tiny_processor(family))
+    config = EngineConfig(devices=["cpu"] * 2, num_microbatches=3, optimizer="sgd", lr=0.0)
+    before, _, _ = engine_loop(model, [engine_batch], config)
+    silenced = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in silenced.model.visual.deepstack_merger_list.parameters():
+            p.zero_()
+    after, _, _ = engine_loop(silenced, [engine_batch], config)
+    with torch.no_grad():
+        plain_before = model(**plain_batch).loss.item()
+        plain_after = silenced(**plain_batch).loss.item()
+    assert abs(before[0] - plain_before) < TOL and abs(after[0] - plain_after) < TOL
+    assert abs(before[0] - after[0]) > 1e-4

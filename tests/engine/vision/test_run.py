@@ -54,7 +54,7 @@ def rows() -> list[dict[str, Any]]:
     return out
 
 
-@pytest.fixture(params=["qwen2_5_vl", "idefics3"])
+@pytest.fixture(params=["qwen2_5_vl", "qwen3_vl", "idefics3"])
 def workspace(tmp_path: Path, request: pytest.FixtureRequest) -> tuple[Path, str]:
     tiny_vlm_folder(tmp_path / "model", request.param)
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows()))

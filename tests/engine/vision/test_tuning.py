@@ -16,7 +16,7 @@ from engine.errors import ConfigError
 from engine.training.run import tuned
 from engine.vision.families import VISION_FAMILIES
 from tests.engine.tiny import engine_loop, tiny_model
-from tests.engine.tiny_vision import VLM_FAMILIES, tiny_processor, tiny_vlm, vision_batches
+from tests.engine.tiny_vision import ENGINE_VLM_FAMILIES, tiny_processor, tiny_vlm, vision_batches
 from tests.engine.vision.test_equivalence import STEPS, TOL, far, plain
 
 
@@ -52,7 +52,7 @@ def trained(model: Any) -> set[str]:
     return parts
 
 
-@pytest.mark.parametrize("family", VLM_FAMILIES)
+@pytest.mark.parametrize("family", ENGINE_VLM_FAMILIES)
 @pytest.mark.parametrize(
     ("tuning", "tower", "projector", "parts"),
     [
