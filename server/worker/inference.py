@@ -7,6 +7,11 @@ batches every answer of a model per step (``engine.inference.batching``). Before
 devices, the worker posts ``/training``: models in the way are unloaded (answers in flight get
 ``release_grace_s`` to finish) before it returns.
 
+A conversation may hold images (parts ``{"type": "image", "data": <base64>}``, which the API makes
+of ``image_url`` parts): a VLM's processor renders it and its image tensors go into the prompt's
+first forward (``engine.inference.images``); a text-only model refuses them with a 400 naming the
+part, before it is loaded.
+
 Routes (internal; bearer token): ``POST /generate`` (an NDJSON stream of ``start``, ``token`` and
 ``end`` lines, or an error status with ``{"code", "message", "param"}``), ``POST /training``,
 ``GET /health``.
