@@ -30,13 +30,13 @@ WEIGHTS = b"\0" * 3_000_000
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeHub]:
     fake = FakeHub(token=TOKEN).start()
-    qwen3_vl = {
-        "architectures": ["Qwen3VLForConditionalGeneration"],
+    qwen3_vl_moe = {
+        "architectures": ["Qwen3VLMoeForConditionalGeneration"],
         "text_config": TEXT,
         "vision_config": {},
     }
     llava = {"architectures": ["LlavaForConditionalGeneration"], "text_config": TEXT, "vision_config": {}}
-    for repo, config in (("org/qwen3-vl", qwen3_vl), ("org/llava", llava)):
+    for repo, config in (("org/qwen3-vl-moe", qwen3_vl_moe), ("org/llava", llava)):
         fake.add(repo, {"config.json": json.dumps(config).encode(), "model.safetensors": WEIGHTS})
     fake.add_folder("org/tiny-vlm", tiny_vlm_folder(tmp_path_factory.mktemp("repo") / "vlm", "qwen2_5_vl"))
     yield fake
@@ -46,7 +46,7 @@ def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeHub]:
 def test_an_unsupported_vlm_is_refused_from_its_config_naming_why(tmp_path: Path, hub: FakeHub) -> None:
     with api(settings_for(tmp_path, hub)) as client:
         for repo, reason in (
-            ("org/qwen3-vl", "deepstack"),
+            ("org/qwen3-vl-moe", "mixture-of-experts"),
             ("org/llava", "unsupported vision-language model LlavaForConditionalGeneration"),
         ):
             r = client.post("/api/models/pulls", json={"repo_id": repo})

@@ -23,14 +23,15 @@ from tests.utils.jobs import start_job
 DOWNLOAD = "/api/jobs/{job_id}/checkpoints/{step}/download"
 TEXT = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 300}
 REFUSED = {
-    # Qwen3-VL: named with the reason (deepstack); LLaVA: a VLM of no supported family
-    "qwen3-vl": (
+    # Qwen3-VL-MoE: named with the reason (mixture-of-experts blocks); LLaVA: a VLM of no
+    # supported family
+    "qwen3-vl-moe": (
         {
-            "architectures": ["Qwen3VLForConditionalGeneration"],
+            "architectures": ["Qwen3VLMoeForConditionalGeneration"],
             "text_config": TEXT,
             "vision_config": {"depth": 2},
         },
-        "deepstack",
+        "mixture-of-experts",
     ),
     "llava": (
         {"architectures": ["LlavaForConditionalGeneration"], "text_config": TEXT, "vision_config": {}},
