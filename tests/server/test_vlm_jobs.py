@@ -1,8 +1,8 @@
 """A vision-language model fine-tuned end to end by a live server and a real worker: a zip of
 OpenAI vision rows and their PNG files is uploaded, a LoRA job on a tiny Qwen2.5-VL base model
-trains its vision tower whole (``method.vision_tower: full``, its projector too) on the stored images (the worker
-reads them from ``data.image_store``), and the checkpoint downloaded carries the trained tower's
-weights and the processor files; the same through the OpenAI fine-tuning API."""
+trains its vision tower whole (``method.vision_tower: full``, its projector too) on the stored
+images (the worker reads them from ``data.image_store``), and the checkpoint downloaded carries the
+trained tower's weights and the processor files; the same through the OpenAI fine-tuning API."""
 
 from __future__ import annotations
 
