@@ -1,7 +1,6 @@
 """The datasets page with images: a zip of a JSONL file and its pictures uploaded through the page
 is stored (each picture once); previewed through a text model it says that model cannot render
-images, and through a vision-language model's processor each row shows its thumbnails beside its
-tokens."""
+images, and through a vision-language base model each row shows its thumbnails beside its tokens."""
 
 from __future__ import annotations
 
@@ -12,15 +11,12 @@ from typing import Any
 
 import pytest
 
-from engine.model.loading import load_processor_for
-from server.services import datasets
-from server.tables import Dataset
 from tests.engine.tiny_vision import png, tiny_vlm_folder
 from tests.web.conftest import ConsoleWatch, Server, screenshot
 
 pytest.importorskip("playwright.sync_api")
 
-from playwright.sync_api import Page, Route, expect
+from playwright.sync_api import Page, expect
 
 
 def row(*images: str) -> dict[str, Any]:
@@ -38,6 +34,9 @@ def test_a_zip_with_images_is_stored_and_previewed_with_thumbnails(
         zf.writestr("pictures/train.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
         zf.writestr("pictures/pics/a.png", png(40, 30, seed=5))
         zf.writestr("pictures/pics/b.png", png(20, 50, seed=6))
+    vlm = server.home / "models" / "tiny-vlm"  # a vision-language base model the page lists
+    if not (vlm / "config.json").is_file():
+        tiny_vlm_folder(vlm, "qwen2_5_vl")
     page.goto(f"{server.base_url}/#/datasets")
     expect(page.locator("#datasets-table")).to_be_visible()
     assert ".zip" in (page.get_attribute("input#dataset-file", "accept") or "")
@@ -53,27 +52,8 @@ def test_a_zip_with_images_is_stored_and_previewed_with_thumbnails(
     ident = preview.get_attribute("data-id")
     assert ident is not None
 
-    # the preview and stats a vision-language model's processor gives (the service's own
-    # functions, on the files the server stored), answered in place of the text model's
-    processor = load_processor_for(tiny_vlm_folder(tmp_path / "vlm", "qwen2_5_vl"))
-    stored = Dataset(id=ident, format="chat", rows=2)
-    file = server.home / "datasets" / ident / "train.jsonl"
-    images = server.home / "images"
-    body = {
-        "dataset_id": ident,
-        "model": "tiny",
-        "rows": datasets.preview(
-            stored, file=file, tokenizer=processor, limit=5, max_length=4096, images_dir=images
-        ),
-    }
-    stats = datasets.token_stats(
-        stored, file=file, tokenizer=processor, max_length=4096, limit=10, images_dir=images
-    )
-
-    def answer(route: Route) -> None:
-        route.fulfill(json=body if "/preview" in route.request.url else stats)
-
-    page.route(f"**/api/datasets/{ident}/*", answer)
+    # a vision-language model's processor renders the rows: each beside its pictures
+    page.select_option("select#preview-model", "tiny-vlm")
     page.fill("input#preview-max-length", "4096")
     page.dispatch_event("input#preview-max-length", "change")
     first = preview.locator(".with-images").first
@@ -88,7 +68,7 @@ def test_a_zip_with_images_is_stored_and_previewed_with_thumbnails(
         thumbs is not None and tokens is not None and thumbs["x"] + thumbs["width"] <= tokens["x"]
     )  # beside
     screenshot(page, "dataset-preview-images")
-    page.unroute(f"**/api/datasets/{ident}/*")
+    images = server.home / "images"
     assert console.unexpected() == []
 
     # each picture stored once (a.png is named twice), listed in the dataset's manifest
