@@ -187,7 +187,7 @@ class Tower:
     def activation_bytes(self, patches: float, dtype_bytes: int, *, tower: bool) -> float:
         """Bytes autograd keeps for ``patches`` patches when the tower trains (``tower``) or only
         the projector, in values per patch as the families' own modules save them (measured
-        with saved-tensor hooks in fp32: ``tests/engine/test_planner_vision_memory.py``):
+        with saved-tensor hooks, fp32 and bf16: ``tests/engine/test_planner_vision_memory.py``):
 
         - the projector's inputs: Qwen2.5-VL's merger 4h (its norm's input, the MLP's input and
           hidden), Idefics3's connector h (the pixel-shuffled features), Gemma 3's pooled tokens'
@@ -198,12 +198,17 @@ class Tower:
           statistics, q/k/v, the attention output, fc1 and its activation); besides them the
           rotary tables and windowed reorder (Qwen2.5-VL: h + 2 head_dim), the last norm's and
           pooling's inputs (SigLIP), and the patch embedding's input, the pixel values.
+
+        In a 16-bit compute dtype some of them stay fp32 (the RMSNorms upcast their input):
+        2h a block and 2h besides in Qwen2.5-VL's tower, h a pooled token in Gemma 3's projector.
         """
         h, i, heads = self.hidden, self.intermediate, self.heads
+        upcast = 0.0  # values a 16-bit run keeps in fp32
         if self.features == "qwen2_5_vl":
             per_patch = 4.0 * h
             block, extra = 13.0 * h + 4.0 * i + 2.0 * heads, h + 2.0 * (h // heads)
             pixels = 3 * self.temporal * self.patch * self.patch
+            upcast_tower = 2.0 * h * (self.depth + 1)
         else:
             per_tile = (self.image_size // self.patch) ** 2
             pooled = self.tokens_per_image / per_tile if self.features == "gemma3" else 0.0
@@ -211,9 +216,11 @@ class Tower:
             block = 8.0 * h + 2.0 * i + 4.0 + heads
             extra = (2.0 + pooled) * h + 3.0 if self.features == "gemma3" else h + 4.0
             pixels = 3 * self.patch * self.patch
+            upcast, upcast_tower = pooled * h, 0.0
         if tower:
             per_patch += self.depth * block + extra + pixels
-        return float(patches * per_patch * dtype_bytes)
+            upcast += upcast_tower
+        return float(patches * (per_patch * dtype_bytes + upcast * max(0, 4 - dtype_bytes)))
 
 
 def image_stats(rows: Iterable[Sequence[bytes]]) -> tuple[list[int], list[tuple[int, int]]]:

@@ -8,7 +8,8 @@ within 10% of the plan:
 - the input layer's activations: the bytes autograd saves in the tower and the projector over the
   micro-batch's patches (``torch.autograd.graph.saved_tensors_hooks``, unique storages, the
   weights left out), against the planner's ``activations`` term of the input layer, for the tower
-  trained and for the projector alone;
+  trained and for the projector alone; the same for each family's tower at a width and depth the
+  planner's coefficients were not read from, in fp32 and bf16;
 - the step's peak: the growth of the process's resident memory during one ``forward_backward``
   (``VmHWM`` reset through ``/proc/self/clear_refs``, minus ``VmRSS`` before, in a fresh process
   with ``MALLOC_MMAP_THRESHOLD_`` at 128 KiB so freed tensors leave the resident set, as
@@ -32,7 +33,7 @@ import pytest
 from engine.planner import Hardware, Shape, Workload, memory_model, plan_job
 from engine.planner.fit import trainable_per_layer
 from engine.scheduling.partition import Plan
-from tests.engine.tiny_vision import _config, png, vision_tokenizer
+from tests.engine.tiny_vision import VLM_FAMILIES, _config, png, tiny_processor, tiny_vlm, vision_tokenizer
 from tests.utils import ROOT
 
 pytestmark = pytest.mark.skipif(
@@ -199,16 +200,8 @@ def test_the_input_layer_keeps_the_activations_the_plan_says(
 ) -> None:
     import torch
 
-    from engine.vision.families import vision_spec
-    from engine.vision.layer import VisionInputLayer
-
     model = tuned_vlm(tower, projector)
-    spec = vision_spec(ARCH)
-    assert spec is not None
     visual = model.model.visual  # Qwen2.5-VL's tower holds its projector (the merger)
-    layer = VisionInputLayer(
-        model.get_input_embeddings(), visual, None, spec=spec, image_token_id=0, patch_size=14
-    )
     batch = heavy_batch()
     images = {k: torch.cat([row[k] for row in batch["images"]]) for k in batch["images"][0]}
     skip = {t.untyped_storage().data_ptr() for t in model.parameters()}
@@ -221,7 +214,9 @@ def test_the_input_layer_keeps_the_activations_the_plan_says(
         return t
 
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        features = layer.image_features(torch.float32, **images)
+        # what the engine's input layer runs on a micro-batch's images (``engine.vision.layer``)
+        out = visual(images["pixel_values"], grid_thw=images["image_grid_thw"])
+    features = getattr(out, "pooler_output", out)
     assert features.shape[0] == ROWS * IMAGES * 64
     measured = sum(kept.values())
     job = workload(int(batch["input_ids"].shape[1]), tower=tower, projector=projector)
@@ -254,3 +249,78 @@ def test_an_image_heavy_step_peaks_where_the_plan_says(tmp_path: Path) -> None:
     pixels = ROWS * IMAGES * cost.pixel_values * 4
     predicted = terms["total"] - terms["prefetch"] - terms["weights"] - pixels
     assert abs(predicted - step["growth"]) <= TOLERANCE * step["growth"], (terms, step)
+
+
+def saved_image_bytes(model: Any, images: dict[str, Any]) -> int:
+    """Bytes autograd saves running the family's tower and projector over ``images`` (the weights
+    and the pixel values left out), as the engine's input layer runs them."""
+    import torch
+
+    skip = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *images.values()]}
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in skip:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    inner, pixels = model.model, images["pixel_values"]
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        if "image_grid_thw" in images:  # Qwen2.5-VL: the merger is in the tower
+            inner.visual(pixels, grid_thw=images["image_grid_thw"])
+        elif "pixel_attention_mask" in images:  # Idefics3: the tower with its patch mask, the connector
+            p = model.config.vision_config.patch_size
+            mask = images["pixel_attention_mask"].unfold(1, p, p).unfold(2, p, p).sum((-1, -2)) > 0
+            inner.connector(
+                inner.vision_model(pixel_values=pixels, patch_attention_mask=mask).last_hidden_state
+            )
+        else:  # Gemma 3: SigLIP, then the pooling projector
+            inner.multi_modal_projector(inner.vision_tower(pixel_values=pixels).last_hidden_state)
+    return sum(kept.values())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("family", VLM_FAMILIES)
+def test_each_family_s_tower_keeps_the_activations_the_plan_says(
+    family: str, dtype: str, tmp_path: Path
+) -> None:
+    import torch
+
+    from engine.vision.families import vision_spec
+    from engine.vision.pixels import row_pixels
+
+    model = tiny_vlm(family)
+    config = model.config
+    depth = "depth" if family == "qwen2_5_vl" else "num_hidden_layers"
+    wider: dict[str, Any] = {
+        "hidden_size": 96,
+        "intermediate_size": 160,
+        depth: 3,
+    }  # not a shape the coefficients came from
+    if family == "qwen2_5_vl":
+        wider["fullatt_block_indexes"] = [2]
+    config.vision_config = type(config.vision_config)(**(config.vision_config.to_dict() | wider))
+    model = type(model)(config).to(getattr(torch, dtype))
+    processor = tiny_processor(family)
+    arch = type(model).__name__
+    rows = row_pixels(processor, arch)([png(32, 32, seed=i) for i in range(6)])
+    images = {k: v.to(getattr(torch, dtype)) if v.is_floating_point() else v for k, v in rows.items()}
+    processor.image_processor.save_pretrained(tmp_path)
+    tower = Shape.from_config(
+        config_of(model) | {"architectures": [arch]},
+        processor=json.loads((tmp_path / "preprocessor_config.json").read_text()),
+    ).tower
+    assert tower is not None
+    patches = 6 * tower.image(32, 32).patches
+    spec = vision_spec(arch)
+    assert spec is not None
+    trained, projector = model.get_submodule(spec.tower), model.get_submodule(spec.projector)
+    d = 4 if dtype == "float32" else 2
+    for whole in (True, False):
+        trained.requires_grad_(whole)
+        projector.requires_grad_(True)
+        # the patch embedding keeps its input, the pixel values, when the tower trains
+        measured = saved_image_bytes(model, images) + (images["pixel_values"].numel() * d if whole else 0)
+        predicted = tower.activation_bytes(patches, d, tower=whole)
+        assert abs(predicted - measured) <= TOLERANCE * measured, (whole, predicted, measured)
