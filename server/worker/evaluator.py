@@ -123,6 +123,8 @@ def _evaluate(settings: Settings, sessions: sessionmaker[Session], evaluation_id
     store = files.open_store(settings)
     key = checkpoints.run_key(key)
     folder = checkpoints.export_folder(store, key, cache=settings.home.resolve() / files.CACHE)
+    # a dataset with images: the store's image folder, or its images pulled into home/cache
+    image_store = datasets.local_images(store, dataset, cache=settings.home.resolve() / files.CACHE)
     data = files.fetch_file(settings, store, data, field="dataset_id")
     model = str(config.get("model", {}).get("path", "demo"))
     if kind == "adapter":
@@ -132,7 +134,14 @@ def _evaluate(settings: Settings, sessions: sessionmaker[Session], evaluation_id
     else:
         base = None
     max_length = int(config.get("data", {}).get("max_length", 1024))
-    result = evaluate_checkpoint(folder, data, base=base, max_length=max_length, **limits)
+    result = evaluate_checkpoint(
+        folder,
+        data,
+        base=base,
+        max_length=max_length,
+        image_store=None if image_store is None else str(image_store),
+        **limits,
+    )
     result["evaluation"] = about | {"dataset_name": name, "finished_at": now().isoformat()}
     result_key = evaluations.result_path(key, evaluation_id).as_posix()
     own = store.local_path(result_key)  # the local store's file; else written beside the log, then put

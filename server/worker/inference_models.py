@@ -51,15 +51,19 @@ def _load_base(folder: str, where: Placement) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from engine.model import dense_load_kwargs, load_model
+    from engine.model import dense_load_kwargs, load_model, vision_architecture
 
     if where == "cpu":
         return load_model(folder).eval()
     # bf16 over the GPUs: accelerate fills the first GPU and spills the next layers to the others
     kwargs = dense_load_kwargs(folder)
-    return AutoModelForCausalLM.from_pretrained(
-        folder, dtype=torch.bfloat16, device_map="auto", **kwargs
-    ).eval()
+    model_class: Any = AutoModelForCausalLM
+    vision = vision_architecture(folder)
+    if vision is not None:  # a VLM: its own class (the Auto class maps few of them)
+        import transformers
+
+        model_class = getattr(transformers, vision)
+    return model_class.from_pretrained(folder, dtype=torch.bfloat16, device_map="auto", **kwargs).eval()
 
 
 @dataclass

@@ -10,6 +10,7 @@ import base64
 import io
 import json
 import tarfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -89,9 +90,10 @@ def test_a_tuned_vlm_answers_an_image_as_its_downloaded_checkpoint_does(
             "/api/datasets", files={"file": ("vision.jsonl", rows)}, data={"name": f"vision-{kind}"}
         )
         assert r.status_code == 201, r.text
+        dataset_id = r.json()["id"]
         job = start_job(
             http,
-            r.json()["id"],
+            dataset_id,
             base_model=VLM,
             data={"max_length": 200},
             method={"kind": kind, "lora_r": 4} if kind == "lora" else {"kind": "full"},
@@ -101,6 +103,18 @@ def test_a_tuned_vlm_answers_an_image_as_its_downloaded_checkpoint_does(
         assert done["status"] == "succeeded", (done.get("error"), worker.tail())
         archive = http.get(f"/api/jobs/{job['id']}/checkpoints/2/download")
         assert archive.status_code == 200, archive.text
+        if kind == "lora":  # an evaluation on the stored image rows (sha256: images in the store)
+            url = f"/api/jobs/{job['id']}/evaluations"
+            asked = {"dataset_id": dataset_id, "max_rows": 4, "max_new_tokens": 2, "num_samples": 2}
+            r = http.post(url, json=asked)
+            assert r.status_code == 201, r.text
+            evaluation = f"{url}/{r.json()['id']}"
+            deadline = time.monotonic() + 300
+            while (found := http.get(evaluation).json())["status"] not in ("succeeded", "failed"):
+                assert time.monotonic() < deadline, (found, worker.tail())
+                time.sleep(0.5)
+            assert found["status"] == "succeeded", (found.get("error"), worker.tail())
+            assert found["metrics"]["rows"] == 4 and found["metrics"]["image_rows"] == 4, found["metrics"]
     with tarfile.open(fileobj=io.BytesIO(archive.content)) as tar:
         tar.extractall(tmp_path / "download", filter="data")
     marker = "adapter_config.json" if kind == "lora" else "config.json"
