@@ -1,4 +1,5 @@
-"""The models RoundPipe trains: loading a folder (``loading``), the registry of model families
+"""The models RoundPipe trains: loading a folder (``loading``; a vision-language model's
+processor too: ``load_processor_for``, ``vision_architecture``), the registry of model families
 (``families``: what each architecture is, how its blocks are laid out, ``model_kind`` of a
 ``config.json``), the engine's layers around a Hugging Face model (``adapter``), 4-bit bases
 (``quant``, ``prequantized``), the loss, and a checkpoint's export (``export``: a LoRA adapter
