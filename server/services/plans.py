@@ -43,7 +43,7 @@ from server.tables import Dataset, Job, Worker
 
 NOT_READ = "(not read: planning only)"  # the training file and output folder a plan never touches
 TOKEN_COUNT_ROWS = 20_000  # rows a plan tokenizes (the first ones): their lengths stand for all
-IMAGE_ROWS = 2_000  # rows whose images a VLM's plan reads (the first ones): they stand for all
+IMAGE_ROWS = 1_000  # rows whose images a VLM's plan reads (the first ones): they stand for all
 _CACHE_SIZE = 16  # datasets x tokenizers whose counts are kept
 _lengths: dict[tuple[str, str, str], list[int]] = {}
 _images: dict[tuple[str, str], tuple[list[int], list[tuple[int, int]]]] = {}  # by dataset and file
@@ -56,13 +56,17 @@ _measured: dict[str, Measured] = {}  # finished jobs' measurements, by id
 _ratios: dict[tuple[str, Hardware], float] = {}  # finished jobs' measured over planned rates, by box
 
 
-def token_lengths(dataset: Dataset, *, tokenizer_folder: Path, file: Path | None = None) -> list[int]:
+def token_lengths(
+    dataset: Dataset, *, tokenizer_folder: Path, file: Path | None = None, images_dir: Path | None = None
+) -> list[int]:
     """Each of the dataset's first ``TOKEN_COUNT_ROWS`` rows' tokens as the run encodes them with
     this tokenizer (chat template included, before truncation); counted once per dataset file and
     tokenizer, then remembered by this process. A preference row counts both its sequences, the
     prompt with the preferred answer and with the rejected one, one after the other
     (``encode_pair``, as a DPO run batches them); a prompt row its prompt (``encode_prompt_row``:
-    a GRPO run samples the completion)."""
+    a GRPO run samples the completion). A vision-language model's rows go through its processor,
+    their image tokens counted (their images read from ``images_dir``; only the first
+    ``IMAGE_ROWS`` of a dataset with images: each image is decoded)."""
     from engine.data import encode_example, encode_pair, encode_prompt_row
     from server.services.datasets import first_examples
 
@@ -70,11 +74,13 @@ def token_lengths(dataset: Dataset, *, tokenizer_folder: Path, file: Path | None
     with _counting:
         if key in _lengths:
             return _lengths[key]
-        tokenizer = tokenizers.load(tokenizer_folder)
+        processor = tokenizers.load_processor(tokenizer_folder)
+        tokenizer = processor or tokenizers.load(tokenizer_folder)
         big = 1 << 30  # no truncation: the planner cuts at the run's max_length
         lengths: list[int] = []
+        rows = IMAGE_ROWS if processor is not None and images_dir is not None else TOKEN_COUNT_ROWS
         # file: the dataset's local copy (``datasets.local_file``); once counted, not needed
-        for ex in first_examples(dataset, TOKEN_COUNT_ROWS, file=file or Path(dataset.path)):
+        for ex in first_examples(dataset, rows, file=file or Path(dataset.path), images_dir=images_dir):
             if ex.rejected is not None:
                 pair = encode_pair(ex, tokenizer, big)
                 lengths += [pair.chosen.length, pair.rejected.length]
@@ -264,7 +270,8 @@ def _token_lengths(
         return None
     try:
         file = datasets.local_file(storage, dataset, cache=settings.cache_dir)
-        return token_lengths(dataset, tokenizer_folder=folder, file=file) or None
+        pictures = datasets.local_images(storage, dataset, cache=settings.cache_dir)
+        return token_lengths(dataset, tokenizer_folder=folder, file=file, images_dir=pictures) or None
     except (OSError, ValueError, KeyError, TypeError):  # an unreadable tokenizer or file: no counts
         return None
 

@@ -14,6 +14,8 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from engine.data import encode_example, read_examples
+from engine.model import load_processor_for
 from engine.planner.vision import Tower
 from server.settings import Settings
 from tests.engine.tiny_vision import png, tiny_vlm_folder
@@ -37,15 +39,20 @@ def chat_row(images: list[bytes]) -> dict[str, Any]:
     return {"messages": [{"role": "user", "content": parts}, {"role": "assistant", "content": "noise"}]}
 
 
-def upload_images(client: TestClient) -> dict[str, Any]:
+def rows_file() -> bytes:
     rows = [chat_row([png(w, h, seed=i) for i, (w, h) in enumerate(row)]) for row in ROW_IMAGES]
-    content = "".join(json.dumps(r) + "\n" for r in rows).encode()
-    r = client.post("/api/datasets", files={"file": ("pictures.jsonl", content)})
+    return "".join(json.dumps(r) + "\n" for r in rows).encode()
+
+
+def upload_images(client: TestClient) -> dict[str, Any]:
+    r = client.post("/api/datasets", files={"file": ("pictures.jsonl", rows_file())})
     assert r.status_code == 201, r.text
     return dict(r.json())
 
 
-def test_a_vlm_plan_reads_the_processor_and_the_datas_images(client: TestClient, settings: Settings) -> None:
+def test_a_vlm_plan_reads_the_processor_and_the_datas_images(
+    client: TestClient, settings: Settings, tmp_path: Path
+) -> None:
     folder = tiny_vlm_folder(settings.models_dir / "tiny-vlm", "qwen2_5_vl")
     # a processor of its own: at most 16x16 pixels an image (one 8x8-patch token grid of 4x4)
     processor = json.loads((folder / "preprocessor_config.json").read_text())
@@ -79,6 +86,14 @@ def test_a_vlm_plan_reads_the_processor_and_the_datas_images(client: TestClient,
         == (16, 4)
     )
     assert vision["image_tokens_per_row"] == pytest.approx(5 / 3 * 4)
+    # the rows' token counts through the processor, image tokens included: one batch of the three
+    # rows, padded to the longest
+    assumptions = r.json()["assumptions"]
+    assert assumptions["tokens_from_data"]
+    (tmp_path / "rows.jsonl").write_bytes(rows_file())
+    _, _, examples, _ = read_examples(tmp_path / "rows.jsonl")
+    encoded = [encode_example(ex, load_processor_for(folder), 1 << 20) for ex in examples]
+    assert assumptions["tokens_per_sequence"] == max(e.length for e in encoded)
     # the folder's defaults (a 32x32 bound) give other costs: the processor was read
     default = Tower.from_config(config)
     assert default is not None and default.image(26, 26).tokens != 4
