@@ -35,6 +35,8 @@ def send(session: Session, *, settings: Settings, job_id: str) -> None:
 
 def submit(session: Session, *, request: JobCreate, settings: Settings, storage: Storage) -> Job:
     """Check a job request (base model, datasets, TrainConfig), store the job queued and send it.
+    Its datasets' images are read from the service's image store: ``data.image_store`` is set here
+    (``datasets.image_store``), never by the request.
 
     Raises:
         NotFound: no such base model or dataset (naming the field).
