@@ -40,6 +40,7 @@ from engine.vision.families import vision_spec
 QWEN_MIN_PIXELS = 56 * 56
 QWEN_MAX_PIXELS = 28 * 28 * 1280
 IDEFICS3_TILES_PER_EDGE = 4  # Idefics3/SmolVLM scale an image's longest edge to 4 tiles
+QWEN_FEATURES = ("qwen2_5_vl", "qwen3_vl")  # dynamic resolution, a patch merger inside the tower
 VISION_LIMIT = 1 << 20  # the largest vision size (hidden, width, depth, patch) a plan accepts
 TRAINING = ("frozen", "lora", "full")  # how the tower or the projector trains
 
@@ -117,6 +118,8 @@ class Tower:
         settings = processor if isinstance(processor, dict) else {}
         if spec.features == "qwen2_5_vl":
             return _qwen(vision, out, settings)
+        if spec.features == "qwen3_vl":
+            return _qwen3(vision, out, settings)
         if spec.features == "gemma3":
             return _gemma3(config, vision, out)
         return _idefics3(config, vision, out, settings)
@@ -128,8 +131,8 @@ class Tower:
 
     @property
     def projector_inside(self) -> bool:
-        """Whether the projector is a module of the tower (Qwen2.5-VL's patch merger)."""
-        return self.features == "qwen2_5_vl"
+        """Whether the projector is a module of the tower (Qwen2.5-VL's and Qwen3-VL's patch merger)."""
+        return self.features in QWEN_FEATURES
 
     def trainable(self, *, tower: str, projector: str, rank: int) -> int:
         """The parameters that train: all of a ``full`` part, LoRA adapters of rank ``rank`` on
@@ -150,7 +153,7 @@ class Tower:
     def image(self, width: int, height: int) -> ImageCost:
         """What one ``width`` x ``height`` image costs (see the module docstring)."""
         channels = 3
-        if self.features == "qwen2_5_vl":
+        if self.features in QWEN_FEATURES:
             factor = self.patch * self.merge
             h, w = _qwen_resize(height, width, factor, self.min_pixels, self.max_pixels)
             patches = (h // self.patch) * (w // self.patch)
@@ -204,7 +207,9 @@ class Tower:
         """
         h, i, heads = self.hidden, self.intermediate, self.heads
         upcast = 0.0  # values a 16-bit run keeps in fp32
-        if self.features == "qwen2_5_vl":
+        # Qwen3-VL's tower is estimated as Qwen2.5-VL's (not measured): its LayerNorms and plain
+        # MLP keep fewer values than the RMSNorms and gated MLP, so this errs high
+        if self.features in QWEN_FEATURES:
             per_patch = 4.0 * h
             block, extra = 13.0 * h + 4.0 * i + 2.0 * heads, h + 2.0 * (h // heads)
             pixels = 3 * self.temporal * self.patch * self.patch
@@ -279,6 +284,47 @@ def _qwen(vision: dict[str, Any], out: int, processor: dict[str, Any]) -> Tower:
         temporal=temporal,
         window=(window // patch) ** 2 if window >= patch else 0,
         full_blocks=frozenset(int(b) for b in full if isinstance(b, int)),
+        min_pixels=_setting(processor, "shortest_edge", "min_pixels", QWEN_MIN_PIXELS),
+        max_pixels=_setting(processor, "longest_edge", "max_pixels", QWEN_MAX_PIXELS),
+    )
+
+
+def _qwen3(vision: dict[str, Any], out: int, processor: dict[str, Any]) -> Tower:
+    """Qwen3-VL's tower: Qwen2.5-VL's patching and merging, LayerNorms with biases, a learned
+    position grid, a plain two-matrix MLP, full attention in every block, and one more merger per
+    deepstack layer (counted with the tower: ``engine.vision.families``)."""
+    h = _size("vision_config.hidden_size", vision.get("hidden_size"))
+    i = _size("vision_config.intermediate_size", vision.get("intermediate_size"))
+    depth = _size("vision_config.depth", vision.get("depth"))
+    heads = _size("vision_config.num_heads", vision.get("num_heads"))
+    patch = _size("vision_config.patch_size", vision.get("patch_size", 16))
+    temporal = _size("vision_config.temporal_patch_size", vision.get("temporal_patch_size", 2))
+    merge = _size("vision_config.spatial_merge_size", vision.get("spatial_merge_size", 2))
+    channels = _size("vision_config.in_channels", vision.get("in_channels", 3))
+    positions = _size("vision_config.num_position_embeddings", vision.get("num_position_embeddings", 2304))
+    out = _size("vision_config.out_hidden_size", vision.get("out_hidden_size", out))
+    deepstack = len(vision.get("deepstack_visual_indexes") or ())
+    linears = (("qkv", h, 3 * h), ("proj", h, h), ("linear_fc1", h, i), ("linear_fc2", i, h))
+    block = 4 * h + sum(a * b + b for _, a, b in linears)  # two LayerNorms with biases
+    merged = h * merge * merge
+    projector_linears = (("linear_fc1", merged, merged), ("linear_fc2", merged, out))
+    merger = sum(a * b + b for _, a, b in projector_linears)
+    embed = channels * temporal * patch * patch * h + h  # the patch convolution and its bias
+    return Tower(
+        features="qwen3_vl",
+        hidden=h,
+        intermediate=i,
+        depth=depth,
+        heads=heads,
+        patch=patch,
+        # the deepstack mergers normalise after the shuffle (over the merged width)
+        tower_params=embed + positions * h + depth * block + deepstack * (2 * merged + merger),
+        projector_params=2 * h + merger,
+        block_linears=linears,
+        projector_linears=projector_linears,
+        gated=False,
+        merge=merge,
+        temporal=temporal,
         min_pixels=_setting(processor, "shortest_edge", "min_pixels", QWEN_MIN_PIXELS),
         max_pixels=_setting(processor, "longest_edge", "max_pixels", QWEN_MAX_PIXELS),
     )

@@ -304,6 +304,8 @@ class Run:
         engine.synchronize()
         lora = self.config.method.lora
         weights = engine.master_state_dict(trainable_only=lora)
+        if lora:
+            weights = tuning.with_saved_modules(self.model, weights)
         state = engine.state_dict()
         method_state = self.method.state_dict()  # e.g. a GRPO batch the next steps train on
 

@@ -144,3 +144,15 @@ def settle_saved(model: nn.Module, spec: VisionSpec, options: Any) -> None:
         plain = name.replace(".modules_to_save.default", "").removeprefix("base_model.model.")
         if _inside(plain.rsplit(".", 1)[0], spec.projector):
             p.requires_grad_(False)
+
+
+def with_saved_modules(model: nn.Module, weights: dict[str, Any]) -> dict[str, Any]:
+    """A LoRA checkpoint's ``weights`` (its trained tensors) with the frozen weights inside a
+    part peft saves whole (``modules_to_save``: Qwen2.5-VL's frozen merger inside its fully
+    trained tower), which peft's adapter writer asks for with the rest of that part."""
+    missing = {
+        name: p.detach()
+        for name, p in model.named_parameters()
+        if ".modules_to_save." in name and name not in weights
+    }
+    return {**weights, **missing} if missing else weights

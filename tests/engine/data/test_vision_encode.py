@@ -19,13 +19,8 @@ from engine.data.formats import get_format
 from engine.data.read import check_rows
 from engine.data.sequences import Encoded, image_placeholder
 from engine.vision.pixels import open_image, row_pixels
-from tests.engine.tiny_vision import VLM_FAMILIES, png, tiny_processor, tiny_vlm
+from tests.engine.tiny_vision import ARCHITECTURES, VLM_FAMILIES, png, tiny_processor, tiny_vlm
 
-ARCHITECTURES = {
-    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
-    "gemma3_vl": "Gemma3ForConditionalGeneration",
-    "idefics3": "Idefics3ForConditionalGeneration",
-}
 WIDE = png(32, 12, seed=1)  # two sizes: the dynamic-resolution families give them different token counts
 TALL = png(8, 30, seed=2)
 
@@ -104,7 +99,7 @@ def test_labels_cover_exactly_the_assistant_turns(tmp_path: Path, family: str) -
     )
     counts = _image_token_counts(row.input_ids, image_id)
     pixels = row_pixels(processor, ARCHITECTURES[family])(row.images)
-    if family == "qwen2_5_vl":
+    if family in ("qwen2_5_vl", "qwen3_vl"):
         assert counts == [int(g.prod()) // 4 for g in pixels["image_grid_thw"]] and counts[0] != counts[1]
     elif family == "idefics3":
         assert sum(counts) == pixels["pixel_values"].shape[0] * 4  # 4 tokens a tile
@@ -142,6 +137,8 @@ def test_the_encoded_rows_feed_the_model(tmp_path: Path, family: str) -> None:
         inputs = {k: v.unsqueeze(0) for k, v in inputs.items()}
     if family == "gemma3_vl":
         inputs["token_type_ids"] = (batch["input_ids"][:1] == processor.tokenizer.image_token_id).long()
+    if family == "qwen3_vl":  # its forward needs the image positions for its 3-D rotary positions
+        inputs["mm_token_type_ids"] = (batch["input_ids"][:1] == processor.image_token_id).int()
     with torch.no_grad():
         out = model(input_ids=batch["input_ids"][:1], labels=batch["labels"][:1], **inputs)
     assert torch.isfinite(out.loss)

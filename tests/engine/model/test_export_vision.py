@@ -15,13 +15,8 @@ from engine.model.loading import load_model, load_processor_for
 from engine.vision.pixels import open_image
 from engine.vision.processing import PROCESSOR_FILES
 from tests.engine.tiny import tiny_model, tiny_tokenizer
+from tests.engine.tiny_vision import PLACEHOLDERS as PLACEHOLDER
 from tests.engine.tiny_vision import VLM_FAMILIES, png, tiny_vlm_folder
-
-PLACEHOLDER = {
-    "qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>",
-    "gemma3_vl": "<start_of_image>",
-    "idefics3": "<image>",
-}
 
 
 def processor_files(folder: Path) -> dict[str, bytes]:
@@ -32,7 +27,7 @@ def image_logits(model: Any, processor: Any, family: str) -> torch.Tensor:
     """The model's logits on two rows with images of different sizes, as its processor encodes them."""
     pictures = [open_image(png(16, 16, seed=1)), open_image(png(40, 24, seed=2))]
     texts = [f"what is {PLACEHOLDER[family]} this", f"and {PLACEHOLDER[family]}"]
-    images: Any = pictures if family == "qwen2_5_vl" else [[p] for p in pictures]
+    images: Any = pictures if family in ("qwen2_5_vl", "qwen3_vl") else [[p] for p in pictures]
     inputs = processor(text=texts, images=images, return_tensors="pt", padding=True)
     model.eval()
     with torch.no_grad():

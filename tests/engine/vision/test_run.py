@@ -118,3 +118,30 @@ def test_image_data_for_a_text_model_is_refused_naming_the_data(tmp_path: Path) 
 
 def test_png_sizes_differ() -> None:
     assert png(24, 16) != png(16, 24)
+
+
+def test_a_tower_trained_whole_around_its_frozen_projector_saves_and_loads(tmp_path: Path) -> None:
+    """Qwen2.5-VL's projector sits inside its tower: trained whole (peft's modules_to_save), the
+    tower is saved with the frozen projector in it, unchanged, and the adapter loads back."""
+    from safetensors.torch import load_file
+
+    from engine.inference.generate import load_for_inference
+
+    tiny_vlm_folder(tmp_path / "model", "qwen2_5_vl")
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows()))
+    cfg = config(tmp_path, "out", vision_tower="full", projector="frozen")
+    cfg.hyper.max_steps = 2
+    result = train(cfg)
+    assert result.status == "succeeded" and result.checkpoint is not None
+    saved = load_file(result.checkpoint / "adapter_model.safetensors")
+    base = load_file(tmp_path / "model" / "model.safetensors")
+
+    def stored(key: str) -> torch.Tensor:  # the base folder keeps the tower as "visual.*"
+        return base[key.replace("base_model.model.model.", "")]
+
+    merger = {k: v for k, v in saved.items() if ".visual.merger." in k}
+    assert merger and all(torch.equal(v, stored(k)) for k, v in merger.items())
+    blocks = [k for k in saved if ".visual.blocks." in k]
+    assert any(not torch.equal(saved[k], stored(k)) for k in blocks)
+    model, _ = load_for_inference(tmp_path / "model", adapter=result.checkpoint)
+    assert type(model.get_base_model()).__name__ == "Qwen2_5_VLForConditionalGeneration"
