@@ -97,6 +97,7 @@ class Tower:
     min_pixels: int = QWEN_MIN_PIXELS
     max_pixels: int = QWEN_MAX_PIXELS
     resize_edge: int = 0
+    deepstack: int = 0  # Qwen3-VL's deepstack mergers (one per deepstack layer)
 
     @classmethod
     def from_config(cls, config: dict[str, Any], processor: dict[str, Any] | None = None) -> Tower | None:
@@ -193,27 +194,35 @@ class Tower:
         with saved-tensor hooks, fp32 and bf16: ``tests/engine/test_planner_vision_memory.py``):
 
         - the projector's inputs: Qwen2.5-VL's merger 4h (its norm's input, the MLP's input and
-          hidden), Idefics3's connector h (the pixel-shuffled features), Gemma 3's pooled tokens'
-          norm and projection input 2h a pooled token;
+          hidden), Qwen3-VL's 4h + 2 (its LayerNorm's statistics too), Idefics3's connector h
+          (the pixel-shuffled features), Gemma 3's pooled tokens' norm and projection input 2h a
+          pooled token;
         - a trained tower's blocks: 13h + 4i + 2 heads a block in Qwen2.5-VL's (RMSNorm inputs,
           q/k before and after the rotary embedding, v, the attention output, gate/up/activation
-          and product of the gated MLP), 8h + 2i + 4 + heads in SigLIP's (LayerNorm inputs and
-          statistics, q/k/v, the attention output, fc1 and its activation); besides them the
-          rotary tables and windowed reorder (Qwen2.5-VL: h + 2 head_dim), the last norm's and
-          pooling's inputs (SigLIP), and the patch embedding's input, the pixel values.
+          and product of the gated MLP), 11h + 2i + 4 + heads in Qwen3-VL's (LayerNorms, a plain
+          MLP), 8h + 2i + 4 + heads in SigLIP's (LayerNorm inputs and statistics, q/k/v, the
+          attention output, fc1 and its activation); besides them the rotary tables and windowed
+          reorder (Qwen2.5-VL: h + 2 head_dim), the position grid and each deepstack merger's
+          inputs (Qwen3-VL: h + 12, and 3h + 0.5 a merger), the last norm's and pooling's inputs
+          (SigLIP), and the patch embedding's input, the pixel values.
 
-        In a 16-bit compute dtype some of them stay fp32 (the RMSNorms upcast their input):
-        2h a block and 2h besides in Qwen2.5-VL's tower, h a pooled token in Gemma 3's projector.
+        In a 16-bit compute dtype some of them stay fp32 (the RMSNorms upcast their input, the
+        rotary tables are fp32): 2h a block and 2h besides in Qwen2.5-VL's tower, 2 head_dim + 14
+        in Qwen3-VL's, h a pooled token in Gemma 3's projector.
         """
         h, i, heads = self.hidden, self.intermediate, self.heads
         upcast = 0.0  # values a 16-bit run keeps in fp32
-        # Qwen3-VL's tower is estimated as Qwen2.5-VL's (not measured): its LayerNorms and plain
-        # MLP keep fewer values than the RMSNorms and gated MLP, so this errs high
-        if self.features in QWEN_FEATURES:
+        if self.features == "qwen2_5_vl":
             per_patch = 4.0 * h
             block, extra = 13.0 * h + 4.0 * i + 2.0 * heads, h + 2.0 * (h // heads)
             pixels = 3 * self.temporal * self.patch * self.patch
             upcast_tower = 2.0 * h * (self.depth + 1)
+        elif self.features == "qwen3_vl":
+            per_patch = 4.0 * h + 2.0
+            block = 11.0 * h + 2.0 * i + 4.0 + heads
+            extra = h + 12.0 + self.deepstack * (3.0 * h + 0.5)  # and each deepstack merger's inputs
+            pixels = 3 * self.temporal * self.patch * self.patch
+            upcast_tower = 2.0 * (h // heads) + 14.0  # the rotary tables, the position grid's weights
         else:
             per_tile = (self.image_size // self.patch) ** 2
             pooled = self.tokens_per_image / per_tile if self.features == "gemma3" else 0.0
@@ -327,6 +336,7 @@ def _qwen3(vision: dict[str, Any], out: int, processor: dict[str, Any]) -> Tower
         temporal=temporal,
         min_pixels=_setting(processor, "shortest_edge", "min_pixels", QWEN_MIN_PIXELS),
         max_pixels=_setting(processor, "longest_edge", "max_pixels", QWEN_MAX_PIXELS),
+        deepstack=deepstack,
     )
 
 

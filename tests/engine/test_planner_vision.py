@@ -23,15 +23,10 @@ from engine.planner.vision import Tower
 from engine.training.run import tuned
 from engine.vision.families import vision_spec
 from engine.vision.pixels import open_image, row_pixels
-from tests.engine.tiny_vision import VLM_FAMILIES, png, tiny_processor, tiny_vlm
+from tests.engine.tiny_vision import PLACEHOLDERS, VLM_FAMILIES, png, tiny_processor, tiny_vlm
 
-# the text each family's processor expands into one image's tokens
-PLACEHOLDER = {
-    "qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>",
-    "gemma3_vl": "<start_of_image>",
-    "idefics3": "<image>",
-}
 SIZES = [(16, 16), (40, 24), (7, 30), (100, 9)]
+FLAT = ("qwen2_5_vl", "qwen3_vl")  # the families whose processors take a flat list of images
 
 
 def config_of(model: Any) -> dict[str, Any]:
@@ -73,9 +68,9 @@ def test_an_image_s_patches_tokens_and_pixels_are_the_processor_s(family: str, t
     arch = type(model).__name__
     for width, height in SIZES:
         image = png(width, height)
-        text = f"look {PLACEHOLDER[family]} here"
+        text = f"look {PLACEHOLDERS[family]} here"
         pil = open_image(image)
-        out = processor(text=[text], images=[pil] if family == "qwen2_5_vl" else [[pil]], return_tensors="pt")
+        out = processor(text=[text], images=[pil] if family in FLAT else [[pil]], return_tensors="pt")
         tokens = int((out["input_ids"] == image_token_id(model)).sum())
         pixels = row_pixels(processor, arch)([image])["pixel_values"]
         cost = tower.image(width, height)
@@ -191,11 +186,11 @@ def test_predicted_host_bytes_are_what_the_engine_holds_after_a_step(
     tuned_model = tuned(copy.deepcopy(model), TrainConfig.model_validate(run).method)  # as the run does
     rows, sizes = 4, [(16, 16), (24, 40), (40, 24), (16, 16)]
     images = [png(w, h, seed=i) for i, (w, h) in enumerate(sizes)]
-    texts = [f"row {i} {PLACEHOLDER[family]} says {'x' * (3 * i)}" for i in range(rows)]
+    texts = [f"row {i} {PLACEHOLDERS[family]} says {'x' * (3 * i)}" for i in range(rows)]
     pils = [open_image(b) for b in images]
     batch = processor(
         text=texts,
-        images=pils if family == "qwen2_5_vl" else [[p] for p in pils],
+        images=pils if family in FLAT else [[p] for p in pils],
         return_tensors="pt",
         padding=True,
     )

@@ -292,7 +292,7 @@ def test_each_family_s_tower_keeps_the_activations_the_plan_says(
 
     model = tiny_vlm(family)
     config = model.config
-    depth = "depth" if family == "qwen2_5_vl" else "num_hidden_layers"
+    depth = "depth" if family in ("qwen2_5_vl", "qwen3_vl") else "num_hidden_layers"
     wider: dict[str, Any] = {
         "hidden_size": 96,
         "intermediate_size": 160,
