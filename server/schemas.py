@@ -649,6 +649,10 @@ class EvaluationSample(BaseModel):
     output: str = Field(description="the checkpoint's greedy answer")
     short: bool = Field(description="the reference is short enough for exact match")
     match: bool | None = Field(description="output equals reference (whitespace-trimmed); null if not short")
+    images: list[str] = Field(
+        default_factory=list,
+        description="the row's images as small thumbnails (data URLs); none for a text row",
+    )
 
 
 class EvaluationDetail(EvaluationPublic):

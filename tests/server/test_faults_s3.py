@@ -37,6 +37,7 @@ from fastapi.testclient import TestClient
 
 from server.app import create_app
 from server.settings import Settings
+from server.storage import images
 from server.storage.s3 import RETRY_S
 from tests.server.conftest import WorkerProcess
 from tests.server.test_durability import _settings, events
@@ -311,8 +312,15 @@ def test_an_upload_cut_by_a_killed_api_leaves_no_partial_file_after_the_restart(
     source.write_bytes(content)
 
     def left() -> list[str]:
-        """Files an upload left in the scratch folder, under datasets/ and in the temporary folder."""
-        found = [p for p in (incoming, stored, temp) if p.is_dir() for p in p.rglob("*") if p.is_file()]
+        """Files an upload left in the scratch folder, under datasets/ and in the temporary folder
+        (not the image lock's file, which the API keeps there for good: ``server.storage.images``)."""
+        found = [
+            p
+            for p in (incoming, stored, temp)
+            if p.is_dir()
+            for p in p.rglob("*")
+            if p.is_file() and p.name != images.LOCK_FILE
+        ]
         return sorted(str(p) for p in found)
 
     def body_arriving(base: str, server: Process) -> None:
