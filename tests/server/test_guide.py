@@ -5,7 +5,6 @@ and the image's layout (docs/ beside the web UI's folder) is checked against the
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 import shlex
@@ -22,6 +21,7 @@ from server.app import create_app
 from server.guide.pages import Guide, docs_folder, github_slug, rewritten
 from server.settings import Settings
 from tests.utils import ROOT
+from tests.utils.aio import run_coroutine
 
 PNG = b"\x89PNG\r\n\x1a\n" + bytes(range(64))
 SECRET = "the file outside the manual"
@@ -178,7 +178,7 @@ def raw_get(client: TestClient, raw_path: bytes) -> Answer:
     async def send(message: dict[str, Any]) -> None:
         sent.append(message)
 
-    asyncio.run(client.app(scope, receive, send))  # type: ignore[arg-type]
+    run_coroutine(client.app(scope, receive, send))  # type: ignore[arg-type]
     start = next(m for m in sent if m["type"] == "http.response.start")
     body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
     return Answer(start["status"], body.decode("utf-8", "replace"))

@@ -6,7 +6,6 @@ with a 400 naming the part before it loads; the API's ``image_url`` parts
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 from collections.abc import Iterator
@@ -26,6 +25,7 @@ from server.errors import ApiError
 from server.worker.inference import Service, create_app
 from tests.engine.tiny import tiny_model_folder
 from tests.engine.tiny_vision import png, tiny_vlm, tiny_vlm_folder
+from tests.utils.aio import run_coroutine as run
 
 TOKEN = "secret"
 TOKENS = 10
@@ -177,7 +177,7 @@ def image_message(url: str) -> ChatMessage:
 def test_image_url_parts_take_data_urls_and_http_only_where_allowed() -> None:
     picture = png(10, 10, 1)
     url = f"data:image/png;base64,{b64(picture)}"
-    (message,) = asyncio.run(payload_messages([image_message(url)], allow_urls=False))
+    (message,) = run(payload_messages([image_message(url)], allow_urls=False))
     assert message == {
         "role": "user",
         "content": [{"type": "text", "text": "look"}, {"type": "image", "data": b64(picture)}],
@@ -186,9 +186,7 @@ def test_image_url_parts_take_data_urls_and_http_only_where_allowed() -> None:
     developer = ChatMessage.model_validate(
         {"role": "developer", "content": [{"type": "text", "text": "be brief"}]}
     )
-    assert asyncio.run(payload_messages([developer], allow_urls=False)) == [
-        {"role": "system", "content": "be brief"}
-    ]
+    assert run(payload_messages([developer], allow_urls=False)) == [{"role": "system", "content": "be brief"}]
     param = "messages.0.content.1.image_url.url"
     for bad, why in (
         ("https://example.com/cat.png", "ROUNDHOUSE_ALLOW_IMAGE_URLS"),
@@ -197,7 +195,7 @@ def test_image_url_parts_take_data_urls_and_http_only_where_allowed() -> None:
         ("ftp://example.com/cat.png", "data:image/"),
     ):
         with pytest.raises(ApiError) as refused:
-            asyncio.run(payload_messages([image_message(bad)], allow_urls=False))
+            run(payload_messages([image_message(bad)], allow_urls=False))
         assert refused.value.status == 400 and refused.value.param == param and why in refused.value.message
 
 
@@ -213,13 +211,13 @@ def test_an_allowed_http_image_is_fetched_once_and_its_failures_name_the_part() 
         async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
             return await fetch_image(client, url, "messages.0.content.0.image_url.url")
 
-    assert asyncio.run(fetch("http://images.test/cat.png")) == picture
+    assert run(fetch("http://images.test/cat.png")) == picture
     with pytest.raises(ApiError) as missing:
-        asyncio.run(fetch("http://images.test/dog.png"))
+        run(fetch("http://images.test/dog.png"))
     assert missing.value.param == "messages.0.content.0.image_url.url" and "HTTP 404" in missing.value.message
     part = ImagePart.model_validate({"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/x.png"}})
     with pytest.raises(ApiError) as unreachable:  # allowed, but nothing answers there
-        asyncio.run(image_bytes(part, "messages.0.content.0.image_url.url", allow_urls=True))
+        run(image_bytes(part, "messages.0.content.0.image_url.url", allow_urls=True))
     assert "could not be fetched" in unreachable.value.message
 
 
