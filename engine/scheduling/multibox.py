@@ -20,7 +20,9 @@ How the batch is shared (``batch``):
 How a step adds up (``async_optimizer``):
 
 - synchronous: one box's iteration (``roundpipe-sync``: one iteration, its fill and drain included),
-  then the exchange, then the update: ``iteration + exchange + update``;
+  then the exchange, then the update, which overlaps the next iteration layer by layer (a layer's
+  next upload waits only for that layer's new copy; the planner prices one box so too):
+  ``exchange + max(iteration, update)``;
 - asynchronous (staleness 1): iterations chain without a flush (``roundpipe-async-steady``: the
   steady period) while the optimizer thread exchanges and updates beside the next iteration:
   ``max(period, exchange + update)``; the exchange is hidden when ``exchange + update`` fits in
@@ -178,8 +180,9 @@ def simulate_boxes(
         async_optimizer=async_optimizer,
     )
     exposed = ex.exposed_s / unit_s
-    # async: an update longer than an iteration paces the chain even on one box
-    step = (max(iteration, update) if async_optimizer else iteration + update) + exposed
+    # an update longer than an iteration paces the steps even on one box; the exchange adds what
+    # it exposes: all of itself when sync (the update needs the summed gradients)
+    step = max(iteration, update) + exposed
     return BoxStep(
         boxes=boxes,
         batch=batch,

@@ -50,10 +50,11 @@ def test_one_box_is_the_single_box_simulation(batch: str) -> None:
     one_async = step(1, batch=batch, trainable_params=FULL, async_optimizer=True)
     assert one_async.step == steady.makespan
     assert steady.makespan < sync.makespan  # the chain has no fill and drain per step
-    # the update adds to a sync step; an async one hides it while it fits
-    assert step(1, batch=batch, update=100.0).step == sync.makespan + 100.0
-    assert step(1, batch=batch, update=100.0, async_optimizer=True).step == steady.makespan
-    assert step(1, batch=batch, update=5000.0, async_optimizer=True).step == 5000.0
+    # the update overlaps the next iteration (sync: layer by layer; async: all of it) while it
+    # fits, and paces the steps when it does not
+    for async_optimizer, pipeline in ((False, sync), (True, steady)):
+        assert step(1, batch=batch, update=100.0, async_optimizer=async_optimizer).step == pipeline.makespan
+        assert step(1, batch=batch, update=5000.0, async_optimizer=async_optimizer).step == 5000.0
 
 
 def test_sync_adds_the_exchange_exactly() -> None:
@@ -62,7 +63,10 @@ def test_sync_adds_the_exchange_exactly() -> None:
         many = step(boxes, update=30.0)
         assert many.exchange == pytest.approx(ring_ms(LORA, boxes, 10.0), rel=1e-12)
         assert many.exposed == many.exchange and not many.hidden
-        assert many.step == pytest.approx(many.iteration + 30.0 + many.exchange, rel=1e-12)
+        assert many.step == pytest.approx(many.iteration + many.exchange, rel=1e-12)
+        slow_update = step(boxes, update=900.0)
+        assert slow_update.iteration < 900.0
+        assert slow_update.step == pytest.approx(900.0 + many.exchange, rel=1e-12)
         assert many.bytes_per_step == 2 * (boxes - 1) / boxes * LORA * 4
         # the boxes split the batch: each runs M micro-batches of 1/k the rows, so its pipeline
         # takes 1/k of the time (compute and hops scale together)
