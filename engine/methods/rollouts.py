@@ -7,6 +7,13 @@ steps; the frozen base is the same tensors throughout). The sampling is seeded p
 resumed run samples what an uninterrupted one would, and does not touch the process's random
 stream.
 
+Each completion draws from a random stream of its own, keyed by the step's seed, its prompt's
+index in the whole batch and its index in the group (``stream_seed``): a prompt's completions are
+the same whether it is sampled alone, with the batch's other prompts, or in any split of the batch
+across boxes, while the batch still samples in one ``generate`` call. ``generate`` runs greedy over
+scores in which ``RowSampler`` has already picked each row's token from the sampling distribution
+(temperature, then nucleus ``top_p``; no top-k) with that row's uniform draw for the step.
+
 On a box with GPU workers the rollouts run on the first GPU when the whole model fits there (the
 workers are idle meanwhile: a step samples, then trains); otherwise, and on a CPU host, on the
 host's CPU (``rollout_device``; the run's ``rollouts`` event says which and why).
@@ -23,6 +30,7 @@ advantages, the reference's and the sampling policy's log-probabilities), kept f
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -269,6 +277,85 @@ def _left_pad(prompts: Sequence[list[int]], pad_id: int) -> tuple[torch.Tensor, 
     return ids, mask
 
 
+def stream_seed(seed: int, prompt: int, completion: int) -> int:
+    """The seed of one completion's random stream: the step's ``seed``, the prompt's index in the
+    whole batch and the completion's index in its group, mixed into 64 bits."""
+    key = f"{seed}/{prompt}/{completion}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
+
+
+def sampling_probs(scores: torch.Tensor, *, temperature: float, top_p: float) -> torch.Tensor:
+    """The distribution each row's next token is drawn from, in float64: ``softmax(scores /
+    temperature)`` cut to its nucleus (the most likely tokens until their mass reaches ``top_p``,
+    the most likely one always kept) and renormalised.
+
+    Args:
+        scores: ``[rows, vocab]`` the next token's scores (logits after any other processor).
+    """
+    probs = torch.softmax(scores.double() / temperature, dim=-1)
+    if top_p < 1.0:
+        ranked, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+        before = ranked.cumsum(dim=-1) - ranked  # the mass of the tokens ranked above each
+        ranked = ranked.masked_fill(before >= top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, ranked)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Each row's token by inverse transform: the first token whose cumulative probability
+    exceeds the row's uniform draw (``[rows]`` in [0, 1)) times the row's mass; a token of
+    probability 0 is never drawn.
+
+    Returns:
+        ``[rows]`` the tokens.
+    """
+    cdf = probs.cumsum(dim=-1)
+    target = uniforms.to(cdf) * cdf[:, -1]
+    token = torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1)
+    # u * mass may round up to the mass itself: then the last token with any probability
+    last = probs.shape[-1] - 1 - torch.argmax((probs > 0).flip(-1).to(torch.uint8), dim=-1)
+    return torch.minimum(token, last)
+
+
+class RowSampler:
+    """A logits processor that samples each row's next token with the row's own random stream
+    and leaves ``generate`` (run greedy) nothing to choose: the picked token's score 0, every
+    other -inf.
+
+    Args:
+        uniforms: ``[rows, max_new_tokens]`` each row's uniform draws, one per generated token.
+        start: the prompt's width in ``generate``'s input (the first new token's position).
+    """
+
+    def __init__(self, uniforms: torch.Tensor, *, start: int, temperature: float, top_p: float) -> None:
+        self.uniforms, self.start = uniforms, start
+        self.temperature, self.top_p = temperature, top_p
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        step = input_ids.shape[1] - self.start
+        if not 0 <= step < self.uniforms.shape[1] or scores.shape[0] != self.uniforms.shape[0]:
+            raise RuntimeError(
+                f"RowSampler holds draws for {self.uniforms.shape[0]} rows x {self.uniforms.shape[1]} "
+                f"tokens; asked for token {step} of {scores.shape[0]} rows"
+            )
+        probs = sampling_probs(scores, temperature=self.temperature, top_p=self.top_p)
+        token = draw(probs, self.uniforms[:, step].to(scores.device))
+        picked = torch.full_like(scores, float("-inf"))
+        return picked.scatter_(1, token.unsqueeze(1), 0.0)
+
+
+def _indices(indices: Sequence[int] | None, count: int) -> list[int]:
+    if indices is None:
+        return list(range(count))
+    found = [int(i) for i in indices]
+    if len(found) != count:
+        raise ValueError(f"indices: {len(found)} given for {count} prompts; one index per prompt")
+    if any(i < 0 for i in found) or len(set(found)) != len(found):
+        raise ValueError(f"indices={found}: the prompts' indices in the batch are distinct and >= 0")
+    return found
+
+
 def sample(
     model: Any,
     tokenizer: Any,
@@ -278,14 +365,31 @@ def sample(
     seed: int,
     group: int | None = None,
     greedy: bool = False,
+    indices: Sequence[int] | None = None,
 ) -> Rollout:
     """``group`` (default ``sampling.group_size``) completions of every prompt, seeded by ``seed``.
+
+    Completion ``j`` of the prompt at index ``i`` of the whole batch draws from its own stream
+    (``stream_seed(seed, i, j)``), so it is the same whichever prompts are sampled with it.
 
     Args:
         model: the causal LM (``policy_model``'s).
         greedy: the most likely tokens (validation), one completion per prompt.
+        indices: each item's index in the whole batch when ``items`` are a share of it (a box's);
+            default ``0 .. len(items) - 1``, the items being the whole batch.
+
+    Raises:
+        ValueError: ``indices`` not one distinct index >= 0 per item; a temperature <= 0 or a
+            ``top_p`` outside (0, 1].
     """
+    from transformers import LogitsProcessorList
+
     g = 1 if greedy else (group or sampling.group_size)
+    where = _indices(indices, len(items))
+    if not greedy and not sampling.temperature > 0:
+        raise ValueError(f"temperature={sampling.temperature}: the softmax temperature is > 0")
+    if not greedy and not 0 < sampling.top_p <= 1:
+        raise ValueError(f"top_p={sampling.top_p}: nucleus sampling keeps a mass in (0, 1]")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     stops = stop_ids(model, tokenizer)
     ids, mask = _left_pad([it.input_ids for it in items], int(pad))
@@ -294,16 +398,27 @@ def sample(
         "max_new_tokens": sampling.max_new_tokens,
         "pad_token_id": int(pad),
         "eos_token_id": sorted(stops) or None,
-        "num_return_sequences": g,
+        "do_sample": False,
     }
-    if greedy:
-        options["do_sample"] = False
-    else:
-        options.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=0)
-    # the process's (and the device's) random streams are left as they were
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.manual_seed(seed)
-        out = model.generate(ids.to(device), attention_mask=mask.to(device), **options)
+    if not greedy:
+        # row i*g + j: completion j of item i, its uniform draws from its own stream
+        uniforms = torch.stack(
+            [
+                torch.rand(
+                    sampling.max_new_tokens,
+                    generator=torch.Generator().manual_seed(stream_seed(seed, i, j)),
+                    dtype=torch.float64,
+                )
+                for i in where
+                for j in range(g)
+            ]
+        )
+        sampler = RowSampler(
+            uniforms.to(device), start=ids.shape[1], temperature=sampling.temperature, top_p=sampling.top_p
+        )
+        options["logits_processor"] = LogitsProcessorList([sampler])
+        ids, mask = ids.repeat_interleave(g, dim=0), mask.repeat_interleave(g, dim=0)
+    out = model.generate(ids.to(device), attention_mask=mask.to(device), **options)
     new = out[:, ids.shape[1] :].cpu()
     completions, texts, finished = [], [], []
     for row in new.tolist():
