@@ -31,13 +31,20 @@ An ETA counts the run end to end (``PlanReport.total_s``): the steps, and what a
 them (``overheads``: the trainer's start, the model's load, the data's preparation, the first
 step's warm-up, validation passes, checkpoints), assumed, or measured from a run on the same box
 (``measured_overhead``, ``use_measured_overhead``).
+
+A job may span several boxes (``Hosts``: their count and the network between them, measured or
+nominal): each box plans its share of every batch, and the step adds what the gradient exchange
+between the boxes leaves exposed (``boxes``, ``exchange``); the report says the exchange's bytes
+and time, whether the asynchronous optimizer hides it, and the job's rate over one box's.
 """
 
 from engine.methods.reference import reference_seconds
+from engine.planner.boxes import NOMINAL_LINK_GBPS, Hosts
+from engine.planner.calibration import calibrate, use_measured_overhead
 from engine.planner.fit import SEQ_LEN_STEP, longest_sequence
 from engine.planner.memory import CUDA_OVERHEAD_BYTES, Memory, layer_times, memory_model
 from engine.planner.overheads import Overheads, measured_overhead, overheads
-from engine.planner.report import PlanReport, calibrate, hardware_label, plan_job, use_measured_overhead
+from engine.planner.report import PlanReport, hardware_label, plan_job
 from engine.planner.shapes import SHAPE_LIMITS, Shape
 from engine.planner.vision import image_stats
 from engine.planner.workload import (
@@ -58,10 +65,12 @@ __all__ = [
     "DTYPE_BYTES",
     "GB",
     "HARDWARE_RANGES",
+    "NOMINAL_LINK_GBPS",
     "SEQ_LEN_STEP",
     "SHAPE_LIMITS",
     "WORKLOAD_LIMITS",
     "Hardware",
+    "Hosts",
     "Memory",
     "Overheads",
     "PlanReport",

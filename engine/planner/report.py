@@ -1,4 +1,5 @@
-"""The plan of one job on one box: fit, memory by term, time, and the longest sequence that fits."""
+"""The plan of one job on one box, or on several (``engine.planner.boxes``): fit, memory by term,
+time, and the longest sequence that fits."""
 
 from __future__ import annotations
 
@@ -8,12 +9,13 @@ from typing import Any
 from engine.errors import ConfigError
 from engine.methods import METHODS
 from engine.methods.reference import reference_seconds
+from engine.planner.boxes import Hosts, OnHosts, check_hosts, exchange_words, price, share
 from engine.planner.fit import assess, base_variants, longest_sequence, pcie_traffic
 from engine.planner.memory import CUDA_OVERHEAD_BYTES
 from engine.planner.overheads import overheads
 from engine.planner.rollouts import rollout_time
 from engine.planner.shapes import Shape
-from engine.planner.workload import DTYPE_BYTES, GB, HARDWARE_RANGES, Hardware, Workload, check
+from engine.planner.workload import DTYPE_BYTES, GB, Hardware, Workload, check
 from engine.scheduling.simulate import closed_form_bubble, simulate
 
 OPTIMIZER_PARAMS_PER_S = 1.5e9  # fused CPU AdamW (memory-bound, ~28 bytes moved per parameter)
@@ -55,6 +57,15 @@ class PlanReport:
     the GPUs). ``base_variants`` puts a LoRA job with a 16-bit and with a 4-bit base side by side
     (``engine.planner.fit.base_variants``; empty for a full fine-tune); ``base_bits`` is the
     job's own.
+
+    A job on several boxes (``hosts`` > 1, ``engine.planner.boxes``) is planned as one box's
+    share of each batch: ``stages``, memory, ``max_seq_len`` and ``rollout`` are a box's;
+    ``iteration_s`` and ``step_s`` add the gradient exchange's exposed time (``exchange``: its
+    ``bytes_per_step`` each box sends, ``seconds``, the ``link_gbps`` it was priced at and
+    whether it was ``link_measured``, whether the asynchronous optimizer ``hidden`` it and its
+    ``exposed_s``); ``tokens_per_s`` and the ETA are the whole job's. ``one_box`` is the plan of
+    the whole batch on one box (its fit, step and rate) and ``scaling`` the job's rate over it
+    (None when either does not fit). On one box ``exchange``, ``one_box`` and ``scaling`` are None.
     """
 
     fits: bool
@@ -87,6 +98,10 @@ class PlanReport:
     overheads: dict[str, float] = field(default_factory=dict)
     total_s: float | None = None
     estimate: str = "planner"
+    hosts: int = 1
+    exchange: dict[str, Any] | None = None
+    one_box: dict[str, Any] | None = None
+    scaling: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -178,6 +193,8 @@ class PlanReport:
                 f"{vision['image_tokens_per_image']:,} image tokens "
                 f"({vision['image_tokens_per_row']:,.0f} a row)"
             )
+        if self.exchange is not None:
+            lines.append(exchange_words(self.to_dict()))
         if self.eta_s is not None:
             lines.append(f"ETA: {self.eta_s / 3600:.2f} h")
         if self.total_s is not None:
@@ -201,7 +218,12 @@ class PlanReport:
 
 
 def plan_job(
-    config: dict[str, Any], hardware: Hardware, workload: Workload, *, processor: dict[str, Any] | None = None
+    config: dict[str, Any],
+    hardware: Hardware,
+    workload: Workload,
+    *,
+    processor: dict[str, Any] | None = None,
+    hosts: Hosts | None = None,
 ) -> PlanReport:
     """Memory, fit and speed of a fine-tune on a box, and the longest sequence that fits.
 
@@ -212,17 +234,25 @@ def plan_job(
         processor: a vision-language model's image processor settings (its
             ``preprocessor_config.json``), for what an image costs; the family's defaults when
             None.
+        hosts: the boxes the job spans and the link between them (``engine.planner.boxes``);
+            None: one box.
 
     Returns:
         A :class:`PlanReport`; ``fits`` is False with ``problems`` and ``suggestions`` when it does not.
 
     Raises:
-        ConfigError: a bad config.json size or setting; ``field`` names it (a ``ValueError``).
+        ConfigError: a bad config.json size or setting; ``field`` names it (a ``ValueError``);
+            a batch too small for the boxes' micro-batches names ``hyper.batch_size``.
     """
     check(workload, hardware)
+    spread = hosts or Hosts()
+    check_hosts(spread, workload)
     shape = Shape.from_config(config, processor=processor)
     try:
-        return _report(shape, hardware, workload)
+        whole = _report(shape, hardware, workload)
+        if spread.count == 1:
+            return whole
+        return _on_hosts(_report(shape, hardware, share(workload, spread.count)), whole, workload, spread)
     except (ZeroDivisionError, OverflowError) as exc:  # the ranges above should make this unreachable
         raise ConfigError("config", f"these sizes and this hardware give no finite plan ({exc})") from exc
 
@@ -368,6 +398,45 @@ def _report(shape: Shape, hardware: Hardware, workload: Workload) -> PlanReport:
     )
 
 
+def _on_hosts(box: PlanReport, whole: PlanReport, workload: Workload, hosts: Hosts) -> PlanReport:
+    """``box`` (one box's share of the batch) as the job on ``hosts``: the exchange priced in, the
+    job's rate, ETA and overheads, and its scaling over one box with the whole batch (``whole``)."""
+    p: OnHosts = price(
+        workload,
+        hosts=hosts,
+        trainable=box.trainable,
+        box_iteration_s=box.iteration_s,
+        box_step_s=box.step_s,
+        reference_s=box.reference_s,
+        weights_bytes=box.host_ram["weights_gb"] * GB,
+        update_s=box.trainable / OPTIMIZER_PARAMS_PER_S,
+        one_box_step_s=whole.step_s if whole.fits else 0.0,
+    )
+    fitted = p.step_s > 0
+    return replace(
+        box,
+        hosts=hosts.count,
+        exchange=asdict(p.exchange),
+        one_box={"fits": whole.fits, "step_s": whole.step_s, "tokens_per_s": whole.tokens_per_s},
+        scaling=p.scaling if box.fits else None,
+        iteration_s=p.iteration_s if fitted else box.iteration_s,
+        step_s=p.step_s if fitted else box.step_s,
+        tokens_per_s=p.tokens_per_s if fitted else box.tokens_per_s,
+        rollout_share=box.rollout_s / p.step_s if fitted and box.rollout_s is not None else box.rollout_share,
+        eta_s=p.eta_s if fitted else box.eta_s,
+        overheads=p.overheads.to_dict() if p.overheads is not None else box.overheads,
+        total_s=p.eta_s + p.overheads.total_s if p.eta_s is not None and p.overheads is not None else None,
+        assumptions=box.assumptions
+        | {
+            "hosts": hosts.count,
+            "batch_size": workload.batch_size,
+            "rows_per_host": box.assumptions["sequences_per_step"] // workload.sequences_per_example,
+            "sequences_per_step": workload.sequences,
+            "sequences_per_host": box.assumptions["sequences_per_step"],
+        },
+    )
+
+
 def vision_facts(shape: Shape, workload: Workload) -> dict[str, Any] | None:
     """What a VLM plan assumed of its tower and its images (None for a text model): the tower's
     and the projector's weights, how they train, the images a row holds and their size, and
@@ -389,49 +458,9 @@ def vision_facts(shape: Shape, workload: Workload) -> dict[str, Any] | None:
     }
 
 
-def use_measured_overhead(report: PlanReport, *, overhead_s: float) -> PlanReport:
-    """The report priced with the overhead a run measured on the box (``measured_overhead``)
-    instead of the assumed terms: ``total_s`` its steps plus that, ``estimate`` ``"measured"``.
-
-    Raises:
-        ValueError: a negative or non-finite overhead.
-    """
-    if not 0 <= overhead_s < float("inf"):
-        raise ValueError(f"overhead_s={overhead_s!r} must be a finite number of seconds >= 0")
-    total = report.eta_s + overhead_s if report.eta_s is not None and report.total_s is not None else None
-    besides = {"measured_s": overhead_s, "total_s": overhead_s}
-    return replace(report, overheads=besides, total_s=total, estimate="measured")
-
-
 def hardware_label(hardware: Hardware) -> str:
     """The box a plan is for, in words (the web's plan card shows it)."""
     h = hardware
     if h.device == "cpu":
         return "CPU host (no GPU reported)"
     return f"{h.num_gpus} GPU{'s' if h.num_gpus != 1 else ''} of {h.gpu_memory_gb:g} GB"
-
-
-def calibrate(hardware: Hardware, *, predicted_tokens_per_s: float, measured_tokens_per_s: float) -> Hardware:
-    """The hardware with its efficiency scaled so a past job's prediction matches its measurement
-    (kept within ``HARDWARE_RANGES["efficiency"]``; past either end, the rate is scaled instead,
-    within ``HARDWARE_RANGES["gpu_tflops"]``: a small model's steps are mostly fixed costs, far
-    slower than its FLOPs at any efficiency).
-
-    Raises:
-        ValueError: a non-positive throughput.
-    """
-    if not (predicted_tokens_per_s > 0 and measured_tokens_per_s > 0):
-        raise ValueError(
-            "throughputs must be positive "
-            f"(predicted {predicted_tokens_per_s!r}, measured {measured_tokens_per_s!r})"
-        )
-    scaled = hardware.efficiency * measured_tokens_per_s / predicted_tokens_per_s
-    low, high = HARDWARE_RANGES["efficiency"]
-    if scaled < low:
-        tflops = max(HARDWARE_RANGES["gpu_tflops"][0], hardware.gpu_tflops * scaled / low)
-        return replace(hardware, efficiency=low, gpu_tflops=tflops)
-    if scaled <= high:
-        return replace(hardware, efficiency=scaled)
-    # faster than the peak assumed (a CPU host plans at efficiency 1): the rate itself goes up
-    tflops = min(HARDWARE_RANGES["gpu_tflops"][1], hardware.gpu_tflops * scaled / high)
-    return replace(hardware, efficiency=high, gpu_tflops=tflops)
