@@ -28,6 +28,7 @@ log = logging.getLogger("roundhouse.queue")
 
 TASK = "roundhouse.run_job"
 EVALUATE = "roundhouse.run_evaluation"  # an evaluation id (server/worker/evaluator.py)
+BOX = "roundhouse.run_box"  # one host's box of a job on several hosts (server/worker/boxes.py)
 
 
 def make_celery(settings: Settings) -> Celery:
@@ -78,6 +79,12 @@ def enqueue(settings: Settings, job_id: str, *, where: dict[str, Any] | None = N
     """Send a job id to the workers: to the queue of its placement ``where`` (``services.placement``)."""
     queue = placement.queue_for(settings.queue, where)
     celery_for(settings).send_task(TASK, args=[job_id], queue=queue, routing_key=queue)
+
+
+def send_box(settings: Settings, job_id: str, *, generation: int, rank: int, host: str) -> None:
+    """Send a reserved host its box of a job's run (``services.boxes``), on that host's queue."""
+    queue = placement.host_queue(settings.queue, host)
+    celery_for(settings).send_task(BOX, args=[job_id, generation, rank], queue=queue, routing_key=queue)
 
 
 def send_evaluation(settings: Settings, evaluation_id: str) -> None:

@@ -32,6 +32,7 @@ Line = Annotated[str, StringConstraints(max_length=255, pattern=LINE_PATTERN)]
 # The largest INTEGER (event ids, step numbers) on PostgreSQL: a larger number in a path or query
 # could match no row, and the database refuses to compare with it.
 MAX_INT = 2**31 - 1
+MAX_HOSTS = 64  # the most boxes one job spans (``Placement.hosts``)
 # the 200 answers that are not JSON (``responses=`` of the routes): for the OpenAPI schema
 EVENT_STREAM = {
     "description": "server-sent events, each with its name (a job event's kind), JSON data and an id",
@@ -193,8 +194,9 @@ class JobBase(BaseModel):
 
 
 class Placement(BaseModel):
-    """Where a job may run: one host (by the name the GPUs page shows), and/or a GPU count. A job
-    always runs on one host's GPUs."""
+    """Where a job may run: one host (by the name the GPUs page shows), and/or a GPU count each
+    host must have; or several hosts at once (``hosts``), each running the job's pipeline on its
+    share of every batch (``services.placement``)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -205,6 +207,35 @@ class Placement(BaseModel):
         | None
     ) = Field(None, description="the worker host's name (GET /api/gpus); null: any host")
     gpus: int | None = Field(None, ge=1, le=1024, description="GPUs the host must have; null: any")
+    hosts: Annotated[int, Field(ge=1, le=MAX_HOSTS)] | Literal["auto"] | None = Field(
+        None,
+        description=f'boxes the job runs on at once, data-parallel (1 to {MAX_HOSTS}), or "auto": as many'
+        " free hosts as fit, at least min_hosts; null: one",
+    )
+    min_hosts: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_HOSTS,
+        description="the fewest boxes it may start or resume on after a box is lost (the batch stays"
+        ' the same); null: hosts (fewer not allowed), 1 for "auto"',
+    )
+
+    @model_validator(mode="after")
+    def _boxes(self) -> Placement:
+        several = self.hosts == "auto" or (isinstance(self.hosts, int) and self.hosts > 1)
+        if several and self.host is not None:
+            raise ValueError(
+                f"placement.hosts={self.hosts!r} with placement.host={self.host!r}: a job on several"
+                " boxes cannot be pinned to one host (leave host out)"
+            )
+        if self.min_hosts is not None:
+            if self.hosts is None:
+                raise ValueError(f"placement.min_hosts={self.min_hosts} needs placement.hosts")
+            if isinstance(self.hosts, int) and self.min_hosts > self.hosts:
+                raise ValueError(
+                    f"placement.min_hosts={self.min_hosts} is more than placement.hosts={self.hosts}"
+                )
+        return self
 
 
 class JobCreate(JobBase):
@@ -374,6 +405,13 @@ class HostPublic(BaseModel):
     sampled_at: datetime | None
     heartbeat_at: datetime
     online: bool
+    address: str | None = Field(None, description="where a job's other boxes reach it (advertised)")
+    rendezvous_port: int | None = Field(None, description="where it listens as a job's first box")
+    interface: str | None = Field(None, description="the NIC the boxes exchange gradients over")
+    link_gbps: float | None = Field(None, description="that NIC's nominal speed in Gb/s (null: unknown)")
+    link_measured_gbps: float | None = Field(
+        None, description="the all-reduce rate its last job on several hosts measured, Gb/s"
+    )
 
 
 class HostGroupPublic(BaseModel):

@@ -9,6 +9,8 @@ from pathlib import Path
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from engine.distributed import RENDEZVOUS_PORT
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="ROUNDHOUSE_", extra="ignore")
@@ -48,6 +50,30 @@ class Settings(BaseSettings):
     )
     worker_gpus: int | None = Field(
         None, ge=0, le=1024, description="GPUs a worker offers (default: what NVML counts here)"
+    )
+    advertise_address: str | None = Field(
+        None,
+        max_length=255,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9.:_-]*$",
+        description="the address the other boxes of a job on several hosts reach this worker's host by"
+        " (default: this host's resolved IP, else the first address of a NIC that is up)",
+    )
+    rendezvous_port: int = Field(
+        RENDEZVOUS_PORT,
+        ge=1,
+        le=65535,
+        description="the TCP port this host listens on as a job's first box (the others join it there)",
+    )
+    box_interface: str | None = Field(
+        None,
+        max_length=64,
+        description="the NIC the boxes exchange gradients over (default: the one with the advertised"
+        " address)",
+    )
+    box_timeout_seconds: float = Field(
+        60.0,
+        gt=0,
+        description="a box waiting this long for another (a rendezvous, an exchange) stops: box lost",
     )
     inference_host: str = Field(
         "127.0.0.1", description="the address a worker's inference service listens on (0.0.0.0: every one)"

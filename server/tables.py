@@ -149,6 +149,36 @@ class Worker(Base):
     # its inference service (server/worker/inference.py): where it answers, and its bearer token
     inference_url: Mapped[str | None] = mapped_column(String(255), nullable=True)
     inference_token: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    # where the other boxes of a job on several hosts reach it (``services.boxes``): its advertised
+    # address, its rendezvous port, its NIC and that NIC's nominal speed, and the all-reduce rate
+    # its last job on several hosts measured (null: unknown, or an older worker)
+    address: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    rendezvous_port: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    interface: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    link_gbps: Mapped[float | None] = mapped_column(Float, nullable=True)
+    link_measured_gbps: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
+class JobBox(Base):
+    """One host reserved for a job on several hosts (``services.boxes``): its rank in the job's
+    current run (``generation``: the job's attempt that reserved it) and where its worker is. A
+    host holds one such row at a time (unique), so two reservations never share a host; the rows
+    of a run are inserted in one transaction and deleted when it ends."""
+
+    __tablename__ = "job_boxes"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    generation: Mapped[int] = mapped_column(Integer)
+    rank: Mapped[int] = mapped_column(Integer)
+    hostname: Mapped[str] = mapped_column(String(255), unique=True)
+    worker_id: Mapped[str] = mapped_column(String(255))
+    address: Mapped[str] = mapped_column(String(255))
+    port: Mapped[int] = mapped_column(Integer)
+    # renewed by its box's worker while it runs; a box silent past it is lost (``boxes.sweep``)
+    lease_until: Mapped[datetime] = mapped_column(UTCDateTime())
+    started_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=now)
 
 
 class ApiKey(Base):

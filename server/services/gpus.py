@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -9,6 +10,17 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from server.tables import Worker, now
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where the other boxes of a job on several hosts reach a worker (``worker.network``): its
+    advertised address, its rendezvous port, its NIC and the NIC's nominal speed in Gb/s."""
+
+    address: str
+    port: int
+    interface: str | None
+    link_gbps: float | None
 
 
 def record(
@@ -20,9 +32,11 @@ def record(
     cpu: dict[str, float],
     message: str,
     inference: tuple[str, str] | None = None,
+    endpoint: Endpoint | None = None,
 ) -> None:
-    """Store a host's latest sample (one row per worker, replaced each time), and where its
-    inference service answers (``(url, token)``), if it runs one."""
+    """Store a host's latest sample (one row per worker, replaced each time), where its
+    inference service answers (``(url, token)``), if it runs one, and where the other boxes of a
+    job on several hosts reach it (``endpoint``)."""
     row = session.get(Worker, worker_id)
     if row is None:
         row = Worker(id=worker_id, hostname=hostname)
@@ -31,6 +45,9 @@ def record(
     row.hostname, row.devices, row.cpu, row.message = hostname, devices, cpu, message
     row.sampled_at = row.heartbeat_at = stamp
     row.inference_url, row.inference_token = inference or (None, None)
+    if endpoint is not None:
+        row.address, row.rendezvous_port = endpoint.address, endpoint.port
+        row.interface, row.link_gbps = endpoint.interface, endpoint.link_gbps
     session.commit()
 
 
@@ -67,6 +84,11 @@ def hosts(session: Session, *, stale_after: float) -> list[dict[str, Any]]:
                 "sampled_at": row.sampled_at,
                 "heartbeat_at": row.heartbeat_at,
                 "online": row.heartbeat_at >= limit,
+                "address": row.address,
+                "rendezvous_port": row.rendezvous_port,
+                "interface": row.interface,
+                "link_gbps": row.link_gbps,
+                "link_measured_gbps": row.link_measured_gbps,
             }
         )
     return out

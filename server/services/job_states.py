@@ -124,10 +124,12 @@ def move(
     message: str,
     worker_id: str | None = None,
     values: dict[str, Any] | None = None,
+    data: dict[str, Any] | None = None,
 ) -> bool:
     """``transition`` as one conditional update: from ``frm`` (and held by ``worker_id`` when
-    given), also setting ``values``. False, and nothing written, when the job moved on meanwhile
-    (a worker claimed or finished it, a person cancelled it).
+    given), also setting ``values``; ``data`` is added to its event's. False, and nothing
+    written, when the job moved on meanwhile (a worker claimed or finished it, a person
+    cancelled it).
 
     Raises:
         IllegalTransition: ``to`` is not reachable from ``frm``.
@@ -143,8 +145,8 @@ def move(
     if session.execute(q.values(**changes)).rowcount != 1:  # type: ignore[attr-defined]
         session.rollback()
         return False
-    data = {"from": frm, "to": to}
-    add_event(session, job_id=job.id, kind=EventKind.STATE, message=message, data=data, commit=False)
+    recorded = {"from": frm, "to": to, **(data or {})}
+    add_event(session, job_id=job.id, kind=EventKind.STATE, message=message, data=recorded, commit=False)
     session.commit()
     session.expire(job)
     return True

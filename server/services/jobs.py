@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session
 from engine import ConfigError, TrainConfig
 from engine.methods import method_entry
 from server.kinds import METRIC_KINDS, EventKind, JobStatus
-from server.services import checkpoints, datasets, methods, tracking
+from server.services import boxes, checkpoints, datasets, methods, tracking
 from server.services.failures import Conflict
 from server.services.job_states import DELETABLE as DELETABLE
 from server.services.job_states import HELD as HELD
@@ -360,20 +360,24 @@ def metric_series(
 CLAIMABLE = (JobStatus.QUEUED, JobStatus.INTERRUPTED)
 
 
-def claim(session: Session, *, job_id: str, worker_id: str, lease_seconds: float) -> bool:
+def claim(
+    session: Session, *, job_id: str, worker_id: str, lease_seconds: float, host: str | None = None
+) -> bool:
     """Take a queued or interrupted job for ``worker_id`` with one conditional update.
 
     A redelivered message or a second requeue finds the job already taken and gets False, so a
-    job never runs twice at once.
+    job never runs twice at once. With ``host``, a host reserved for a job on several hosts
+    (``services.boxes``) takes none.
     """
     job = session.get(Job, job_id)
     if job is None or job.status not in CLAIMABLE:
         return False
     previous = job.status
+    q = update(Job).where(Job.id == job_id, Job.status == previous)
+    if host is not None:
+        q = q.where(~boxes.host_reserved(host, job_id=job_id))
     taken = session.execute(
-        update(Job)
-        .where(Job.id == job_id, Job.status == previous)
-        .values(
+        q.values(
             status=JobStatus.RUNNING,
             worker_id=worker_id,
             lease_until=now() + timedelta(seconds=lease_seconds),

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
@@ -20,11 +21,13 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
 from engine import training as layout
+from server import queue
 from server.db import unavailable
 from server.kinds import EventKind, JobStatus
-from server.services import checkpoints, gpus, inference, jobs, placement
+from server.services import boxes, checkpoints, gpus, inference, jobs, placement
 from server.settings import Settings
-from server.worker import files, inference_link
+from server.tables import Job
+from server.worker import files, inference_link, network
 from server.worker.children import die_with_parent
 from server.worker.telemetry import count_gpus
 from server.worker.trainer import ERROR_FILE, EXIT_CANCELLED, EXIT_DISK_FULL, EXIT_FAILED, EXIT_OK
@@ -34,28 +37,28 @@ POLL_S = 0.5
 TELEMETRY_S = 10.0  # how often a job records its host's latest sample
 
 
-def _crashed(rc: int) -> bool:
+def crashed(rc: int) -> bool:
     """Killed by a signal (the out-of-memory killer's SIGKILL, a segfault) or an exit code the
     trainer never uses: worth a restart. ``EXIT_FAILED`` is an exception inside the run (bad data,
     a bad config), which would only happen again."""
     return rc < 0 or rc not in (EXIT_OK, EXIT_FAILED, EXIT_CANCELLED, EXIT_DISK_FULL)
 
 
-def _death(rc: int) -> str:
+def death(rc: int) -> str:
     if rc < 0:
         hint = " (out of host memory?)" if -rc == signal.SIGKILL else ""
         return f"killed by {signal.Signals(-rc).name}{hint}"
     return f"exited with code {rc}"
 
 
-def _failure(folder: Path, rc: int) -> str:
+def failure(folder: Path, rc: int) -> str:
     reason = folder / ERROR_FILE
     if reason.is_file():
         return reason.read_text().strip()
-    return f"the training process {_death(rc)}; see train.log"
+    return f"the training process {death(rc)}; see train.log"
 
 
-def _last_checkpoint(session: Session, job_id: str) -> int | None:
+def last_checkpoint(session: Session, job_id: str) -> int | None:
     saved = checkpoints.list_for(session, job_id=job_id)
     return saved[-1].step if saved else None
 
@@ -63,13 +66,13 @@ def _last_checkpoint(session: Session, job_id: str) -> int | None:
 def _resume_step(session: Session, job_id: str, folder: Path) -> int | None:
     """The step a restarted run resumes from: the latest checkpoint recorded for the job, or a later
     one complete on this host's disk whose row the killed process had no time to record."""
-    recorded = _last_checkpoint(session, job_id)
+    recorded = last_checkpoint(session, job_id)
     on_disk = layout.latest(layout.checkpoints_dir(folder))
     steps = [s for s in (recorded, on_disk[0] if on_disk else None) if s is not None]
     return max(steps) if steps else None
 
 
-def _resume_step_of(sessions: sessionmaker[Session], job_id: str, folder: Path) -> int | None:
+def resume_step_of(sessions: sessionmaker[Session], job_id: str, folder: Path) -> int | None:
     with sessions() as session:
         return _resume_step(session, job_id, folder)
 
@@ -83,7 +86,7 @@ def record_unrecorded(settings: Settings, session: Session, *, job_id: str, outp
     folder = files.run_folder(settings, output_dir)
     if not files.same_file(store.local_path(output_dir) if files.is_key(output_dir) else None, folder):
         return []
-    last = _last_checkpoint(session, job_id)
+    last = last_checkpoint(session, job_id)
     found = []
     for step, path in layout.list_checkpoints(layout.checkpoints_dir(folder)):
         if last is not None and step <= last:
@@ -112,14 +115,14 @@ class _Stopped(Exception):
 STOPPING: dict[str, str] = {JobStatus.CANCELLING: "cancel", JobStatus.PAUSING: "pause"}
 
 
-class _Outage:
+class Outage:
     """``with`` it around a use of the database that may wait for the next try: a database that
     cannot be reached (``db.unavailable``) is logged when it goes and when it is back, not raised."""
 
     def __init__(self, what: str) -> None:
         self.what, self.away = what, False
 
-    def __enter__(self) -> _Outage:
+    def __enter__(self) -> Outage:
         return self
 
     def __exit__(
@@ -138,17 +141,20 @@ class _Outage:
         return True
 
 
-class _Child:
+class Child:
     """One training process of a job, watched until it exits: the lease renewed, a cancel or pause
     relayed (SIGTERM, then a kill after the grace period), the host's telemetry recorded. While
     the database is away the watch goes on without them (the training process keeps its writes)
     and renews the lease as soon as it is back."""
 
-    def __init__(self, settings: Settings, folder: Path, *, job_id: str) -> None:
+    def __init__(
+        self, settings: Settings, folder: Path, *, job_id: str, args: list[str] | None = None
+    ) -> None:
+        """``args``: the trainer's options after the job id (a box of a run on several hosts)."""
         env = {**os.environ, **settings.child_environment()}
         with (folder / "train.log").open("ab") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "server.worker.trainer", job_id],
+                [sys.executable, "-m", "server.worker.trainer", job_id, *(args or [])],
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env=env,
@@ -173,7 +179,7 @@ class _Child:
         parent = os.getppid()
         renew_every = settings.lease_seconds / 3
         next_renew = next_telemetry = 0.0
-        outage = _Outage(f"job {job_id}")
+        outage = Outage(f"job {job_id}")
         while (rc := self.proc.poll()) is None:
             now = time.monotonic()
             if os.getppid() != parent:  # the worker's main process died: stop, the sweep requeues
@@ -233,7 +239,7 @@ def _restart(
     if retry is None:
         times = f"{done + 1} time{'s' if done else ''}"
         where = f"last checkpoint step {step}" if step is not None else "no checkpoint yet"
-        return f"the training process was {_death(rc)} {times}; {where}; see train.log"
+        return f"the training process was {death(rc)} {times}; {where}; see train.log"
     start = f"the checkpoint at step {step}" if step is not None else "the start (no checkpoint yet)"
     data: dict[str, object] = {
         "retry": retry,
@@ -247,15 +253,15 @@ def _restart(
         session,
         job_id=job_id,
         kind=EventKind.LOG,
-        message=f"the training process was {_death(rc)}: restarted from {start}"
+        message=f"the training process was {death(rc)}: restarted from {start}"
         f" (retry {retry} of {settings.max_retries})",
         data=data,
     )
-    log.warning("job %s: training process %s; retry %d from step %s", job_id, _death(rc), retry, step)
+    log.warning("job %s: training process %s; retry %d from step %s", job_id, death(rc), retry, step)
     return None
 
 
-def _push_log(settings: Settings, *, output_dir: str, folder: Path) -> None:
+def push_log(settings: Settings, *, output_dir: str, folder: Path) -> None:
     """The run's train.log to a remote store; a failure is logged, never the job's outcome."""
     try:
         files.push_log(files.open_store(settings), output_dir=output_dir, folder=folder)
@@ -282,29 +288,47 @@ def supervise(settings: Settings, sessions: sessionmaker[Session], *, job_id: st
                     session, job_id=job_id, kind=EventKind.LOG, message=message, data={"waiting": True}
                 )
             return f"not for this worker: the job wants {wanted}"
-        if not jobs.claim(session, job_id=job_id, worker_id=worker_id, lease_seconds=settings.lease_seconds):
-            return "not claimable (taken, finished or cancelled)"
+        if placement.several(where) and job is not None:
+            return _reserve_boxes(settings, session, job=job)
+        lease, host = settings.lease_seconds, settings.host_name
+        if not jobs.claim(session, job_id=job_id, worker_id=worker_id, lease_seconds=lease, host=host):
+            return "not claimable (taken, finished, cancelled, or this host is reserved for another)"
         job = jobs.get_job(session, job_id=job_id)
         output_dir = job.output_dir if job is not None else str(settings.runs_dir / job_id)
     with sessions() as session:
         link = inference.link_of(session, worker_id=worker_id)
-    _release_inference(settings, sessions, link, job_id=job_id, worker_id=worker_id)
+    lease = settings.lease_seconds
+
+    def renew() -> None:
+        with sessions() as session:
+            jobs.renew(session, job_id=job_id, worker_id=worker_id, lease_seconds=lease)
+
+    release_inference(settings, link, renew=renew)
     try:
         return _run(settings, sessions, job_id=job_id, worker_id=worker_id, output_dir=output_dir)
     finally:
         inference_link.training(link, training=False, timeout=10.0)
 
 
-def _release_inference(
-    settings: Settings,
-    sessions: sessionmaker[Session],
-    link: inference.Service | None,
-    *,
-    job_id: str,
-    worker_id: str,
+def _reserve_boxes(settings: Settings, session: Session, *, job: Job) -> str:
+    """A job on several hosts: reserve its hosts and send each its box (``worker.boxes``)."""
+    if job.status not in jobs.CLAIMABLE:
+        return "not claimable (taken, finished or cancelled)"
+    lease, stale_after = settings.lease_seconds, settings.telemetry_seconds * 5
+    run = boxes.reserve(session, job=job, lease_seconds=lease, stale_after=stale_after)
+    if run is None:
+        return "its hosts are not free: nothing reserved"
+    for box in run.boxes:  # a send lost: that box's lease runs out and the run is sent again
+        queue.send_box(settings, job.id, generation=run.generation, rank=box.rank, host=box.hostname)
+    return f"reserved {', '.join(b.hostname for b in run.boxes)}; rendezvous {run.rendezvous}"
+
+
+def release_inference(
+    settings: Settings, link: inference.Service | None, *, renew: Callable[[], None]
 ) -> None:
     """Tell this host's inference service that a job takes the devices, and wait until it has let
-    go of them (answers in flight finish within ``inference_release_seconds``), renewing the lease."""
+    go of them (answers in flight finish within ``inference_release_seconds``), calling ``renew``
+    (the lease) meanwhile."""
     if link is None:
         return
     timeout = settings.inference_release_seconds + 30.0
@@ -314,8 +338,7 @@ def _release_inference(
     thread.start()
     while thread.is_alive():
         thread.join(settings.lease_seconds / 3)
-        with sessions() as session:
-            jobs.renew(session, job_id=job_id, worker_id=worker_id, lease_seconds=settings.lease_seconds)
+        renew()
 
 
 def _run(
@@ -327,11 +350,11 @@ def _run(
     while True:
         with sessions() as session:
             record_unrecorded(settings, session, job_id=job_id, output_dir=output_dir)
-        child = _Child(settings, folder, job_id=job_id)
+        child = Child(settings, folder, job_id=job_id)
         try:
             rc = child.watch(settings, sessions, job_id=job_id, worker_id=worker_id)
         except _Stopped as stopped:
-            _push_log(settings, output_dir=output_dir, folder=folder)
+            push_log(settings, output_dir=output_dir, folder=folder)
             return str(stopped)
         error = None
         if rc == EXIT_OK:
@@ -339,14 +362,14 @@ def _run(
         # stopped on request: jobs.finish records it cancelled, or paused when the job is pausing
         elif rc == EXIT_CANCELLED:
             with sessions() as session:
-                step = _last_checkpoint(session, job_id)
+                step = last_checkpoint(session, job_id)
             saved = f"a checkpoint at step {step}" if step is not None else "no checkpoint (before a step)"
             to, message = JobStatus.CANCELLED, f"stopped at a step boundary with {saved}"
         elif rc == EXIT_DISK_FULL:  # its checkpoints before are intact: resume once space is freed
-            step = _resume_step_of(sessions, job_id, folder)
+            step = resume_step_of(sessions, job_id, folder)
             saved = f"the checkpoint at step {step}" if step is not None else "the start (no checkpoint yet)"
-            to, message = JobStatus.PAUSED, f"paused: {_failure(folder, rc)}; a resume continues from {saved}"
-            error = _failure(folder, rc)
+            to, message = JobStatus.PAUSED, f"paused: {failure(folder, rc)}; a resume continues from {saved}"
+            error = failure(folder, rc)
         elif child.killed_for_cancel:
             to, message = (
                 JobStatus.CANCELLED,
@@ -356,15 +379,15 @@ def _run(
             # the request reached the training process before it could handle it (it handles
             # SIGTERM from its first line): it trained nothing
             to, message = JobStatus.CANCELLED, "stopped before the training started"
-        elif _crashed(rc) and child.cancel_sent is None:
+        elif crashed(rc) and child.cancel_sent is None:
             with sessions() as session:
                 error = _restart(settings, session, job_id=job_id, worker_id=worker_id, rc=rc, folder=folder)
             if error is None:
                 continue
             to, message = JobStatus.FAILED, "training failed"
         else:
-            to, message, error = JobStatus.FAILED, "training failed", _failure(folder, rc)
-        _push_log(settings, output_dir=output_dir, folder=folder)
+            to, message, error = JobStatus.FAILED, "training failed", failure(folder, rc)
+        push_log(settings, output_dir=output_dir, folder=folder)
         with sessions() as session:
             recorded = jobs.finish(
                 session, job_id=job_id, worker_id=worker_id, to=to, message=message, error=error
@@ -388,6 +411,7 @@ def telemetry_loop(
 
     sampler = Sampler()
     hostname = settings.host_name
+    endpoint = network.endpoint(settings)
     next_sweep = 0.0
     try:
         while not stop.is_set():
@@ -402,9 +426,12 @@ def telemetry_loop(
                         cpu=cpu,
                         message=message,
                         inference=inference,
+                        endpoint=endpoint,
                     )
                     if time.monotonic() >= next_sweep:
                         next_sweep = time.monotonic() + settings.lease_seconds / 2
+                        for job_id in boxes.sweep(session):
+                            log.warning("job %s lost a box: requeued", job_id)
                         for job_id in jobs.sweep(session):
                             log.warning("job %s lost its worker: requeued", job_id)
                         for job_id in reconcile(settings, session):

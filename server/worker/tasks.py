@@ -1,4 +1,5 @@
-"""The worker's Celery app and its tasks (a job, an evaluation). ``roundhouse worker`` starts it.
+"""The worker's Celery app and its tasks (a job, a host's box of a job on several hosts, an
+evaluation). ``roundhouse worker`` starts it.
 
 Concurrency 1 and prefetch 1 (the worker owns every GPU of its host), ``acks_late`` with
 ``reject_on_worker_lost``. The task is a thin adapter around ``supervisor.supervise``.
@@ -15,7 +16,7 @@ from celery import Celery, signals
 from sqlalchemy.orm import Session, sessionmaker
 
 from server.db import make_engine, session_factory
-from server.queue import EVALUATE, TASK, make_celery
+from server.queue import BOX, EVALUATE, TASK, make_celery
 from server.settings import get_settings
 
 log = logging.getLogger("roundhouse.worker")
@@ -41,6 +42,19 @@ def run_job(self: Any, job_id: str) -> str:
 
     outcome = supervise(settings, sessions(), job_id=job_id, worker_id=str(self.request.hostname))
     log.info("job %s: %s", job_id, outcome)
+    return outcome
+
+
+@app.task(name=BOX, bind=True, acks_late=True, reject_on_worker_lost=True, ignore_result=True)
+def run_box(self: Any, job_id: str, generation: int, rank: int) -> str:
+    """Run this host's box (``rank``) of a job's run on several hosts (``generation``)."""
+    from server.worker.boxes import supervise_box
+
+    worker_id = str(self.request.hostname)
+    outcome = supervise_box(
+        settings, sessions(), job_id=job_id, generation=generation, rank=rank, worker_id=worker_id
+    )
+    log.info("job %s box %d: %s", job_id, rank, outcome)
     return outcome
 
 

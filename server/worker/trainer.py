@@ -1,15 +1,20 @@
-"""The training child process: ``python -m server.worker.trainer JOB_ID``.
+"""The training child process: ``python -m server.worker.trainer JOB_ID [--boxes K --rank R ...]``.
 
 It loads the job's TrainConfig, runs ``engine.training.run.train`` with a sink that writes metrics,
 events and checkpoints to the database, stops at a step boundary on SIGTERM, and exits with
 ``EXIT_OK``, ``EXIT_CANCELLED``, ``EXIT_FAILED`` or ``EXIT_DISK_FULL`` (a checkpoint did not fit:
-the job pauses; the reason in ``ERROR_FILE`` of its folder, as for a failure).
+the job pauses; the reason in ``ERROR_FILE`` of its folder, as for a failure). A box of a job on
+several hosts (``--boxes``) trains its share of every batch with the others (``engine.distributed``);
+the first writes the run's rows, the others' sinks keep their events only (``BoxSink``); one that
+loses another box exits with ``EXIT_BOX_LOST``, the lost host in ``BOX_LOST_FILE``.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import errno
+import json
 import os
 import signal
 import sys
@@ -36,8 +41,9 @@ from server.worker.writes import Write, Writes
 if TYPE_CHECKING:
     from server.storage import Storage
 
-EXIT_OK, EXIT_FAILED, EXIT_CANCELLED, EXIT_DISK_FULL = 0, 1, 3, 4
+EXIT_OK, EXIT_FAILED, EXIT_CANCELLED, EXIT_DISK_FULL, EXIT_BOX_LOST = 0, 1, 3, 4, 5
 ERROR_FILE = "error.txt"
+BOX_LOST_FILE = "box_lost.json"  # a box of several lost another: {"host", "rank", "message"}
 DRAIN_S = 3600.0  # how long a run that ended waits for a database that is away to write what it logged
 FULL = (errno.ENOSPC, errno.EDQUOT)  # a write that found no space
 # the latest values a checkpoint row records with it (DPO and GRPO runs: their reward figures too)
@@ -179,11 +185,79 @@ def _watch_parent(parent: int) -> None:
         time.sleep(0.5)
 
 
+class BoxSink:
+    """The sink of a box other than the first of a job on several hosts: the first box writes the
+    run's metrics, checkpoints and progress; this one's events are kept as log lines that name its
+    host (kind, data and step in their data), so nothing is written twice."""
+
+    def __init__(self, sessions: sessionmaker[Session], job_id: str, *, host: str, rank: int) -> None:
+        self.host, self.rank = host, rank
+        self.writes = Writes(sessions, job_id)
+        self.job_id, self.lock = job_id, threading.Lock()
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        """The first box logs the run's metrics (the same: the weights are the same on every box)."""
+
+    def event(self, kind: str, message: str, data: dict[str, Any] | None = None) -> None:
+        tagged = {"event": kind, "host": self.host, "rank": self.rank, **dict(data or {})}
+        line = f"{self.host} (box {self.rank}): {message}"
+
+        def apply(session: Session, at: datetime) -> JobEvent:
+            event = jobs.add_event(
+                session, job_id=self.job_id, kind=EventKind.LOG, message=line, data=tagged, commit=False
+            )
+            event.created_at = at
+            return event
+
+        with self.lock:
+            self.writes.write(Write(apply, EventKind.LOG))
+
+    def checkpoint_saved(self, step: int, path: Path, kind: CheckpointKind, bytes: int) -> None:
+        raise RuntimeError(
+            f"box {self.rank} on {self.host} saved a checkpoint: only the first box writes them"
+        )
+
+    def close(self) -> None:
+        left = self.writes.drain(DRAIN_S)
+        if left:
+            raise RuntimeError(f"the database was away for {DRAIN_S:g} s: {left} writes of the run lost")
+
+
+def arguments(argv: list[str]) -> argparse.Namespace:
+    """``JOB_ID`` and, for a box of a job on several hosts, where it stands in the run."""
+    parser = argparse.ArgumentParser(prog="python -m server.worker.trainer")
+    parser.add_argument("job_id")
+    parser.add_argument("--boxes", type=int, default=1, help="boxes in the run (1: one host)")
+    parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--address", default="", help="HOST:PORT of the first box's rendezvous")
+    parser.add_argument("--host", default="", help="this box's host name")
+    parser.add_argument("--timeout-s", type=float, default=60.0)
+    parser.add_argument("--interface", default=None)
+    return parser.parse_args(argv)
+
+
+def box_argv(
+    *, boxes: int, rank: int, address: str, host: str, timeout_s: float, interface: str | None
+) -> list[str]:
+    """``arguments``' options for one box of a run on several hosts."""
+    argv = ["--boxes", str(boxes), "--rank", str(rank), "--address", address, "--host", host]
+    argv += ["--timeout-s", str(timeout_s)]
+    return argv + (["--interface", interface] if interface else [])
+
+
+def _lost(folder: Path, exc: Exception) -> None:
+    """What the supervisor records of a lost box: its host and rank (``BOX_LOST_FILE``)."""
+    lost = {"host": getattr(exc, "host", None), "rank": getattr(exc, "rank", None), "message": str(exc)}
+    with contextlib.suppress(OSError):
+        (folder / BOX_LOST_FILE).write_text(json.dumps(lost))
+
+
 def main(argv: list[str]) -> int:
-    if len(argv) != 1:
-        print("usage: python -m server.worker.trainer JOB_ID", file=sys.stderr)
+    try:
+        args = arguments(argv)
+    except SystemExit:
         return EXIT_FAILED
-    job_id = argv[0]
+    job_id, rank, several = args.job_id, args.rank, args.boxes > 1
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
     cancel = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: cancel.set())
@@ -198,22 +272,41 @@ def main(argv: list[str]) -> int:
     folder = files.run_folder(settings, output_dir)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / ERROR_FILE).unlink(missing_ok=True)
+    (folder / BOX_LOST_FILE).unlink(missing_ok=True)
     try:
         from engine import TrainConfig, train
 
         store = files.open_store(settings)
-        with sessions() as session:
-            saved = checkpoints.list_for(session, job_id=job_id, storage=store)
-        latest = saved[-1].path if saved else None
         raw = files.local_config(settings, store, config=stored, base_model=base_model, output_dir=output_dir)
-        if files.pull_checkpoint(store, key=latest, folder=folder, output_dir=output_dir):
-            print(f"pulled the stored checkpoint {latest}", flush=True)
+        if rank == 0:  # the other boxes get the state from the first over the group: no files
+            with sessions() as session:
+                saved = checkpoints.list_for(session, job_id=job_id, storage=store)
+            latest = saved[-1].path if saved else None
+            if files.pull_checkpoint(store, key=latest, folder=folder, output_dir=output_dir):
+                print(f"pulled the stored checkpoint {latest}", flush=True)
         config = TrainConfig.parse(raw)  # a ConfigError's message shows no secret a value held
         keep = config.checkpoint.keep_last
-        sink = DatabaseSink(sessions, job_id, store=store, output_dir=output_dir, keep_last=keep)
-        judged = job_tracking.early_stopping(sink, sessions, job_id, cancel)  # a sweep's trial
+        sink: DatabaseSink | BoxSink
+        if rank == 0:
+            sink = DatabaseSink(sessions, job_id, store=store, output_dir=output_dir, keep_last=keep)
+            judged: Any = job_tracking.early_stopping(sink, sessions, job_id, cancel)  # a sweep's trial
+            tracking = job_tracking.options(settings, sessions, job_id)
+        else:
+            sink = judged = BoxSink(sessions, job_id, host=args.host, rank=rank)
+            tracking = None
         reserve = settings.checkpoint_reserve_bytes
-        tracking = job_tracking.options(settings, sessions, job_id)
+        extra: dict[str, Any] = {}
+        if several:
+            from engine.distributed import Boxes
+
+            extra["boxes"] = Boxes(
+                world_size=args.boxes,
+                rank=rank,
+                address=args.address,
+                timeout_s=args.timeout_s,
+                host=args.host,
+                interface=args.interface,
+            )
         try:
             result = train(
                 config,
@@ -222,11 +315,19 @@ def main(argv: list[str]) -> int:
                 models_dir=settings.models_dir,
                 reserve_bytes=reserve,
                 tracking=tracking,
+                **extra,
             )
         finally:
             sink.close()  # what the run logged while the database was away, written before the exit
-        job_tracking.keep_tensorboard(store, config, output_dir=output_dir, folder=folder)
+        if rank == 0:
+            job_tracking.keep_tensorboard(store, config, output_dir=output_dir, folder=folder)
     except Exception as exc:
+        from engine.distributed import BoxLost
+
+        if isinstance(exc, BoxLost):  # another box died or lost its network
+            traceback.print_exc()
+            _lost(folder, exc)
+            return EXIT_BOX_LOST
         full = isinstance(exc, DiskFull) or (isinstance(exc, OSError) and exc.errno in FULL)
         with contextlib.suppress(OSError):  # the log and the reason may not fit on a full disk either
             traceback.print_exc()
