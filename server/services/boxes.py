@@ -125,11 +125,11 @@ def reserve(session: Session, *, job: Job, lease_seconds: float, stale_after: fl
     free.sort(key=lambda w: (w["hostname"] != writer, w["hostname"]))
     chosen = free[:most]
     first = chosen[0]
-    generation = job.attempts + 1
+    generation, previous = job.attempts + 1, job.status
     stamp = now()
     taken = session.execute(
         update(Job)
-        .where(Job.id == job.id, Job.status == job.status)
+        .where(Job.id == job.id, Job.status == previous)
         .values(
             status=JobStatus.RUNNING,
             worker_id=first["worker"],
@@ -170,9 +170,9 @@ def reserve(session: Session, *, job: Job, lease_seconds: float, stale_after: fl
         session,
         job_id=job.id,
         kind=EventKind.STATE,
-        message=f"{job.status} -> running on {len(boxes)} host{'s' if len(boxes) > 1 else ''}: {names}",
+        message=f"{previous} -> running on {len(boxes)} host{'s' if len(boxes) > 1 else ''}: {names}",
         data={
-            "from": job.status,
+            "from": previous,
             "to": JobStatus.RUNNING,
             "worker": first["worker"],
             "boxes": [{"rank": b.rank, "host": b.hostname, "worker": b.worker_id} for b in boxes],
