@@ -5,9 +5,10 @@ Each process joins a torch.distributed gloo group through a TCP store on a free 
 holds it, as a job's rank 0 holds the rendezvous) and sums fp32 buffers of several sizes in place,
 as the boxes sum their gradients before a step. Every repeat starts after a barrier; its time is
 the slowest process's. Per size: the median and the spread, the bytes each process sends (a ring
-sends ``2 (k - 1) / k`` times the buffer), the achieved Gbit/s, and the planner's time at the rate
-the largest buffer achieved (``exchange_seconds(..., measured=True)``), so the small buffers show
-what the per-round latency costs. A second table sends the same bytes cut into many tensors, one
+sends ``2 (k - 1) / k`` times the buffer), the achieved Gbit/s, and the planner's time
+(``exchange_seconds(..., measured=True)``) at the rate a line ``fixed + bytes / rate`` fitted to
+the medians gives, so the small buffers show what a call's fixed cost is next to the planner's
+per-round latency. A second table sends the same bytes cut into many tensors, one
 all-reduce each, as a LoRA adapter's hundreds of small gradients would go without bucketing.
 
 The processes talk over the loopback interface and share this machine's cores and memory: the
@@ -16,7 +17,8 @@ results).
 
     python bench/exchange.py [--sizes-mb 1 4 8 16 64 128] [--repeats 7] [--worlds 2 3]
 
-Results: ``bench/results/exchange.json``.
+Results: ``bench/results/exchange.json``, and a table of them in
+``docs/guides/several-boxes-scale.md`` (between its ``exchange`` markers).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.multibox_sim import DOC, write_section  # noqa: E402
 from engine.planner.exchange import GBIT, ROUND_LATENCY_S, exchange_seconds, ring_bytes  # noqa: E402
 
 MB = 1 << 20
@@ -52,11 +55,13 @@ NOTES = [
     "prices a nominal link at engine.planner.exchange.LINK_EFFICIENCY of its rate.",
     "With 3 processes on a machine of fewer cores, the ranks take turns on the cores: the 3-process "
     "figures are lower than a ring of 3 boxes would give for that reason alone.",
-    "predicted_s is engine.planner.exchange.exchange_seconds at the rate the largest buffer "
-    "achieved (measured=True), including its per-round latency of ROUND_LATENCY_S (a LAN's); "
-    "measured_over_predicted near 1 for the large buffers checks the bytes model (2(k-1)/k of the "
-    "buffer per process), and its rise for the small ones shows the fixed cost of one all-reduce "
-    "here.",
+    "predicted_s is engine.planner.exchange.exchange_seconds (measured=True) at the rate fitted to "
+    "the medians (seconds = fixed + bytes sent / rate, least squares: link_gbps_fit, fixed_s_fit), "
+    "with the planner's own per-round latency (ROUND_LATENCY_S, a LAN's: fixed_s_planner); "
+    "measured_over_predicted near 1 says the bytes model (2(k-1)/k of the buffer per process) holds, "
+    "and a rise for the small buffers shows a fixed cost per all-reduce above the planner's.",
+    "This machine is shared: the load averages before and after are in the results, and the "
+    "medians move by tens of percent between runs when other work runs.",
     "split: the same bytes in many tensors, one all-reduce each: every call pays the fixed cost "
     "again, which is what a LoRA adapter's hundreds of small gradient tensors pay unless they go "
     "in one flat buffer.",
@@ -142,7 +147,7 @@ def summarise(world: int, raw: dict[str, Any]) -> dict[str, Any]:
                 "repeats": times,
             }
         )
-    rate = sizes[-1]["gbps"]  # the largest buffer's: the rate the link reaches
+    rate, fixed = fit(sizes)
     for row in sizes:
         row["predicted_s"] = exchange_seconds(row["bytes"], world, rate, measured=True)
         row["measured_over_predicted"] = row["seconds_median"] / row["predicted_s"]
@@ -160,7 +165,71 @@ def summarise(world: int, raw: dict[str, Any]) -> dict[str, Any]:
                 "repeats": times,
             }
         )
-    return {"processes": world, "link_gbps_measured": rate, "sizes": sizes, "split": split}
+    return {
+        "processes": world,
+        "link_gbps_fit": rate,
+        "fixed_s_fit": fixed,
+        "fixed_s_planner": 2 * (world - 1) * ROUND_LATENCY_S,
+        "sizes": sizes,
+        "split": split,
+    }
+
+
+def fit(sizes: list[dict[str, Any]]) -> tuple[float, float]:
+    """The rate (Gbit/s) and fixed cost (s) of ``seconds = fixed + bytes sent / rate``, fitted to
+    the medians by least squares; the largest buffer's rate alone when the fit has no slope."""
+    xs = [r["bytes_sent_per_process"] for r in sizes]
+    ys = [r["seconds_median"] for r in sizes]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var if var else 0.0
+    if slope <= 0:
+        return sizes[-1]["gbps"], 0.0
+    return 1 / slope / GBIT, my - slope * mx
+
+
+def doc_section(report: dict[str, Any]) -> list[str]:
+    """The measured figures as the doc shows them."""
+    m = report["machine"]
+    lines = [
+        "",
+        f"Generated by `python bench/exchange.py` (from `bench/results/exchange.json`): gloo all-reduces of "
+        f"fp32 buffers between processes of one machine ({m['cpu_count']} cores, {m['processor']}, torch "
+        f"{report['versions']['torch']}), the median of {report['repeats']}; predicted: "
+        "`exchange_seconds` at the rate fitted to the medians.",
+        "",
+        "| processes | fitted rate Gbit/s | fitted fixed cost ms | planner's latency ms |",
+        "|---|---|---|---|",
+        *(
+            f"| {w['processes']} | {w['link_gbps_fit']:.2f} | {w['fixed_s_fit'] * 1e3:.2f} "
+            f"| {w['fixed_s_planner'] * 1e3:.2f} |"
+            for w in report["worlds"]
+        ),
+        "",
+        "| processes | buffer MB | bytes each sends | median ms | Gbit/s each sends | measured / predicted |",
+        "|---|---|---|---|---|---|",
+    ]
+    for w in report["worlds"]:
+        for row in w["sizes"]:
+            lines.append(
+                f"| {w['processes']} | {row['mb']} | {row['bytes_sent_per_process'] / MB:.1f} MB "
+                f"| {row['seconds_median'] * 1e3:.1f} | {row['gbps']:.2f} "
+                f"| {row['measured_over_predicted']:.2f} |"
+            )
+    lines += [
+        "",
+        f"The same {SPLIT_MB} MB in many tensors, one all-reduce each:",
+        "",
+        "| processes | tensors | median ms | over one tensor | ms a call |",
+        "|---|---|---|---|---|",
+    ]
+    for w in report["worlds"]:
+        for row in w["split"]:
+            lines.append(
+                f"| {w['processes']} | {row['tensors']} | {row['seconds_median'] * 1e3:.1f} "
+                f"| {row['over_one_tensor']:.2f} | {row['per_call_s'] * 1e3:.2f} |"
+            )
+    return [*lines, "", *(f"- {note}" for note in report["notes"]), ""]
 
 
 def main() -> None:
@@ -220,7 +289,8 @@ def main() -> None:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    doc = f" and {DOC.relative_to(ROOT)}" if write_section("exchange", doc_section(report)) else ""
+    print(f"wrote {args.out}{doc}")
 
 
 if __name__ == "__main__":
