@@ -39,7 +39,7 @@ and time, whether the asynchronous optimizer hides it, and the job's rate over o
 """
 
 from engine.methods.reference import reference_seconds
-from engine.planner.boxes import NOMINAL_LINK_GBPS, Hosts
+from engine.planner.boxes import NOMINAL_LINK_GBPS, Hosts, max_hosts
 from engine.planner.calibration import calibrate, use_measured_overhead
 from engine.planner.fit import SEQ_LEN_STEP, longest_sequence
 from engine.planner.memory import CUDA_OVERHEAD_BYTES, Memory, layer_times, memory_model
@@ -83,6 +83,7 @@ __all__ = [
     "image_stats",
     "layer_times",
     "longest_sequence",
+    "max_hosts",
     "measured_overhead",
     "memory_model",
     "overheads",

@@ -71,6 +71,13 @@ def check_hosts(hosts: Hosts, workload: Workload) -> None:
         )
 
 
+def max_hosts(workload: Workload) -> int:
+    """The most boxes the job's batch gives work to: a row per micro-batch each (a GRPO job's: a
+    prompt each), at most ``HOSTS_LIMIT``."""
+    w = workload
+    return max(1, min(HOSTS_LIMIT, w.batch_size if w.samples else w.batch_size // w.num_microbatches))
+
+
 def share(workload: Workload, hosts: int) -> Workload:
     """What one box trains of each step: the largest share of the batch (``ceil(batch / hosts)``
     examples), as the job's micro-batches."""

@@ -6,7 +6,10 @@ and tuning ran to their end (in one go) on the host planned, the latest ones' me
 the plan (``estimate: "measured"``): the median of their steady tokens/s over their own plans'
 scales the rate (``calibrate``), and the median of their wall times less their steady steps is
 the overhead (start, load, data, warm-up, validation, checkpoints). Without any, the planner's
-assumptions do (``estimate: "planner"``)."""
+assumptions do (``estimate: "planner"``).
+
+A job on several hosts (``placement.hosts``: N, or "auto") is planned on the boxes and the link
+``plan_hosts`` picks: each box its share of the batch, the gradient exchange priced in."""
 
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ from server.kinds import JobStatus
 from server.schemas import PlanRequest
 from server.services import datasets, gpus, jobs, methods, models, tokenizers
 from server.services.failures import Conflict, Invalid, NotFound
+from server.services.plan_hosts import planned_hosts
 from server.settings import Settings
 from server.storage import Storage
 from server.tables import Dataset, Job, Worker
@@ -425,21 +429,33 @@ def plan(session: Session, *, request: PlanRequest, settings: Settings, storage:
     validation = _dataset(session, request.validation_dataset_id, param="validation_dataset_id")
     given = request.hardware.model_dump(exclude_none=True)
     host = request.placement.host if request.placement is not None else None
-    box = hardware(session, given=given, stale_after=settings.telemetry_seconds * 5, host=host)
+    stale = settings.telemetry_seconds * 5
+    box = hardware(session, given=given, stale_after=stale, host=host)
     images = _image_rows(dataset, settings=settings, storage=storage) if vlm else None
-    try:
-        job = workload(
-            request=request.model_dump(),
-            num_sequences=int(dataset.rows) if dataset is not None else None,
-            on_gpu=box.device != "cpu",
-            token_lengths=_token_lengths(dataset, request, settings=settings, storage=storage),
-            num_validation=int(validation.rows) if validation is not None else None,
-            images=images,
-            home=settings.home,
-        )
-    except ValueError as exc:
-        field = exc.field if isinstance(exc, ConfigError) else None
-        raise Invalid("invalid_config", str(exc), param=field) from exc
+
+    def job_on(box: Hardware) -> Workload:
+        try:
+            return workload(
+                request=request.model_dump(),
+                num_sequences=int(dataset.rows) if dataset is not None else None,
+                on_gpu=box.device != "cpu",
+                token_lengths=_token_lengths(dataset, request, settings=settings, storage=storage),
+                num_validation=int(validation.rows) if validation is not None else None,
+                images=images,
+                home=settings.home,
+            )
+        except ValueError as exc:
+            field = exc.field if isinstance(exc, ConfigError) else None
+            raise Invalid("invalid_config", str(exc), param=field) from exc
+
+    job = job_on(box)
+    placed = request.placement.model_dump() if request.placement is not None else None
+    boxes = planned_hosts(session, where=placed, workload=job, stale_after=stale)
+    if boxes.hosts.count > 1 and boxes.host is not None:  # every box as the smallest of them
+        host = boxes.host
+        device = box.device
+        box = hardware(session, given=given, stale_after=stale, host=host)
+        job = job_on(box) if box.device != device else job
     references: list[Job] = []  # the jobs whose measured times price the plan, newest first
     ratios: list[float] = []
     if request.calibrate_job_id:
@@ -464,17 +480,20 @@ def plan(session: Session, *, request: PlanRequest, settings: Settings, storage:
     if references:
         box = calibrate(box, predicted_tokens_per_s=1.0, measured_tokens_per_s=statistics.median(ratios))
     try:
-        report = plan_job(config, box, job, processor=processor)
+        report = plan_job(config, box, job, processor=processor, hosts=boxes.hosts)
     except ValueError as exc:  # a ConfigError names the field; the partitioner's own checks do not
         param = exc.field if isinstance(exc, ConfigError) else None
         if param in HARDWARE_RANGES:  # given, detected on a worker, or calibrated
             param = f"hardware.{param}"
+        elif param == "hosts":
+            param = "placement.hosts"
         raise Invalid("invalid_request", str(exc), param=param) from exc
     if references:
         report.estimate = "calibrated"
         overheads = [o for o in (_overhead(session, past) for past in references) if o is not None]
         if overheads:
             report = use_measured_overhead(report, overhead_s=statistics.median(overheads))
+    report.assumptions |= boxes.facts
     if report.assumptions["vision"] is not None:  # the images a row holds: the data's, or none assumed
         report.assumptions["vision"]["images_from_data"] = bool(images and images[0])
     return report.to_dict() | {"calibrated_from": references[0].id if references else None}
