@@ -6,6 +6,7 @@
 import { api } from "../api.js";
 import { bytes, el, errorBox, field, number } from "../widgets.js";
 import { methodOptions, resolved } from "./method-options.js";
+import { placementFields } from "./placement-fields.js";
 import { planCard } from "./plan-card.js";
 
 function num(value, attrs = {}) {
@@ -245,15 +246,8 @@ export async function render(main) {
     ),
   );
   const name = el("input", { type: "text", placeholder: "defaults to model on dataset", maxlength: 255 });
-  // placement: a job runs on one host's GPUs (GET /api/gpus lists the hosts)
-  const placeHost = choice([
-    ["", "Any host"],
-    ...(workers.hosts || []).map((h) => [
-      h.hostname,
-      `${h.hostname} — ${h.online ? (h.gpus ? `${h.gpus} GPU${h.gpus === 1 ? "" : "s"}` : "no GPU") : "offline"}`,
-    ]),
-  ]);
-  const placeGpus = num("", { min: 1, step: 1, placeholder: "any" });
+  // placement: one host, or several boxes at once (GET /api/gpus lists the hosts)
+  const placement = placementFields(workers.hosts || []);
   const rankField = field("lora-r", "LoRA rank", rank);
   // a LoRA base in 4 bits (NF4): the block weights in host RAM and on PCIe at about a quarter
   const fourBit = el("input", { type: "checkbox", id: "base-4bit" });
@@ -316,8 +310,8 @@ export async function render(main) {
       checkpoint: { every_steps: Number(every.value) },
     };
     if (name.value.trim()) b.name = name.value.trim();
-    if (placeHost.value || placeGpus.value)
-      b.placement = { host: placeHost.value || null, gpus: placeGpus.value ? Number(placeGpus.value) : null };
+    const where = placement.value();
+    if (where) b.placement = where;
     if (validation.value) b.validation_dataset_id = validation.value;
     else if (Number(heldOut.value) > 0) b.data.validation_fraction = Number(heldOut.value);
     if (maxSteps.value) b.hyper.max_steps = Number(maxSteps.value);
@@ -419,17 +413,7 @@ export async function render(main) {
       field("checkpoint-every", "Checkpoint every (steps)", every),
       field("eval-every", "Validate every (steps)", evalEvery),
     ),
-    el(
-      "fieldset",
-      { id: "placement" },
-      el("legend", { text: "Placement" }),
-      el(
-        "div",
-        { class: "grid" },
-        field("placement-host", "Host", placeHost, "runs only there (a job runs on one host's GPUs)"),
-        field("placement-gpus", "GPUs", placeGpus, "a host with at least this many"),
-      ),
-    ),
+    placement.element,
     el(
       "details",
       { id: "advanced" },
@@ -507,8 +491,7 @@ export async function render(main) {
           "dataset-id": "dataset",
           "validation-dataset-id": "validation-dataset",
           "base-bits": "base-4bit",
-          host: "placement-host",
-          gpus: "placement-gpus",
+          ...placement.controls,
         }[last] ||
         last;
       const target = param && form.querySelector(`#${CSS.escape(param)}`);

@@ -96,6 +96,47 @@ export function imageNote(v) {
   return `${number(v.image_tokens_per_row)} image tokens a row: ${images} a row of ${size} pixels on average (from the dataset's rows), each ${v.patches_per_image.toLocaleString("en-US")} patches and ${v.image_tokens_per_image.toLocaleString("en-US")} image tokens by the model's image processor (${tower}).`;
 }
 
+// decimal sizes, as the planner counts them: "98.3 kB", "168 MB", "32.1 GB"
+const size = (n) => (n >= 1e9 ? `${number(n / 1e9)} GB` : n >= 1e6 ? `${number(n / 1e6)} MB` : `${number(n / 1e3)} kB`);
+// a short time: "0.293 ms", "158 ms", "30.2 s"
+const seconds = (s) => (s < 1 ? `${number(1000 * s)} ms` : `${number(s)} s`);
+
+// where the link between the boxes comes from (POST /api/plan's assumptions.link_source)
+const LINKS = {
+  measured: "measured between these hosts by their last job together",
+  nic: "the hosts' network cards' nominal speed, at 85% for TCP",
+  nominal: "nominal: no host reports its link, so 10 Gbit/s at 85% is assumed",
+};
+
+// A job on several boxes (POST /api/plan's exchange): each box trains its share of every batch,
+// then the boxes sum their gradients (a ring all-reduce of the fp32 gradients of the trained
+// weights) before the optimizer step; the synchronous optimizer waits for that, the asynchronous
+// one hides it behind the next iteration when it fits there. The scaling: the job's rate over one
+// box's with the whole batch.
+export function exchangeNote(p) {
+  const ex = p.exchange;
+  const a = p.assumptions;
+  const link = LINKS[a.link_source] ?? (ex.link_measured ? "measured" : "nominal");
+  const time = seconds(ex.seconds);
+  const shown = seconds(ex.exposed_s);
+  const cost = ex.hidden
+    ? "hidden behind the next iteration (async optimizer)"
+    : ex.exposed_s < ex.seconds
+      ? `partly hidden behind the next iteration (async optimizer): it adds ${shown} to each step`
+      : `it adds ${shown} to each ${seconds(p.step_s)} step`;
+  const one = p.one_box;
+  const scale =
+    p.scaling === null
+      ? one && !one.fits
+        ? " The whole batch does not fit one box: no single-box rate to compare with."
+        : ""
+      : ` ${number(p.scaling)}x one box's ${number(one.tokens_per_s)} tokens/s with the whole batch.`;
+  return (
+    `Gradient exchange on ${p.hosts} boxes, each training ${a.rows_per_host.toLocaleString("en-US")} of each batch's ${a.batch_size.toLocaleString("en-US")} ${a.example}s: ` +
+    `${size(ex.bytes_per_step)} a box a step over ${number(ex.link_gbps)} Gbit/s (${link}), ${time}; ${cost}.${scale}`
+  );
+}
+
 // The card (``element``); ``schedule()`` plans ``body()`` 300 ms after the last call, a newer
 // answer replacing an older one; ``stop()`` when the page goes. ``onPlan(plan, sent)``: each
 // answer, with the body it planned (the page learns from it whether the base model is a VLM).
@@ -131,11 +172,15 @@ export function planCard(body, { onPlan = () => {} } = {}) {
       planBox.replaceChildren(
         ...[
           el("h2", { text: "Fit and time" }),
-          el("p", { id: "plan-hardware", class: "muted", text: a.hardware }),
+          el("p", {
+            id: "plan-hardware",
+            class: "muted",
+            text: p.hosts > 1 ? `${p.hosts} boxes, each ${a.hardware}` : a.hardware,
+          }),
           el("p", {
             id: "plan-fits",
             class: p.fits ? "fits" : "error",
-            text: p.fits ? "Fits on this box." : "Does not fit.",
+            text: p.fits ? (p.hosts > 1 ? "Fits on each box." : "Fits on this box.") : "Does not fit.",
           }),
           p.problems.length
             ? el(
@@ -205,6 +250,29 @@ export function planCard(body, { onPlan = () => {} } = {}) {
                   }),
                 )
               : null,
+            p.exchange
+              ? el(
+                  "div",
+                  {},
+                  el("dt", { text: "gradient exchange a step" }),
+                  el("dd", {
+                    id: "plan-exchange-time",
+                    text: `${seconds(p.exchange.seconds)}${p.exchange.hidden ? " (hidden)" : ""}`,
+                  }),
+                )
+              : null,
+            p.exchange
+              ? el(
+                  "div",
+                  {},
+                  el("dt", { text: "scaling" }),
+                  el("dd", {
+                    id: "plan-scaling",
+                    text: p.scaling === null ? `– on ${p.hosts} boxes` : `${number(p.scaling)}x on ${p.hosts} boxes`,
+                    title: "the job's tokens/s over one box's with the whole batch",
+                  }),
+                )
+              : null,
             el(
               "div",
               {},
@@ -213,6 +281,7 @@ export function planCard(body, { onPlan = () => {} } = {}) {
             ),
           ),
           p.total_s === null ? null : el("p", { id: "plan-eta-source", class: "muted small", text: etaNote(p) }),
+          p.exchange ? el("p", { id: "plan-exchange", text: exchangeNote(p) }) : null,
           baseNote(p) ? el("p", { id: "plan-base-bits", text: baseNote(p) }) : null,
           el("p", {
             class: "muted small",
