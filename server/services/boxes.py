@@ -222,6 +222,23 @@ def renew(session: Session, *, job_id: str, generation: int, rank: int, lease_se
     return held.rowcount == 1  # type: ignore[attr-defined]
 
 
+def leave(session: Session, *, job_id: str, generation: int, rank: int) -> None:
+    """A box whose part ended (its run finished, or it lost another box) frees its host: a box
+    silent past its lease is then one that died (``sweep``), never one that is done."""
+    session.execute(
+        delete(JobBox).where(JobBox.job_id == job_id, JobBox.generation == generation, JobBox.rank == rank)
+    )
+    session.commit()
+
+
+def silent_boxes(session: Session, *, run: Reservation, stale_after: float) -> list[Box]:
+    """The run's boxes whose worker stopped sampling ``stale_after`` seconds ago or more."""
+    limit = now() - timedelta(seconds=stale_after)
+    ids = [b.worker_id for b in run.boxes]
+    stale = set(session.scalars(select(Worker.id).where(Worker.id.in_(ids), Worker.heartbeat_at < limit)))
+    return [b for b in run.boxes if b.worker_id in stale]
+
+
 def release(session: Session, *, job_id: str, commit: bool = True) -> None:
     """Free the job's hosts."""
     session.execute(delete(JobBox).where(JobBox.job_id == job_id))

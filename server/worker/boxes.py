@@ -18,6 +18,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import Literal
 
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -34,6 +35,7 @@ from server.worker.supervisor import (
     crashed,
     death,
     failure,
+    last_checkpoint,
     push_log,
     record_unrecorded,
     release_inference,
@@ -175,7 +177,9 @@ def _run_box(
     if isinstance(rc, str):
         return rc
     if rank > 0:
-        return _other_box_outcome(sessions, run=run, rank=rank, rc=rc, folder=folder)
+        return _other_box_outcome(
+            sessions, run=run, rank=rank, rc=rc, folder=folder, max_retries=settings.max_retries
+        )
     return _first_box_outcome(
         settings,
         sessions,
@@ -195,11 +199,28 @@ def _other_box_outcome(
     rank: int,
     rc: int,
     folder: Path,
+    max_retries: int,
 ) -> str:
-    """A box other than the first records only a failure of its own run (the first box then
-    loses it and finds the job failed); the first box records every other outcome."""
+    """A box other than the first records a failure of its own run (the first box then loses it
+    and finds the job failed) and its own training process killed (it is the box lost); the first
+    box records every other outcome."""
     me = run.boxes[rank]
+    if crashed(rc):  # this box is the one lost: say so, naming it (the others may not know which)
+        with sessions() as session:
+            outcome = boxes.lost(
+                session,
+                job_id=run.job_id,
+                worker_id=None,
+                host=me.hostname,
+                rank=rank,
+                why=f"its training process was {death(rc)}",
+                checkpoint_step=last_checkpoint(session, run.job_id),
+                max_retries=max_retries,
+            )
+        return f"box {rank} lost: {outcome or 'the job had moved on'}"
     if rc not in (EXIT_FAILED, EXIT_DISK_FULL):
+        with sessions() as session:
+            boxes.leave(session, job_id=run.job_id, generation=run.generation, rank=rank)
         return f"box {rank} ended (exit code {rc}); the first box records the outcome"
     error = f"box {me.hostname} (rank {rank}) failed: {failure(folder, rc)}"
     with sessions() as session:
@@ -215,6 +236,27 @@ def _other_box_outcome(
         )
         boxes.release(session, job_id=run.job_id)
     return f"failed (exit code {rc})" if recorded else f"box {rank} failed; the job had moved on"
+
+
+def _which_box(
+    settings: Settings, sessions: sessionmaker[Session], *, run: boxes.Reservation, worker_id: str
+) -> boxes.Box | Literal[False] | None:
+    """Another box was lost without its name: wait (holding the job) until the service names it:
+    the box itself (its training process was killed) or the sweep (its worker went silent) records
+    the loss, and None is returned; or its worker's heartbeat is stale, and it is returned. False:
+    none was found in time."""
+    lease, stale_after = settings.lease_seconds, settings.telemetry_seconds * 5
+    deadline = time.monotonic() + 2 * lease + stale_after
+    while time.monotonic() < deadline:
+        with sessions() as session:
+            if jobs.renew(session, job_id=run.job_id, worker_id=worker_id, lease_seconds=lease) is None:
+                return None
+            boxes.renew(session, job_id=run.job_id, generation=run.generation, rank=0, lease_seconds=lease)
+            silent = boxes.silent_boxes(session, run=run, stale_after=stale_after)
+        if silent:
+            return silent[0]
+        time.sleep(POLL_S)
+    return False
 
 
 def _first_box_outcome(
@@ -247,7 +289,13 @@ def _first_box_outcome(
             said = json.loads((folder / BOX_LOST_FILE).read_text())
         except (OSError, ValueError):
             said = {}
-        lost = (said.get("host"), said.get("rank"), str(said.get("message") or "it stopped answering"))
+        why = str(said.get("message") or "it stopped answering")
+        if said.get("host") is None:  # the engine could not tell which: the service finds out
+            which = _which_box(settings, sessions, run=run, worker_id=worker_id)
+            if which is None:
+                return "a box was lost: recorded by the service, naming it"
+            said = {"host": which.hostname, "rank": which.rank} if which else said
+        lost = (said.get("host"), said.get("rank"), why)
     elif crashed(rc):
         lost = (run.boxes[0].hostname, 0, f"its training process was {death(rc)}")
     else:

@@ -277,6 +277,8 @@ def supervise(settings: Settings, sessions: sessionmaker[Session], *, job_id: st
     with sessions() as session:
         job = jobs.get_job(session, job_id=job_id)
         where = job.placement if job is not None else None
+        if placement.several(where) and job is not None:  # any worker reserves its hosts for it
+            return _reserve_boxes(settings, session, job=job)
         gpu_count = settings.worker_gpus if settings.worker_gpus is not None else count_gpus()
         if not placement.fits(where, host=settings.host_name, gpus=gpu_count):
             # a message that reached the wrong worker: left for one that fits (the reconcile resends it)
@@ -288,8 +290,6 @@ def supervise(settings: Settings, sessions: sessionmaker[Session], *, job_id: st
                     session, job_id=job_id, kind=EventKind.LOG, message=message, data={"waiting": True}
                 )
             return f"not for this worker: the job wants {wanted}"
-        if placement.several(where) and job is not None:
-            return _reserve_boxes(settings, session, job=job)
         lease, host = settings.lease_seconds, settings.host_name
         if not jobs.claim(session, job_id=job_id, worker_id=worker_id, lease_seconds=lease, host=host):
             return "not claimable (taken, finished, cancelled, or this host is reserved for another)"

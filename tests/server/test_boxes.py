@@ -186,9 +186,9 @@ def test_a_silent_box_pauses_the_job_naming_its_host(client: TestClient, setting
     data = dataset(client)
     sessions = session_factory(make_engine(settings.url))
     with sessions() as session:
-        for host in "ab":
+        for host in "abc":
             register(session, host)
-    job_id = start_job(client, data, placement={"hosts": 2})["id"]
+    job_id = start_job(client, data, placement={"hosts": 3})["id"]
     with sessions() as session:
         job = jobs.get_job(session, job_id=job_id)
         assert job is not None
@@ -199,9 +199,13 @@ def test_a_silent_box_pauses_the_job_naming_its_host(client: TestClient, setting
             session, job_id=job_id, generation=run.generation, rank=0, lease_seconds=LEASE_S
         )
         assert boxes.sweep(session) == []  # every lease is current
-        # box 1 (host b) stops renewing: its lease runs out
+        # box 2 (host c) is done (it lost another box, or the run ended): it frees its host, and
+        # box 1 (host b) stops renewing: its lease runs out, and only it is the box lost
+        boxes.leave(session, job_id=job_id, generation=run.generation, rank=2)
+        assert [h for _, _, h in rows(session)] == ["a", "b"]
+        session.execute(update(JobBox).values(lease_until=now() - timedelta(seconds=1)))
         session.execute(
-            update(JobBox).where(JobBox.rank == 1).values(lease_until=now() - timedelta(seconds=1))
+            update(JobBox).where(JobBox.rank == 0).values(lease_until=now() + timedelta(seconds=60))
         )
         session.commit()
         assert boxes.sweep(session) == [job_id]

@@ -77,6 +77,8 @@ def environment(settings: Settings) -> dict[str, str]:
         env["ROUNDHOUSE_REDIS_URL"] = settings.redis_url
     if settings.worker_host:
         env["ROUNDHOUSE_WORKER_HOST"] = settings.worker_host
+    env["ROUNDHOUSE_RENDEZVOUS_PORT"] = str(settings.rendezvous_port)
+    env["ROUNDHOUSE_BOX_TIMEOUT_SECONDS"] = str(settings.box_timeout_seconds)
     return env
 
 
@@ -164,13 +166,21 @@ def started(process: Process) -> Iterator[Process]:
 
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[Cluster]:
+    with make_cluster(tmp_path, HOSTS) as made:
+        yield made
+
+
+@contextlib.contextmanager
+def make_cluster(tmp_path: Path, hosts: tuple[str, ...], **worker_settings: Any) -> Iterator[Cluster]:
+    """The API and a worker on each of ``hosts``, sharing PostgreSQL, Redis and an S3 store only
+    (``worker_settings``: more of each worker's ``Settings``)."""
     redis = _redis_url()
     if redis is None:
         pytest.skip("no Redis server answers (make test starts one)")
     # ROUNDHOUSE_TEST_HOSTS=plain: workers as plain processes, even where namespaces work
     why_not = "ROUNDHOUSE_TEST_HOSTS=plain" if os.environ.get("ROUNDHOUSE_TEST_HOSTS") == "plain" else None
     why_not = why_not or namespaces_unavailable()
-    homes = {name: tmp_path / name for name in ("api", *HOSTS)}
+    homes = {name: tmp_path / name for name in ("api", *hosts)}
     for home in homes.values():
         home.mkdir()
     logs = tmp_path / "logs"
@@ -218,15 +228,19 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
             "s3_endpoint_url": network.url(s3.endpoint_url),
         }
         workers = []
-        for name in HOSTS:
-            others = [homes["api"], *(homes[h] for h in HOSTS if h != name)]
+        for name in hosts:
+            others = [homes["api"], *(homes[h] for h in hosts if h != name)]
             host = network.host(name, hidden=others)
             if network.isolated:  # the separation holds before anything runs there
                 port = str(urlsplit(redis).port)
                 probe = [sys.executable, "-c", PROBE, port, *map(str, others)]
                 seen = subprocess.run(host.command(probe), capture_output=True, text=True, timeout=60)
                 assert (seen.returncode, seen.stdout.strip()) == (0, name), seen.stderr
-            settings = Settings(home=homes[name], worker_host=name, **remote, **common)
+            # on one network namespace (plain processes) each first box listens on a port of its own
+            own = {} if network.isolated else {"rendezvous_port": free_port()}
+            settings = Settings(
+                home=homes[name], worker_host=name, **remote, **common, **own, **worker_settings
+            )
             command = host.command(roundhouse("worker", "--loglevel", "INFO"))
             process = Process(command, env=environment(settings), log=logs / f"{name}.log")
             workers.append(Worker(host, settings, stack.enter_context(started(process))))
