@@ -27,6 +27,8 @@ class EngineEvent(StrEnum):
     REFERENCE = "reference"  # a method's reference pass (DPO's log-probabilities), computed or read back
     TRACKER = "tracker"  # an experiment tracker's problem or recovery: data {"tracker", "level"}
     SKIPPED = "skipped"  # a step not applied: its loss or gradient norm was not finite: data {"step", "what"}
+    # a job on several boxes joined: data {"hosts": names by rank, "link_gbps", "gradient_bytes"}
+    BOXES = "boxes"
 
 
 class RunStatus(StrEnum):

@@ -12,7 +12,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -36,6 +36,11 @@ from engine.scheduling.partition import Plan
 from engine.scheduling.schedule import build_schedule
 from engine.vision.batch import RowImages, check_images, context_inputs, join_images
 
+if TYPE_CHECKING:
+    from engine.distributed.group import Group
+
+T = TypeVar("T")
+
 __all__ = ["Cancelled", "EngineConfig", "EngineError", "RoundPipe"]
 
 
@@ -48,6 +53,10 @@ class RoundPipe(SequenceMethods):
         config: the engine configuration.
         sink: receives per-step metrics and events (called from the optimizer thread).
         cancel: when set, running iterations stop between micro-batches (``Cancelled``).
+        group: the boxes of a job that spans several (``engine.distributed.join``): every box is
+            given the whole batch, trains its share of the micro-batches (the whole batch is cut
+            into ``num_microbatches`` per box) and the boxes sum their gradients before each
+            step, so each holds the same weights. None: this box alone.
 
     Raises:
         ConfigError: unsupported architecture, bad manual partition, CUDA asked for but absent
@@ -61,8 +70,10 @@ class RoundPipe(SequenceMethods):
         *,
         sink: Sink | None = None,
         cancel: threading.Event | None = None,
+        group: Group | None = None,
     ) -> None:
         self.config = config
+        self.group = group if group is not None and group.world_size > 1 else None
         self.sink: Sink = sink or NullSink()
         self._sink_lock = threading.Lock()
         self.adapted = AdaptedModel(hf_model, loss_chunk_tokens=config.loss_chunk_tokens)
@@ -109,7 +120,7 @@ class RoundPipe(SequenceMethods):
         self._unsettled = False
         self._closed = False
         self.workers: list[Worker] = []
-        self.optimizer = OptimizerWorker(self.host, self.board, config, self._on_step)
+        self.optimizer = OptimizerWorker(self.host, self.board, config, self._on_step, group=self.group)
         context = WorkerContext(
             model=self.adapted,
             host=self.host,
@@ -156,11 +167,39 @@ class RoundPipe(SequenceMethods):
             Cancelled: the cancel flag was set.
         """
         self._check_open()
-        mbs, total = split_batch(
-            input_ids, labels, attention_mask, self.config.num_microbatches, pin=self.host.pinned
-        )
+        self._check_rows(int(input_ids.shape[0]) if input_ids.dim() == 2 else 0, "sequences")
+        mbs, total = split_batch(input_ids, labels, attention_mask, self.cuts, pin=self.host.pinned)
         self._attach_images(mbs, images)
-        return self._train(mbs, total).loss_sum() / total
+        mine, first = self.share(mbs)
+        return self._train(mine, total, first=first).loss_sum() / total
+
+    # -- several boxes ---------------------------------------------------------------------------
+    @property
+    def boxes(self) -> int:
+        """The boxes the job spans (1: this one alone)."""
+        return 1 if self.group is None else self.group.world_size
+
+    @property
+    def cuts(self) -> int:
+        """The micro-batches a whole training batch is cut into: ``num_microbatches`` per box."""
+        return self.config.num_microbatches * self.boxes
+
+    def share(self, mbs: list[T]) -> tuple[list[T], int]:
+        """This box's micro-batches of the whole batch's ``cuts``, and the index of its first."""
+        if self.group is None:
+            return mbs, 0
+        m = self.config.num_microbatches
+        first = self.group.rank * m
+        return mbs[first : first + m], first
+
+    def _check_rows(self, rows: int, what: str) -> None:
+        """Refuse a batch that cannot give every box its micro-batches (one box: ``split_batch``
+        says it)."""
+        if self.group is not None and 0 < rows < self.cuts:
+            raise ValueError(
+                f"batch of {rows} {what} cannot fill num_microbatches={self.config.num_microbatches} "
+                f"on each of {self.boxes} boxes (at least {self.cuts})"
+            )
 
     def _attach_images(self, mbs: list[MicroBatch], images: Sequence[RowImages | None] | None) -> None:
         """Give each micro-batch its rows' images and the blocks' context inputs they need
@@ -187,10 +226,13 @@ class RoundPipe(SequenceMethods):
             mb.images = None if joined is None else {k: host(v) for k, v in joined.items()}
             mb.context = {k: host(v) for k, v in extra.items()} or None
 
-    def _train(self, mbs: list[MicroBatch], total: int, objective: Objective | None = None) -> Iteration:
+    def _train(
+        self, mbs: list[MicroBatch], total: int, objective: Objective | None = None, *, first: int = 0
+    ) -> Iteration:
         """Launch a training iteration; return once its loss is handed over (its gradients
-        folded, in sync mode)."""
-        it = self._launch(mbs, total, train=True, objective=objective)
+        folded, in sync mode). On several boxes ``mbs`` are this box's, ``first`` the index of
+        the first in the whole batch's, and the loss handed over is the whole batch's."""
+        it = self._launch(mbs, total, train=True, objective=objective, first=first)
         m = len(mbs)
         try:
             async_mode = self.config.async_optimizer
@@ -205,6 +247,11 @@ class RoundPipe(SequenceMethods):
             # the optimizer discards every gradient accumulated since the last step
             self._pending = []
             raise
+        if self.group is not None:  # every box's share of the loss and of the right predictions
+            correct = it.correct_tokens()
+            loss, right = self.group.sum_values([it.loss_sum(), float(correct or 0)], name="control")
+            it.boxes_loss = loss
+            it.boxes_correct = None if correct is None else int(right)
         return it
 
     def evaluate(
@@ -251,7 +298,13 @@ class RoundPipe(SequenceMethods):
         return it.loss_sum() / total, it.correct_tokens() or 0, total
 
     def _launch(
-        self, mbs: list[MicroBatch], total: int, *, train: bool, objective: Objective | None = None
+        self,
+        mbs: list[MicroBatch],
+        total: int,
+        *,
+        train: bool,
+        objective: Objective | None = None,
+        first: int = 0,
     ) -> Iteration:
         """Schedule one iteration on the workers (and its gradient fold, when training)."""
         if self.plan is None or (train and self._replan_due()):
@@ -281,6 +334,7 @@ class RoundPipe(SequenceMethods):
             profile=train and not self._manual and self._serial < self.config.calibration_steps,
             train=train,
             objective=objective or TOKEN_LOSS,
+            first=first,
         )
         if train:
             self._serial += 1

@@ -242,7 +242,10 @@ def _fit_report(
     workload = Workload.from_train_config(
         config, num_sequences=rows, on_gpu=not args.cpu, image_counts=counts, image_sizes=sizes
     )
-    report = plan_job(model_config, hardware, workload, processor=processor)
+    from engine.planner import NOMINAL_LINK_GBPS, Hosts
+
+    hosts = Hosts(args.hosts, link_gbps=args.link_gbps or NOMINAL_LINK_GBPS, link_measured=args.link_measured)
+    report = plan_job(model_config, hardware, workload, processor=processor, hosts=hosts)
     if report.assumptions["vision"] is not None:
         where = f"from the first {len(counts)} training rows" if counts else "none assumed (no data read)"
         report.assumptions["vision"]["images_from_data"] = bool(counts)
@@ -263,9 +266,16 @@ def cmd_train(args: argparse.Namespace) -> int:
         print("\nstopping at the next step boundary (Ctrl-C again to abort)", file=sys.stderr)
         cancel.set()
 
+    boxes = None
+    if args.boxes > 1 or args.address:
+        from engine.distributed import Boxes
+
+        if not args.address:
+            raise ConfigError("--address", "--boxes: give --address HOST:PORT, where rank 0 listens")
+        boxes = Boxes(args.boxes, args.rank, args.address, timeout_s=args.timeout_s, interface=args.interface)
     previous = signal.signal(signal.SIGINT, interrupt)
     try:
-        result = train(config, ProgressSink(), cancel, models_dir=args.models_dir)
+        result = train(config, ProgressSink(), cancel, models_dir=args.models_dir, boxes=boxes)
     finally:
         signal.signal(signal.SIGINT, previous)
     print(f"{result.status} at step {result.step}/{result.total_steps}; checkpoint: {result.checkpoint}")
@@ -551,6 +561,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="the optimizer step overlaps the next step (engine.async_optimizer)",
     )
     p.add_argument("--steps", type=int, default=None, help="steps of the job, for an ETA")
+    p.add_argument("--hosts", type=int, default=1, help="boxes the job spans, each its share of the batch")
+    p.add_argument(
+        "--link-gbps",
+        type=float,
+        default=None,
+        help="the network between the boxes, Gbit/s (default nominal 10)",
+    )
+    p.add_argument("--link-measured", action="store_true", help="--link-gbps was measured, not nominal")
     p.set_defaults(func=cmd_plan)
     d = sub.add_parser("synthetic", help="train a small random model on a synthetic task over CPU workers")
     d.add_argument("--workers", type=int, default=2, help="CPU workers the pipeline runs over")
@@ -580,6 +598,21 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["lora", "full"],
         help="override method.tuning of dpo, orpo or kto: what trains",
     )
+    t.add_argument(
+        "--boxes", type=int, default=1, help="the boxes of a job that spans several (each runs this command)"
+    )
+    t.add_argument("--rank", type=int, default=0, help="with --boxes: this box's rank, 0 to boxes - 1")
+    t.add_argument(
+        "--address",
+        help="with --boxes: HOST:PORT where rank 0 listens for the others (rank 0 binds the port)",
+    )
+    t.add_argument(
+        "--timeout-s",
+        type=float,
+        default=60.0,
+        help="with --boxes: seconds without a heartbeat before another box counts as lost",
+    )
+    t.add_argument("--interface", help="with --boxes: the network interface the exchange uses")
     t.set_defaults(func=cmd_train)
     v = with_models(sub.add_parser("validate-data", help="check a dataset file row by row"))
     v.add_argument("file", help="the dataset file (.jsonl, .csv or .parquet)")

@@ -53,7 +53,9 @@ class Boxes:
         for name in ("timeout_s", "join_timeout_s"):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and value > 0):
-                raise ConfigError(f"boxes.{name}", f"boxes.{name}={value!r}: must be > 0 seconds", value=value)
+                raise ConfigError(
+                    f"boxes.{name}", f"boxes.{name}={value!r}: must be > 0 seconds", value=value
+                )
 
     def endpoint(self) -> tuple[str, int]:
         """``address`` as (host, port).

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -11,6 +11,9 @@ from engine.data.batches import Pixels, split_validation
 from engine.data.encode import Row, load_rows
 from engine.metrics import Sink
 from engine.roundpipe import RoundPipe
+
+if TYPE_CHECKING:
+    from engine.distributed.group import Group
 
 
 def load_split(config: Any, tokenizer: Any, kind: type[Row]) -> tuple[list[Row], list[Row]]:
@@ -62,11 +65,15 @@ class MethodRun:
             batcher serves every batch that many times in a row.
         pixels: a vision-language model's row images to tensors
             (``engine.vision.pixels.row_pixels``), set by the run; None for a text model.
+        group: the boxes of a job on several (``engine.distributed``), set by the run; None on
+            one box. The engine shares each batch out by itself; a method that makes its rows
+            during the step (GRPO's rollouts) makes only its box's share.
     """
 
     train: list[Any]
     steps_per_batch: int = 1
     pixels: Pixels | None = None
+    group: Group | None = None
 
     def __init__(self, config: Any, tokenizer: Any) -> None:
         self.config = config

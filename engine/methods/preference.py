@@ -49,11 +49,16 @@ class PreferenceObjective(PairScores):
         raise NotImplementedError
 
     def iteration_statistics(self, iterations: Sequence[Iteration]) -> tuple[PairStatistics, float]:
-        """The statistics of finished iterations under this objective, and their label tokens."""
+        """The statistics of finished iterations under this objective, and their label tokens
+        (on several boxes, of this box's share: its micro-batches of the objective's)."""
         logps = torch.cat([policy_logps(it) for it in iterations])
-        objectives = [it.objective for it in iterations]
-        tokens = torch.cat([t for o in objectives if isinstance(o, PairScores) for t in o.tokens])
-        refs = [r for o in objectives if isinstance(o, PairScores) for r in o.reference]
+        tokens_of, refs = [], []
+        for it in iterations:
+            o, mine = it.objective, slice(it.first, it.first + len(it.microbatches))
+            if isinstance(o, PairScores):
+                tokens_of.extend(o.tokens[mine])
+                refs.extend(o.reference[mine])
+        tokens = torch.cat(tokens_of)
         stats = self.statistics(logps, torch.cat(refs) if refs else None, tokens)
         return stats, float(tokens.sum())
 

@@ -145,9 +145,18 @@ class Iteration:
     fold_s: float = 0.0  # the optimizer thread's time adding its gradients into the fp32 buffers
     started: float = 0.0
     finished: float = 0.0
+    # on several boxes (``engine.distributed``): the index of this box's first micro-batch in the
+    # whole batch's (the objective keeps the whole batch's per micro-batch), and the whole batch's
+    # loss sum and right predictions, every box's share summed, once the loss is handed over
+    first: int = 0
+    boxes_loss: float | None = None
+    boxes_correct: int | None = None
 
     def loss_sum(self, microbatches: Iterable[int] | None = None) -> float:
-        """The summed loss of some micro-batches (all by default), waiting for their copies."""
+        """The summed loss of some micro-batches (all by default), waiting for their copies; on
+        several boxes, all of them the whole batch's (``boxes_loss``, every box's share summed)."""
+        if microbatches is None and self.boxes_loss is not None:
+            return self.boxes_loss
         total = 0.0
         for mb in range(len(self.microbatches)) if microbatches is None else microbatches:
             host, j, event = self.loss_sums[mb]
@@ -161,6 +170,8 @@ class Iteration:
         objective scores tokens or whole sequences, e.g. DPO or GRPO, and nothing was counted)."""
         if self.objective.scores:
             return None
+        if self.boxes_correct is not None:
+            return self.boxes_correct
         total = 0
         for mb in range(len(self.microbatches)):
             host, j, event = self.loss_sums[mb]

@@ -369,7 +369,7 @@ class Worker:
         if not (self.context.dropout and it.train):
             yield
             return
-        seed = (it.seed * 1_000_003 + it.serial) * 1_000_003 + mb * 1_009 + layer
+        seed = (it.seed * 1_000_003 + it.serial) * 1_000_003 + (it.first + mb) * 1_009 + layer
         seed &= (1 << 62) - 1
         with rng_lock(self.device):
             if self.link.is_cuda:
@@ -470,7 +470,7 @@ class Worker:
                 if ctx is None:
                     ctx = self._context(it, mb, x)
             x, correct = self._split_output(it, x)
-            loss_sum, report = it.objective.fused_loss(mb, x, self.link.upload)
+            loss_sum, report = it.objective.fused_loss(it.first + mb, x, self.link.upload)
             return self._report(loss_sum, report, correct)
 
     def _backward(
@@ -516,7 +516,7 @@ class Worker:
             if stage.kind == StageKind.FUSED:
                 # x: the output layer's result (a token loss sum, or the rows' log-probabilities)
                 x, correct = self._split_output(it, x)
-                loss_sum, report = it.objective.fused_loss(mb, x, self.link.upload)
+                loss_sum, report = it.objective.fused_loss(it.first + mb, x, self.link.upload)
                 scale = self.board.scale_for(it) / it.total_tokens
                 top: torch.Tensor | None = loss_sum * scale
                 grad: torch.Tensor | None = None

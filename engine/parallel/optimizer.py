@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -35,6 +35,10 @@ from engine.parallel.host import HostState
 from engine.parallel.objective import objective_metrics
 from engine.parallel.transfer import DeviceLink
 from engine.parallel.units import build_units, global_norm
+from engine.planner.exchange import GBIT, ring_bytes
+
+if TYPE_CHECKING:
+    from engine.distributed.group import Group
 
 GROWTH_INTERVAL = 1000  # good float16 steps before the loss scale doubles
 
@@ -56,6 +60,9 @@ class StepJob:
     # optimizer's update and zeroing the gradients), copy (writing the compute copies)
     phases: dict[str, float] = field(default_factory=dict)
     period: float = 0.0  # seconds since the previous step finished (0: the first step here)
+    # on several boxes: the gradient exchange's seconds, the bytes this box sent, and the job's
+    # input tokens of the step (every box's share)
+    exchange: dict[str, float] = field(default_factory=dict)
 
     def metrics(self, *, loss_scale: float, num_workers: int) -> dict[str, float]:
         """The step's metrics for the sink, once it finished (``loss/train``, ``accuracy/train``: the
@@ -75,13 +82,13 @@ class StepJob:
         busy = sum(sum(it.busy_s.values()) for it in its)
         tokens = sum(it.total_tokens for it in its)
         loss = sum(it.loss_sum() for it in its) / tokens
+        inputs = self.exchange.get("tokens") or sum(
+            sum(int(mb.input_ids.numel()) for mb in it.microbatches) for it in its
+        )
         metrics = {
             "loss/train": loss,
             "tokens/label": float(tokens),
-            "throughput/tokens_per_s": sum(
-                sum(int(mb.input_ids.numel()) for mb in it.microbatches) for it in its
-            )
-            / wall,
+            "throughput/tokens_per_s": inputs / wall,
             "optim/grad_norm": self.grad_norm,
             "optim/skipped": float(self.skipped),
             "optim/loss_scale": loss_scale,
@@ -91,6 +98,15 @@ class StepJob:
             "pipeline/bubble_ratio": max(0.0, 1.0 - busy / (num_workers * span)),
         }
         metrics.update({f"time/optimizer/{name}_s": s for name, s in self.phases.items()})
+        if self.exchange:
+            seconds, sent = self.exchange["s"], self.exchange["bytes"]
+            metrics.update(
+                {
+                    "exchange/s": seconds,
+                    "exchange/bytes": sent,
+                    "exchange/gbps": sent / max(seconds, 1e-9) / GBIT,
+                }
+            )
         period = self.period or wall
         metrics["time/period_s"] = period
         metrics.update(activity_metrics([it.activity for it in its], num_workers=num_workers, period=period))
@@ -122,12 +138,21 @@ class OptimizerWorker:
         cfg: the engine config (optimizer, its hyperparameters, max_grad_norm, async_optimizer,
             compute_dtype, initial_loss_scale).
         on_step: called (on this thread) after every step with the finished job.
+        group: the boxes of a job on several (``engine.distributed``): each step first sums every
+            box's gradients (and the step's input tokens) over them.
     """
 
     def __init__(
-        self, host: HostState, board: Board, cfg: EngineConfig, on_step: Callable[[StepJob], None]
+        self,
+        host: HostState,
+        board: Board,
+        cfg: EngineConfig,
+        on_step: Callable[[StepJob], None],
+        *,
+        group: Group | None = None,
     ) -> None:
         self.host = host
+        self.group = group
         self.board = board
         self.cfg = cfg
         self.on_step = on_step
@@ -229,6 +254,8 @@ class OptimizerWorker:
     def _step(self, job: StepJob) -> None:
         t0 = time.perf_counter()
         self.host.settle_grads()  # a tensor no contribution reached this step has a zero gradient
+        if self.group is not None:
+            self._exchange(job)
         known = self.host.grad_norm_sq()  # measured by the fold as it wrote the gradients
         job.grad_norm = math.sqrt(known) if known is not None else float(global_norm(self.units))
         # clipping as torch.nn.utils.clip_grad_norm_ does it, applied as the update reads the gradients
@@ -291,6 +318,21 @@ class OptimizerWorker:
                 "the data and rewards, and resume from the last checkpoint",
                 stage="optimizer",
             )
+
+    def _exchange(self, job: StepJob) -> None:
+        """Sum every box's gradients (each unit's fp32 block) and the step's input tokens over
+        the boxes: afterwards every box holds the whole batch's gradients, so the norm, the
+        clipping and the update are the same everywhere."""
+        assert self.group is not None
+        t0 = time.perf_counter()
+        grads = [unit.grad for unit in self.units.values()]
+        self.group.sum_(grads)
+        self.host.grad_sq.clear()  # the fold measured this box's share: measure the sum instead
+        seconds = time.perf_counter() - t0
+        inputs = sum(sum(int(mb.input_ids.numel()) for mb in it.microbatches) for it in job.iterations)
+        (tokens,) = self.group.sum_values([float(inputs)])
+        size = sum(int(g.numel()) * g.element_size() for g in grads)
+        job.exchange = {"s": seconds, "bytes": ring_bytes(size, self.group.world_size), "tokens": tokens}
 
     def _rescale(self, *, overflow: bool) -> None:
         """float16 dynamic loss scaling: halve on overflow, double after a run of good steps."""

@@ -13,7 +13,7 @@ that ``keep_initial_weights`` keeps: a full fine-tune's reference model). The me
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -21,6 +21,8 @@ from engine.errors import ConfigError
 from engine.parallel.board import split_batch
 from engine.parallel.pairs import PairScores, SequenceScores, lora_layers, policy_logps, split_pairs
 from engine.parallel.tokens import TokenLogps, TokenScores, reported_token_logps
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
@@ -48,12 +50,30 @@ class SequenceMethods:
     def next_version(self) -> int:
         raise NotImplementedError
 
-    def _train(self, mbs: list[MicroBatch], total: int, objective: Objective | None = None) -> Iteration:
+    def _train(
+        self, mbs: list[MicroBatch], total: int, objective: Objective | None = None, *, first: int = 0
+    ) -> Iteration:
         raise NotImplementedError
 
     def _launch(
-        self, mbs: list[MicroBatch], total: int, *, train: bool, objective: Objective | None = None
+        self,
+        mbs: list[MicroBatch],
+        total: int,
+        *,
+        train: bool,
+        objective: Objective | None = None,
+        first: int = 0,
     ) -> Iteration:
+        raise NotImplementedError
+
+    @property
+    def cuts(self) -> int:
+        raise NotImplementedError
+
+    def share(self, mbs: list[T]) -> tuple[list[T], int]:
+        raise NotImplementedError
+
+    def _check_rows(self, rows: int, what: str) -> None:
         raise NotImplementedError
 
     def _refuse_router_loss(self, objective: PairScores | TokenScores) -> None:
@@ -100,16 +120,13 @@ class SequenceMethods:
         """
         self._check_open()
         self._refuse_router_loss(objective)
+        self._check_rows(int(input_ids.shape[0]) // 2 if input_ids.dim() == 2 else 0, "pairs")
         mbs, refs = split_pairs(
-            input_ids,
-            labels,
-            attention_mask,
-            objective.reference_logps,
-            self.config.num_microbatches,
-            pin=self.host.pinned,
+            input_ids, labels, attention_mask, objective.reference_logps, self.cuts, pin=self.host.pinned
         )
-        objective.bind(mbs, refs, pin=self.host.pinned)
-        return self._train(mbs, int(input_ids.shape[0]) // 2, objective)
+        objective.bind(mbs, refs, pin=self.host.pinned)  # the whole batch's: fused_loss indexes it
+        mine, first = self.share(mbs)
+        return self._train(mine, int(input_ids.shape[0]) // 2, objective, first=first)
 
     def evaluate_pairs(
         self,
@@ -198,6 +215,7 @@ class SequenceMethods:
         labels: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         divisor: int,
+        whole: bool = True,
     ) -> Iteration:
         """Forward and backward of a batch under a per-token objective; gradients accumulate
         until ``step()``.
@@ -210,6 +228,10 @@ class SequenceMethods:
             divisor: what the micro-batches' loss sums are divided by (the method's
                 normalisation: rows, label tokens, ...); ``loss_sum() / total_tokens`` is then
                 the batch's loss.
+            whole: the rows are the whole batch (on several boxes each is given all of them and
+                trains its share); False: on several boxes they are this box's share already
+                (GRPO's rollouts, sampled on each box for its share of the prompts), cut into
+                ``num_microbatches``, and ``divisor`` is the whole batch's.
 
         Raises:
             ValueError: bad shapes, fewer rows than micro-batches, no label token, a divisor < 1.
@@ -221,11 +243,13 @@ class SequenceMethods:
         self._refuse_router_loss(objective)
         if isinstance(divisor, bool) or not isinstance(divisor, int) or divisor < 1:
             raise ValueError(f"divisor={divisor!r}: must be an integer >= 1")
-        mbs, _ = split_batch(
-            input_ids, labels, attention_mask, self.config.num_microbatches, pin=self.host.pinned
-        )
+        if whole:
+            self._check_rows(int(input_ids.shape[0]) if input_ids.dim() == 2 else 0, "rows")
+        cuts = self.cuts if whole else self.config.num_microbatches
+        mbs, _ = split_batch(input_ids, labels, attention_mask, cuts, pin=self.host.pinned)
         objective.bind(mbs, pin=self.host.pinned)
-        return self._train(mbs, divisor, objective)
+        mine, first = self.share(mbs) if whole else (mbs, 0)
+        return self._train(mine, divisor, objective, first=first)
 
     def keep_initial_weights(self) -> int:
         """Keep a frozen copy of the trained weights as they are now, in the compute dtype, in

@@ -7,6 +7,11 @@ its output folder, so a stopped or redelivered run continues exactly where it wa
 stops at a step boundary and writes a final checkpoint. What it trains on and how (examples or
 preference pairs, a reference pass before the first step, the loss and its metrics) is the
 method's (``engine.methods``: ``method.objective``), behind one ``MethodRun``.
+
+A job that spans several boxes (``boxes``: ``engine.distributed``) runs this on every box with
+the same configuration: the boxes join first, agree that they train the same thing, and each
+draws the same batches and trains its share of them; rank 0 alone reads and writes the
+checkpoints (sending the resumed state to the others), and reports metrics and checkpoints.
 """
 
 from __future__ import annotations
@@ -17,12 +22,14 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
 from engine.config import EngineConfig, TrainConfig, resolve_compute_dtype
 from engine.data.batches import Batcher
+from engine.distributed.boxes import Boxes, BoxLost
+from engine.distributed.consent import check_same_job, events_only, required_rows
 from engine.errors import Cancelled, ConfigError, EngineError
 from engine.kinds import EngineEvent, RunStatus
 from engine.methods import method_entry
@@ -59,6 +66,9 @@ from engine.vision.families import vision_spec
 from engine.vision.pixels import row_pixels
 
 T = TypeVar("T")
+
+if TYPE_CHECKING:
+    from engine.distributed.group import Group
 
 
 @dataclass
@@ -201,8 +211,10 @@ class Run:
         models_dir: Path,
         *,
         reserve_bytes: int = 0,
+        group: Group | None = None,
     ) -> None:
         self.config = config
+        self.group = group
         self.reserve_bytes = reserve_bytes
         self.sink = sink
         self.cancel = cancel
@@ -219,6 +231,7 @@ class Run:
         if self.processor is not None:
             pixels = row_pixels(self.processor, str(vision_architecture(self.folder)))
             self.method.pixels = pixels
+        self.method.group = group
         train = self.method.train
         devices = devices_for(config.engine.devices)
         dtype = resolve_compute_dtype(config.engine.compute_dtype, on_gpu=devices[0].startswith("cuda"))
@@ -246,7 +259,9 @@ class Run:
                 base_bits=config.method.base_bits,
             ),
             sink=sink,
-            cancel=cancel,
+            # on several boxes a stop is voted at step boundaries (``loop``), never mid-batch
+            cancel=None if group is not None else cancel,
+            group=group,
         )
         self.pad_id = int(self.tokenizer.pad_token_id)
         # a method that trains each batch several steps (GRPO's num_iterations) is served it as often
@@ -289,19 +304,30 @@ class Run:
         )
 
     def resume(self) -> None:
-        found = latest(self.checkpoints)
-        if found is None:
+        """Continue from the latest checkpoint; on several boxes rank 0's, sent to the others."""
+        group = self.group
+        found = latest(self.checkpoints) if group is None or group.writer else None
+        saved = None
+        if found is not None:
+            saved = (found[1].name, *load_state(found[1]), load_method_state(found[1]))
+        if group is not None:
+            saved = group.broadcast(saved)
+        if saved is None:
             return
-        engine_state, trainer_state = load_state(found[1])
+        name, engine_state, trainer_state, method_state = saved
         self.engine.load_state_dict(engine_state)
         self.batcher.load_state_dict(trainer_state["batcher"])
-        self.method.load_state_dict(load_method_state(found[1]))
+        self.method.load_state_dict(method_state)
         self.step = int(trainer_state["step"])
-        self.sink.event(EngineEvent.RESUME, f"resumed from {found[1].name}", {"step": self.step})
+        self.sink.event(EngineEvent.RESUME, f"resumed from {name}", {"step": self.step})
 
-    def save(self) -> Path:
+    def save(self) -> Path | None:
+        """Write a checkpoint of the current step (on several boxes rank 0 does; the others
+        only finish the step: None)."""
         engine = self.engine
         engine.synchronize()
+        if self.group is not None and not self.group.writer:
+            return None
         lora = self.config.method.lora
         weights = engine.master_state_dict(trainable_only=lora)
         if lora:
@@ -352,7 +378,10 @@ class Run:
         started, first = time.perf_counter(), self.step
         status, last_saved, metrics = RunStatus.SUCCEEDED, None, {}
         while self.step < self.total:
-            if self.cancel is not None and self.cancel.is_set():
+            stop = self.cancel is not None and self.cancel.is_set()
+            if self.group is not None:  # every box stops at the same step when any is asked to
+                stop = self.group.any(stop)
+            if stop:
                 status = RunStatus.CANCELLED
                 break
             position = self.batcher.state_dict()
@@ -405,6 +434,7 @@ def train(
     models_dir: str | Path = "data/models",
     reserve_bytes: int = 0,
     tracking: TrackingOptions | None = None,
+    boxes: Boxes | None = None,
 ) -> TrainResult:
     """Run (or resume) a fine-tune to the end, or until ``cancel`` is set.
 
@@ -415,7 +445,12 @@ def train(
         models_dir: where the demo model is prepared.
         reserve_bytes: the disk space a checkpoint must leave free beside it.
         tracking: names, hashes and credentials for the trackers ``config.tracking`` asks for
-            (``engine.tracking``); they get every metric and event the sink gets.
+            (``engine.tracking``); they get every metric and event the sink gets (on several
+            boxes, rank 0's).
+        boxes: this box's place in a job that spans several (``engine.distributed.Boxes``):
+            every box runs ``train`` with the same configuration and data; rank 0 writes the
+            checkpoints and reports metrics, the others' sinks get events only and their result
+            has no checkpoint. None: this box alone.
 
     Returns:
         The final status, step and checkpoint.
@@ -425,24 +460,80 @@ def train(
             ``field`` names the configuration field at fault.
         DiskFull: a checkpoint did not fit (or would leave less than ``reserve_bytes``); the
             checkpoints before it are intact, and a run started again resumes from the latest.
+        BoxLost: on several boxes, another box died, left or lost its network (the message
+            and ``host`` name it); this box stopped at its next exchange.
     """
     sink, lock = sink or NullSink(), threading.Lock()
-    tracked = start_trackers(config, warn=warn_into(sink, lock), options=tracking)
+    several = boxes is not None and boxes.world_size > 1
+    if several:
+        assert boxes is not None
+        required_rows(config, boxes.world_size)  # before joining: a batch too small for the boxes
+        if boxes.rank > 0:
+            sink = events_only(sink)
+    writer = not several or (boxes is not None and boxes.rank == 0)
+    tracked = start_trackers(config, warn=warn_into(sink, lock), options=tracking) if writer else None
     if tracked is None:
-        return _train(config, sink, cancel, Path(models_dir), reserve_bytes)
+        return _joined(config, sink, cancel, Path(models_dir), reserve_bytes, boxes if several else None)
     outcome = "failed"
     try:
-        result = _train(config, FanoutSink(sink, tracked, lock=lock), cancel, Path(models_dir), reserve_bytes)
+        result = _joined(
+            config,
+            FanoutSink(sink, tracked, lock=lock),
+            cancel,
+            Path(models_dir),
+            reserve_bytes,
+            boxes if several else None,
+        )
         outcome = str(result.status)
         return result
     finally:
         tracked.finish(outcome)
 
 
-def _train(
-    config: TrainConfig, sink: Sink, cancel: threading.Event | None, models_dir: Path, reserve_bytes: int
+def _joined(
+    config: TrainConfig,
+    sink: Sink,
+    cancel: threading.Event | None,
+    models_dir: Path,
+    reserve_bytes: int,
+    boxes: Boxes | None,
 ) -> TrainResult:
-    run = Run(config, sink, cancel, models_dir, reserve_bytes=reserve_bytes)
+    """``_train`` on this box alone, or after joining the job's other boxes (and leaving them
+    at the end: on an error they are told why, and stop at their next exchange)."""
+    if boxes is None:
+        return _train(config, sink, cancel, models_dir, reserve_bytes, None)
+    from engine.distributed.group import join
+
+    group = join(boxes)
+    try:
+        check_same_job(group, config, models_dir)
+        return _train(config, sink, cancel, models_dir, reserve_bytes, group)
+    except BoxLost:
+        raise
+    except BaseException as exc:
+        group.leave(f"{type(exc).__name__}: {exc}".splitlines()[0] if str(exc) else type(exc).__name__)
+        raise
+    finally:
+        group.close()
+
+
+def _train(
+    config: TrainConfig,
+    sink: Sink,
+    cancel: threading.Event | None,
+    models_dir: Path,
+    reserve_bytes: int,
+    group: Group | None,
+) -> TrainResult:
+    run = Run(config, sink, cancel, models_dir, reserve_bytes=reserve_bytes, group=group)
+    if group is not None:
+        gradients = sum(t.master.numel() * 4 for t in run.engine.host.trainable if t.master is not None)
+        sink.event(
+            EngineEvent.BOXES,
+            f"{group.world_size} boxes ({', '.join(group.hosts)}), their exchange measured at "
+            f"{group.link_gbps:.2f} Gbit/s; {gradients / 2**20:.1f} MiB of gradients summed each step",
+            {"hosts": list(group.hosts), "link_gbps": group.link_gbps, "gradient_bytes": int(gradients)},
+        )
     try:
         try:
             run.prepare()

@@ -63,6 +63,7 @@ from engine.parallel.tokens import TokenScores, reported
 from engine.roundpipe import RoundPipe
 
 if TYPE_CHECKING:
+    from engine.distributed.group import Group
     from engine.parallel.board import Iteration, MicroBatch
 
 LOSS_TYPES: tuple[str, ...] = get_args(GrpoOptions.model_fields["loss_type"].annotation)
@@ -280,9 +281,11 @@ class GRPORun(MethodRun):
             )
 
     def state_dict(self) -> dict[str, Any]:
-        """The batch the next steps train on, when a step before its last is checkpointed."""
+        """The batch the next steps train on, when a step before its last is checkpointed (on
+        several boxes none: each box holds only its share of it, so a resumed run samples the
+        batch again)."""
         current = self.current
-        if current is None or current.used >= self.steps_per_batch:
+        if current is None or current.used >= self.steps_per_batch or self.group is not None:
             return {}
         return {"rollout_batch": current.state_dict()}
 
@@ -293,8 +296,12 @@ class GRPORun(MethodRun):
     def close(self) -> None:
         self.grader.close()
 
-    def rollout(self, engine: RoundPipe, items: list[PromptItem], *, greedy: bool = False) -> Rollout:
-        """Completions of ``items`` sampled with the policy (seeded by the run's seed and step)."""
+    def rollout(
+        self, engine: RoundPipe, items: list[PromptItem], *, greedy: bool = False, first: int = 0
+    ) -> Rollout:
+        """Completions of ``items`` sampled with the policy (seeded by the run's seed and step;
+        ``first``: the index of ``items[0]`` in the whole batch, whose own stream each prompt's
+        completions draw from)."""
         seed = self.config.hyper.seed * 1_000_003 + engine.steps * 2 + int(greedy)
         if self.device is None:
             engine.synchronize()
@@ -302,7 +309,10 @@ class GRPORun(MethodRun):
             if self.sink is not None:
                 self.sink.event(ROLLOUTS_EVENT, why, {"device": str(self.device)})
         with policy_model(engine, self.device) as model:
-            return sample(model, self.tokenizer, items, self.sampling, seed=seed, greedy=greedy)
+            indices = range(first, first + len(items))
+            return sample(
+                model, self.tokenizer, items, self.sampling, seed=seed, greedy=greedy, indices=indices
+            )
 
     def grade(self, rollout: Rollout) -> tuple[torch.Tensor, dict[str, list[float]], list[str | None]]:
         """Each completion's reward, each named grader's scores, and each completion's grader error."""
@@ -316,7 +326,8 @@ class GRPORun(MethodRun):
         ``beta`` > 0, the sampling policy's when ``num_iterations`` > 1), all measured before the
         first step on it."""
         m = self.config.method
-        rollout = self.rollout(engine, [self.train[i] for i in prompts])
+        mine, first = box_share(prompts, self.group)  # on several boxes: this box's prompts
+        rollout = self.rollout(engine, [self.train[i] for i in mine], first=first)
         rewards, graded, errors = self.grade(rollout)
         advantages = group_advantages(rewards, m.group_size, scale=m.scale_rewards)
         rows = rollout.batch(self.pad_id)
@@ -354,16 +365,37 @@ class GRPORun(MethodRun):
             beta=m.beta,
         )
         rows = current.rows
+        ids, labels, mask = rows["input_ids"], rows["labels"], rows["attention_mask"]
+        # on several boxes: this box's completions, divided by what the whole batch's are
+        whole = self.group is None
+        scale = (
+            divisor(m.loss_type, labels, m.max_completion_tokens) if whole else self._whole_divisor(current)
+        )
         it = engine.forward_backward_tokens(
-            objective, **rows, divisor=divisor(m.loss_type, rows["labels"], m.max_completion_tokens)
+            objective, input_ids=ids, labels=labels, attention_mask=mask, divisor=scale, whole=whole
         )
         loss = it.loss_sum() / it.total_tokens
         if current.used == 0:  # a batch's first step: its host-side numbers (the engine logs its own)
             if self.sink is not None:
                 self.sink.log(current.metrics, engine.steps + 1)
-            self._show(engine.steps + 1, current.rollout, current.rewards, current.errors)
+            if self.group is None or self.group.writer:  # rank 0's share shown, once
+                self._show(engine.steps + 1, current.rollout, current.rewards, current.errors)
         current.used += 1
         return loss, dict(current.metrics)
+
+    def _whole_divisor(self, current: RolloutBatch) -> int:
+        """``divisor`` of the whole batch on several boxes: its completions are known from the
+        prompts; its completion tokens (``dapo``) are summed over the boxes."""
+        m = self.config.method
+        rows = len(current.prompts) * m.group_size
+        if m.loss_type == "grpo":
+            return rows
+        if m.loss_type == "dr_grpo":
+            return rows * m.max_completion_tokens
+        assert self.group is not None
+        mine = int((current.rows["labels"][:, 1:] != -100).sum())
+        (tokens,) = self.group.sum_values([float(mine)], name="control")
+        return max(1, int(tokens))
 
     def _show(self, step: int, rollout: Rollout, rewards: torch.Tensor, errors: list[str | None]) -> None:
         """A few of the step's completions with their rewards, as an event for the job page."""
@@ -399,6 +431,17 @@ class GRPORun(MethodRun):
             total, n = total + float(rewards.sum()), n + len(rollout.texts)
         mean = total / max(n, 1)
         return {"loss/val": -mean, "reward/val": mean}
+
+
+def box_share(prompts: list[int], group: Group | None) -> tuple[list[int], int]:
+    """This box's prompts of a batch shared out over the boxes (near-equal consecutive parts, as
+    ``torch.tensor_split`` cuts), and the index of its first; all of them on one box."""
+    if group is None:
+        return prompts, 0
+    k, n = group.world_size, len(prompts)
+    start = group.rank * (n // k) + min(group.rank, n % k)
+    size = n // k + (1 if group.rank < n % k else 0)
+    return prompts[start : start + size], start
 
 
 def step_metrics(

@@ -163,11 +163,13 @@ class KtoObjective(TokenScores):
         return int(batch.input_ids.shape[0])
 
     def statistics(self, it: Iteration) -> KtoStats:
-        """The statistics of a finished iteration under this objective; ``loss`` the mean over its rows."""
+        """The statistics of a finished iteration under this objective; ``loss`` the mean over the
+        batch's rows (on several boxes the rewards are this box's share's)."""
         logps = torch.cat([reported(it, mb) for mb in range(len(it.microbatches))])
-        rows = int(logps.shape[0])
-        loss = it.loss_sum() / rows
-        return KtoStats.of(logps - self.reference_logps, self.desirable, self.kl, self.beta, loss)
+        start = self.rows[it.first] if it.first else 0
+        mine = slice(start, start + int(logps.shape[0]))
+        loss = it.loss_sum() / it.total_tokens  # the divisor: the batch's rows
+        return KtoStats.of(logps - self.reference_logps[mine], self.desirable[mine], self.kl, self.beta, loss)
 
     def step_metrics(self, iterations: Sequence[Iteration]) -> dict[str, float]:
         """The KL estimate, the rewards and the row counts of a step's iterations."""
