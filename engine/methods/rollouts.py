@@ -12,7 +12,8 @@ index in the whole batch and its index in the group (``stream_seed``): a prompt'
 the same whether it is sampled alone, with the batch's other prompts, or in any split of the batch
 across boxes, while the batch still samples in one ``generate`` call. ``generate`` runs greedy over
 scores in which ``RowSampler`` has already picked each row's token from the sampling distribution
-(temperature, then nucleus ``top_p``; no top-k) with that row's uniform draw for the step.
+(temperature, then nucleus ``top_p``; no top-k), by inverse transform with that row's uniform
+draw for the step.
 
 On a box with GPU workers the rollouts run on the first GPU when the whole model fits there (the
 workers are idle meanwhile: a step samples, then trains); otherwise, and on a CPU host, on the
@@ -284,38 +285,43 @@ def stream_seed(seed: int, prompt: int, completion: int) -> int:
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
 
 
-def sampling_probs(scores: torch.Tensor, *, temperature: float, top_p: float) -> torch.Tensor:
-    """The distribution each row's next token is drawn from, in float64: ``softmax(scores /
-    temperature)`` cut to its nucleus (the most likely tokens until their mass reaches ``top_p``,
-    the most likely one always kept) and renormalised.
+def distribution(
+    scores: torch.Tensor, *, temperature: float, top_p: float
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The distribution each row's next token is drawn from: ``softmax(scores / temperature)``
+    cut to its nucleus, the most likely tokens until their mass reaches ``top_p`` (the most likely
+    one always kept; the rest get probability 0).
 
     Args:
         scores: ``[rows, vocab]`` the next token's scores (logits after any other processor).
-    """
-    probs = torch.softmax(scores.double() / temperature, dim=-1)
-    if top_p < 1.0:
-        ranked, order = torch.sort(probs, dim=-1, descending=True, stable=True)
-        before = ranked.cumsum(dim=-1) - ranked  # the mass of the tokens ranked above each
-        ranked = ranked.masked_fill(before >= top_p, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, order, ranked)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
-    return probs
-
-
-def draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Each row's token by inverse transform: the first token whose cumulative probability
-    exceeds the row's uniform draw (``[rows]`` in [0, 1)) times the row's mass; a token of
-    probability 0 is never drawn.
 
     Returns:
-        ``[rows]`` the tokens.
+        ``(probs, tokens)``: ``[rows, vocab]`` probabilities (not renormalised: ``draw`` scales by
+        each row's mass) and, when ``top_p`` < 1, the token of each column (the row's tokens
+        ranked most likely first, ties in vocabulary order); None: column ``k`` is token ``k``.
     """
-    cdf = probs.cumsum(dim=-1)
-    target = uniforms.to(cdf) * cdf[:, -1]
-    token = torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1)
-    # u * mass may round up to the mass itself: then the last token with any probability
-    last = probs.shape[-1] - 1 - torch.argmax((probs > 0).flip(-1).to(torch.uint8), dim=-1)
-    return torch.minimum(token, last)
+    probs = torch.softmax(scores / temperature, dim=-1)
+    if top_p >= 1.0:
+        return probs, None
+    ranked, tokens = torch.sort(probs, dim=-1, descending=True, stable=True)
+    before = ranked.cumsum(dim=-1, dtype=torch.float64) - ranked  # the mass ranked above each
+    return ranked.masked_fill(before >= top_p, 0.0), tokens
+
+
+def draw(probs: torch.Tensor, uniforms: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
+    """Each row's token by inverse transform: the first column whose cumulative probability (in
+    float64) exceeds the row's uniform draw (``[rows]`` in [0, 1]) times the row's mass; a column
+    of probability 0 is never drawn.
+
+    Returns:
+        ``[rows]`` the tokens (``tokens``' entries at the drawn columns when given).
+    """
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)
+    mass = cdf[:, -1]
+    # below the mass (a draw of 1 too): the first column past the target has a probability > 0
+    target = torch.minimum(uniforms.to(cdf) * mass, torch.nextafter(mass, torch.zeros_like(mass)))
+    column = torch.searchsorted(cdf, target.unsqueeze(1), right=True)
+    return (column if tokens is None else tokens.gather(1, column)).squeeze(1)
 
 
 class RowSampler:
@@ -339,8 +345,8 @@ class RowSampler:
                 f"RowSampler holds draws for {self.uniforms.shape[0]} rows x {self.uniforms.shape[1]} "
                 f"tokens; asked for token {step} of {scores.shape[0]} rows"
             )
-        probs = sampling_probs(scores, temperature=self.temperature, top_p=self.top_p)
-        token = draw(probs, self.uniforms[:, step].to(scores.device))
+        probs, tokens = distribution(scores, temperature=self.temperature, top_p=self.top_p)
+        token = draw(probs, self.uniforms[:, step].to(scores.device), tokens)
         picked = torch.full_like(scores, float("-inf"))
         return picked.scatter_(1, token.unsqueeze(1), 0.0)
 

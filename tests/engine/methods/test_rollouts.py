@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine.data.sequences import PromptItem
-from engine.methods.rollouts import Rollout, Sampling, draw, sample, sampling_probs
+from engine.methods.rollouts import Rollout, Sampling, distribution, draw, sample
 from tests.engine.tiny import VOCAB, tiny_model, tiny_tokenizer
 
 # prompts of different lengths: each split left-pads them to another width
@@ -93,10 +93,13 @@ def test_the_distribution_is_temperature_then_nucleus_as_transformers_warpers_gi
     if top_p < 1:
         warped = TopPLogitsWarper(top_p)(torch.zeros(8, 1, dtype=torch.long), warped)
     expected = torch.softmax(warped, dim=-1).double()
-    probs = sampling_probs(scores, temperature=temperature, top_p=top_p)
+    probs, tokens = distribution(scores, temperature=temperature, top_p=top_p)
+    assert (tokens is None) == (top_p == 1)
+    if tokens is not None:  # ranked most likely first: back to vocabulary order
+        probs = torch.zeros_like(probs).scatter_(-1, tokens, probs)
+    probs = probs.double() / probs.double().sum(-1, keepdim=True)
     assert torch.equal(probs > 0, expected > 0)
     assert (probs - expected).abs().max() < 1e-6
-    assert torch.allclose(probs.sum(-1), torch.ones(8, dtype=torch.float64))
 
 
 def test_the_draws_follow_a_known_distribution() -> None:
@@ -105,8 +108,8 @@ def test_the_draws_follow_a_known_distribution() -> None:
     u = torch.rand(n, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
 
     def frequencies(temperature: float, top_p: float) -> torch.Tensor:
-        probs = sampling_probs(p.log().expand(n, -1), temperature=temperature, top_p=top_p)
-        return torch.bincount(draw(probs, u), minlength=5).double() / n
+        probs, tokens = distribution(p.log().expand(n, -1), temperature=temperature, top_p=top_p)
+        return torch.bincount(draw(probs, u, tokens), minlength=5).double() / n
 
     # 4 standard deviations of a share of 40,000 draws is at most 0.01
     assert (frequencies(1.0, 1.0) - p).abs().max() < 0.01
@@ -115,9 +118,13 @@ def test_the_draws_follow_a_known_distribution() -> None:
     nucleus = frequencies(1.0, 0.7)  # 0.5 < 0.7 <= 0.8: the two most likely, renormalised
     assert nucleus[2:].sum() == 0 and abs(float(nucleus[0]) - 0.625) < 0.01
     assert frequencies(1.0, 1.0)[4] == 0  # probability 0: never drawn
-    # the ends of [0, 1): the first and the last token with any probability
-    edges = draw(p.expand(2, -1), torch.tensor([0.0, 1 - 2**-53], dtype=torch.float64))
-    assert edges.tolist() == [0, 3]
+    # the ends, 0 and 1: the first and the last token with any probability, in vocabulary order
+    # and ranked (not the zero-probability tokens past them)
+    ends = torch.tensor([0.0, 1.0], dtype=torch.float64)
+    assert draw(p.expand(2, -1), ends).tolist() == [0, 3]
+    ranked = torch.tensor([[0.05, 0.0, 0.3, 0.15, 0.5]] * 2, dtype=torch.float64).log()
+    probs, tokens = distribution(ranked, temperature=1.0, top_p=0.9)
+    assert draw(probs, ends, tokens).tolist() == [4, 3]
 
 
 def test_bad_input_names_the_field(tokenizer) -> None:
