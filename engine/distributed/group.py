@@ -36,6 +36,7 @@ T = TypeVar("T")
 BEAT_S = 0.5  # a box raises its heartbeat counter this often
 PROBE_BYTES = 8 << 20  # the link probe's all-reduce at the start
 PROBE_REPEATS = 3
+SETTLE_S = 4 * BEAT_S  # after a failed exchange: a heartbeat still this long names the lost box
 BUCKET_BYTES = 32 << 20  # small gradients travel together up to this (one all-reduce)
 
 
@@ -148,15 +149,24 @@ class Group:
             return run()
         except BoxLost:
             raise
-        except Exception as exc:  # a box went away in the middle: name it if the store knows
-            client = self._client()
+        except Exception as exc:  # a box went away in the middle: find which by its heartbeat
             try:
-                self._check_peers(client, {}, time.monotonic(), self.boxes.timeout_s)
+                self._identify(SETTLE_S)
             except BoxLost as lost:
                 raise lost from exc
             except Exception as store_exc:
                 raise self._store_lost(store_exc) from exc
             raise BoxLost(f"the exchange between the boxes failed: {_said(exc)}") from exc
+
+    def _identify(self, window_s: float) -> None:
+        """After a failed collective: raise ``BoxLost`` for a box that left or whose heartbeat
+        does not move for ``window_s`` (a live box beats every ``BEAT_S``)."""
+        client = self._client()
+        seen: dict[int, tuple[int, float]] = {}
+        deadline = time.monotonic() + window_s + BEAT_S
+        while time.monotonic() < deadline:
+            self._check_peers(client, seen, time.monotonic(), window_s)
+            time.sleep(BEAT_S / 5)
 
     def sum_(self, tensors: Sequence[torch.Tensor]) -> None:
         """Sum ``tensors`` over the boxes in place (the optimizer thread's gradient exchange).

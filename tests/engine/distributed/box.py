@@ -2,7 +2,8 @@
 tests.engine.distributed.box JOBS.json`` runs ``train`` for each job of the file in turn (so a
 process's start is paid once for several jobs) and writes each job's outcome as JSON beside it.
 
-A job: {"config": TrainConfig as JSON, "boxes": Boxes' fields or null, "result": a path}. The
+A job: {"config": TrainConfig as JSON, "boxes": Boxes' fields or null, "result": a path,
+"pause_s": seconds each step's metrics take (optional)}. The
 outcome: {"status", "step", "checkpoint", "events"} or {"error", "message", "host", "rank",
 "field"}.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +23,21 @@ from engine.metrics import ListSink
 from engine.training.run import train
 
 
+class SlowSink(ListSink):
+    """A ListSink that takes ``pause_s`` over each step's metrics (a slower box, for the fault
+    tests to act mid-job)."""
+
+    pause_s: float = 0.0
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        super().log(metrics, step)
+        if "loss/train" in metrics:
+            time.sleep(self.pause_s)
+
+
 def run(job: dict[str, Any]) -> dict[str, Any]:
-    sink = ListSink()
+    sink = SlowSink()
+    sink.pause_s = float(job.get("pause_s", 0.0))
     boxes = None if job.get("boxes") is None else Boxes(**job["boxes"])
     try:
         result = train(TrainConfig.parse(job["config"]), sink, boxes=boxes)
