@@ -339,7 +339,7 @@ class GRPORun(MethodRun):
             reference = engine.token_logps(input_ids=ids, labels=labels, attention_mask=mask, initial=True)
         if m.num_iterations > 1:  # the sampling policy's, fixed before the first step on the batch
             old = engine.token_logps(input_ids=ids, labels=labels, attention_mask=mask)
-        metrics = step_metrics(rollout, rewards, graded, errors)
+        metrics = step_metrics(rollout, rewards, graded, errors, self.group)
         return RolloutBatch(prompts, rollout, rows, rewards, errors, advantages, reference, old, metrics)
 
     def forward_backward(
@@ -445,22 +445,45 @@ def box_share(prompts: list[int], group: Group | None) -> tuple[list[int], int]:
 
 
 def step_metrics(
-    rollout: Rollout, rewards: torch.Tensor, graded: dict[str, list[float]], errors: list[str | None]
+    rollout: Rollout,
+    rewards: torch.Tensor,
+    graded: dict[str, list[float]],
+    errors: list[str | None],
+    group: Group | None = None,
 ) -> dict[str, float]:
     """A step's reward statistics, each grader's mean, the completions' lengths, and the
-    graders' failures."""
-    lengths = torch.tensor([len(c) for c in rollout.completions], dtype=torch.float32)
-    groups = rewards.view(-1, rollout.group_size)
+    graders' failures (on several boxes, over every box's completions: ``group``)."""
+    outcome: dict[str, Any] = {
+        "rewards": [float(r) for r in rewards.tolist()],
+        "lengths": [len(c) for c in rollout.completions],
+        "finished": [bool(f) for f in rollout.finished],
+        "errors": sum(e is not None for e in errors),
+        "graded": {name: list(scores) for name, scores in graded.items()},
+    }
+    if group is not None:  # every box's share, in rank order (the whole batch's order)
+        every = group.gather(outcome)
+        outcome = {
+            "rewards": [r for o in every for r in o["rewards"]],
+            "lengths": [n for o in every for n in o["lengths"]],
+            "finished": [f for o in every for f in o["finished"]],
+            "errors": sum(o["errors"] for o in every),
+            "graded": {name: [s for o in every for s in o["graded"].get(name, [])] for name in graded},
+        }
+    all_rewards = torch.tensor(outcome["rewards"], dtype=torch.float32)
+    lengths = torch.tensor(outcome["lengths"], dtype=torch.float32)
+    groups = all_rewards.view(-1, rollout.group_size)
+    finished = outcome["finished"]
     metrics = {
-        "reward/mean": float(rewards.mean()),
-        "reward/min": float(rewards.min()),
-        "reward/max": float(rewards.max()),
+        "reward/mean": float(all_rewards.mean()),
+        "reward/min": float(all_rewards.min()),
+        "reward/max": float(all_rewards.max()),
         "reward/std": float(groups.std(dim=1).mean()) if rollout.group_size > 1 else 0.0,
         "completion/length": float(lengths.mean()),
         "completion/length_max": float(lengths.max()),
-        "completion/finished": sum(rollout.finished) / max(len(rollout.finished), 1),
-        "grpo/grader_errors": float(sum(e is not None for e in errors)),
+        "completion/finished": sum(finished) / max(len(finished), 1),
+        "grpo/grader_errors": float(outcome["errors"]),
     }
+    graded = outcome["graded"]
     for name, scores in graded.items():
         values = [float(s) for s in scores if isinstance(s, int | float) and math.isfinite(s)]
         if values:

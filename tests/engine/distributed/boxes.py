@@ -63,6 +63,16 @@ def make_workspace(d: Path) -> Path:
         for b in range(4)
     ]
     (d / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in prompts))
+    unpaired = [
+        {
+            "prompt": f"what is {a} plus {b}?",
+            "completion": str(a + b + (a + b) % 2),
+            "label": (a + b) % 2 == 0,
+        }
+        for a in range(6)
+        for b in range(4)
+    ]
+    (d / "unpaired.jsonl").write_text("".join(json.dumps(r) + "\n" for r in unpaired))
     return d
 
 
@@ -84,6 +94,10 @@ METHODS: dict[str, dict[str, Any]] = {
         "max_length": 48,
     },
     "moe": {"method": {"kind": "lora", "lora_r": 4, "lora_alpha": 8}, "model": "moe"},
+    "kto": {
+        "method": {"objective": "kto", "beta": 0.5, "lora_r": 4, "lora_alpha": 8, "undesirable_weight": 1.5},
+        "data": "unpaired.jsonl",
+    },
 }
 
 

@@ -3,7 +3,7 @@
 The boxes are processes of their own (homes of their own, nothing shared but the rendezvous on
 localhost), each with one CPU worker; every case runs 3 steps in fp32 and its masters after them
 are compared with a single box's run of the same configuration in this process: within 1e-6,
-for SFT with LoRA and in full, DPO, GRPO (each box samples its share of the prompts), a
+for SFT with LoRA and in full, DPO, KTO, GRPO (each box samples its share of the prompts), a
 mixture-of-experts family, and the asynchronous optimizer; a case run twice is bitwise the same.
 One process per box runs every case in turn, so each box's start is paid once.
 """
@@ -41,6 +41,7 @@ CASES: list[tuple[str, str, int, dict[str, Any]]] = [
     ("dpo", "dpo", 2, {}),
     ("grpo", "grpo", 2, {}),
     ("moe", "moe", 3, {}),
+    ("kto", "kto", 2, {}),
     ("async", "sft-lora", 2, {"engine": {"async_optimizer": True}}),
     # AdamW: its update divides by each gradient's running size, so float rounding in a
     # near-zero gradient shows (a looser bound, measured 2.6e-6 after 3 steps)
@@ -108,6 +109,9 @@ def test_k_boxes_equal_one_box_with_the_whole_batch(runs, name, case, k, over) -
     joined = [e for e in first["events"] if e[0] == EngineEvent.BOXES]
     assert len(joined) == 1 and joined[0][2]["hosts"] == [f"box{r}" for r in range(k)]
     assert joined[0][2]["link_gbps"] > 0 and joined[0][2]["gradient_bytes"] > 0
+    if case == "grpo":  # the rewards of every box's completions: the whole batch's
+        rewards = [m["reward/mean"] for _, m in first["metrics"] if "reward/mean" in m]
+        assert rewards == pytest.approx(single["sink"].series("reward/mean"), abs=TOLERANCE)
     exchanged = [m for _, m in first["metrics"] if "exchange/bytes" in m]
     assert len(exchanged) == 3 and exchanged[0]["exchange/bytes"] > 0
     for r in range(1, k):
