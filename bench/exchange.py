@@ -64,9 +64,9 @@ NOTES = [
     "This machine is shared: the load averages before and after are in the results, and the "
     "medians move by tens of percent between runs when other work runs.",
     "split: the same bytes in many tensors, one all-reduce each: every call pays the fixed cost "
-    "again. The engine sends one flat block per optimizer unit (one per layer with trainable "
-    "weights: 30 to 96 calls a step for the paper's models), where engine.planner.exchange prices "
-    "one call.",
+    "again. So the engine packs the optimizer units' gradient blocks into buckets of up to "
+    "32 MiB (engine.distributed.group.BUCKET_BYTES), one all-reduce each: a LoRA adapter's "
+    "gradients in one to a few calls, a full fine-tune's about one call per 32 MiB.",
 ]
 
 
