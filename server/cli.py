@@ -143,6 +143,7 @@ def _say_confinement(settings: Settings) -> None:
 def cmd_worker(args: argparse.Namespace) -> int:
     from server.db import make_engine, migrate
     from server.services.placement import worker_queues
+    from server.worker.network import endpoint
     from server.worker.tasks import app, settings
     from server.worker.telemetry import count_gpus
 
@@ -152,6 +153,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
     gpus = settings.worker_gpus if settings.worker_gpus is not None else count_gpus()
     queues = worker_queues(settings.queue, host=host, gpus=gpus)
     print(f"worker {name} on host {host}: {gpus} GPU(s); queues {', '.join(queues)}", flush=True)
+    box = endpoint(settings)  # where the other boxes of a job on several hosts reach this one
+    nic = f" on {box.interface}" if box.interface else ""
+    speed = f" ({box.link_gbps:g} Gb/s)" if box.link_gbps else ""
+    print(f"the boxes of a job on several hosts reach this one at {box.address}:{box.port}{nic}{speed}")
     _say_confinement(settings)
     if settings.storage_url and not (settings.database_url and settings.redis_url):
         # a remote store means a worker on another host: it must share the API's database and broker

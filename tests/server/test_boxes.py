@@ -11,6 +11,7 @@ from typing import Any
 from fastapi.testclient import TestClient
 from sqlalchemy import select, update
 
+from engine.distributed import RENDEZVOUS_PORT
 from server import queue
 from server.db import make_engine, session_factory
 from server.services import boxes, gpus, jobs, placement
@@ -220,3 +221,52 @@ def test_a_silent_box_pauses_the_job_naming_its_host(client: TestClient, setting
     )
     with sessions() as session:  # it is sent again, to resume on the hosts free then
         assert [ident for ident, _, _ in jobs.due_sends(session, stale_before=now())] == [job_id]
+
+
+def test_a_worker_registers_where_the_other_boxes_reach_it() -> None:
+    from server.worker import network
+
+    given = network.endpoint(Settings(advertise_address="10.1.2.3", rendezvous_port=29500))
+    assert given == Endpoint("10.1.2.3", 29500, None, None)  # no NIC here holds that address
+    found = network.endpoint(Settings())
+    nics = network.nic_addresses()
+    assert found.port == RENDEZVOUS_PORT
+    if not nics:
+        assert (found.address, found.interface) == ("127.0.0.1", None)
+        return
+    assert found.interface is not None and found.address in nics[found.interface]
+    speed = network.SYS_NET / found.interface / "speed"
+    try:
+        megabits = int(speed.read_text())
+    except (OSError, ValueError):
+        megabits = -1
+    assert found.link_gbps == (megabits / 1000 if megabits > 0 else None)
+
+
+def test_migration_0014_adds_the_boxes_table_and_registration_as_declared(database_url: str) -> None:
+    from alembic import command
+    from alembic.autogenerate import compare_metadata
+    from alembic.config import Config
+    from alembic.migration import MigrationContext
+    from sqlalchemy import inspect
+
+    from server.db import MIGRATIONS
+    from server.tables import Base
+
+    engine = make_engine(database_url)
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS))
+    for step, target in ((command.upgrade, "0014"), (command.downgrade, "0013"), (command.upgrade, "head")):
+        with engine.begin() as conn:
+            cfg.attributes["connection"] = conn
+            step(cfg, target)
+            tables = set(inspect(conn).get_table_names())
+            columns = {c["name"] for c in inspect(conn).get_columns("workers")}
+            assert ("job_boxes" in tables) == (target != "0013"), target
+            assert ("address" in columns) == (target != "0013"), target
+    with engine.connect() as conn:
+        diff = compare_metadata(MigrationContext.configure(conn), Base.metadata)
+    engine.dispose()
+    assert [
+        d for d in diff if "job_boxes" in repr(d) or "'workers'" in repr(d) or "workers." in repr(d)
+    ] == []
