@@ -278,7 +278,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         result = train(config, ProgressSink(), cancel, models_dir=args.models_dir, boxes=boxes)
     finally:
         signal.signal(signal.SIGINT, previous)
-    print(f"{result.status} at step {result.step}/{result.total_steps}; checkpoint: {result.checkpoint}")
+    saved = result.checkpoint
+    where = f"rank 0's box ({args.address.rpartition(':')[0]})" if boxes and boxes.rank > 0 else saved
+    print(f"{result.status} at step {result.step}/{result.total_steps}; checkpoint: {where}")
     return 0 if result.status == "succeeded" else 1
 
 
