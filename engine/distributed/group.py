@@ -22,6 +22,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -37,6 +38,7 @@ BEAT_S = 0.5  # a box raises its heartbeat counter this often
 PROBE_BYTES = 8 << 20  # the link probe's all-reduce at the start
 PROBE_REPEATS = 3
 SETTLE_S = 4 * BEAT_S  # after a failed exchange: a heartbeat still this long names the lost box
+CHUNK_BYTES = 256 << 20  # a broadcast tensor travels in chunks of at most this
 BUCKET_BYTES = 32 << 20  # small gradients travel together up to this (one all-reduce)
 
 
@@ -207,14 +209,27 @@ class Group:
         return self.sum_values([1.0 if flag else 0.0], name="control")[0] > 0
 
     def broadcast(self, value: Any) -> Any:
-        """Rank 0's ``value``, on every box (pickled; the resumed state)."""
-        payload = [value if self.rank == 0 else None]
+        """Rank 0's ``value`` (plain values, tensors, in dicts, lists and tuples), on every box:
+        the resumed state. Its shape goes pickled, its tensors one by one as bytes, in chunks of
+        at most ``CHUNK_BYTES``, so nothing holds a pickled copy of a large state."""
+        tensors: list[torch.Tensor] = []
+        payload = [_strip(value, tensors) if self.rank == 0 else None]
 
         def run() -> None:
             dist.broadcast_object_list(payload, src=0, group=self._control)
+            if self.rank != 0:  # room for rank 0's tensors, in the order it listed them
+                slots: list[_Slot] = []
+                _fill(payload[0], slots, None)
+                tensors.extend(torch.empty(slot.shape, dtype=slot.dtype) for slot in slots)
+            for t in tensors:
+                if not t.numel():
+                    continue
+                flat = t.reshape(-1).view(torch.uint8)
+                for start in range(0, int(flat.numel()), CHUNK_BYTES):
+                    dist.broadcast(flat[start : start + CHUNK_BYTES], src=0, group=self._control)
 
         self._collective("control", self._control, run)
-        return payload[0]
+        return value if self.rank == 0 else _fill(payload[0], [], tensors)
 
     def gather(self, value: Any) -> list[Any]:
         """Every box's ``value``, by rank (small, picklable)."""
@@ -255,6 +270,43 @@ class Group:
             if dist.is_initialized():
                 dist.destroy_process_group()
         self._clients.clear()
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """Where a tensor was in a broadcast value: its place, shape and dtype."""
+
+    index: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _strip(value: Any, tensors: list[torch.Tensor]) -> Any:
+    """``value`` with each tensor replaced by a ``_Slot`` (the tensors appended, contiguous)."""
+    if isinstance(value, torch.Tensor):
+        tensors.append(value.detach().contiguous())
+        return _Slot(len(tensors) - 1, tuple(value.shape), value.dtype)
+    if isinstance(value, dict):
+        return {k: _strip(v, tensors) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_strip(v, tensors) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_strip(v, tensors) for v in value)
+    return value
+
+
+def _fill(skeleton: Any, slots: list[_Slot], tensors: list[torch.Tensor] | None) -> Any:
+    """``skeleton``'s slots listed in order (``tensors`` None), or replaced by ``tensors``."""
+    if isinstance(skeleton, _Slot):
+        slots.append(skeleton)
+        return skeleton if tensors is None else tensors[skeleton.index]
+    if isinstance(skeleton, dict):
+        return {k: _fill(v, slots, tensors) for k, v in skeleton.items()}
+    if isinstance(skeleton, list):
+        return [_fill(v, slots, tensors) for v in skeleton]
+    if isinstance(skeleton, tuple):
+        return tuple(_fill(v, slots, tensors) for v in skeleton)
+    return skeleton
 
 
 def _buckets(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:

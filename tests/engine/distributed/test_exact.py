@@ -47,7 +47,13 @@ CASES: list[tuple[str, str, int, dict[str, Any]]] = [
     # near-zero gradient shows (a looser bound, measured 2.6e-6 after 3 steps)
     ("sft-lora-adamw", "sft-lora", 2, {"hyper": {"optimizer": "adamw", "learning_rate": 2e-2}}),
     ("sft-lora-again", "sft-lora", 2, {}),  # the first case again: bitwise the same
+    # stopped after 2 steps, then resumed on the boxes: rank 0 sends its checkpoint's state
+    ("resumed", "sft-lora", 2, {}),
 ]
+# a case that first runs this many steps alone, then again to the end (a resume)
+STOPPED_AT = {"resumed": 2}
+# compared with a single box's run of their own (the others with a case's here)
+COMPARED = [c for c in CASES if c[0] not in ("sft-lora-again", "resumed")]
 TOLERANCE = 1e-6
 ADAMW_TOLERANCE = 1e-5
 
@@ -66,9 +72,14 @@ def runs(tmp_path_factory) -> dict[str, Any]:
             {"config": config, "boxes": boxes_field(2, r, port), "result": str(homes[r] / "mismatch.json")}
         )
     for name, case, k, over in CASES:
-        port = free_port()
+        port, before = free_port(), free_port()
         for r in range(k):
-            config = job_config(d, case, homes[r] / f"out-{name}", **over)
+            out = homes[r] / f"out-{name}"
+            if name in STOPPED_AT:
+                stopped = job_config(d, case, out, hyper={"max_steps": STOPPED_AT[name]})
+                result = str(homes[r] / f"{name}-stopped.json")
+                jobs[r].append({"config": stopped, "boxes": boxes_field(k, r, before), "result": result})
+            config = job_config(d, case, out, **over)
             jobs[r].append(
                 {"config": config, "boxes": boxes_field(k, r, port), "result": str(homes[r] / f"{name}.json")}
             )
@@ -76,7 +87,7 @@ def runs(tmp_path_factory) -> dict[str, Any]:
     boxes = [start_box(home, j) for home, j in zip(homes, jobs, strict=True)]
     one: dict[str, Any] = {}
     try:
-        for name, case, _, over in CASES[:-1]:  # the single box's runs, meanwhile
+        for name, case, _, over in COMPARED:  # the single box's runs, meanwhile
             sink = ListSink()
             result = train(TrainConfig.parse(job_config(d, case, root / "one" / name, **over)), sink)
             one[name] = {"result": result, "sink": sink}
@@ -89,7 +100,7 @@ def runs(tmp_path_factory) -> dict[str, Any]:
     return {"root": root, "homes": homes, "one": one, "seconds": time.monotonic() - started}
 
 
-@pytest.mark.parametrize("name,case,k,over", CASES[:-1], ids=[c[0] for c in CASES[:-1]])
+@pytest.mark.parametrize("name,case,k,over", COMPARED, ids=[c[0] for c in COMPARED])
 def test_k_boxes_equal_one_box_with_the_whole_batch(runs, name, case, k, over) -> None:
     homes: list[Path] = runs["homes"]
     first = outcome(homes[0] / f"{name}.json")
@@ -127,6 +138,19 @@ def test_a_job_on_boxes_is_bitwise_the_same_from_run_to_run(runs) -> None:
     home = runs["homes"][0]
     a, b = outcome(home / "sft-lora.json"), outcome(home / "sft-lora-again.json")
     assert bitwise_equal(masters(a["checkpoint"]), masters(b["checkpoint"]))
+
+
+def test_boxes_resume_from_rank_0s_checkpoint_as_one_box_would(runs) -> None:
+    homes: list[Path] = runs["homes"]
+    first = outcome(homes[0] / "resumed.json")
+    assert ["resume", "resumed from step_000002"] in [e[:2] for e in first["events"]]
+    assert first["checkpoints"] == [3]  # steps 1 and 2 written once, by the first run
+    other = outcome(homes[1] / "resumed.json")  # it has no checkpoint: rank 0 sent the state
+    assert other["status"] == "succeeded" and other["step"] == 3
+    assert ["resume", "resumed from step_000002"] in [e[:2] for e in other["events"]]
+    single = runs["one"]["sft-lora"]["result"].checkpoint
+    diff = max_diff(masters(first["checkpoint"]), masters(single))
+    assert diff <= TOLERANCE, f"resumed on 2 boxes: max |diff| {diff:.3g} from one box"
 
 
 def test_boxes_given_other_settings_refuse_naming_the_field(runs) -> None:
