@@ -4,7 +4,8 @@ allows it their own network namespaces), sharing only PostgreSQL, Redis and the 
 
 A job asking for 3 hosts and one asking for 2 run on that many at once, each to its end with one
 set of checkpoints (written by rank 0 alone), one metrics row per step and one ``boxes`` event;
-the 2-box run's final weights are those of one box trained on the whole batch. A box whose worker
+the 2-box run's final weights are those of one box trained on the whole batch. A pause stops both
+boxes at one step, with its checkpoint. A box whose worker
 is killed mid-job stops the run within a bounded time: the job is interrupted with an event naming
 that host and resumes from its stored checkpoint on the one host left (``min_hosts`` 1), to the end.
 """
@@ -31,7 +32,7 @@ pytestmark = pytest.mark.slow
 
 HOSTS = ("host-a", "host-b", "host-c")
 BOX_TIMEOUT_S = 8.0  # a box waiting this long for another is lost
-LONG = 120  # steps of the job whose box is killed: it cannot end first
+LONG = 30  # steps of the jobs paused or whose box is killed: more than they train before it
 
 
 def submit(c: Cluster, dataset: str, *, steps: int, batch: int, **where: Any) -> str:
@@ -125,6 +126,18 @@ def test_jobs_on_two_and_three_boxes_and_a_lost_box_resumed_on_one(tmp_path: Pat
         assert ours.keys() == theirs.keys()
         for key in ours:
             torch.testing.assert_close(ours[key], theirs[key], rtol=0, atol=1e-6)
+
+        # a pause stops both boxes at one step boundary, rank 0 writing the checkpoint of that step,
+        # and frees the hosts (the next job gets them)
+        paused = submit(c, dataset, steps=LONG, batch=4, hosts=2)
+        c.wait(paused, lambda j: j["status"] == "running" and j["step"] >= 3)
+        r = c.api.post(f"/api/jobs/{paused}/pause")
+        assert r.status_code == 200, r.text
+        job = c.wait(paused, lambda j: j["status"] in ("paused", "failed", "succeeded"))
+        assert job["status"] == "paused", (job["error"], c.logs())
+        listed = [x["step"] for x in c.api.get(f"/api/jobs/{paused}/checkpoints").json()["data"]]
+        assert listed[-1] == job["step"] < LONG and listed == sorted(set(listed)), (listed, job["step"])
+        assert max(metric_steps(c, paused)) == job["step"]
 
         # host-c leaves; a job on 2 hosts (1 at the fewest) loses host-b's worker mid-run
         _, b, gone = c.workers
