@@ -70,6 +70,19 @@ def host_reserved(host: str, *, job_id: str | None = None) -> Any:
     return condition
 
 
+def lock_hosts(session: Session, hosts: list[str]) -> None:
+    """Lock the hosts' worker rows until the transaction ends (PostgreSQL; SQLite has one writer
+    at a time): a reservation and a claim of the same host take turns, so each sees what the
+    other committed."""
+    if hosts:
+        session.execute(
+            select(Worker.id)
+            .where(Worker.hostname.in_(sorted(set(hosts))))
+            .order_by(Worker.id)
+            .with_for_update()
+        ).all()
+
+
 def busy_hosts(session: Session, *, job_id: str) -> set[str]:
     """Hosts that run another job now: reserved for a run, or whose worker holds a job."""
     reserved = {row.hostname for row in session.scalars(_held_rows(session).where(JobBox.job_id != job_id))}
@@ -106,14 +119,15 @@ def reserve(session: Session, *, job: Job, lease_seconds: float, stale_after: fl
     stale = select(Job.id).where(Job.status.in_(HELD))
     session.execute(delete(JobBox).where(JobBox.job_id.not_in(stale)))
     where = job.placement or {}
-    busy = busy_hosts(session, job_id=job.id)
-    free: list[dict[str, Any]] = []
+    fitting: list[dict[str, Any]] = []
     for host in gpus.by_host(gpus.hosts(session, stale_after=stale_after)):
-        if not host["online"] or host["hostname"] in busy:
-            continue
         worker = host["workers"][0]
-        if placement.fits(where, host=host["hostname"], gpus=len(worker["devices"])) and worker["address"]:
-            free.append(worker)
+        fit = placement.fits(where, host=host["hostname"], gpus=len(worker["devices"]))
+        if host["online"] and worker["address"] and fit:
+            fitting.append(worker)
+    lock_hosts(session, [w["hostname"] for w in fitting])  # a claim on one of them waits for this
+    busy = busy_hosts(session, job_id=job.id)
+    free = [w for w in fitting if w["hostname"] not in busy]
     fewest, most = placement.host_range(where, online=len(free))
     if len(free) < fewest:
         session.rollback()

@@ -375,6 +375,7 @@ def claim(
     previous = job.status
     q = update(Job).where(Job.id == job_id, Job.status == previous)
     if host is not None:
+        boxes.lock_hosts(session, [host])  # after a reservation of this host in progress commits
         q = q.where(~boxes.host_reserved(host, job_id=job_id))
     taken = session.execute(
         q.values(
