@@ -5,6 +5,7 @@ no other job, each box's message on its host queue, and a silent box pausing the
 
 from __future__ import annotations
 
+import threading
 from datetime import timedelta
 from typing import Any
 
@@ -270,3 +271,47 @@ def test_migration_0014_adds_the_boxes_table_and_registration_as_declared(databa
     assert [
         d for d in diff if "job_boxes" in repr(d) or "'workers'" in repr(d) or "workers." in repr(d)
     ] == []
+
+
+def test_a_claim_waits_for_a_reservation_of_its_host_in_progress(
+    client: TestClient, settings: Settings
+) -> None:
+    data = dataset(client)
+    sessions = session_factory(make_engine(settings.url))
+    with sessions() as session:
+        register(session, "b")
+    several = start_job(client, data, placement={"hosts": 2})["id"]
+    single = start_job(client, data)["id"]
+    claimed: list[bool] = []
+
+    def claim() -> None:
+        with sessions() as session:
+            claimed.append(
+                jobs.claim(session, job_id=single, worker_id="w@b", lease_seconds=LEASE_S, host="b")
+            )
+
+    with sessions() as reserving:  # a reservation of host b, not yet committed
+        boxes.lock_hosts(reserving, ["b"])
+        reserving.execute(update(Job).where(Job.id == several).values(status="running"))
+        reserving.add(
+            JobBox(
+                job_id=several,
+                generation=1,
+                rank=0,
+                hostname="b",
+                worker_id="w@b",
+                address="10.0.0.2",
+                port=29400,
+                lease_until=now() + timedelta(seconds=LEASE_S),
+            )
+        )
+        reserving.flush()
+        thread = threading.Thread(target=claim)
+        thread.start()
+        thread.join(1.0)
+        assert thread.is_alive(), "the claim did not wait for the reservation"
+        reserving.commit()
+    thread.join(30)
+    assert claimed == [False]  # it saw the reservation: host b runs nothing else
+    with sessions() as session:
+        assert jobs.status_of(session, job_id=single) == "queued"
