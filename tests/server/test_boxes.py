@@ -315,3 +315,26 @@ def test_a_claim_waits_for_a_reservation_of_its_host_in_progress(
     assert claimed == [False]  # it saw the reservation: host b runs nothing else
     with sessions() as session:
         assert jobs.status_of(session, job_id=single) == "queued"
+
+
+def test_auto_takes_every_free_host_that_fits_and_at_least_min_hosts(
+    client: TestClient, settings: Settings
+) -> None:
+    data = dataset(client)
+    sessions = session_factory(make_engine(settings.url))
+    with sessions() as session:
+        for host in "abc":
+            register(session, host)
+        register(session, "d", age_s=3600)  # stale
+    wants_four = start_job(client, data, placement={"hosts": "auto", "min_hosts": 4})["id"]
+    auto = start_job(client, data, placement={"hosts": "auto"})["id"]
+    with sessions() as session:
+        job = jobs.get_job(session, job_id=wants_four)
+        assert job is not None
+        assert boxes.reserve(session, job=job, lease_seconds=LEASE_S, stale_after=60.0) is None
+        job = jobs.get_job(session, job_id=auto)
+        assert job is not None
+        run = boxes.reserve(session, job=job, lease_seconds=LEASE_S, stale_after=60.0)
+    assert run is not None and [b.hostname for b in run.boxes] == ["a", "b", "c"]
+    events = client.get(f"/api/jobs/{wants_four}/events").json()["data"]
+    assert events[-1]["message"] == "waiting for as many hosts as fit (at least 4): 3 free now (a, b, c)"
