@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from engine.distributed.boxes import RENDEZVOUS_PORT, Boxes, BoxLost
+    from engine.distributed.consent import required_rows
     from engine.distributed.group import Group, join
 
 # name -> the module that defines it (imported on first use)
@@ -23,8 +24,9 @@ _HOMES = {
     "Boxes": "engine.distributed.boxes",
     "Group": "engine.distributed.group",
     "join": "engine.distributed.group",
+    "required_rows": "engine.distributed.consent",
 }
-__all__ = ["RENDEZVOUS_PORT", "BoxLost", "Boxes", "Group", "join"]
+__all__ = ["RENDEZVOUS_PORT", "BoxLost", "Boxes", "Group", "join", "required_rows"]
 
 
 def __getattr__(name: str) -> Any:
