@@ -6,7 +6,7 @@ import socket
 from functools import lru_cache
 from pathlib import Path
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from engine.distributed import RENDEZVOUS_PORT
@@ -70,6 +70,12 @@ class Settings(BaseSettings):
         description="the NIC the boxes exchange gradients over (default: the one with the advertised"
         " address)",
     )
+    @field_validator("advertise_address", "box_interface", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: object) -> object:
+        """An empty value (a compose file's ``${VAR:-}``) means the default."""
+        return None if value == "" else value
+
     box_timeout_seconds: float = Field(
         60.0,
         gt=0,
