@@ -22,7 +22,7 @@ from pydantic import (
 from engine import CheckpointSpec, EngineSpec, EvalSpec, HyperSpec, MethodSpec, TrackingSpec
 from engine.data import FormatChoice
 from engine.export import CHECKPOINT, FORMATS, MERGED, formats_help, variants_help
-from engine.planner import HARDWARE_RANGES
+from engine.planner import HARDWARE_RANGES, HOSTS_LIMIT
 from server.kinds import JobStatus
 
 # One line of text: no control character, NUL above all (PostgreSQL can neither store nor compare
@@ -32,7 +32,6 @@ Line = Annotated[str, StringConstraints(max_length=255, pattern=LINE_PATTERN)]
 # The largest INTEGER (event ids, step numbers) on PostgreSQL: a larger number in a path or query
 # could match no row, and the database refuses to compare with it.
 MAX_INT = 2**31 - 1
-MAX_HOSTS = 64  # the most boxes one job spans (``Placement.hosts``)
 # the 200 answers that are not JSON (``responses=`` of the routes): for the OpenAPI schema
 EVENT_STREAM = {
     "description": "server-sent events, each with its name (a job event's kind), JSON data and an id",
@@ -207,15 +206,15 @@ class Placement(BaseModel):
         | None
     ) = Field(None, description="the worker host's name (GET /api/gpus); null: any host")
     gpus: int | None = Field(None, ge=1, le=1024, description="GPUs the host must have; null: any")
-    hosts: Annotated[int, Field(ge=1, le=MAX_HOSTS)] | Literal["auto"] | None = Field(
+    hosts: Annotated[int, Field(ge=1, le=HOSTS_LIMIT)] | Literal["auto"] | None = Field(
         None,
-        description=f'boxes the job runs on at once, data-parallel (1 to {MAX_HOSTS}), or "auto": as many'
+        description=f'boxes the job runs on at once, data-parallel (1 to {HOSTS_LIMIT}), or "auto": as many'
         " free hosts as fit, at least min_hosts; null: one",
     )
     min_hosts: int | None = Field(
         None,
         ge=1,
-        le=MAX_HOSTS,
+        le=HOSTS_LIMIT,
         description="the fewest boxes it may start or resume on after a box is lost (the batch stays"
         ' the same); null: hosts (fewer not allowed), 1 for "auto"',
     )
@@ -512,8 +511,26 @@ class PlanBaseVariant(BaseModel):
     max_seq_len_limit: Literal["gpu_memory", "host_ram", "context", "planner"]
 
 
+class PlanExchange(BaseModel):
+    """A job on several hosts: the gradient exchange of each step (``engine.planner.exchange``)."""
+
+    hosts: int = Field(description="the boxes the job spans")
+    gradient_bytes: float = Field(description="the fp32 gradients of the trained weights each box holds")
+    bytes_per_step: float = Field(description="what each box sends (and receives) a step: a ring all-reduce")
+    seconds: float = Field(description="the exchange's time a step")
+    link_gbps: float = Field(description="the link it was priced at, Gbit/s")
+    link_measured: bool = Field(
+        description="the rate an earlier job on these hosts measured (false: their NICs' nominal speed, "
+        "or 10 Gbit/s when none is reported, at 85% of it)"
+    )
+    hidden: bool = Field(description="the asynchronous optimizer hides it behind the next iteration")
+    exposed_s: float = Field(description="what it adds to each step (0 when hidden)")
+
+
 class PlanPublic(BaseModel):
-    """The planner's answer (``engine.planner.PlanReport``); sizes in GB (1e9 bytes)."""
+    """The planner's answer (``engine.planner.PlanReport``); sizes in GB (1e9 bytes). A job on
+    several hosts (``placement.hosts``) is planned as one box's share of each batch, with the
+    gradient exchange between the boxes priced in."""
 
     fits: bool
     problems: list[str]
@@ -594,6 +611,18 @@ class PlanPublic(BaseModel):
         description="the job whose measured tokens/s scaled the rate: calibrate_job_id, else the latest of "
         "the jobs of this base model, objective and tuning that ran to their end on the host planned (null: "
         "none)"
+    )
+    hosts: int = Field(1, description='the boxes the job is planned on (placement.hosts; "auto": those free)')
+    exchange: PlanExchange | None = Field(
+        None, description="the gradient exchange of each step between the boxes; null on one host"
+    )
+    one_box: dict[str, Any] | None = Field(
+        None, description="the whole batch on one box: fits, step_s, tokens_per_s; null on one host"
+    )
+    scaling: float | None = Field(
+        None,
+        description="the job's tokens/s over one box's with the whole batch (e.g. 1.86 on 2 hosts); null on "
+        "one host or when either does not fit",
     )
 
 

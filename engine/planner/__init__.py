@@ -39,7 +39,7 @@ and time, whether the asynchronous optimizer hides it, and the job's rate over o
 """
 
 from engine.methods.reference import reference_seconds
-from engine.planner.boxes import NOMINAL_LINK_GBPS, Hosts, max_hosts
+from engine.planner.boxes import HOSTS_LIMIT, NOMINAL_LINK_GBPS, Hosts, max_hosts
 from engine.planner.calibration import calibrate, use_measured_overhead
 from engine.planner.fit import SEQ_LEN_STEP, longest_sequence
 from engine.planner.memory import CUDA_OVERHEAD_BYTES, Memory, layer_times, memory_model
@@ -65,6 +65,7 @@ __all__ = [
     "DTYPE_BYTES",
     "GB",
     "HARDWARE_RANGES",
+    "HOSTS_LIMIT",
     "NOMINAL_LINK_GBPS",
     "SEQ_LEN_STEP",
     "SHAPE_LIMITS",
