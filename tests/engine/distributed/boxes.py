@@ -15,19 +15,10 @@ import torch
 
 from engine.config import TrainConfig
 from engine.training.checkpoint import load_state
+from tests.engine.methods.test_grpo_run import GRADER
 from tests.engine.tiny import tiny_model_folder
 
 ROOT = Path(__file__).resolve().parents[3]
-
-GRADER = {
-    "type": "python",
-    "name": "letters",
-    "source": (
-        "def grade(sample, item):\n"
-        "    text = sample['output_text']\n"
-        "    return sum(c.isascii() and c.isalpha() for c in text) / max(len(text), 1)\n"
-    ),
-}
 
 
 def free_port() -> int:
