@@ -70,6 +70,7 @@ class Settings(BaseSettings):
         description="the NIC the boxes exchange gradients over (default: the one with the advertised"
         " address)",
     )
+
     @field_validator("advertise_address", "box_interface", mode="before")
     @classmethod
     def _empty_is_unset(cls, value: object) -> object:
