@@ -8,7 +8,9 @@ the host that wrote the job's latest checkpoint when it is free (its checkpoint 
 else the first by name; its address and rendezvous port are the run's rendezvous. Each box renews
 its row; a box silent past its lease is lost (``sweep``), as is one the engine reports
 (``lost``): the job is interrupted, naming the host, its rows released, and it is sent again to
-resume from its latest checkpoint on the hosts free then (down to ``min_hosts``).
+resume from its latest checkpoint on the hosts free then (down to ``min_hosts``). "auto" takes the
+free hosts up to what the job's batch gives work to (``batch_hosts``), and a job whose batch cannot
+be shared out over the hosts it asks for is refused when it is submitted (``check_batch``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ from sqlalchemy import delete, exists, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from engine import ConfigError, TrainConfig
+from engine.distributed import required_rows
+from engine.planner import Workload, max_hosts
 from server.kinds import EventKind, JobStatus
 from server.services import gpus, placement
 from server.services.job_states import HELD, add_event, move
@@ -111,6 +116,42 @@ def _waiting(session: Session, *, job: Job, message: str, data: dict[str, Any]) 
         add_event(session, job_id=job.id, kind=EventKind.LOG, message=message, data=data)
 
 
+def batch_hosts(config: TrainConfig) -> int:
+    """The most boxes the job's batch gives work to: the planner's ``max_hosts``, fewer while the
+    engine would refuse the batch shared out over them (``required_rows``: a GRPO job's prompts'
+    completions must also fill each box's micro-batches)."""
+    most = max_hosts(Workload.from_train_config(config))
+    while most > 1:
+        try:
+            required_rows(config, most)
+        except ConfigError:
+            most -= 1
+        else:
+            break
+    return most
+
+
+def check_batch(config: TrainConfig, where: dict[str, Any] | None) -> None:
+    """Refuse a job whose batch cannot be shared out over the boxes its placement asks for:
+    ``hosts`` (N > 1), or for "auto" its ``min_hosts`` (the fewest it may run on).
+
+    Raises:
+        ConfigError: (field ``hyper.batch_size``) the engine's refusal, with the placement named.
+    """
+    where = where or {}
+    hosts = where.get("hosts")
+    boxes = int(where.get("min_hosts") or 1) if hosts == placement.AUTO else int(hosts or 1)
+    if boxes < 2:
+        return
+    try:
+        required_rows(config, boxes)
+    except ConfigError as exc:
+        asked = f"placement.hosts={hosts!r}" + (
+            f" with placement.min_hosts={boxes}" if hosts == placement.AUTO else ""
+        )
+        raise ConfigError(exc.field, f"{exc} for {asked}", value=exc.value) from exc
+
+
 def reserve(session: Session, *, job: Job, lease_seconds: float, stale_after: float) -> Reservation | None:
     """Reserve the hosts of a claimable job on several hosts and move it to running, in one
     transaction; or reserve nothing (a log event says what it waits for) and return None: fewer
@@ -129,6 +170,8 @@ def reserve(session: Session, *, job: Job, lease_seconds: float, stale_after: fl
     busy = busy_hosts(session, job_id=job.id)
     free = [w for w in fitting if w["hostname"] not in busy]
     fewest, most = placement.host_range(where, online=len(free))
+    if where.get("hosts") == placement.AUTO:  # no more boxes than the batch gives work to
+        most = max(fewest, min(most, batch_hosts(TrainConfig.model_validate(job.config))))
     if len(free) < fewest:
         session.rollback()
         names = ", ".join(w["hostname"] for w in free) or "none"

@@ -9,7 +9,7 @@ from engine import ConfigError
 from server import queue
 from server.kinds import EventKind
 from server.schemas import JobCreate
-from server.services import datasets, gpus, jobs, models, placement
+from server.services import boxes, datasets, gpus, jobs, models, placement
 from server.services.failures import Invalid, NotFound
 from server.settings import Settings
 from server.storage import Storage
@@ -41,7 +41,8 @@ def submit(session: Session, *, request: JobCreate, settings: Settings, storage:
     Raises:
         NotFound: no such base model or dataset (naming the field).
         Invalid: a base model that cannot be fine-tuned, or an invalid TrainConfig section (naming
-            the field), or data the method does not train on.
+            the field), or data the method does not train on, or a batch too small for the hosts
+            its placement asks for (``hyper.batch_size``).
     """
     model = models.find(request.base_model, settings.models_dir, settings.hf_cache_dir)
     if model is None:
@@ -75,6 +76,7 @@ def submit(session: Session, *, request: JobCreate, settings: Settings, storage:
             image_store=datasets.image_store(storage, train, validation),
         )
         jobs.check_formats(config=config, train=train, validation=validation)  # dpo: preference data
+        boxes.check_batch(config, request.placement.model_dump() if request.placement else None)
     except ValueError as exc:
         param = exc.field if isinstance(exc, ConfigError) else None
         raise Invalid("invalid_config", str(exc), param=param) from exc

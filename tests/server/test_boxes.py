@@ -1,6 +1,7 @@
 """Jobs on several hosts, the service's side (no training): ``placement.hosts`` and ``min_hosts``
 checked and stored, the hosts reserved all at once or not at all (a busy, stale or reserved host
-leaves nothing behind), rank 0 the host of the last run's checkpoints, a reserved host claiming
+leaves nothing behind), "auto" no wider than the batch gives work to, a batch too small for its
+hosts refused at submission, rank 0 the host of the last run's checkpoints, a reserved host claiming
 no other job, each box's message on its host queue, and a silent box pausing the job, naming it."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any
 from fastapi.testclient import TestClient
 from sqlalchemy import select, update
 
+from engine import TrainConfig
 from engine.distributed import RENDEZVOUS_PORT
 from server import queue
 from server.db import make_engine, session_factory
@@ -83,7 +85,7 @@ def test_hosts_are_reserved_all_at_once_or_not_at_all(client: TestClient, settin
     with sessions() as session:
         workers = {h: register(session, h, port=29400 + i) for i, h in enumerate("abc")}
         register(session, "d", age_s=3600)  # stale: never taken
-    three = start_job(client, data, placement={"hosts": 3})["id"]
+    three = start_job(client, data, placement={"hosts": 3}, hyper={"batch_size": 6})["id"]
     single = start_job(client, data)["id"]
     stale_after = settings.telemetry_seconds * 5
 
@@ -190,7 +192,7 @@ def test_a_silent_box_pauses_the_job_naming_its_host(client: TestClient, setting
     with sessions() as session:
         for host in "abc":
             register(session, host)
-    job_id = start_job(client, data, placement={"hosts": 3})["id"]
+    job_id = start_job(client, data, placement={"hosts": 3}, hyper={"batch_size": 6})["id"]
     with sessions() as session:
         job = jobs.get_job(session, job_id=job_id)
         assert job is not None
@@ -326,8 +328,9 @@ def test_auto_takes_every_free_host_that_fits_and_at_least_min_hosts(
         for host in "abc":
             register(session, host)
         register(session, "d", age_s=3600)  # stale
-    wants_four = start_job(client, data, placement={"hosts": "auto", "min_hosts": 4})["id"]
-    auto = start_job(client, data, placement={"hosts": "auto"})["id"]
+    wide = {"batch_size": 8}  # 4 boxes x 2 micro-batches: the batch is not what stops them
+    wants_four = start_job(client, data, placement={"hosts": "auto", "min_hosts": 4}, hyper=wide)["id"]
+    auto = start_job(client, data, placement={"hosts": "auto"}, hyper=wide)["id"]
     with sessions() as session:
         job = jobs.get_job(session, job_id=wants_four)
         assert job is not None
@@ -338,3 +341,44 @@ def test_auto_takes_every_free_host_that_fits_and_at_least_min_hosts(
     assert run is not None and [b.hostname for b in run.boxes] == ["a", "b", "c"]
     events = client.get(f"/api/jobs/{wants_four}/events").json()["data"]
     assert events[-1]["message"] == "waiting for as many hosts as fit (at least 4): 3 free now (a, b, c)"
+
+
+def test_auto_stops_at_the_hosts_its_batch_gives_work_to(client: TestClient, settings: Settings) -> None:
+    data = dataset(client)
+    sessions = session_factory(make_engine(settings.url))
+    with sessions() as session:
+        for host in "abc":
+            register(session, host)
+    # a batch of 4 in 2 micro-batches a box feeds 2 boxes, though 3 are free
+    auto = start_job(client, data, placement={"hosts": "auto"}, hyper={"batch_size": 4})["id"]
+    with sessions() as session:
+        job = jobs.get_job(session, job_id=auto)
+        assert job is not None
+        run = boxes.reserve(session, job=job, lease_seconds=LEASE_S, stale_after=60.0)
+        assert run is not None and [b.hostname for b in run.boxes] == ["a", "b"]
+        assert rows(session) == [(auto, 0, "a"), (auto, 1, "b")]
+        # a GRPO job's prompts feed a box each only while their completions fill its micro-batches
+        grader = {"type": "string_check", "name": "exact", "input": "{{sample.output_text}}"}
+        grader |= {"reference": "{{item.reference_answer}}", "operation": "eq"}
+        method = {"objective": "grpo", "grader": grader, "group_size": 2, "max_completion_tokens": 16}
+        grpo = dict(job.config) | {"method": method}
+        grpo["hyper"] = grpo["hyper"] | {"batch_size": 3}
+        grpo["engine"] = grpo["engine"] | {"num_microbatches": 2}
+        assert boxes.batch_hosts(TrainConfig.model_validate(grpo)) == 3  # a prompt's 2 fill each box
+        grpo["engine"] = grpo["engine"] | {"num_microbatches": 4}
+        assert boxes.batch_hosts(TrainConfig.model_validate(grpo)) == 1  # 3 prompts x 2 fill one box's 4
+
+
+def test_a_batch_too_small_for_its_hosts_is_refused_at_submission(client: TestClient) -> None:
+    data = dataset(client)
+    for asked, says in (
+        ({"hosts": 3}, "placement.hosts=3"),
+        ({"hosts": "auto", "min_hosts": 3}, "placement.hosts='auto' with placement.min_hosts=3"),
+    ):
+        r = client.post("/api/jobs", json=job_body(data, placement=asked, hyper={"batch_size": 4}))
+        assert r.status_code == 422, r.text
+        error = r.json()["error"]
+        assert error["param"] == "hyper.batch_size", error
+        assert "at least 6" in error["message"] and says in error["message"], error
+    assert client.get("/api/jobs").json()["data"] == []  # nothing stored
+    start_job(client, data, placement={"hosts": 3}, hyper={"batch_size": 6})
