@@ -1,5 +1,5 @@
 """The gradient exchange of a job on several boxes, measured here: gloo all-reduces between 2 and 3
-processes on this machine, against ``engine.planner.exchange``'s price of the same bytes.
+processes on this machine, against ``engine.scheduling.exchange``'s price of the same bytes.
 
 Each process joins a torch.distributed gloo group through a TCP store on a free port (rank 0
 holds it, as a job's rank 0 holds the rendezvous) and sums fp32 buffers of several sizes in place,
@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.multibox_sim import DOC, write_section  # noqa: E402
-from engine.planner.exchange import GBIT, ROUND_LATENCY_S, exchange_seconds, ring_bytes  # noqa: E402
+from engine.scheduling.exchange import GBIT, ROUND_LATENCY_S, exchange_seconds, ring_bytes  # noqa: E402
 
 MB = 1 << 20
 SPLIT_MB = 16  # the buffer cut into many tensors
@@ -52,10 +52,10 @@ NOTES = [
     "are what gloo's ring achieves through the kernel's loopback and memory copies, not what a "
     "10 or 25 GbE link between two boxes gives. On a LAN the link is the bottleneck; the engine "
     "measures it at the start of every job (the 'boxes' event's link_gbps) and the planner "
-    "prices a nominal link at engine.planner.exchange.LINK_EFFICIENCY of its rate.",
+    "prices a nominal link at engine.scheduling.exchange.LINK_EFFICIENCY of its rate.",
     "With 3 processes on a machine of fewer cores, the ranks take turns on the cores: the 3-process "
     "figures are lower than a ring of 3 boxes would give for that reason alone.",
-    "predicted_s is engine.planner.exchange.exchange_seconds (measured=True) at the rate fitted to "
+    "predicted_s is engine.scheduling.exchange.exchange_seconds (measured=True) at the rate fitted to "
     "each size's fastest repeat (seconds = fixed + bytes sent / rate, least squares: link_gbps_fit, "
     "fixed_s_fit), with the planner's own per-round latency (ROUND_LATENCY_S, a LAN's: "
     "fixed_s_planner); min_over_predicted near 1 says the bytes model (2(k-1)/k of the buffer per "

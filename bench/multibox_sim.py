@@ -3,7 +3,7 @@ full fine-tunes, sync and async, simulated with ``engine.scheduling.multibox``.
 
 Every box runs RoundPipe (the paper's partition, physical mode) over its 8 GPUs with 16 micro-batches
 a step; the boxes sum their fp32 gradients with a ring all-reduce priced by
-``engine.planner.exchange`` at the link's nominal rate (``LINK_EFFICIENCY`` of it), and each box
+``engine.scheduling.exchange`` at the link's nominal rate (``LINK_EFFICIENCY`` of it), and each box
 updates its masters on its host at the planner's ``OPTIMIZER_PARAMS_PER_S``. Two ways to share the
 work:
 
@@ -41,11 +41,11 @@ sys.path.insert(0, str(ROOT))
 
 from bench.bubbles import DEFAULT_DATA  # noqa: E402
 from bench.plan_speed import MODELS  # noqa: E402
-from engine.planner.exchange import LINK_EFFICIENCY, ROUND_LATENCY_S  # noqa: E402
 from engine.planner.fit import trainable_per_layer  # noqa: E402
 from engine.planner.report import OPTIMIZER_PARAMS_PER_S  # noqa: E402
 from engine.planner.shapes import Shape  # noqa: E402
 from engine.planner.workload import Workload  # noqa: E402
+from engine.scheduling.exchange import LINK_EFFICIENCY, ROUND_LATENCY_S  # noqa: E402
 from engine.scheduling.multibox import BoxStep, scaling, simulate_boxes  # noqa: E402
 from engine.scheduling.simulate import plan_from_blocks, uniform_costs  # noqa: E402
 
@@ -216,7 +216,7 @@ def rules() -> list[str]:
         "rule: a GPU runs small micro-batches less efficiently, so `fixed` is the best case of a split.",
         f"- Exchange: ring all-reduce of the fp32 gradients, 2 (k-1)/k of them sent per box, at "
         f"{LINK_EFFICIENCY:g} of the nominal rate, plus {ROUND_LATENCY_S * 1e6:g} µs a round "
-        "(`engine.planner.exchange`).",
+        "(`engine.scheduling.exchange`).",
         f"- Update: every box updates all its masters, {OPTIMIZER_PARAMS_PER_S / 1e9:g} G parameters/s "
         "(the planner's rate); it does not shrink with more boxes.",
         "- Sync: a step is the box's iteration (fill and drain included), the exchange, and the update "

@@ -43,6 +43,8 @@ class EventKind(StrEnum):
     TRACKER = EngineEvent.TRACKER.value  # a tracker (MLflow, W&B) failing or back: data {"tracker"}
     # a step not applied (a non-finite loss or gradient norm): data {"step", "what", "in_a_row"}
     SKIPPED = EngineEvent.SKIPPED.value
+    # a job on several boxes joined: data {"hosts": names by rank, "link_gbps", "gradient_bytes"}
+    BOXES = EngineEvent.BOXES.value
     # a GRPO step's sampled completions, graded (``engine.methods.grpo.train.SAMPLES_EVENT``): data
     # {"step", "samples": [{"prompt", "completion", "reward", "error"}]}
     SAMPLES = "samples"

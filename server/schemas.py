@@ -512,7 +512,7 @@ class PlanBaseVariant(BaseModel):
 
 
 class PlanExchange(BaseModel):
-    """A job on several hosts: the gradient exchange of each step (``engine.planner.exchange``)."""
+    """A job on several hosts: the gradient exchange of each step (``engine.scheduling.exchange``)."""
 
     hosts: int = Field(description="the boxes the job spans")
     gradient_bytes: float = Field(description="the fp32 gradients of the trained weights each box holds")

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from engine.distributed.boxes import Boxes, BoxLost
-from engine.planner.exchange import GBIT, ring_bytes
+from engine.scheduling.exchange import GBIT, ring_bytes
 
 T = TypeVar("T")
 

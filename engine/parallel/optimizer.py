@@ -35,7 +35,7 @@ from engine.parallel.host import HostState
 from engine.parallel.objective import objective_metrics
 from engine.parallel.transfer import DeviceLink
 from engine.parallel.units import build_units, global_norm
-from engine.planner.exchange import GBIT, ring_bytes
+from engine.scheduling.exchange import GBIT, ring_bytes
 
 if TYPE_CHECKING:
     from engine.distributed.group import Group

@@ -1,5 +1,5 @@
 """A job on several boxes, priced: each box plans its share of every batch, and the step adds what
-the gradient exchange between the boxes does not hide (``engine.planner.exchange``).
+the gradient exchange between the boxes does not hide (``engine.scheduling.exchange``).
 
 Every box runs its own RoundPipe pipeline over its own GPUs (all boxes alike: the one planned)
 on its share of each batch: ``ceil(batch_size / hosts)`` examples (a GRPO job's prompts, their
@@ -18,9 +18,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from engine.errors import ConfigError
-from engine.planner.exchange import Exchange, exchange
 from engine.planner.overheads import Overheads, overheads
 from engine.planner.workload import GB, Workload
+from engine.scheduling.exchange import Exchange, exchange
 
 # a link nobody measured: 10 GbE, the usual NIC of a consumer box and of a small office switch
 NOMINAL_LINK_GBPS = 10.0

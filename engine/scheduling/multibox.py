@@ -3,7 +3,7 @@ of the batch, the gradient exchange between the boxes, and the optimizer's updat
 
 Every box runs the same pipeline over its own ``num_workers`` GPUs and holds the whole model; before
 each optimizer step the boxes sum their fp32 gradients with a ring all-reduce, priced by
-:mod:`engine.planner.exchange` (its bytes, its time, whether the step hides it). Every box then
+:mod:`engine.scheduling.exchange` (its bytes, its time, whether the step hides it). Every box then
 applies the same update on its host, so the update does not shrink with more boxes.
 
 How the batch is shared (``batch``):
@@ -38,7 +38,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.planner.exchange import exchange
+from engine.scheduling.exchange import exchange
 from engine.scheduling.partition import LayerCost, Plan
 from engine.scheduling.simulate import SimResult, simulate
 

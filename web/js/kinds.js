@@ -30,6 +30,7 @@ export const EVENT_KINDS = {
   reference: { label: "reference", chart: false },
   tracker: { label: "tracker", chart: false },
   skipped: { label: "skipped step", chart: false },
+  boxes: { label: "boxes", chart: false },
   samples: { label: "samples", chart: false },
   rollouts: { label: "rollouts", chart: false },
 };

@@ -2,7 +2,7 @@
 
 import pytest
 
-from engine.planner.exchange import GBIT, LINK_EFFICIENCY, ROUND_LATENCY_S
+from engine.scheduling.exchange import GBIT, LINK_EFFICIENCY, ROUND_LATENCY_S
 from engine.scheduling.multibox import scaling, simulate_boxes
 from engine.scheduling.simulate import plan_from_blocks, simulate, uniform_costs
 
