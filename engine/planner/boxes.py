@@ -72,10 +72,19 @@ def check_hosts(hosts: Hosts, workload: Workload) -> None:
 
 
 def max_hosts(workload: Workload) -> int:
-    """The most boxes the job's batch gives work to: a row per micro-batch each (a GRPO job's: a
-    prompt each), at most ``HOSTS_LIMIT``."""
+    """The most boxes the job's batch gives work to, at most ``HOSTS_LIMIT``: a row per
+    micro-batch each; a GRPO job's, a prompt each whose completions (``group_size`` a prompt) fill
+    its micro-batches (``engine.distributed.required_rows``'s rule)."""
     w = workload
-    return max(1, min(HOSTS_LIMIT, w.batch_size if w.samples else w.batch_size // w.num_microbatches))
+    if not w.samples:
+        return max(1, min(HOSTS_LIMIT, w.batch_size // w.num_microbatches))
+    group = w.group_size or 1
+    fed = [
+        k
+        for k in range(1, min(HOSTS_LIMIT, w.batch_size) + 1)
+        if (w.batch_size // k) * group >= w.num_microbatches
+    ]
+    return max(fed, default=1)
 
 
 def share(workload: Workload, hosts: int) -> Workload:

@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from engine.errors import ConfigError
-from engine.planner import NOMINAL_LINK_GBPS, Hardware, Hosts, Workload, plan_job
+from engine.planner import NOMINAL_LINK_GBPS, Hardware, Hosts, Workload, max_hosts, plan_job
 from tests.engine.test_planner import LLAMA_3_8B
 
 BOX = Hardware(num_gpus=8, gpu_memory_gb=24, host_ram_gb=512)
@@ -145,3 +145,33 @@ def test_a_share_that_fits_where_the_whole_batch_does_not() -> None:
     assert not one.fits and two.fits
     assert two.scaling is None and two.one_box == {"fits": False, "step_s": 0.0, "tokens_per_s": 0.0}
     assert "the whole batch does not fit one box" in two.describe()
+
+
+@pytest.mark.parametrize(
+    "batch,microbatches,group",
+    [(4, 2, None), (16, 4, None), (5, 2, None), (3, 4, 2), (8, 4, 2), (12, 16, 6), (7, 3, 1)],
+)
+def test_max_hosts_is_the_most_boxes_the_engine_accepts(batch, microbatches, group) -> None:
+    """The planner's count of boxes (the plan's "auto") and the engine's refusal agree."""
+    from types import SimpleNamespace
+
+    from engine.distributed import required_rows
+    from engine.errors import ConfigError
+
+    method = SimpleNamespace(group_size=group) if group else SimpleNamespace()
+    config = SimpleNamespace(
+        hyper=SimpleNamespace(batch_size=batch),
+        engine=SimpleNamespace(num_microbatches=microbatches),
+        method=method,
+    )
+    accepted = 1
+    for k in range(2, 65):
+        try:
+            required_rows(config, k)  # type: ignore[arg-type]
+        except ConfigError:
+            continue
+        accepted = k
+    workload = Workload(
+        batch_size=batch, num_microbatches=microbatches, method="grpo" if group else "lora", group_size=group
+    )
+    assert max_hosts(workload) == accepted
